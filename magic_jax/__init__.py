@@ -1,0 +1,38 @@
+"""magic_jax: reinforcement-learning post-training of long chain-of-thought models in JAX.
+
+Heavy modules (jax, flax, transformers) are imported lazily so that
+``import magic_jax`` stays fast and the reward workers never load JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "ModelConfig": "magic_jax.model",
+    "Qwen2": "magic_jax.model",
+    "KVCache": "magic_jax.model",
+    "PRESETS": "magic_jax.model",
+    "load_hf": "magic_jax.convert",
+    "save_hf": "magic_jax.convert",
+    "MeshConfig": "magic_jax.sharding",
+    "make_mesh": "magic_jax.sharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'magic_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)
