@@ -1,0 +1,590 @@
+"""Qwen2 decoder (DeepSeek-R1-Distill-Qwen) in flax.nnx, with an explicit KV cache.
+
+Einsum letters, used everywhere in magic_jax:
+  B batch, T query length, S key length (cache slots), D model width,
+  N query heads, K kv heads, G query heads per kv head (N = K * G),
+  H head dim, F mlp width, V vocabulary, L layers.
+
+Parameters carry logical axis names (``embed``, ``q_heads``, ``kv_heads``,
+``mlp``, ``vocab``, ``norm``); ``sharding.py`` maps them onto mesh axes.
+Module and parameter names mirror Hugging Face so that conversion is a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES = ("float32", "bfloat16", "float16")
+_HF_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Qwen2 decoder.
+
+    Attributes:
+      vocab_size: V.
+      hidden_size: D.
+      intermediate_size: F (SwiGLU width).
+      num_layers: L.
+      num_heads: N query heads.
+      num_kv_heads: K key/value heads (grouped-query attention when K < N).
+      head_dim: H; defaults to ``hidden_size // num_heads``.
+      rope_theta: rotary base frequency.
+      rms_norm_eps: RMSNorm epsilon.
+      tie_word_embeddings: unembed with the input embedding (no ``lm_head``).
+      max_position_embeddings: longest position the checkpoint was trained for.
+      sliding_window: window length for layers listed in ``sliding_layers``.
+      sliding_layers: indices of layers that use sliding-window attention.
+      bos_token_id / eos_token_id: special ids from the checkpoint config.
+      param_dtype: storage dtype of the parameters. fp32 by default: an lr of
+        1e-6 vanishes when added to bf16 weights.
+      dtype: compute dtype of matmuls; softmax, norms and RoPE stay in fp32.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 131072
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0:
+            raise ValueError(
+                f"ModelConfig.num_heads/num_kv_heads must be positive, got "
+                f"{self.num_heads}/{self.num_kv_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                f"({self.num_heads}); set head_dim explicitly"
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}"
+                )
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("ModelConfig.sliding_layers is set but sliding_window is not")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"ModelConfig.sliding_layers has indices outside [0, {self.num_layers}): {bad}"
+            )
+
+    @property
+    def head_size(self) -> int:
+        """H, the per-head width."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids as a tuple (checkpoints give an int or a list)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_params(self) -> int:
+        """Parameter count computed from the shapes (no allocation)."""
+        d, h = self.hidden_size, self.head_size
+        q, kv = self.num_heads * h, self.num_kv_heads * h
+        attn = d * q + q + 2 * (d * kv + kv) + q * d
+        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + d + embed
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict.
+
+        Raises:
+          ValueError: for an unsupported architecture or rope scaling, naming it.
+        """
+        archs = hf.get("architectures") or []
+        if hf.get("model_type") != "qwen2" and not set(archs) & set(_HF_ARCHITECTURES):
+            raise ValueError(
+                f"unsupported architecture: model_type={hf.get('model_type')!r}, "
+                f"architectures={archs!r}; magic_jax loads Qwen2ForCausalLM checkpoints"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope scaling {rope_type!r} in config.json")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        num_layers = hf["num_hidden_layers"]
+        sliding: tuple[int, ...] = ()
+        if hf.get("use_sliding_window") and hf.get("sliding_window"):
+            types = hf.get("layer_types")
+            if types:
+                sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            else:
+                first = hf.get("max_window_layers", num_layers)
+                sliding = tuple(range(first, num_layers))
+        kwargs = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+            sliding_window=hf.get("sliding_window") if sliding else None,
+            sliding_layers=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=(
+                tuple(hf["eos_token_id"])
+                if isinstance(hf.get("eos_token_id"), list)
+                else hf.get("eos_token_id")
+            ),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """A ``config.json`` dict that transformers' ``Qwen2ForCausalLM`` loads."""
+        eos = self.eos_token_id
+        return {
+            "architectures": list(_HF_ARCHITECTURES),
+            "model_type": "qwen2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_size,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "use_sliding_window": bool(self.sliding_layers),
+            "sliding_window": self.sliding_window,
+            "layer_types": [
+                "sliding_attention" if i in self.sliding_layers else "full_attention"
+                for i in range(self.num_layers)
+            ],
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+
+
+def _r1_distill(**kw: Any) -> ModelConfig:
+    base = dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        bos_token_id=151646,
+        eos_token_id=151643,
+        tie_word_embeddings=False,
+    )
+    return ModelConfig(**(base | kw))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "r1-distill-qwen-1.5b": _r1_distill(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+    ),
+    "r1-distill-qwen-7b": _r1_distill(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rope_theta=10000.0,
+    ),
+    "r1-distill-qwen-32b": _r1_distill(
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        rope_theta=1000000.0,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Preallocated key/value cache; each row (decode slot) advances on its own.
+
+    Attributes:
+      k: per layer, keys [B, S, K, H].
+      v: per layer, values [B, S, K, H].
+      pos: [B, S] int32 position of the token held in each slot, -1 if empty
+        or padding (never attended).
+      lengths: [B] int32 slots used so far; the next write starts there.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    pos: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty cache of ``max_len`` slots per row (dtype defaults to compute dtype)."""
+        dtype = jnp.dtype(dtype or config.dtype)
+        shape = (batch, max_len, config.num_kv_heads, config.head_size)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            pos=jnp.full((batch, max_len), -1, jnp.int32),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.pos.shape[1]
+
+    def next_positions(self) -> jax.Array:
+        """[B] the position the next real token of each row takes."""
+        return jnp.sum(self.pos >= 0, axis=1).astype(jnp.int32)
+
+
+def _write_rows(buf_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Writes ``new_BT[b]`` into ``buf_BS[b]`` at slot ``start_B[b]`` (trailing dims kept)."""
+    zeros = (0,) * (buf_BS.ndim - 2)
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, *zeros)))(
+        buf_BS, new_BT.astype(buf_BS.dtype), start_B
+    )
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _param(init: Any, key: jax.Array, shape: Sequence[int], dtype: Any, names: tuple) -> nnx.Param:
+    # eager_sharding=False: placement is done by sharding.py from the logical names,
+    # so a model can be built with no mesh in context.
+    return nnx.Param(init(key, shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] is the transpose of torch's weight."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        bias: bool,
+        names: tuple[str, str],
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+    ):
+        pdt = jnp.dtype(config.param_dtype)
+        init = nnx.initializers.normal(0.02)
+        self.kernel = _param(init, rngs.params(), (d_in, d_out), pdt, names)
+        self.bias = (
+            _param(nnx.initializers.zeros, rngs.params(), (d_out,), pdt, (names[1],))
+            if bias
+            else None
+        )
+        self.dtype = jnp.dtype(config.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm, computed in fp32."""
+
+    def __init__(self, dim: int, *, config: ModelConfig, rngs: nnx.Rngs):
+        self.scale = _param(
+            nnx.initializers.ones, rngs.params(), (dim,), jnp.dtype(config.param_dtype), ("norm",)
+        )
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...].astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def apply_rope(x_BTxH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split layout (as Hugging Face Qwen2), in fp32.
+
+    Args:
+      x_BTxH: [B, T, ..., H] queries or keys.
+      positions_BT: [B, T] integer positions.
+      theta: base frequency.
+    """
+    h = x_BTxH.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    extra = x_BTxH.ndim - 3
+    angles = angles.reshape(angles.shape[:2] + (1,) * extra + angles.shape[-1:])
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = x_BTxH.astype(jnp.float32)
+    x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTxH.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with q/k/v biases and RoPE."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        d, h = config.hidden_size, config.head_size
+        n, k = config.num_heads, config.num_kv_heads
+        kw = dict(config=config, rngs=rngs)
+        self.q_proj = Linear(d, n * h, bias=True, names=("embed", "q_heads"), **kw)
+        self.k_proj = Linear(d, k * h, bias=True, names=("embed", "kv_heads"), **kw)
+        self.v_proj = Linear(d, k * h, bias=True, names=("embed", "kv_heads"), **kw)
+        self.o_proj = Linear(n * h, d, bias=False, names=("q_heads", "embed"), **kw)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.rope_theta = config.rope_theta
+        self.window = config.sliding_window if layer in config.sliding_layers else None
+
+    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B):
+        """Attends queries at cache slots ``q_slot_BT`` to the keys held in the cache.
+
+        Returns the output [B, T, D] and the updated (k, v) of this layer.
+        """
+        b, t, _ = x_BTD.shape
+        kh, g, h = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q_BTKGH = self.q_proj(x_BTD).reshape(b, t, kh, g, h)
+        k_BTKH = self.k_proj(x_BTD).reshape(b, t, kh, h)
+        v_BTKH = self.v_proj(x_BTD).reshape(b, t, kh, h)
+        q_BTKGH = apply_rope(q_BTKGH, positions_BT, self.rope_theta)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_theta)
+
+        if cache_kv is None:
+            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+        else:
+            k_BSKH = _write_rows(cache_kv[0], k_BTKH, write_at_B)
+            v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
+
+        s = k_BSKH.shape[1]
+        slot_S = jnp.arange(s, dtype=jnp.int32)
+        allowed_BTS = (key_pos_BS[:, None, :] >= 0) & (
+            slot_S[None, None, :] <= q_slot_BT[:, :, None]
+        )
+        if self.window is not None:
+            allowed_BTS &= positions_BT[:, :, None] - key_pos_BS[:, None, :] < self.window
+        # A padding query may have no visible key; letting it see its own slot keeps
+        # the softmax finite (its output is ignored).
+        allowed_BTS |= slot_S[None, None, :] == q_slot_BT[:, :, None]
+
+        logits = jnp.einsum(
+            "BTKGH,BSKH->BKGTS",
+            q_BTKGH,
+            k_BSKH.astype(q_BTKGH.dtype),
+            preferred_element_type=jnp.float32,
+        ) * (h**-0.5)
+        logits = jnp.where(allowed_BTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKH.dtype)
+        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+        out = self.o_proj(out_BTKGH.reshape(b, t, kh * g * h))
+        return out, (k_BSKH, v_BSKH)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        kw = dict(bias=False, config=config, rngs=rngs)
+        self.gate_proj = Linear(d, f, names=("embed", "mlp"), **kw)
+        self.up_proj = Linear(d, f, names=("embed", "mlp"), **kw)
+        self.down_proj = Linear(f, d, names=("mlp", "embed"), **kw)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
+        self.self_attn = Attention(config, layer, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B):
+        attn, new_kv = self.self_attn(
+            self.input_layernorm(x_BTD), positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B
+        )
+        x_BTD = x_BTD + attn
+        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        return x_BTD, new_kv
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = _param(
+            nnx.initializers.normal(0.02),
+            rngs.params(),
+            (config.vocab_size, config.hidden_size),
+            jnp.dtype(config.param_dtype),
+            ("vocab", "embed"),
+        )
+        self.dtype = jnp.dtype(config.dtype)
+
+    def __call__(self, ids_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids_BT, axis=0).astype(self.dtype)
+
+
+class Qwen2(nnx.Module):
+    """Qwen2 causal language model.
+
+    Call: ``model(input_ids, positions=None, attention_mask=None, cache=None,
+    return_hidden=False)``. Without a cache it returns logits [B, T, V] (or
+    the final-norm hidden states [B, T, D] with ``return_hidden``); with a
+    cache it returns ``(out, new_cache)``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(config, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(
+                config.hidden_size,
+                config.vocab_size,
+                bias=False,
+                names=("embed", "vocab"),
+                config=config,
+                rngs=rngs,
+            )
+        )
+
+    def unembedding(self) -> jax.Array:
+        """The output projection [D, V] (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ):
+        """Forward pass.
+
+        Args:
+          input_ids: [B, T] int32 token ids.
+          positions: [B, T] int32 RoPE positions. Default: count of real tokens
+            before each one (so left padding is skipped), continuing the cache.
+          attention_mask: [B, T], 1 for real tokens and 0 for padding.
+          cache: a ``KVCache``; the T new tokens are written at each row's
+            ``lengths`` and attend to everything already held.
+          return_hidden: return final-norm hidden states [B, T, D] instead of logits.
+        """
+        b, t = input_ids.shape
+        mask_BT = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+        if positions is None:
+            start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.next_positions()
+            positions = start_B[:, None] + jnp.cumsum(mask_BT, axis=1, dtype=jnp.int32) - 1
+            positions = jnp.maximum(positions, 0)
+        positions = positions.astype(jnp.int32)
+        new_pos_BT = jnp.where(mask_BT, positions, -1)
+
+        if cache is None:
+            write_at_B = jnp.zeros((b,), jnp.int32)
+            key_pos_BS = new_pos_BT
+        else:
+            write_at_B = cache.lengths
+            key_pos_BS = _write_rows(cache.pos, new_pos_BT, write_at_B)
+        q_slot_BT = write_at_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+        x_BTD = self.embed_tokens(input_ids)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x_BTD, (k, v) = layer(x_BTD, positions, q_slot_BT, kv, key_pos_BS, write_at_B)
+            new_k.append(k)
+            new_v.append(v)
+        x_BTD = self.norm(x_BTD)
+
+        if return_hidden:
+            out = x_BTD
+        else:
+            dt = jnp.dtype(self.config.dtype)
+            out = jnp.dot(x_BTD.astype(dt), self.unembedding().astype(dt))
+        if cache is None:
+            return out
+        new_cache = KVCache(
+            k=tuple(new_k), v=tuple(new_v), pos=key_pos_BS, lengths=cache.lengths + t
+        )
+        return out, new_cache
+
+
+def abstract_model(config: ModelConfig) -> Qwen2:
+    """The model with ShapeDtypeStruct leaves: shapes and names, no memory."""
+    return nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0)))
+
+
+def count_params(model_or_state: Any) -> int:
+    """Number of parameters in a model or state (works on abstract models)."""
+    state = (
+        nnx.state(model_or_state, nnx.Param)
+        if isinstance(model_or_state, nnx.Module)
+        else model_or_state
+    )
+    return sum(int(x.size) for x in jax.tree.leaves(state))

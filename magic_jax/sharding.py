@@ -1,0 +1,223 @@
+"""Device mesh, logical-axis rule tables, and state/batch shardings.
+
+The model names logical axes only (``embed``, ``q_heads``, ...). This module
+owns the mapping onto the mesh axes ``data`` / ``fsdp`` / ``tensor``:
+
+* ``TRAIN_RULES``: fully-sharded data parallel over ``fsdp`` plus tensor
+  parallel over ``tensor`` (the update step).
+* ``SAMPLE_RULES``: tensor parallel only, weights replicated over the data
+  axes (the rollout engine, where every data shard decodes its own slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+TRAIN_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+SAMPLE_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Mesh shape. One axis may be -1: it takes all remaining devices.
+
+    Attributes:
+      data: pure data parallelism (replicated weights).
+      fsdp: data parallelism with parameters and optimizer state sharded.
+      tensor: tensor (model) parallelism inside attention heads and the MLP.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {self}")
+        for name, s in zip(MESH_AXES, sizes):
+            if s == 0 or s < -1:
+                raise ValueError(f"MeshConfig.{name} must be positive or -1, got {s}")
+
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """Concrete axis sizes for ``num_devices`` devices."""
+        sizes = list(self.sizes())
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(
+                    f"MeshConfig {self}: {num_devices} devices are not divisible by the fixed "
+                    f"axes' product {known}"
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(
+                f"MeshConfig {self}: data*fsdp*tensor = {math.prod(sizes)} but there are "
+                f"{num_devices} devices"
+            )
+        return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+    """Builds a ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices).
+
+    Uses ``jax.make_mesh`` so that TPU slices get a topology-aware device order
+    (``tensor`` on the fastest interconnect, as the innermost axis).
+    """
+    config = config or MeshConfig()
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = config.resolve(len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if devices == jax.devices():
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def maybe_initialize_distributed() -> bool:
+    """Calls ``jax.distributed.initialize()`` on multi-host jobs; returns whether it did.
+
+    Cloud TPU pods and SLURM/Open MPI GPU clusters are detected by jax itself;
+    ``MAGIC_JAX_COORDINATOR`` / ``MAGIC_JAX_NUM_PROCESSES`` / ``MAGIC_JAX_PROCESS_ID``
+    set the coordinator explicitly elsewhere.
+    """
+    if jax.distributed.is_initialized():
+        return False
+    coordinator = os.environ.get("MAGIC_JAX_COORDINATOR")
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["MAGIC_JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["MAGIC_JAX_PROCESS_ID"]),
+        )
+        return True
+    if os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def logical_to_spec(
+    names: Sequence[str | None] | None,
+    rules: Rules,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a ``PartitionSpec`` through a rule table.
+
+    A mesh axis is used at most once per array (later dims are replicated).
+    Given ``mesh`` and ``shape``, a dim that does not divide evenly over its
+    mesh axes is replicated instead, with a warning.
+
+    Raises:
+      KeyError: a logical name with no rule.
+    """
+    if not names:
+        return PartitionSpec()
+    table = dict(rules)
+    used: set[str] = set()
+    spec: list[Any] = []
+    for dim, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule in {[r[0] for r in rules]}")
+        target = table[name]
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        if axes and mesh is not None and shape is not None:
+            size = math.prod(mesh.shape[a] for a in axes)
+            if shape[dim] % size:
+                log.warning(
+                    "dim %d (%s, size %d) does not divide over %s (%d): replicated",
+                    dim,
+                    name,
+                    shape[dim],
+                    axes,
+                    size,
+                )
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _var_names(v: Any) -> tuple | None:
+    if isinstance(v, nnx.Variable):
+        return v.get_metadata().get("out_sharding")
+    return None
+
+
+def model_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """A pytree of ``NamedSharding`` matching an nnx state (or abstract state)."""
+
+    def one(v):
+        names = _var_names(v)
+        shape = v.shape if hasattr(v, "shape") else None
+        spec = logical_to_spec(names, rules, mesh, shape)
+        return (
+            v.replace(NamedSharding(mesh, spec))
+            if isinstance(v, nnx.Variable)
+            else NamedSharding(mesh, spec)
+        )
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
+    """Places a model's parameters with the shardings of ``rules`` (in place) and returns it."""
+    state = nnx.state(model)
+    shardings = model_shardings(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
+
+
+def batch_spec(mesh: Mesh | None = None) -> PartitionSpec:
+    """Spec of a batch-leading array: rows split over the data axes."""
+    del mesh
+    return PartitionSpec(BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,44 @@
+"""Install magic_jax: `pip install -e .[test]` (see README for the CI-pinned versions)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="magic-jax",
+    version="0.1.0",
+    description=(
+        "Reinforcement-learning post-training of long chain-of-thought models "
+        "(the MAGIC recipe) in JAX"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["magic_jax", "magic_jax.*"]),
+    package_data={"magic_jax": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "jax>=0.10.2,<0.13",
+        "flax>=0.12.8,<0.14",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.14",
+        "transformers>=5.0,<6",
+        "grain>=0.2.18,<0.3",
+        "math-verify>=0.9.0,<0.10",
+        "tensorflow-datasets>=4.9.10,<5",
+        "safetensors>=0.6",
+        "numpy>=2.0",
+        "ml_dtypes>=0.5",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
+        # does not pull a CUDA wheel; the test extra only checks the version.
+        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "torch>=2.6", "pyarrow>=15"],
+        "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+        # google-jetstream itself goes in with --no-deps (see README): its pinned
+        # dependencies pull TensorFlow and an old jax.
+        "jetstream": ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"],
+        "notebooks": ["jupyter", "matplotlib", "pyarrow"],
+    },
+    entry_points={"console_scripts": ["magic-jax=magic_jax.cli:main"]},
+)
