@@ -1,5 +1,7 @@
 """Install magic_jax: `pip install -e .[test]` (see README for the CI-pinned versions)."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -9,7 +11,7 @@ setup(
         "Reinforcement-learning post-training of long chain-of-thought models "
         "(the MAGIC recipe) in JAX"
     ),
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["magic_jax", "magic_jax.*"]),

@@ -1,0 +1,92 @@
+"""Tiny random Hugging Face Qwen2 checkpoints for tests, benchmarks and examples (needs torch)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # grouped-query attention, untied, as the R1-Distill checkpoints
+    "gqa_untied": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    # multi-head attention, tied embeddings, other rope theta
+    "mha_tied": dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    ),
+    # explicit head_dim larger than hidden/heads, single kv head
+    "wide_heads": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        rope_theta=5e5,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def hf_qwen2_config(vocab_size: int = 128, **kw: Any):
+    """A ``transformers.Qwen2Config`` with small defaults."""
+    from transformers import Qwen2Config
+
+    base = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return Qwen2Config(**(base | kw))
+
+
+def make_hf_model(seed: int = 0, dtype: str = "float32", **config_kw: Any):
+    """A random ``Qwen2ForCausalLM`` (eval mode); biases get non-zero values so they matter."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf_qwen2_config(**config_kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.to(getattr(torch, dtype))
+
+
+def save_hf_model(model: Any, path: str | os.PathLike, max_shard_size: str | None = None) -> Path:
+    """Saves a torch model as safetensors (optionally split into several files)."""
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return Path(path)
+
+
+def torch_logits(model: Any, input_ids: Any, attention_mask: Any = None):
+    """Logits [B, T, V] as a float32 numpy array from a torch model."""
+    import numpy as np
+    import torch
+
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    kw = {}
+    if attention_mask is not None:
+        mask = torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        kw = {"attention_mask": mask, "position_ids": pos}
+    with torch.no_grad():
+        return model(ids, **kw).logits.float().numpy()
