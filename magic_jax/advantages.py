@@ -1,0 +1,106 @@
+"""Group-relative (GRPO) advantages, truncation masks and the rejection-sampling keep mask."""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class TruncationMask(enum.StrEnum):
+    """How truncated responses (no EOS within the length limit) enter the advantages.
+
+    NONE: truncated responses keep their (usually negative) advantage (the report's default).
+    BEFORE: truncated responses are left out of the group mean/std and get A = 0.
+    AFTER: the group mean/std use every response, then truncated responses get A = 0.
+    """
+
+    NONE = "none"
+    BEFORE = "before"
+    AFTER = "after"
+
+
+def group_advantages(
+    rewards_NG: jax.Array,
+    truncated_NG: jax.Array | None = None,
+    *,
+    mask: TruncationMask | str = TruncationMask.NONE,
+    valid_NG: jax.Array | None = None,
+    eps: float = 1e-6,
+    ddof: int = 1,
+) -> jax.Array:
+    """Outcome advantages ``A = (r - mean_group r) / (std_group r + eps)``.
+
+    Statistics are taken over the responses of each group that count (see
+    ``TruncationMask``); a group whose statistics rest on a single response uses
+    mean 0 and std 1, as the reference code does (its unbiased std is undefined).
+    With ``mask="before"`` a group with at most one untruncated response gets
+    A = 0 everywhere: there is nothing to compare against.
+
+    Args:
+      rewards_NG: [N prompts, G samples] rewards (binary in the recipe).
+      truncated_NG: [N, G] bool, response hit the length limit; None = none truncated.
+      mask: truncation advantage mask, ``"none"``, ``"before"`` or ``"after"``.
+      valid_NG: [N, G] bool, False for padding slots (they get A = 0 and are left
+        out of the statistics); None = all valid.
+      eps: added to the std.
+      ddof: delta degrees of freedom of the std (1 = unbiased, as the reference code).
+
+    Returns:
+      [N, G] float32 advantages, one per response (every token of a response shares it).
+    """
+    mask = TruncationMask(mask)
+    r_NG = jnp.asarray(rewards_NG, jnp.float32)
+    valid_NG = jnp.ones(r_NG.shape, bool) if valid_NG is None else jnp.asarray(valid_NG, bool)
+    trunc_NG = (
+        jnp.zeros(r_NG.shape, bool) if truncated_NG is None else jnp.asarray(truncated_NG, bool)
+    )
+    counts_NG = valid_NG & ~trunc_NG if mask is TruncationMask.BEFORE else valid_NG
+    w_NG = counts_NG.astype(jnp.float32)
+    n_N = w_NG.sum(-1)
+    mean_N = (r_NG * w_NG).sum(-1) / jnp.maximum(n_N, 1.0)
+    var_N = (jnp.square(r_NG - mean_N[:, None]) * w_NG).sum(-1) / jnp.maximum(n_N - ddof, 1.0)
+    single_N = n_N <= 1
+    mean_N = jnp.where(single_N, 0.0, mean_N)
+    std_N = jnp.where(single_N, 1.0, jnp.sqrt(var_N))
+    adv_NG = (r_NG - mean_N[:, None]) / (std_N[:, None] + eps)
+    zero_NG = ~valid_NG
+    if mask is not TruncationMask.NONE:
+        zero_NG = zero_NG | trunc_NG
+    if mask is TruncationMask.BEFORE:
+        zero_NG = zero_NG | single_N[:, None]
+    return jnp.where(zero_NG, 0.0, adv_NG)
+
+
+def group_keep_mask(adv_NG: jax.Array) -> jax.Array:
+    """Rejection sampling: keep a group only if some advantage in it is non-zero.
+
+    Groups that are all correct or all wrong (or, under a truncation mask, all
+    masked) carry no learning signal and are dropped. The result is a mask, never a
+    reshape, so shapes stay static under jit.
+
+    Args:
+      adv_NG: [N, G] advantages from ``group_advantages``.
+
+    Returns:
+      [N] bool, True for groups that train.
+    """
+    return jnp.any(jnp.asarray(adv_NG) != 0, axis=-1)
+
+
+def count_loss_tokens(response_mask_BR: jax.Array, keep_B: jax.Array) -> jax.Array:
+    """T_k: the number of response tokens (EOS included) of the kept sequences.
+
+    Every response token of a kept group counts, also those of responses whose
+    advantage a truncation mask zeroed: they still carry the entropy term.
+
+    Args:
+      response_mask_BR: [B, R] 1 on response tokens.
+      keep_B: [B] bool, the sequence's group is kept.
+
+    Returns:
+      float32 scalar.
+    """
+    mask_BR = jnp.asarray(response_mask_BR, jnp.float32) * jnp.asarray(keep_B, jnp.float32)[:, None]
+    return mask_BR.sum()

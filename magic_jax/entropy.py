@@ -1,0 +1,258 @@
+"""Chunked token log-probs and entropy from hidden states, and the adaptive entropy controller."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# --------------------------------------------------------------------------- log-probs, entropy
+
+
+def _logp_entropy_from_logits(
+    logits_BCV: jax.Array, targets_BC: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    tgt_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+    # H = -sum p log p = logsumexp(z) - E_p[z]; avoids a second [.., V] log-softmax buffer.
+    ent_BC = lse_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
+    return tgt_BC - lse_BC, ent_BC
+
+
+def _scaled_logits(hidden_BCD: jax.Array, unembed_DV: jax.Array, temperature: float) -> jax.Array:
+    logits = jnp.einsum("bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=jnp.float32)
+    return logits / temperature
+
+
+def token_logprobs_and_entropy(
+    hidden_BTD: jax.Array,
+    unembed_DV: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    compute_dtype: jnp.dtype | str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each target token and the full-vocabulary entropy, chunked over T.
+
+    Logits are divided by the sampling temperature before both, as the sampler
+    does. The sequence is cut into chunks of ``chunk_size`` positions and a
+    rematerialised ``lax.scan`` runs over them, so at most one chunk's [B, C, V]
+    fp32 logits is live in the forward pass, and the backward pass recomputes
+    each chunk's logits instead of keeping them: peak memory scales with
+    ``B * chunk_size * V``, not ``B * T * V``.
+
+    Args:
+      hidden_BTD: [B, T, D] final hidden states (after the final norm).
+      unembed_DV: [D, V] unembedding matrix.
+      targets_BT: [B, T] int token ids whose log-prob to take at each position.
+      temperature: sampling temperature (> 0).
+      chunk_size: positions per chunk; T is zero-padded up to a multiple.
+      compute_dtype: dtype of the matmul inputs (e.g. bfloat16); accumulation and
+        everything after the matmul is float32. None keeps the input dtypes.
+
+    Returns:
+      (logp_BT, ent_BT), both float32 [B, T].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if compute_dtype is not None:
+        hidden_BTD = hidden_BTD.astype(compute_dtype)
+        unembed_DV = unembed_DV.astype(compute_dtype)
+    B, T, D = hidden_BTD.shape
+    C = min(chunk_size, T)
+    n_chunks = math.ceil(T / C)
+    pad = n_chunks * C - T
+    if pad:
+        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    h_NBCD = hidden_BTD.reshape(B, n_chunks, C, D).swapaxes(0, 1)
+    t_NBC = targets_BT.reshape(B, n_chunks, C).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk(h_BCD, t_BC):
+        return _logp_entropy_from_logits(_scaled_logits(h_BCD, unembed_DV, temperature), t_BC)
+
+    def body(carry, xs):
+        return carry, chunk(*xs)
+
+    _, (logp_NBC, ent_NBC) = jax.lax.scan(body, None, (h_NBCD, t_NBC))
+    logp_BT = logp_NBC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :T]
+    ent_BT = ent_NBC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :T]
+    return logp_BT, ent_BT
+
+
+def token_logprobs_and_entropy_naive(
+    hidden_BTD: jax.Array,
+    unembed_DV: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    compute_dtype: jnp.dtype | str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Same as ``token_logprobs_and_entropy`` but materialises the full [B, T, V] logits.
+
+    For tests and the memory benchmark only.
+    """
+    if compute_dtype is not None:
+        hidden_BTD = hidden_BTD.astype(compute_dtype)
+        unembed_DV = unembed_DV.astype(compute_dtype)
+    return _logp_entropy_from_logits(
+        _scaled_logits(hidden_BTD, unembed_DV, temperature), targets_BT
+    )
+
+
+# --------------------------------------------------------------------------- adaptive controller
+
+
+class EntropyEstimator(enum.StrEnum):
+    """How the rollout buffer's entropy e_k is measured.
+
+    FULL: mean full-vocabulary entropy per response token (the report's; the
+      sampler returns it per token).
+    SAMPLED_NLL: negative mean log-prob of the sampled tokens (the reference code's).
+    """
+
+    FULL = "full"
+    SAMPLED_NLL = "sampled-nll"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EntropyControlConfig:
+    """Entropy-bonus coefficient schedule (SPEC item 5).
+
+    Attributes:
+      mode: "adaptive" (the MAGIC controller) or "fixed" (alpha = ``init_coef`` always).
+      target: target entropy tgt_ent, in nats.
+      delta: step of the coefficient per training step.
+      init_coef: c_0 (adaptive) or the constant coefficient (fixed).
+      max_coef: optional upper clamp of c_k (the reference code uses 5e-3).
+      gate: "<=" (report: bonus on while e_k <= target) or "<" (reference code).
+      estimator: how e_k is measured, see ``EntropyEstimator``.
+    """
+
+    mode: Literal["adaptive", "fixed"] = "adaptive"
+    target: float = 0.2
+    delta: float = 0.005
+    init_coef: float = 0.0
+    max_coef: float | None = None
+    gate: Literal["<=", "<"] = "<="
+    estimator: EntropyEstimator = EntropyEstimator.FULL
+
+    def __post_init__(self):
+        if self.mode not in ("adaptive", "fixed"):
+            raise ValueError(
+                f"EntropyControlConfig.mode must be 'adaptive' or 'fixed', got {self.mode!r}"
+            )
+        if self.gate not in ("<=", "<"):
+            raise ValueError(f"EntropyControlConfig.gate must be '<=' or '<', got {self.gate!r}")
+        object.__setattr__(self, "estimator", EntropyEstimator(self.estimator))
+        if self.target < 0:
+            raise ValueError(f"EntropyControlConfig.target must be >= 0, got {self.target}")
+        if self.delta < 0:
+            raise ValueError(f"EntropyControlConfig.delta must be >= 0, got {self.delta}")
+        if self.init_coef < 0:
+            raise ValueError(f"EntropyControlConfig.init_coef must be >= 0, got {self.init_coef}")
+        if self.max_coef is not None and self.max_coef < self.init_coef:
+            raise ValueError(
+                f"EntropyControlConfig.max_coef ({self.max_coef}) must be >= init_coef "
+                f"({self.init_coef})"
+            )
+
+    @classmethod
+    def reference_code(cls) -> EntropyControlConfig:
+        """The public code's variant: delta 1e-4 clamped to [0, 5e-3], gate '<', sampled NLL."""
+        return cls(delta=1e-4, max_coef=5e-3, gate="<", estimator=EntropyEstimator.SAMPLED_NLL)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EntropyControlState:
+    """Controller state, a pytree of arrays kept in the train state (checkpointed).
+
+    Attributes:
+      coef: float32 scalar, c_k.
+      num_updates: int32 scalar, training steps the controller has seen.
+    """
+
+    coef: jax.Array
+    num_updates: jax.Array
+
+
+def init_entropy_control(config: EntropyControlConfig) -> EntropyControlState:
+    """c_0 = ``config.init_coef``."""
+    return EntropyControlState(
+        coef=jnp.asarray(config.init_coef, jnp.float32), num_updates=jnp.asarray(0, jnp.int32)
+    )
+
+
+def measure_entropy(
+    entropy_BR: jax.Array,
+    sampled_logp_BR: jax.Array,
+    mask_BR: jax.Array,
+    estimator: EntropyEstimator | str = EntropyEstimator.FULL,
+) -> jax.Array:
+    """e_k: the mean token entropy of a rollout buffer.
+
+    Args:
+      entropy_BR: [B, R] per-token full-distribution entropy from the sampler.
+      sampled_logp_BR: [B, R] behaviour log-prob of each sampled token.
+      mask_BR: [B, R] 1 on the response tokens to average over.
+      estimator: ``"full"`` (mean of entropy_BR) or ``"sampled-nll"`` (-mean of logp).
+
+    Returns:
+      float32 scalar (0 when the mask is empty).
+    """
+    x_BR = entropy_BR if EntropyEstimator(estimator) is EntropyEstimator.FULL else -sampled_logp_BR
+    m_BR = jnp.asarray(mask_BR, jnp.float32)
+    return jnp.sum(jnp.asarray(x_BR, jnp.float32) * m_BR) / jnp.maximum(m_BR.sum(), 1.0)
+
+
+def entropy_coefficient(
+    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+) -> jax.Array:
+    """alpha_k = c_k * 1{e_k <= target} (or ``<``); the constant in fixed mode.
+
+    Args:
+      state: controller state holding c_k.
+      entropy: e_k, measured on step k's rollout buffer.
+      config: controller options.
+
+    Returns:
+      float32 scalar alpha_k, the entropy-bonus weight of step k's loss.
+    """
+    if config.mode == "fixed":
+        return jnp.asarray(config.init_coef, jnp.float32)
+    on = entropy <= config.target if config.gate == "<=" else entropy < config.target
+    return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
+
+
+def update_entropy_control(
+    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+) -> EntropyControlState:
+    """c_{k+1} = c_k + delta if e_k < target, c_k - delta if e_k > target, kept in [0, max].
+
+    Args:
+      state: controller state holding c_k.
+      entropy: e_k, measured on step k's rollout buffer.
+      config: controller options.
+
+    Returns:
+      The state holding c_{k+1} (unchanged coefficient in fixed mode).
+    """
+    coef = state.coef
+    if config.mode == "adaptive":
+        step = jnp.where(entropy < config.target, config.delta, 0.0) - jnp.where(
+            entropy > config.target, config.delta, 0.0
+        )
+        hi = np.inf if config.max_coef is None else config.max_coef
+        coef = jnp.clip(coef + step, 0.0, hi).astype(jnp.float32)
+    return EntropyControlState(coef=coef, num_updates=state.num_updates + 1)

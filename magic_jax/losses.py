@@ -1,0 +1,213 @@
+"""The MAGIC token-level objective: clip-higher PPO surrogate, entropy bonus, k3 KL, aggregation."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class Aggregation(enum.StrEnum):
+    """How per-token loss terms are reduced to the mini-batch loss.
+
+    TOKEN_MEAN: the report's global token mean, sum / T_k with T_k the number of
+      response tokens of the whole mini-batch (independent of micro-batching and
+      sharding because T_k is passed in).
+    SEQ_MEAN_TOKEN_SUM: sum over each sequence's tokens, mean over the mini-batch's
+      sequences (``num_seqs``).
+    SEQ_MEAN_TOKEN_MEAN: mean over each sequence's tokens, mean over sequences.
+    MICRO_TOKEN_MEAN: the public reference code's: token mean within each
+      micro-batch, weighted by (sequences in the micro-batch / ``nominal_seqs``).
+      It changes with the micro-batch split; kept for comparison only.
+    """
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    MICRO_TOKEN_MEAN = "micro-token-mean"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """Options of the policy objective (SPEC items 4 and 6).
+
+    Attributes:
+      eps_low: lower clip range, ratio >= 1 - eps_low.
+      eps_high: upper clip range, ratio <= 1 + eps_high (> eps_low is clip-higher).
+      dual_clip: optional c > 1; for A < 0 the surrogate is bounded below by c * A.
+      kl_beta: weight of the token-level k3 KL to a frozen reference policy; 0 = no
+        KL and no reference forward pass at all.
+      aggregation: see ``Aggregation``.
+      temperature: sampling temperature; training logits are divided by it too.
+      logit_chunk: sequence positions per chunk of the log-prob/entropy projection.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    kl_beta: float = 0.0
+    aggregation: Aggregation = Aggregation.TOKEN_MEAN
+    temperature: float = 1.0
+    logit_chunk: int = 1024
+
+    def __post_init__(self):
+        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0:
+            raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"LossConfig.dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.kl_beta < 0:
+            raise ValueError(f"LossConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        if self.temperature <= 0:
+            raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
+        if self.logit_chunk <= 0:
+            raise ValueError(f"LossConfig.logit_chunk must be > 0, got {self.logit_chunk}")
+
+
+# Metrics that combine across micro-batches by max; all others are already divided by
+# the global token count and combine by sum.
+MAX_METRICS = ("ratio_max",)
+
+
+def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array) -> jax.Array:
+    """Token-level k3 estimate of KL(pi_theta || pi_ref): r - log r - 1, r = pi_ref / pi_theta."""
+    log_r = ref_logp_BT - logp_BT
+    return jnp.exp(log_r) - log_r - 1.0
+
+
+def aggregate(
+    x_BT: jax.Array,
+    mask_BT: jax.Array,
+    *,
+    mode: Aggregation | str = Aggregation.TOKEN_MEAN,
+    num_tokens: jax.Array | float | None = None,
+    num_seqs: jax.Array | float | None = None,
+    nominal_seqs: jax.Array | float | None = None,
+) -> jax.Array:
+    """Reduces per-token values to a scalar, see ``Aggregation``.
+
+    Args:
+      x_BT: [B, T] per-token values.
+      mask_BT: [B, T] 1 on tokens that count.
+      mode: the aggregation.
+      num_tokens: T_k of the whole mini-batch (TOKEN_MEAN).
+      num_seqs: sequences with at least one counted token in the whole mini-batch
+        (SEQ_MEAN_*).
+      nominal_seqs: nominal sequences per mini-batch (MICRO_TOKEN_MEAN).
+
+    Returns:
+      float32 scalar; 0 when nothing counts.
+    """
+    mode = Aggregation(mode)
+    m_BT = jnp.asarray(mask_BT, jnp.float32)
+    xm_BT = jnp.where(m_BT > 0, x_BT, 0.0) * m_BT
+    if mode is Aggregation.TOKEN_MEAN:
+        _need(num_tokens, "num_tokens", mode)
+        return xm_BT.sum() / jnp.maximum(num_tokens, 1.0)
+    if mode is Aggregation.SEQ_MEAN_TOKEN_SUM:
+        _need(num_seqs, "num_seqs", mode)
+        return xm_BT.sum() / jnp.maximum(num_seqs, 1.0)
+    if mode is Aggregation.SEQ_MEAN_TOKEN_MEAN:
+        _need(num_seqs, "num_seqs", mode)
+        per_seq_B = xm_BT.sum(-1) / jnp.maximum(m_BT.sum(-1), 1.0)
+        return per_seq_B.sum() / jnp.maximum(num_seqs, 1.0)
+    _need(nominal_seqs, "nominal_seqs", mode)
+    local_seqs = (m_BT.sum(-1) > 0).sum()
+    return xm_BT.sum() / jnp.maximum(m_BT.sum(), 1.0) * local_seqs / nominal_seqs
+
+
+def _need(value, name: str, mode: Aggregation) -> None:
+    if value is None:
+        raise ValueError(f"aggregation {mode.value!r} needs {name}")
+
+
+def policy_loss(
+    logp_BT: jax.Array,
+    old_logp_BT: jax.Array,
+    adv_B: jax.Array,
+    mask_BT: jax.Array,
+    entropy_BT: jax.Array,
+    *,
+    alpha: jax.Array | float,
+    config: LossConfig,
+    num_tokens: jax.Array | float,
+    num_seqs: jax.Array | float | None = None,
+    nominal_seqs: jax.Array | float | None = None,
+    ref_logp_BT: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MAGIC loss of SPEC eq. 3.1 on one (micro-)batch.
+
+    ``L = agg[-(min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + alpha H) + beta k3]``
+    with ``rho = exp(logp - old_logp)``; with dual-clip, for A < 0 the surrogate is
+    ``max(min(...), c A)``. With the default global token mean, summing this loss over
+    the micro-batches of a mini-batch gives the mini-batch loss exactly.
+
+    Args:
+      logp_BT: [B, T] log-probs of the taken tokens under the policy being trained.
+      old_logp_BT: [B, T] behaviour (sampler) log-probs of the same tokens.
+      adv_B: [B] advantage of each sequence.
+      mask_BT: [B, T] 1 on response tokens of kept groups (EOS included).
+      entropy_BT: [B, T] full-vocabulary entropy under the policy being trained.
+      alpha: entropy-bonus coefficient alpha_k.
+      config: loss options.
+      num_tokens: T_k over the whole mini-batch.
+      num_seqs: sequences of the whole mini-batch that have tokens (SEQ_MEAN_*).
+      nominal_seqs: nominal sequences per mini-batch (MICRO_TOKEN_MEAN).
+      ref_logp_BT: [B, T] reference-policy log-probs; required iff ``config.kl_beta > 0``.
+
+    Returns:
+      (loss, metrics). Metrics other than those in ``MAX_METRICS`` are token sums
+      divided by ``num_tokens``, so they add up across micro-batches to mini-batch
+      token means: ``pg_loss``, ``clipfrac_low``, ``clipfrac_high``,
+      ``clipfrac_dual``, ``ratio_mean``, ``entropy``, ``approx_kl`` (k3 to the
+      behaviour policy), ``ref_kl`` (k3 to the reference, when on); ``ratio_max``.
+    """
+    if config.kl_beta > 0 and ref_logp_BT is None:
+        raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
+    m_BT = jnp.asarray(mask_BT, jnp.float32)
+    on_BT = m_BT > 0
+    # Masked positions hold padding; zero their log-ratio so exp cannot overflow into NaN grads.
+    log_ratio_BT = jnp.where(on_BT, logp_BT - old_logp_BT, 0.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    a_BT = jnp.broadcast_to(jnp.asarray(adv_B, jnp.float32)[:, None], ratio_BT.shape)
+    lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
+    surr_BT = jnp.minimum(ratio_BT * a_BT, jnp.clip(ratio_BT, lo, hi) * a_BT)
+    dual_BT = jnp.zeros_like(on_BT)
+    if config.dual_clip is not None:
+        dual_BT = (a_BT < 0) & (ratio_BT > config.dual_clip)
+        surr_BT = jnp.where(a_BT < 0, jnp.maximum(surr_BT, config.dual_clip * a_BT), surr_BT)
+    term_BT = -surr_BT - alpha * entropy_BT
+    ref_kl_BT = None
+    if config.kl_beta > 0:
+        ref_kl_BT = k3_kl(logp_BT, jnp.where(on_BT, ref_logp_BT, logp_BT))
+        term_BT = term_BT + config.kl_beta * ref_kl_BT
+    loss = aggregate(
+        term_BT,
+        m_BT,
+        mode=config.aggregation,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        nominal_seqs=nominal_seqs,
+    )
+
+    def tmean(x_BT):
+        x_BT = jax.lax.stop_gradient(jnp.asarray(x_BT, jnp.float32))
+        return jnp.sum(jnp.where(on_BT, x_BT, 0.0) * m_BT) / jnp.maximum(num_tokens, 1.0)
+
+    metrics = {
+        "pg_loss": tmean(-surr_BT),
+        "clipfrac_low": tmean((a_BT < 0) & (ratio_BT < lo)),
+        "clipfrac_high": tmean((a_BT > 0) & (ratio_BT > hi)),
+        "clipfrac_dual": tmean(dual_BT),
+        "ratio_mean": tmean(ratio_BT),
+        "entropy": tmean(entropy_BT),
+        "approx_kl": tmean(ratio_BT - 1.0 - log_ratio_BT),
+        "ratio_max": jax.lax.stop_gradient(jnp.max(jnp.where(on_BT, ratio_BT, 0.0))),
+    }
+    if ref_kl_BT is not None:
+        metrics["ref_kl"] = tmean(ref_kl_BT)
+    return loss, metrics
