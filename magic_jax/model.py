@@ -178,7 +178,8 @@ class ModelConfig:
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A ``config.json`` dict that transformers' ``Qwen2ForCausalLM`` loads."""
         eos = self.eos_token_id
-        return {
+        extra = {} if self.head_dim is None else {"head_dim": self.head_dim}
+        return extra | {
             "architectures": list(_HF_ARCHITECTURES),
             "model_type": "qwen2",
             "vocab_size": self.vocab_size,
@@ -187,7 +188,6 @@ class ModelConfig:
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_size,
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
@@ -203,6 +203,7 @@ class ModelConfig:
             "attention_dropout": 0.0,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+            "dtype": torch_dtype,
             "torch_dtype": torch_dtype,
             "use_cache": True,
         }

@@ -1,0 +1,96 @@
+"""The ``magic-jax`` command line: checkpoint conversion (training commands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _mesh_arg(text: str | None):
+    """Parses ``data=1,fsdp=-1,tensor=2`` into a mesh (None: a single device)."""
+    if not text:
+        return None
+    from magic_jax.sharding import MeshConfig, make_mesh
+
+    try:
+        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
+        return make_mesh(MeshConfig(**kw))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--mesh {text!r}: {e}") from e
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from magic_jax.checkpoint import save_model
+    from magic_jax.convert import load_hf
+    from magic_jax.model import count_params
+
+    t0 = time.perf_counter()
+    model = load_hf(args.hf_dir, dtype=args.dtype, mesh=_mesh_arg(args.mesh))
+    out = save_model(model, args.out)
+    print(
+        f"converted {args.hf_dir} -> {out}: {count_params(model):,} parameters "
+        f"({args.dtype}) in {time.perf_counter() - t0:.1f}s"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from magic_jax.checkpoint import load_model
+    from magic_jax.convert import save_hf
+
+    t0 = time.perf_counter()
+    model = load_model(args.ckpt, mesh=_mesh_arg(args.mesh))
+    out = save_hf(model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"exported {args.ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint dir -> orbax checkpoint")
+    p.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    p.add_argument("out", help="new orbax checkpoint directory")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (fp32 master weights by default)",
+    )
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face checkpoint dir")
+    p.add_argument("ckpt", help="orbax checkpoint directory written by convert or training")
+    p.add_argument("out", help="output directory (loadable by transformers)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from magic_jax.convert import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
