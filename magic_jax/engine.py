@@ -1,0 +1,506 @@
+"""Decode-slot inference engine over Qwen2 (JetStream API): prefill, insert, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from magic_jax import sampling as sampling_lib
+from magic_jax.model import KVCache, Qwen2
+from magic_jax.sampling import SamplingConfig
+from magic_jax.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Shapes and schedule of the decode engine.
+
+    Attributes:
+      max_concurrent_decodes: B, the number of decode slots (fixed; the KV cache
+        is preallocated for all of them).
+      max_prefill_length: longest prompt in tokens.
+      max_decode_length: longest response in tokens (the stage's T).
+      prefill_buckets: prompt lengths are right-padded up to the first bucket that
+        fits (one compilation per bucket). Default: powers of two from 16, then
+        ``max_prefill_length``.
+      decode_steps: most decode steps run on device per host round trip.
+      cache_bucket: the attended cache length is the longest live row rounded up
+        to a multiple of this (one compilation per length); 0 attends the whole cache.
+      compact_batch: once at most half the slots are live and no request waits,
+        decode only the live rows (batch halved, one compilation per size).
+      sampling: the sampling strategy.
+      eos_ids: ids that end a response; None takes the model config's.
+    """
+
+    max_concurrent_decodes: int = 32
+    max_prefill_length: int = 1024
+    max_decode_length: int = 1024
+    prefill_buckets: tuple[int, ...] = ()
+    decode_steps: int = 16
+    cache_bucket: int = 128
+    compact_batch: bool = True
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.decode_steps <= 0:
+            raise ValueError(f"EngineConfig.decode_steps must be positive, got {self.decode_steps}")
+        if self.cache_bucket < 0:
+            raise ValueError(f"EngineConfig.cache_bucket must be >= 0, got {self.cache_bucket}")
+        if any(b <= 0 for b in self.prefill_buckets) or list(self.prefill_buckets) != sorted(
+            set(self.prefill_buckets)
+        ):
+            raise ValueError(
+                f"EngineConfig.prefill_buckets must be increasing positive lengths, "
+                f"got {self.prefill_buckets}"
+            )
+        if self.prefill_buckets and self.prefill_buckets[-1] < self.max_prefill_length:
+            raise ValueError(
+                f"EngineConfig.prefill_buckets' largest ({self.prefill_buckets[-1]}) is below "
+                f"max_prefill_length ({self.max_prefill_length})"
+            )
+
+    @property
+    def cache_length(self) -> int:
+        """S, slots per row of the KV cache: the longest prompt plus the longest response."""
+        return self.max_prefill_length + self.max_decode_length
+
+    def buckets(self) -> tuple[int, ...]:
+        if self.prefill_buckets:
+            return self.prefill_buckets
+        out, b = [], 16
+        while b < self.max_prefill_length:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_prefill_length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prefilled prompt, ready to be inserted into any number of slots.
+
+    Attributes:
+      cache: KV cache of one row, [1, P] slots (P the prefill bucket).
+      length: () int32 true prompt length (slots past it are padding).
+      logits: [V] float32 logits of the first response token.
+    """
+
+    cache: KVCache
+    length: jax.Array
+    logits: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a decode step transforms; rows are decode slots.
+
+    Attributes:
+      cache: the preallocated KV cache [B, S].
+      tokens: [B] int32 last sampled token of each slot (fed next step).
+      keys: [B] base PRNG key of each slot's sample.
+      steps: [B] int32 response tokens sampled so far.
+      max_new: [B] int32 response length limit of each slot.
+      done: [B] bool, True for a finished or empty slot.
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    keys: jax.Array
+    steps: jax.Array
+    max_new: jax.Array
+    done: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """Per-slot results of decode steps: [B] for one step, [n, B] for a chunk.
+
+    ``valid`` marks slots that were live and produced ``tokens`` in that step;
+    ``done`` whether the slot finished with it.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    entropies: jax.Array
+    sampling_logprobs: jax.Array
+    valid: jax.Array
+    done: jax.Array
+
+
+def _eos_hit(tokens_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    hit = jnp.zeros(tokens_B.shape, bool)
+    for e in eos_ids:
+        hit |= tokens_B == e
+    return hit
+
+
+def prefill_fn(
+    graphdef: nnx.GraphDef, params: nnx.State, tokens_P: jax.Array, length: jax.Array
+) -> Prefix:
+    """Runs a right-padded prompt [P] through the model into a one-row cache.
+
+    Only the last real position is unembedded: the rest of the prompt's logits are
+    never used, and at a large vocabulary they cost as much as the layers.
+    """
+    model: Qwen2 = nnx.merge(graphdef, params)
+    p = tokens_P.shape[0]
+    mask_1P = (jnp.arange(p) < length)[None]
+    cache = KVCache.init(model.config, 1, p)
+    hidden_1PD, cache = model(tokens_P[None], attention_mask=mask_1P, cache=cache, return_hidden=True)
+    # Decode writes the response from the true length on, over the padding.
+    cache = dataclasses.replace(cache, lengths=length[None].astype(jnp.int32))
+    dt = jnp.dtype(model.config.dtype)
+    h_D = jax.lax.dynamic_index_in_dim(hidden_1PD[0], length - 1, keepdims=False)
+    logits_V = jnp.dot(h_D.astype(dt), model.unembedding().astype(dt))
+    return Prefix(cache=cache, length=length.astype(jnp.int32), logits=logits_V.astype(jnp.float32))
+
+
+def insert_fn(
+    prefix: Prefix,
+    state: DecodeState,
+    slot: jax.Array,
+    key: jax.Array,
+    max_new: jax.Array,
+    *,
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+) -> tuple[DecodeState, sampling_lib.Draw]:
+    """Copies ``prefix`` into row ``slot`` in place and samples the first response token."""
+    first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
+    c = state.cache
+    zeros = (0,) * (c.k[0].ndim - 2)
+
+    def put(buf, row):
+        return jax.lax.dynamic_update_slice(buf, row.astype(buf.dtype), (slot, 0, *zeros))
+
+    pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
+    pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
+    cache = KVCache(
+        k=tuple(put(a, b) for a, b in zip(c.k, prefix.cache.k)),
+        v=tuple(put(a, b) for a, b in zip(c.v, prefix.cache.v)),
+        pos=jax.lax.dynamic_update_slice(c.pos, pos_1S, (slot, 0)),
+        lengths=c.lengths.at[slot].set(prefix.length),
+    )
+    done = _eos_hit(first.tokens, eos_ids)[0] | (max_new <= 1)
+    state = DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(first.tokens[0]),
+        keys=state.keys.at[slot].set(key),
+        steps=state.steps.at[slot].set(1),
+        max_new=state.max_new.at[slot].set(max_new),
+        done=state.done.at[slot].set(done),
+    )
+    return state, jax.tree.map(lambda x: x[0], first)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    *,
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+) -> tuple[DecodeState, StepOutput]:
+    """One token for every live slot: feed the last token, sample the next."""
+    model: Qwen2 = nnx.merge(graphdef, params)
+    live_B = ~state.done
+    logits_B1V, cache = model(state.tokens[:, None], attention_mask=live_B[:, None], cache=state.cache)
+    # Finished rows must not advance: their writes went to a padding slot (pos -1).
+    cache = dataclasses.replace(
+        cache, lengths=jnp.where(live_B, cache.lengths, state.cache.lengths)
+    )
+    keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
+    d = sampling_lib.draw(logits_B1V[:, 0], keys_B, sampling)
+    steps_B = state.steps + live_B.astype(jnp.int32)
+    finished_B = live_B & (_eos_hit(d.tokens, eos_ids) | (steps_B >= state.max_new))
+    new = dataclasses.replace(
+        state,
+        cache=cache,
+        tokens=jnp.where(live_B, d.tokens, state.tokens),
+        steps=steps_B,
+        done=state.done | finished_B,
+    )
+    return new, StepOutput(*d, valid=live_B, done=finished_B)
+
+
+def _take_rows(state: DecodeState, rows_b: jax.Array | None, attend: int) -> DecodeState:
+    """The sub-state of ``rows_b`` (all rows if None) with the cache cut to ``attend`` slots."""
+    take = (lambda x: x) if rows_b is None else (lambda x: jnp.take(x, rows_b, axis=0))
+    c = state.cache
+    cache = KVCache(
+        k=tuple(take(x)[:, :attend] for x in c.k),
+        v=tuple(take(x)[:, :attend] for x in c.v),
+        pos=take(c.pos)[:, :attend],
+        lengths=take(c.lengths),
+    )
+    rest = {f: take(getattr(state, f)) for f in ("tokens", "keys", "steps", "max_new", "done")}
+    return DecodeState(cache=cache, **rest)
+
+
+def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) -> DecodeState:
+    """Writes ``sub`` (from ``_take_rows``) back into ``state`` in place."""
+    attend = sub.cache.max_len
+
+    def put(full, part):
+        if rows_b is None:
+            return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+        return full.at[rows_b, :attend].set(part)
+
+    def put_vec(full, part):
+        return part if rows_b is None else full.at[rows_b].set(part)
+
+    c, s = state.cache, sub.cache
+    cache = KVCache(
+        k=tuple(put(a, b) for a, b in zip(c.k, s.k)),
+        v=tuple(put(a, b) for a, b in zip(c.v, s.v)),
+        pos=put(c.pos, s.pos),
+        lengths=put_vec(c.lengths, s.lengths),
+    )
+    rest = {
+        f: put_vec(getattr(state, f), getattr(sub, f))
+        for f in ("tokens", "keys", "steps", "max_new", "done")
+    }
+    return DecodeState(cache=cache, **rest)
+
+
+def decode_chunk_fn(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    rows_b: jax.Array | None,
+    stop_on_free: jax.Array,
+    min_live: jax.Array,
+    *,
+    num_steps: int,
+    attend: int,
+    sampling: SamplingConfig,
+    eos_ids: tuple[int, ...],
+) -> tuple[DecodeState, StepOutput, jax.Array]:
+    """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
+
+    The loop runs on rows ``rows_b`` (all if None) with the cache cut to its first
+    ``attend`` slots, and stops when: every row is done; ``stop_on_free`` and a row
+    finished (so the host can refill it); at most ``min_live`` rows are live (so
+    the host can compact); or a live row reached ``attend``.
+
+    Returns:
+      (state, outputs [num_steps, b] (rows past the step count are invalid), steps run).
+    """
+    sub = _take_rows(state, rows_b, attend)
+    b = sub.tokens.shape[0]
+    done0_b = sub.done
+    zf = jnp.zeros((num_steps, b), jnp.float32)
+    zb = jnp.zeros((num_steps, b), bool)
+    outs0 = StepOutput(jnp.zeros((num_steps, b), jnp.int32), zf, zf, zf, zb, zb)
+
+    def cond(carry):
+        i, sub, _ = carry
+        live = ~sub.done
+        longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
+        freed = jnp.any(sub.done & ~done0_b)
+        return (
+            (i < num_steps)
+            & (jnp.sum(live) > min_live)
+            & ~(stop_on_free & freed)
+            & (longest < attend)
+        )
+
+    def body(carry):
+        i, sub, outs = carry
+        sub, out = decode_step(graphdef, params, sub, sampling=sampling, eos_ids=eos_ids)
+        outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
+        return i + 1, sub, outs
+
+    n, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), sub, outs0))
+    return _put_rows(state, sub, rows_b), outs, n
+
+
+class Engine:
+    """Prefill / insert / generate over ``max_concurrent_decodes`` slots.
+
+    The JetStream contract, natively: ``prefill`` turns a prompt into a
+    ``Prefix``; ``insert`` copies it into a free slot of the preallocated
+    ``DecodeState`` (in place: the state is donated); ``generate`` runs one decode
+    step for all slots, ``generate_chunk`` several without a host round trip.
+    Parameters are placed with the sampling rule table (tensor parallel) and the
+    slots split over the data axes of ``mesh``.
+    """
+
+    def __init__(
+        self,
+        model: Qwen2,
+        config: EngineConfig,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = SAMPLE_RULES,
+    ):
+        self.config = config
+        self.model_config = model.config
+        self.graphdef, abstract = nnx.split(model)
+        self._mesh, self._rules = mesh, rules
+        self.param_shardings = (
+            None if mesh is None else model_shardings(abstract, mesh, rules)
+        )
+        self.eos_ids = tuple(
+            config.eos_ids if config.eos_ids is not None else model.config.eos_ids
+        )
+        kw = dict(sampling=config.sampling, eos_ids=self.eos_ids)
+        shard = self.state_shardings()
+        self._prefill = jax.jit(functools.partial(prefill_fn, self.graphdef))
+        self._insert = jax.jit(
+            functools.partial(insert_fn, **kw), donate_argnums=1, out_shardings=(shard, None)
+        )
+        self._generate = jax.jit(
+            functools.partial(decode_step, self.graphdef, **kw),
+            donate_argnums=1,
+            out_shardings=(shard, None),
+        )
+        self._chunks: dict[tuple[int, int], Any] = {}
+        self._kw = kw
+
+    # ------------------------------------------------------------------ placement
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._mesh
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    def _sharding(self, names: tuple, shape: tuple) -> NamedSharding | None:
+        if self._mesh is None:
+            return None
+        return NamedSharding(self._mesh, logical_to_spec(names, self._rules, self._mesh, shape))
+
+    def state_shardings(self) -> DecodeState | None:
+        """Shardings of the decode state: slots over the data axes, kv heads over tensor."""
+        if self._mesh is None:
+            return None
+        cfg, mc = self.config, self.model_config
+        b, s = cfg.max_concurrent_decodes, cfg.cache_length
+        kv = self._sharding(("batch", None, "kv_heads", None), (b, s, mc.num_kv_heads, 0))
+        vec = self._sharding(("batch",), (b,))
+        return DecodeState(
+            cache=KVCache(
+                k=(kv,) * mc.num_layers,
+                v=(kv,) * mc.num_layers,
+                pos=self._sharding(("batch", None), (b, s)),
+                lengths=vec,
+            ),
+            tokens=vec,
+            keys=vec,
+            steps=vec,
+            max_new=vec,
+            done=vec,
+        )
+
+    def load_params(self, model_or_params: Qwen2 | nnx.State) -> nnx.State:
+        """The parameters of a model (or a state), placed with the sampling shardings."""
+        params = (
+            nnx.state(model_or_params)
+            if isinstance(model_or_params, nnx.Module)
+            else model_or_params
+        )
+        if self.param_shardings is None:
+            return params
+        return jax.device_put(params, self.param_shardings)
+
+    def init_decode_state(self) -> DecodeState:
+        """All slots empty (done), the KV cache preallocated."""
+        cfg, b = self.config, self.config.max_concurrent_decodes
+
+        def make():
+            return DecodeState(
+                cache=KVCache.init(self.model_config, b, cfg.cache_length),
+                tokens=jnp.zeros((b,), jnp.int32),
+                keys=jax.random.split(jax.random.key(0), b),
+                steps=jnp.zeros((b,), jnp.int32),
+                max_new=jnp.zeros((b,), jnp.int32),
+                done=jnp.ones((b,), bool),
+            )
+
+        return jax.jit(make, out_shardings=self.state_shardings())()
+
+    # ------------------------------------------------------------------ the contract
+
+    def prefill(self, params: nnx.State, tokens: Any, *, true_length: int | None = None) -> Prefix:
+        """Prefills one prompt (1-D token ids; padding past ``true_length`` ignored)."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n = len(tokens) if true_length is None else int(true_length)
+        if not 0 < n <= self.config.max_prefill_length:
+            raise ValueError(
+                f"prompt length {n} is not in [1, max_prefill_length="
+                f"{self.config.max_prefill_length}]"
+            )
+        bucket = next(b for b in self.config.buckets() if b >= n)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:n] = tokens[:n]
+        return self._prefill(params, jnp.asarray(padded), jnp.int32(n))
+
+    def insert(
+        self,
+        prefix: Prefix,
+        state: DecodeState,
+        slot: int,
+        *,
+        key: jax.Array,
+        max_new_tokens: int | None = None,
+    ) -> tuple[DecodeState, sampling_lib.Draw]:
+        """Puts ``prefix`` in ``slot`` (donating ``state``) and samples token 0 with
+        ``fold_in(key, 0)``; returns the new state and that token's ``Draw``."""
+        limit = self.config.max_decode_length if max_new_tokens is None else max_new_tokens
+        if not 0 < limit <= self.config.max_decode_length:
+            raise ValueError(
+                f"max_new_tokens {limit} is not in [1, {self.config.max_decode_length}]"
+            )
+        return self._insert(prefix, state, jnp.int32(slot), key, jnp.int32(limit))
+
+    def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """One decode step for every slot (donates ``state``)."""
+        return self._generate(params, state)
+
+    def generate_chunk(
+        self,
+        params: nnx.State,
+        state: DecodeState,
+        *,
+        rows: np.ndarray | None = None,
+        attend: int | None = None,
+        stop_on_free: bool = False,
+        min_live: int = 0,
+    ) -> tuple[DecodeState, StepOutput, jax.Array]:
+        """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``."""
+        attend = self.config.cache_length if attend is None else attend
+        b = self.config.max_concurrent_decodes if rows is None else len(rows)
+        fn = self._chunks.get((b, attend))
+        if fn is None:
+            fn = jax.jit(
+                functools.partial(
+                    decode_chunk_fn,
+                    self.graphdef,
+                    num_steps=self.config.decode_steps,
+                    attend=attend,
+                    **self._kw,
+                ),
+                donate_argnums=1,
+                out_shardings=(self.state_shardings(), None, None),
+            )
+            self._chunks[(b, attend)] = fn
+        rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
+        return fn(params, state, rows_b, jnp.bool_(stop_on_free), jnp.int32(min_live))
