@@ -13,6 +13,7 @@ Module and parameter names mirror Hugging Face so that conversion is a table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -47,6 +48,8 @@ class ModelConfig:
       param_dtype: storage dtype of the parameters. fp32 by default: an lr of
         1e-6 vanishes when added to bf16 weights.
       dtype: compute dtype of matmuls; softmax, norms and RoPE stay in fp32.
+      attention_chunk: queries per attention block for long inputs (0: all at
+        once); bounds attention memory by [B, N, chunk, S] instead of [B, N, T, S].
     """
 
     vocab_size: int
@@ -66,6 +69,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     param_dtype: DType = "float32"
     dtype: DType = "float32"
+    attention_chunk: int = 2048
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -93,6 +97,10 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}"
                 )
+        if self.attention_chunk < 0:
+            raise ValueError(
+                f"ModelConfig.attention_chunk must be >= 0, got {self.attention_chunk}"
+            )
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("ModelConfig.sliding_layers is set but sliding_window is not")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
@@ -376,6 +384,27 @@ def apply_rope(x_BTxH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
     return out.astype(x_BTxH.dtype)
 
 
+def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, window):
+    """Masked softmax attention of queries at cache slots ``q_slot_BT`` (fp32 softmax)."""
+    s, h = k_BSKH.shape[1], q_BTKGH.shape[-1]
+    slot_S = jnp.arange(s, dtype=jnp.int32)
+    allowed_BTS = (key_pos_BS[:, None, :] >= 0) & (slot_S[None, None, :] <= q_slot_BT[:, :, None])
+    if window is not None:
+        allowed_BTS &= positions_BT[:, :, None] - key_pos_BS[:, None, :] < window
+    # A padding query may have no visible key; letting it see its own slot keeps
+    # the softmax finite (its output is ignored).
+    allowed_BTS |= slot_S[None, None, :] == q_slot_BT[:, :, None]
+    logits = jnp.einsum(
+        "BTKGH,BSKH->BKGTS",
+        q_BTKGH,
+        k_BSKH.astype(q_BTKGH.dtype),
+        preferred_element_type=jnp.float32,
+    ) * (h**-0.5)
+    logits = jnp.where(allowed_BTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKH.dtype)
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with q/k/v biases and RoPE."""
 
@@ -390,6 +419,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
         self.window = config.sliding_window if layer in config.sliding_layers else None
+        self.attention_chunk = config.attention_chunk
 
     def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B):
         """Attends queries at cache slots ``q_slot_BT`` to the keys held in the cache.
@@ -410,26 +440,27 @@ class Attention(nnx.Module):
             k_BSKH = _write_rows(cache_kv[0], k_BTKH, write_at_B)
             v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
 
-        s = k_BSKH.shape[1]
-        slot_S = jnp.arange(s, dtype=jnp.int32)
-        allowed_BTS = (key_pos_BS[:, None, :] >= 0) & (
-            slot_S[None, None, :] <= q_slot_BT[:, :, None]
+        attend = functools.partial(
+            _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=self.window
         )
-        if self.window is not None:
-            allowed_BTS &= positions_BT[:, :, None] - key_pos_BS[:, None, :] < self.window
-        # A padding query may have no visible key; letting it see its own slot keeps
-        # the softmax finite (its output is ignored).
-        allowed_BTS |= slot_S[None, None, :] == q_slot_BT[:, :, None]
+        c = self.attention_chunk
+        if not c or t <= c:
+            out_BTKGH = attend(q_BTKGH, q_slot_BT, positions_BT)
+        else:
+            # Long sequences: one query chunk at a time, rematerialised in the backward
+            # pass, so scores take [B, N, c, S] memory rather than [B, N, T, S].
+            n = -(-t // c)
+            pad = n * c - t
 
-        logits = jnp.einsum(
-            "BTKGH,BSKH->BKGTS",
-            q_BTKGH,
-            k_BSKH.astype(q_BTKGH.dtype),
-            preferred_element_type=jnp.float32,
-        ) * (h**-0.5)
-        logits = jnp.where(allowed_BTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKH.dtype)
-        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+            def chunks(x):
+                x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
+                return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+            out = jax.lax.map(
+                jax.checkpoint(lambda a: attend(*a)),
+                (chunks(q_BTKGH), chunks(q_slot_BT), chunks(positions_BT)),
+            )
+            out_BTKGH = jnp.moveaxis(out, 0, 1).reshape(b, n * c, kh, g, h)[:, :t]
         out = self.o_proj(out_BTKGH.reshape(b, t, kh * g * h))
         return out, (k_BSKH, v_BSKH)
 

@@ -176,3 +176,27 @@ def test_unsupported_architecture_is_named():
     hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_hf_config(hf)
+
+
+def test_query_chunked_attention_equals_full():
+    """Chunked attention (with padding of the last chunk) changes neither values nor grads."""
+    base = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    full = Qwen2(ModelConfig(**base, attention_chunk=0), rngs=nnx.Rngs(3))
+    chunked = Qwen2(ModelConfig(**base, attention_chunk=4), rngs=nnx.Rngs(3))
+    ids, mask = _left_padded_batch(61, [11, 6], 11, seed=4)
+
+    def loss(m):
+        logits = m(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 5] * mask)
+
+    (la, ga), (lb, gb) = (nnx.jit(nnx.value_and_grad(loss))(m) for m in (full, chunked))
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
