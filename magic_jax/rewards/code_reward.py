@@ -1,0 +1,177 @@
+"""Code reward: extract the last python block, check its syntax, run the unit tests in the sandbox."""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+from magic_jax.rewards.code_tests import (
+    CodeTests,
+    call_output_matches,
+    parse_code_ground_truth,
+    stdio_output_matches,
+)
+from magic_jax.rewards.math_reward import extract_answer_region
+from magic_jax.rewards.sandbox import SandboxConfig, run_sandboxed
+from magic_jax.rewards.types import GroundTruthError, RewardResult, RewardStatus
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3", "py3"}
+
+
+def extract_code(text: str) -> str | None:
+    """Returns the last fenced python block of ``text``.
+
+    Blocks tagged ``python``/``py``/``python3`` win; without one, the last
+    untagged block is taken. ``None`` when there is no usable block.
+    """
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
+    for tags in (_PYTHON_TAGS, {""}):
+        picked = [body for tag, body in blocks if tag in tags]
+        if picked and picked[-1].strip():
+            return picked[-1]
+    return None
+
+
+def syntax_error(code: str) -> str | None:
+    """Returns a description of the first syntax error of ``code``, or None if it parses."""
+    try:
+        ast.parse(code)
+    except SyntaxError as e:
+        return f"line {e.lineno}: {e.msg}"
+    except (ValueError, RecursionError, MemoryError) as e:
+        # Null bytes, or nesting too deep for the parser.
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _validate_test_syntax(tests: CodeTests) -> None:
+    sources = [("import_prefix", tests.import_prefix)]
+    sources += [(f"assert_case[{i}]", src) for i, src in enumerate(tests.asserts)]
+    sources.append(("test_code", tests.test_code))
+    for name, src in sources:
+        if src and (err := syntax_error(src)):
+            raise GroundTruthError(f"{name} is not valid Python ({err})")
+    if tests.entry_point:
+        try:
+            ast.parse(tests.entry_point, mode="eval")
+        except SyntaxError:
+            raise GroundTruthError(
+                f"entry_point is not a Python expression: {tests.entry_point!r}"
+            ) from None
+
+
+def build_job(tests: CodeTests, code: str) -> dict[str, Any]:
+    """The harness job for ``tests``; expected outputs are deliberately left out."""
+    program = f"{tests.import_prefix}\n{code}" if tests.import_prefix else code
+    job: dict[str, Any] = {"style": tests.style, "code": program}
+    if tests.style in ("stdio", "call"):
+        job["tests"] = list(tests.inputs)
+        job["fn_name"] = tests.fn_name
+    elif tests.style == "assert":
+        job["tests"] = list(tests.asserts)
+    else:
+        job["tests"] = [None]
+        job["test_code"] = tests.test_code
+        job["entry_point"] = tests.entry_point
+    return job
+
+
+class _Verdict:
+    """Judges records as they stream in; returning False stops the run early."""
+
+    def __init__(self, tests: CodeTests) -> None:
+        self.tests = tests
+        self.passed: set[int] = set()
+        self.failure: tuple[RewardStatus, str] | None = None
+        self.done = False
+        self.fatal: str | None = None
+
+    def fail(self, status: RewardStatus, detail: str) -> bool:
+        if self.failure is None:
+            self.failure = (status, detail)
+        return False
+
+    def __call__(self, rec: dict[str, Any]) -> bool:
+        event = rec.get("event")
+        if event == "done":
+            self.done = True
+        elif event in ("fatal", "garbled"):
+            self.fatal = str(rec.get("detail", ""))
+            return False
+        elif event == "load_error":
+            return self.fail(RewardStatus.WRONG, f"program failed to load: {rec.get('detail')}")
+        elif event == "child" and rec.get("status") == "timeout":
+            return self.fail(RewardStatus.TIMEOUT, f"tests: {rec.get('detail')}")
+        elif event is None:
+            return self._test(rec)
+        return True
+
+    def _test(self, rec: dict[str, Any]) -> bool:
+        i = rec.get("i")
+        if not isinstance(i, int) or not 0 <= i < self.tests.num_tests or i in self.passed:
+            return self.fail(RewardStatus.WRONG, f"unexpected test record {str(rec)[:100]}")
+        status, detail = rec.get("status"), rec.get("detail", "")
+        if status == "timeout":
+            return self.fail(RewardStatus.TIMEOUT, f"test {i}: {detail}")
+        if status != "ok":
+            return self.fail(RewardStatus.WRONG, f"test {i} {status}: {detail}")
+        style = self.tests.style
+        if style == "stdio":
+            if not stdio_output_matches(str(rec.get("output", "")), self.tests.outputs[i]):
+                return self.fail(RewardStatus.WRONG, f"test {i}: wrong output")
+        elif style == "call":
+            if "value" not in rec or not call_output_matches(rec["value"], self.tests.outputs[i]):
+                return self.fail(RewardStatus.WRONG, f"test {i}: wrong return value")
+        self.passed.add(i)
+        return True
+
+    def result(self, run_timed_out: bool) -> RewardResult:
+        if self.failure is not None:
+            return RewardResult.of(*self.failure)
+        if self.fatal is not None:
+            return RewardResult.of(RewardStatus.ERROR, f"sandbox failure: {self.fatal}")
+        if run_timed_out:
+            return RewardResult.of(RewardStatus.TIMEOUT, "sandbox deadline")
+        n = self.tests.num_tests
+        if self.done and len(self.passed) == n:
+            return RewardResult.of(RewardStatus.CORRECT, f"{n}/{n} tests passed")
+        return RewardResult.of(
+            RewardStatus.WRONG, f"run ended after {len(self.passed)}/{n} passing tests"
+        )
+
+
+def code_reward(
+    response: str, tests: Any, *, config: SandboxConfig | None = None
+) -> RewardResult:
+    """Scores a code response by running its unit tests in the sandbox.
+
+    Args:
+      response: the decoded model output; the program is the last fenced
+        python block after ``</think>``.
+      tests: the ground truth: a JSON string or dict with ``inputs``/``outputs``
+        (optionally ``fn_name``), ``assert_case``, or ``import_prefix`` /
+        ``test_code`` / ``entry_point``; or a parsed ``CodeTests``.
+      config: sandbox limits and isolation.
+
+    Returns:
+      ``CORRECT`` only when every test passes; ``NO_ANSWER`` without a python
+      block; ``WRONG`` for a syntax error, a failed test or a crash; ``TIMEOUT``
+      when a test or the run hit its time limit; ``ERROR`` for malformed tests
+      or a sandbox that could not start.
+    """
+    config = config or SandboxConfig()
+    try:
+        suite = tests if isinstance(tests, CodeTests) else parse_code_ground_truth(tests)
+        _validate_test_syntax(suite)
+    except GroundTruthError as e:
+        return RewardResult.of(RewardStatus.ERROR, str(e))
+    code = extract_code(extract_answer_region(response))
+    if code is None:
+        return RewardResult.of(RewardStatus.NO_ANSWER, "no python code block")
+    if err := syntax_error(code):
+        return RewardResult.of(RewardStatus.WRONG, f"syntax error: {err}")
+    verdict = _Verdict(suite)
+    run = run_sandboxed(build_job(suite, code), config, on_record=verdict)
+    return verdict.result(run.timed_out)

@@ -1,0 +1,465 @@
+"""VerifierPool: worker processes with outside deadlines, recycling and an async submit/collect API."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from magic_jax.rewards.dispatch import as_item, resolve_ability
+from magic_jax.rewards.math_reward import MathConfig
+from magic_jax.rewards.sandbox import SandboxConfig, kill_uid
+from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
+
+logger = logging.getLogger(__name__)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """Verifier pool settings.
+
+    Attributes:
+      num_workers: worker processes; ``None`` uses ``os.cpu_count()``.
+      max_items_per_worker: a worker is replaced after this many items, which
+        bounds what caches and leaks can grow to.
+      math_deadline_s: wall-clock limit of a math item, enforced by killing
+        the worker (Math-Verify's own SIGALRM limits cannot interrupt C code).
+      code_deadline_s: the same for a code item; ``None`` is
+        ``sandbox.max_wall_s + 15``.
+      worker_memory_mb: RLIMIT_AS of each worker (``None``: unlimited).
+      start_timeout_s: a worker that is not ready after this long is replaced.
+      sandbox_uid_base: as root, worker ``i`` runs its programs as uid and gid
+        ``sandbox_uid_base + i``, so that concurrent sandboxes do not share a
+        process limit and a fallback kill by uid hits one sandbox only.
+        ``None`` runs every worker as ``sandbox.uid``.
+      math: Math-Verify limits.
+      sandbox: code sandbox limits.
+    """
+
+    num_workers: int | None = None
+    max_items_per_worker: int = 500
+    math_deadline_s: float = 30.0
+    code_deadline_s: float | None = None
+    worker_memory_mb: int | None = 8192
+    start_timeout_s: float = 120.0
+    sandbox_uid_base: int | None = 1_900_000_000
+    math: MathConfig = dataclasses.field(default_factory=MathConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and (
+            not isinstance(self.num_workers, int) or self.num_workers < 1
+        ):
+            raise ValueError(f"num_workers must be an int >= 1 or None, got {self.num_workers!r}")
+        if not isinstance(self.max_items_per_worker, int) or self.max_items_per_worker < 1:
+            raise ValueError(
+                f"max_items_per_worker must be an int >= 1, got {self.max_items_per_worker!r}"
+            )
+        for name in ("math_deadline_s", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.code_deadline_s is not None and not self.code_deadline_s > self.sandbox.max_wall_s:
+            raise ValueError(
+                f"code_deadline_s ({self.code_deadline_s}) must exceed sandbox.max_wall_s "
+                f"({self.sandbox.max_wall_s}) so the sandbox can report its own timeouts"
+            )
+        if self.worker_memory_mb is not None and self.worker_memory_mb < 256:
+            raise ValueError(f"worker_memory_mb must be >= 256 or None, got {self.worker_memory_mb}")
+        if self.sandbox_uid_base is not None and not 0 < self.sandbox_uid_base < 2**31:
+            raise ValueError(f"sandbox_uid_base must be in (0, 2**31), got {self.sandbox_uid_base}")
+
+    @property
+    def workers(self) -> int:
+        """The resolved number of workers."""
+        return self.num_workers or os.cpu_count() or 1
+
+    @property
+    def code_deadline(self) -> float:
+        """The resolved code-item deadline in seconds."""
+        return self.code_deadline_s or self.sandbox.max_wall_s + 15.0
+
+    def sandbox_for(self, slot: int) -> SandboxConfig:
+        """Sandbox config of worker ``slot``."""
+        if self.sandbox_uid_base is None:
+            return self.sandbox
+        uid = self.sandbox_uid_base + slot
+        return dataclasses.replace(self.sandbox, uid=uid, gid=uid)
+
+
+@dataclasses.dataclass
+class _Worker:
+    slot: int
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+    spawned: float
+    ready: bool = False
+    ticket: int | None = None
+    deadline: float = 0.0
+    started: float = 0.0
+    items: int = 0
+
+
+class VerifierPool:
+    """A pool of verifier processes with an asynchronous submit/collect API.
+
+    Items are queued by ``submit`` and verified while the caller goes on (for
+    example while the sampler is still decoding); ``collect`` blocks until the
+    requested results are in. Each item has a wall-clock deadline counted from
+    when a worker takes it; a worker that overruns is killed and replaced, and
+    the item gets ``TIMEOUT``. Workers are fresh interpreters (never forked
+    from the caller, which may hold JAX state), so Math-Verify runs in their
+    main thread.
+
+    Use as a context manager; leaving it stops every worker and sandbox::
+
+        with VerifierPool(PoolConfig(num_workers=8)) as pool:
+            tickets = pool.submit_many(items)
+            ...  # decode the next batch
+            results = pool.collect(tickets)
+    """
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[int, RewardItem, float]] = collections.deque()
+        self._results: dict[int, RewardResult] = {}
+        self._pending: dict[int, None] = {}  # submitted, not collected; keeps order
+        self._next_ticket = 0
+        self._workers: list[_Worker | None] = [None] * self.config.workers
+        self._closing = False
+        self._closed = False
+        self._drain = True
+        self._broken: str | None = None
+        self._start_failures = 0
+        self._stats: collections.Counter[str] = collections.Counter()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        self._thread = threading.Thread(target=self._run, name="verifier-pool", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------
+
+    def submit(self, item: RewardItem | Mapping[str, Any]) -> int:
+        """Queues one item; returns its ticket."""
+        return self.submit_many([item])[0]
+
+    def submit_many(self, items: Iterable[RewardItem | Mapping[str, Any]]) -> list[int]:
+        """Queues items; returns their tickets in order."""
+        parsed = [as_item(it) for it in items]
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("VerifierPool is closed")
+            if self._broken:
+                raise RuntimeError(f"VerifierPool is broken: {self._broken}")
+            tickets = []
+            for item in parsed:
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                self._queue.append((ticket, item, self._deadline_of(item)))
+                self._pending[ticket] = None
+                tickets.append(ticket)
+        self._wake()
+        return tickets
+
+    def poll(self, ticket: int) -> RewardResult | None:
+        """The result of ``ticket`` if it is ready (and then removes it), else None."""
+        with self._cond:
+            self._check_ticket(ticket)
+            if ticket not in self._results:
+                return None
+            self._pending.pop(ticket)
+            return self._results.pop(ticket)
+
+    def collect(
+        self, tickets: Sequence[int] | None = None, *, timeout: float | None = None
+    ) -> list[RewardResult]:
+        """Waits for results and returns them in ticket order.
+
+        Args:
+          tickets: which results; ``None`` means every submitted item not yet
+            collected.
+          timeout: seconds to wait; ``None`` waits as long as needed (every
+            item has a deadline, so this ends).
+
+        Raises:
+          TimeoutError: not all results arrived in time (they stay collectable).
+          KeyError: an unknown or already collected ticket.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            wanted = list(self._pending) if tickets is None else list(tickets)
+            for t in wanted:
+                self._check_ticket(t)
+            while not all(t in self._results for t in wanted):
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    missing = sum(t not in self._results for t in wanted)
+                    raise TimeoutError(f"{missing} of {len(wanted)} results not ready")
+                self._cond.wait(remaining)
+            for t in wanted:
+                self._pending.pop(t)
+            return [self._results.pop(t) for t in wanted]
+
+    def map(
+        self, items: Iterable[RewardItem | Mapping[str, Any]], *, timeout: float | None = None
+    ) -> list[RewardResult]:
+        """Verifies items and returns their results in order."""
+        return self.collect(self.submit_many(items), timeout=timeout)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: results per status, workers started/recycled/killed at deadline/died."""
+        with self._cond:
+            return dict(self._stats)
+
+    def close(self, *, cancel_pending: bool = False) -> None:
+        """Stops the pool and every worker and sandbox process.
+
+        Args:
+          cancel_pending: give queued items ``ERROR`` instead of running them
+            (running items are always finished or timed out first).
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            self._drain = not cancel_pending
+            if cancel_pending:
+                while self._queue:
+                    ticket, _, _ = self._queue.popleft()
+                    self._finish(ticket, RewardResult.of(RewardStatus.ERROR, "pool closed"))
+        self._wake()
+        self._thread.join()
+        with self._cond:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(cancel_pending=exc_type is not None)
+
+    # -- internals ------------------------------------------------------------
+
+    def _deadline_of(self, item: RewardItem) -> float:
+        if item.deadline_s is not None:
+            return item.deadline_s
+        if resolve_ability(item) == "code":
+            return self.config.code_deadline
+        return self.config.math_deadline_s
+
+    def _check_ticket(self, ticket: int) -> None:
+        if ticket not in self._pending:
+            raise KeyError(f"unknown or already collected ticket {ticket}")
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or the pool is closing
+
+    def _finish(self, ticket: int, result: RewardResult) -> None:
+        # Caller holds the lock.
+        self._results[ticket] = result
+        self._stats[result.status.value] += 1
+        self._cond.notify_all()
+
+    def _spawn(self, slot: int) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p
+        )
+        cmd = [sys.executable, "-m", "magic_jax.rewards.worker"]
+        proc = subprocess.Popen(
+            [*cmd, str(child_sock.fileno()), str(os.getpid()), str(slot)],
+            pass_fds=(child_sock.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        child_sock.close()
+        conn = Connection(parent_sock.detach())
+        sandbox = self.config.sandbox_for(slot)
+        conn.send(("init", self.config.math, sandbox, self.config.worker_memory_mb))
+        self._procs.add(proc)
+        self._workers[slot] = _Worker(slot, proc, conn, spawned=time.monotonic())
+        self._stats["workers_started"] += 1
+
+    def _retire(self, w: _Worker, *, kill: bool) -> None:
+        if kill:
+            w.proc.kill()
+        else:
+            try:
+                w.conn.send(None)
+            except OSError:
+                w.proc.kill()
+        try:
+            w.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+        w.conn.close()
+        self._procs.discard(w.proc)
+        self._workers[w.slot] = None
+
+    def _run(self) -> None:
+        try:
+            for slot in range(len(self._workers)):
+                self._spawn(slot)
+            self._loop()
+        except BaseException as e:  # the pool must never hang its callers
+            logger.exception("verifier pool dispatcher failed")
+            with self._cond:
+                self._broken = f"dispatcher failed: {e!r}"
+                self._fail_all(self._broken)
+        finally:
+            for w in self._workers:
+                if w is not None:
+                    self._retire(w, kill=w.ticket is not None or not w.ready)
+            self._cleanup_uids()
+
+    def _fail_all(self, reason: str) -> None:
+        while self._queue:
+            ticket, _, _ = self._queue.popleft()
+            self._finish(ticket, RewardResult.of(RewardStatus.ERROR, reason))
+        for w in self._workers:
+            if w is not None and w.ticket is not None:
+                self._finish(w.ticket, RewardResult.of(RewardStatus.ERROR, reason))
+                w.ticket = None
+
+    def _cleanup_uids(self) -> None:
+        if os.geteuid() != 0 or self.config.sandbox_uid_base is None:
+            return
+        for slot in range(len(self._workers)):
+            if kill_uid(self.config.sandbox_for(slot).uid):
+                logger.warning("killed leftover processes of sandbox uid slot %d", slot)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._dispatch()
+                busy = [w for w in self._workers if w is not None and w.ticket is not None]
+                if self._closing and not busy and (not self._drain or not self._queue):
+                    return
+            now = time.monotonic()
+            limits = [w.deadline for w in busy]
+            limits += [
+                w.spawned + self.config.start_timeout_s
+                for w in self._workers
+                if w is not None and not w.ready
+            ]
+            timeout = max(0.0, min(limits) - now) if limits else None
+            conns = [w.conn for w in self._workers if w is not None]
+            for ready in wait([*conns, self._wake_r], timeout):
+                if ready == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                    continue
+                w = next(w for w in self._workers if w is not None and w.conn is ready)
+                self._receive(w)
+            self._enforce_deadlines()
+
+    def _dispatch(self) -> None:
+        # Caller holds the lock.
+        for slot, w in enumerate(self._workers):
+            if w is None:
+                if not self._closing or self._queue:
+                    self._spawn(slot)
+                continue
+            if not w.ready or w.ticket is not None or not self._queue:
+                continue
+            ticket, item, deadline = self._queue.popleft()
+            try:
+                w.conn.send(("item", ticket, item))
+            except OSError:
+                self._queue.appendleft((ticket, item, deadline))
+                self._on_death(w)
+                continue
+            w.ticket, w.started = ticket, time.monotonic()
+            w.deadline = w.started + deadline
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            with self._cond:
+                self._on_death(w)
+            return
+        with self._cond:
+            if msg[0] == "ready":
+                w.ready = True
+                self._start_failures = 0
+            elif msg[0] == "result" and msg[1] == w.ticket:
+                self._finish(w.ticket, msg[2])
+                w.ticket = None
+                w.items += 1
+                if w.items >= self.config.max_items_per_worker:
+                    self._stats["workers_recycled"] += 1
+                    self._retire(w, kill=False)
+
+    def _on_death(self, w: _Worker) -> None:
+        # Caller holds the lock.
+        code = w.proc.poll()
+        if w.ticket is not None:
+            self._finish(
+                w.ticket, RewardResult.of(RewardStatus.ERROR, f"verifier worker died (exit {code})")
+            )
+            w.ticket = None
+        elif not w.ready:
+            self._start_failures += 1
+        self._stats["workers_died"] += 1
+        logger.warning("verifier worker %d died (exit code %s)", w.slot, code)
+        self._retire(w, kill=True)
+        if self._start_failures >= 3:
+            self._broken = "workers keep dying before they are ready"
+            self._fail_all(self._broken)
+            raise RuntimeError(self._broken)
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for w in list(self._workers):
+                if w is None:
+                    continue
+                if w.ticket is not None and now >= w.deadline:
+                    elapsed = now - w.started
+                    logger.warning(
+                        "reward item %d passed its %.1fs deadline; killing worker %d",
+                        w.ticket,
+                        w.deadline - w.started,
+                        w.slot,
+                    )
+                    self._finish(
+                        w.ticket,
+                        RewardResult.of(
+                            RewardStatus.TIMEOUT, "killed at the pool deadline", elapsed_s=elapsed
+                        ),
+                    )
+                    w.ticket = None
+                    self._stats["killed_at_deadline"] += 1
+                    self._retire(w, kill=True)
+                elif not w.ready and now >= w.spawned + self.config.start_timeout_s:
+                    logger.warning("verifier worker %d did not start in time", w.slot)
+                    self._start_failures += 1
+                    self._retire(w, kill=True)
+
+
+def _kill_all(procs: set[subprocess.Popen[bytes]]) -> None:
+    # Last resort when a pool is garbage-collected or the interpreter exits unclosed.
+    for proc in list(procs):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
