@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import jax
@@ -19,6 +20,33 @@ class TruncationMask(enum.StrEnum):
     NONE = "none"
     BEFORE = "before"
     AFTER = "after"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageConfig:
+    """Options of the group advantages (SPEC items 1-3).
+
+    Attributes:
+      mask: truncation advantage mask (``"none"`` is the report's default).
+      eps: added to the group std.
+      ddof: delta degrees of freedom of the group std (1 = unbiased, as the reference code).
+    """
+
+    mask: TruncationMask = TruncationMask.NONE
+    eps: float = 1e-6
+    ddof: int = 1
+
+    def __post_init__(self):
+        if self.mask not in {m.value for m in TruncationMask}:
+            raise ValueError(
+                f"AdvantageConfig.mask must be one of {[m.value for m in TruncationMask]}, "
+                f"got {self.mask!r}"
+            )
+        object.__setattr__(self, "mask", TruncationMask(self.mask))
+        if self.eps < 0:
+            raise ValueError(f"AdvantageConfig.eps must be >= 0, got {self.eps}")
+        if self.ddof not in (0, 1):
+            raise ValueError(f"AdvantageConfig.ddof must be 0 or 1, got {self.ddof}")
 
 
 def group_advantages(

@@ -154,6 +154,11 @@ class EntropyControlConfig:
             )
         if self.gate not in ("<=", "<"):
             raise ValueError(f"EntropyControlConfig.gate must be '<=' or '<', got {self.gate!r}")
+        if self.estimator not in {e.value for e in EntropyEstimator}:
+            raise ValueError(
+                f"EntropyControlConfig.estimator must be one of "
+                f"{[e.value for e in EntropyEstimator]}, got {self.estimator!r}"
+            )
         object.__setattr__(self, "estimator", EntropyEstimator(self.estimator))
         if self.target < 0:
             raise ValueError(f"EntropyControlConfig.target must be >= 0, got {self.target}")

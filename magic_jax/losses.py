@@ -53,6 +53,11 @@ class LossConfig:
     logit_chunk: int = 1024
 
     def __post_init__(self):
+        if self.aggregation not in {a.value for a in Aggregation}:
+            raise ValueError(
+                f"LossConfig.aggregation must be one of {[a.value for a in Aggregation]}, "
+                f"got {self.aggregation!r}"
+            )
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
         if not 0 <= self.eps_low < 1:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")

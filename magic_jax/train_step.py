@@ -1,0 +1,490 @@
+"""The jitted policy update: micro-batched loss and grads, AdamW step, and passes over a buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from magic_jax.buffer import RolloutBuffer
+from magic_jax.entropy import (
+    EntropyControlConfig,
+    EntropyControlState,
+    entropy_coefficient,
+    init_entropy_control,
+    measure_entropy,
+    token_logprobs_and_entropy,
+    update_entropy_control,
+)
+from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
+
+log = logging.getLogger(__name__)
+
+# Rows of a batch split over these mesh axes (as sharding.BATCH_AXES).
+_BATCH_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping (the reference code's optimiser).
+
+    Attributes:
+      learning_rate: constant learning rate.
+      b1, b2, eps: Adam moments and epsilon.
+      weight_decay: decoupled weight decay (applied to every parameter, as torch AdamW).
+      max_grad_norm: clip the global gradient norm to this; None = no clipping.
+    """
+
+    learning_rate: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(
+                    f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}"
+                )
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(
+                f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
+            )
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """optax chain: optional global-norm clip, then AdamW."""
+    adamw = optax.adamw(
+        config.learning_rate,
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    """How a rollout buffer becomes optimizer steps (SPEC item 7).
+
+    N_SGD = ceil(kept groups / mini_batch_groups) * num_reuse; with D_R = D_T and
+    num_reuse = 1 this is one on-policy step.
+
+    Attributes:
+      mini_batch_groups: D_T, prompts (groups) per optimizer step.
+      micro_batch_size: sequences per micro-batch (gradient accumulation inside
+        jit); None = the whole mini-batch at once. Must divide D_T * G.
+      num_reuse: N_reuse, passes over the buffer.
+      loss: objective options.
+      entropy: entropy-bonus controller options.
+      optimizer: AdamW options.
+    """
+
+    mini_batch_groups: int
+    micro_batch_size: int | None = None
+    num_reuse: int = 1
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+
+    def __post_init__(self):
+        if self.mini_batch_groups <= 0:
+            raise ValueError(
+                f"UpdateConfig.mini_batch_groups must be > 0, got {self.mini_batch_groups}"
+            )
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            raise ValueError(
+                f"UpdateConfig.micro_batch_size must be > 0, got {self.micro_batch_size}"
+            )
+        if self.num_reuse <= 0:
+            raise ValueError(f"UpdateConfig.num_reuse must be > 0, got {self.num_reuse}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything an update changes; a pytree of arrays (checkpointed as one).
+
+    Attributes:
+      params: fp32 master parameters (``nnx.State`` of ``nnx.Param``).
+      opt_state: optax state.
+      step: int32 optimizer steps applied.
+      skipped: int32 updates skipped for a non-finite loss or gradient.
+      entropy: adaptive entropy controller state (c_k).
+      ref_params: frozen reference policy for the KL term; None when kl_beta = 0.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    skipped: jax.Array
+    entropy: EntropyControlState
+    ref_params: Any = None
+
+
+def init_train_state(
+    params: Any, config: UpdateConfig, ref_params: Any = None, *, mesh: Mesh | None = None
+) -> TrainState:
+    """A fresh train state; optimizer state is created next to (sharded like) the params.
+
+    Args:
+      params: ``nnx.state(model, nnx.Param)``, possibly sharded.
+      config: update options (optimizer, controller).
+      ref_params: reference-policy parameters, needed iff ``config.loss.kl_beta > 0``.
+      mesh: the mesh the params live on; scalars (step, counters, controller,
+        Adam's count) are replicated over it so every leaf shares the device set.
+    """
+    if config.loss.kl_beta > 0 and ref_params is None:
+        raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params")
+    low = {str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32}
+    if low:
+        log.warning("parameters stored as %s: a 1e-6 learning rate may not move them", low)
+    tx = make_optimizer(config.optimizer)
+    state = TrainState(
+        params=params,
+        opt_state=jax.jit(tx.init)(params),
+        step=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+        entropy=init_entropy_control(config.entropy),
+        ref_params=None if config.loss.kl_beta == 0 else ref_params,
+    )
+    if mesh is None:
+        return state
+    return jax.device_put(state, _on_mesh(state, mesh))
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """Each leaf's sharding if it already lives on ``mesh``, else replicated over it."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh == mesh:
+            return sh
+        return replicated
+
+    return jax.tree.map(one, tree)
+
+
+def compute_logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: RolloutBuffer, config: LossConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies of the response tokens of ``batch`` under ``params``.
+
+    Returns:
+      (logp_BR, ent_BR), float32 [B, R], aligned with ``batch.old_logprobs``.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden_BLD = model(
+        batch.tokens,
+        positions=batch.positions,
+        attention_mask=batch.attention_mask,
+        return_hidden=True,
+    )
+    p, r = batch.prompt_len, batch.response_len
+    # hidden at position t predicts token t + 1: response token j is predicted at P + j - 1.
+    hidden_BRD = hidden_BLD[:, p - 1 : p - 1 + r]
+    return token_logprobs_and_entropy(
+        hidden_BRD,
+        model.unembedding(),
+        batch.tokens[:, p:],
+        temperature=config.temperature,
+        chunk_size=config.logit_chunk,
+        compute_dtype=model.config.dtype,
+    )
+
+
+def _micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):
+    """[M, ...] -> [M / size, size, ...]; micro-batch i takes rows i, i + n, i + 2n, ...
+
+    The strided split keeps every micro-batch spread over all data shards when the
+    rows are sharded in contiguous blocks.
+    """
+    m = batch.num_rows
+    if m % size:
+        raise ValueError(f"micro_batch_size {size} does not divide the mini-batch of {m} rows")
+    n = m // size
+
+    def split(x):
+        x = x.reshape(size, n, *x.shape[1:]).swapaxes(0, 1)
+        if sharding is not None:
+            spec = PartitionSpec(None, *sharding.spec)
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, spec))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(
+    params: Any,
+    batch: RolloutBuffer,
+    alpha: jax.Array | float,
+    *,
+    graphdef: nnx.GraphDef,
+    config: UpdateConfig,
+    ref_params: Any = None,
+    batch_sharding: NamedSharding | None = None,
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Mini-batch loss, gradients and metrics, accumulated over micro-batches.
+
+    T_k (and the sequence counts of the other aggregations) are taken over the
+    whole mini-batch before the micro-batch loop, so with the default global token
+    mean the result does not depend on ``micro_batch_size`` or on sharding.
+
+    Args:
+      params: policy parameters (differentiated).
+      batch: a mini-batch ``RolloutBuffer`` [M rows].
+      alpha: entropy-bonus coefficient alpha_k.
+      graphdef: the policy's ``nnx.GraphDef``.
+      config: update options.
+      ref_params: reference-policy parameters (used iff ``config.loss.kl_beta > 0``).
+      batch_sharding: sharding of the batch rows, kept on every micro-batch.
+
+    Returns:
+      (loss, grads, metrics); grads have the structure of ``params``.
+    """
+    lcfg = config.loss
+    mask_BR = batch.loss_mask()
+    num_tokens = mask_BR.sum()
+    num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
+    nominal = float(batch.num_rows)
+
+    def micro_loss(p, mb):
+        logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg)
+        ref_logp_BR = None
+        if lcfg.kl_beta > 0:
+            ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg)
+            ref_logp_BR = jax.lax.stop_gradient(ref_logp_BR)
+        return policy_loss(
+            logp_BR,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask(),
+            ent_BR,
+            alpha=alpha,
+            config=lcfg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            nominal_seqs=nominal,
+            ref_logp_BT=ref_logp_BR,
+        )
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    size = config.micro_batch_size or batch.num_rows
+    if size >= batch.num_rows:
+        (loss, metrics), grads = grad_fn(params, batch)
+        return loss, grads, metrics
+
+    def body(acc, mb):
+        (loss, m), g = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, acc, g), (loss, m)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (losses, metrics) = jax.lax.scan(
+        body, zeros, _micro_batches(batch, size, batch_sharding)
+    )
+    metrics = {k: v.max() if k in MAX_METRICS else v.sum() for k, v in metrics.items()}
+    return losses.sum(), grads, metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: RolloutBuffer,
+    alpha: jax.Array | float,
+    *,
+    graphdef: nnx.GraphDef,
+    config: UpdateConfig,
+    batch_sharding: NamedSharding | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
+
+    A non-finite loss or gradient leaves params and optimizer state untouched and
+    increments ``state.skipped``; a mini-batch with no counted token is a no-op.
+
+    Args:
+      state: the train state.
+      batch: a mini-batch ``RolloutBuffer`` [M rows].
+      alpha: entropy-bonus coefficient alpha_k of this training step.
+      graphdef: the policy's ``nnx.GraphDef``.
+      config: update options.
+      batch_sharding: sharding of the batch rows (None when unsharded).
+
+    Returns:
+      (new state, metrics): loss, pg_loss, clipfrac_low/high/dual, ratio_mean/max,
+      entropy, approx_kl (to the behaviour policy), ref_kl (with KL on), alpha,
+      grad_norm (before clipping), num_tokens, num_seqs, applied, skipped, step.
+    """
+    loss, grads, metrics = loss_and_grads(
+        state.params,
+        batch,
+        alpha,
+        graphdef=graphdef,
+        config=config,
+        ref_params=state.ref_params,
+        batch_sharding=batch_sharding,
+    )
+    num_tokens = batch.loss_mask().sum()
+    finite = jnp.isfinite(loss) & jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    )
+    apply = finite & (num_tokens > 0)
+    tx = make_optimizer(config.optimizer)
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    def pick(new, old):
+        return jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+
+    skipped = state.skipped + (~finite).astype(jnp.int32)
+    step = state.step + apply.astype(jnp.int32)
+    new_state = dataclasses.replace(
+        state,
+        params=pick(new_params, state.params),
+        opt_state=pick(new_opt, state.opt_state),
+        step=step,
+        skipped=skipped,
+    )
+    metrics = dict(metrics)
+    metrics.update(
+        loss=loss,
+        alpha=jnp.asarray(alpha, jnp.float32),
+        grad_norm=optax.tree.norm(grads),
+        num_tokens=num_tokens,
+        num_seqs=(batch.loss_mask().sum(-1) > 0).sum(),
+        applied=apply,
+        skipped=skipped,
+        step=step,
+    )
+    return new_state, metrics
+
+
+class PolicyUpdater:
+    """Binds a policy graph, options and mesh to a jitted ``train_step`` and ``update``.
+
+    Example:
+      graphdef, params = nnx.split(model, nnx.Param)
+      updater = PolicyUpdater(graphdef, UpdateConfig(mini_batch_groups=64), mesh=mesh)
+      state = updater.init_state(params)
+      state, metrics = updater.update(state, buffer, jax.random.key(step))
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, config: UpdateConfig, *, mesh: Mesh | None = None):
+        self.graphdef = graphdef
+        self.config = config
+        self.mesh = mesh
+        self.batch_sharding = (
+            None if mesh is None else NamedSharding(mesh, PartitionSpec(_BATCH_AXES))
+        )
+        self._jitted = None
+
+    def init_state(self, params: Any, ref_params: Any = None) -> TrainState:
+        """See ``init_train_state``."""
+        return init_train_state(params, self.config, ref_params, mesh=self.mesh)
+
+    def _compile(self, state: TrainState):
+        shardings = None if self.mesh is None else _on_mesh(state, self.mesh)
+
+        def step(state, batch, alpha):
+            new_state, metrics = train_step(
+                state,
+                batch,
+                alpha,
+                graphdef=self.graphdef,
+                config=self.config,
+                batch_sharding=self.batch_sharding,
+            )
+            if shardings is not None:
+                # Donation aliases buffers only when the output keeps the input's layout.
+                new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+            return new_state, metrics
+
+        return jax.jit(step, donate_argnums=0)
+
+    def train_step(
+        self, state: TrainState, batch: RolloutBuffer, alpha: float
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One jitted optimizer step (``state`` is donated: do not reuse it)."""
+        if self._jitted is None:
+            self._jitted = self._compile(state)
+        if self.batch_sharding is not None:
+            batch = jax.device_put(batch, self.batch_sharding)
+        return self._jitted(state, batch, jnp.float32(alpha))
+
+    def update(
+        self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """All optimizer steps of one training step over its rollout buffer.
+
+        Measures e_k on the buffer, sets alpha_k = c_k * 1{e_k <= target} for every
+        step, runs ``num_reuse`` shuffled passes of ceil(kept / D_T) mini-batches
+        (none when no group is kept: the step is skipped), then advances the
+        controller to c_{k+1}.
+
+        Args:
+          state: the train state (donated).
+          buffer: the step's ``RolloutBuffer`` (numpy or jax arrays).
+          rng: key for shuffling groups into mini-batches.
+
+        Returns:
+          (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
+          and scalars ``buffer_entropy``, ``alpha``, ``kept_group_fraction``,
+          ``num_sgd_steps``, ``entropy_coef_next``.
+        """
+        cfg = self.config
+        buffer = jax.tree.map(np.asarray, buffer)
+        e_k = float(
+            measure_entropy(
+                buffer.entropies,
+                buffer.old_logprobs,
+                buffer.response_mask * buffer.valid[:, None],
+                cfg.entropy.estimator,
+            )
+        )
+        alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
+        keep_N = buffer.group_keep()
+        valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
+        kept = np.flatnonzero(keep_N)
+        d_t = cfg.mini_batch_groups
+        n_mb = math.ceil(len(kept) / d_t)
+        steps = []
+        for _ in range(cfg.num_reuse if n_mb else 0):
+            rng, sub = jax.random.split(rng)
+            order = kept[np.asarray(jax.random.permutation(sub, len(kept)))]
+            for j in range(n_mb):
+                groups = order[j * d_t : (j + 1) * d_t]
+                live = np.ones(d_t, bool)
+                live[len(groups) :] = False
+                groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
+                state, m = self.train_step(state, buffer.take_groups(groups, live), alpha)
+                steps.append(m)
+        new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
+        shardings = jax.tree.map(lambda x: x.sharding, state.entropy)
+        state = dataclasses.replace(state, entropy=jax.device_put(new_ctl, shardings))
+        metrics: dict[str, Any] = {
+            k: np.stack([np.asarray(m[k]) for m in steps]) for k in (steps[0] if steps else {})
+        }
+        metrics.update(
+            buffer_entropy=e_k,
+            alpha=alpha,
+            kept_group_fraction=float(keep_N.sum() / max(valid_N.sum(), 1)),
+            num_sgd_steps=len(steps),
+            entropy_coef_next=float(state.entropy.coef),
+        )
+        return state, metrics
