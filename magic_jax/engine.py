@@ -46,7 +46,7 @@ class EngineConfig:
     decode_steps: int = 16
     cache_bucket: int = 128
     compact_batch: bool = True
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -138,11 +138,8 @@ class StepOutput(NamedTuple):
     done: jax.Array
 
 
-def _eos_hit(tokens_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    hit = jnp.zeros(tokens_B.shape, bool)
-    for e in eos_ids:
-        hit |= tokens_B == e
-    return hit
+def _eos_hit(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
+    return jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)
 
 
 def prefill_fn(
@@ -157,7 +154,9 @@ def prefill_fn(
     p = tokens_P.shape[0]
     mask_1P = (jnp.arange(p) < length)[None]
     cache = KVCache.init(model.config, 1, p)
-    hidden_1PD, cache = model(tokens_P[None], attention_mask=mask_1P, cache=cache, return_hidden=True)
+    hidden_1PD, cache = model(
+        tokens_P[None], attention_mask=mask_1P, cache=cache, return_hidden=True
+    )
     # Decode writes the response from the true length on, over the padding.
     cache = dataclasses.replace(cache, lengths=length[None].astype(jnp.int32))
     dt = jnp.dtype(model.config.dtype)
@@ -172,9 +171,9 @@ def insert_fn(
     slot: jax.Array,
     key: jax.Array,
     max_new: jax.Array,
+    eos_E: jax.Array,
     *,
     sampling: SamplingConfig,
-    eos_ids: tuple[int, ...],
 ) -> tuple[DecodeState, sampling_lib.Draw]:
     """Copies ``prefix`` into row ``slot`` in place and samples the first response token."""
     first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
@@ -192,7 +191,7 @@ def insert_fn(
         pos=jax.lax.dynamic_update_slice(c.pos, pos_1S, (slot, 0)),
         lengths=c.lengths.at[slot].set(prefix.length),
     )
-    done = _eos_hit(first.tokens, eos_ids)[0] | (max_new <= 1)
+    done = _eos_hit(first.tokens, eos_E)[0] | (max_new <= 1)
     state = DecodeState(
         cache=cache,
         tokens=state.tokens.at[slot].set(first.tokens[0]),
@@ -208,14 +207,19 @@ def decode_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
+    eos_E: jax.Array,
     *,
     sampling: SamplingConfig,
-    eos_ids: tuple[int, ...],
 ) -> tuple[DecodeState, StepOutput]:
-    """One token for every live slot: feed the last token, sample the next."""
+    """One token for every live slot: feed the last token, sample the next.
+
+    ``eos_E`` [E] int32 holds the ids that end a response (E may be 0).
+    """
     model: Qwen2 = nnx.merge(graphdef, params)
     live_B = ~state.done
-    logits_B1V, cache = model(state.tokens[:, None], attention_mask=live_B[:, None], cache=state.cache)
+    logits_B1V, cache = model(
+        state.tokens[:, None], attention_mask=live_B[:, None], cache=state.cache
+    )
     # Finished rows must not advance: their writes went to a padding slot (pos -1).
     cache = dataclasses.replace(
         cache, lengths=jnp.where(live_B, cache.lengths, state.cache.lengths)
@@ -223,7 +227,7 @@ def decode_step(
     keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
     d = sampling_lib.draw(logits_B1V[:, 0], keys_B, sampling)
     steps_B = state.steps + live_B.astype(jnp.int32)
-    finished_B = live_B & (_eos_hit(d.tokens, eos_ids) | (steps_B >= state.max_new))
+    finished_B = live_B & (_eos_hit(d.tokens, eos_E) | (steps_B >= state.max_new))
     new = dataclasses.replace(
         state,
         cache=cache,
@@ -281,11 +285,11 @@ def decode_chunk_fn(
     rows_b: jax.Array | None,
     stop_on_free: jax.Array,
     min_live: jax.Array,
+    eos_E: jax.Array,
     *,
     num_steps: int,
     attend: int,
     sampling: SamplingConfig,
-    eos_ids: tuple[int, ...],
 ) -> tuple[DecodeState, StepOutput, jax.Array]:
     """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
 
@@ -318,12 +322,31 @@ def decode_chunk_fn(
 
     def body(carry):
         i, sub, outs = carry
-        sub, out = decode_step(graphdef, params, sub, sampling=sampling, eos_ids=eos_ids)
+        sub, out = decode_step(graphdef, params, sub, eos_E, sampling=sampling)
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, outs
 
     n, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), sub, outs0))
     return _put_rows(state, sub, rows_b), outs, n
+
+
+@functools.cache
+def _compiled(
+    name: str, graphdef: nnx.GraphDef, shardings: Any, sampling: SamplingConfig, statics: tuple
+) -> Any:
+    """The jitted engine functions, shared by every engine with the same model graph,
+    shardings and static settings (so a new engine per stage does not recompile)."""
+    kw = dict(statics)
+    if name == "prefill":
+        return jax.jit(functools.partial(prefill_fn, graphdef))
+    if name == "insert":
+        fn = functools.partial(insert_fn, sampling=sampling)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None))
+    if name == "generate":
+        fn = functools.partial(decode_step, graphdef, sampling=sampling)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None))
+    fn = functools.partial(decode_chunk_fn, graphdef, sampling=sampling, **kw)
+    return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None, None))
 
 
 class Engine:
@@ -349,25 +372,15 @@ class Engine:
         self.model_config = model.config
         self.graphdef, abstract = nnx.split(model)
         self._mesh, self._rules = mesh, rules
-        self.param_shardings = (
-            None if mesh is None else model_shardings(abstract, mesh, rules)
-        )
-        self.eos_ids = tuple(
-            config.eos_ids if config.eos_ids is not None else model.config.eos_ids
-        )
-        kw = dict(sampling=config.sampling, eos_ids=self.eos_ids)
-        shard = self.state_shardings()
-        self._prefill = jax.jit(functools.partial(prefill_fn, self.graphdef))
-        self._insert = jax.jit(
-            functools.partial(insert_fn, **kw), donate_argnums=1, out_shardings=(shard, None)
-        )
-        self._generate = jax.jit(
-            functools.partial(decode_step, self.graphdef, **kw),
-            donate_argnums=1,
-            out_shardings=(shard, None),
-        )
-        self._chunks: dict[tuple[int, int], Any] = {}
-        self._kw = kw
+        self.param_shardings = None if mesh is None else model_shardings(abstract, mesh, rules)
+        self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
+        self._shardings = self.state_shardings()
+        eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
+        self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
+
+    def _fn(self, name: str, **statics: Any) -> Any:
+        key = tuple(statics.items())
+        return _compiled(name, self.graphdef, self._shardings, self.config.sampling, key)
 
     # ------------------------------------------------------------------ placement
 
@@ -451,7 +464,7 @@ class Engine:
         bucket = next(b for b in self.config.buckets() if b >= n)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens[:n]
-        return self._prefill(params, jnp.asarray(padded), jnp.int32(n))
+        return self._fn("prefill")(params, jnp.asarray(padded), jnp.int32(n))
 
     def insert(
         self,
@@ -469,11 +482,13 @@ class Engine:
             raise ValueError(
                 f"max_new_tokens {limit} is not in [1, {self.config.max_decode_length}]"
             )
-        return self._insert(prefix, state, jnp.int32(slot), key, jnp.int32(limit))
+        return self._fn("insert")(
+            prefix, state, jnp.int32(slot), key, jnp.int32(limit), self._eos_E
+        )
 
     def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One decode step for every slot (donates ``state``)."""
-        return self._generate(params, state)
+        return self._fn("generate")(params, state, self._eos_E)
 
     def generate_chunk(
         self,
@@ -487,20 +502,6 @@ class Engine:
     ) -> tuple[DecodeState, StepOutput, jax.Array]:
         """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``."""
         attend = self.config.cache_length if attend is None else attend
-        b = self.config.max_concurrent_decodes if rows is None else len(rows)
-        fn = self._chunks.get((b, attend))
-        if fn is None:
-            fn = jax.jit(
-                functools.partial(
-                    decode_chunk_fn,
-                    self.graphdef,
-                    num_steps=self.config.decode_steps,
-                    attend=attend,
-                    **self._kw,
-                ),
-                donate_argnums=1,
-                out_shardings=(self.state_shardings(), None, None),
-            )
-            self._chunks[(b, attend)] = fn
+        fn = self._fn("chunk", num_steps=self.config.decode_steps, attend=attend)
         rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
-        return fn(params, state, rows_b, jnp.bool_(stop_on_free), jnp.int32(min_live))
+        return fn(params, state, rows_b, jnp.bool_(stop_on_free), jnp.int32(min_live), self._eos_E)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from magic_jax.engine import DecodeState, Engine, Prefix
+from magic_jax.engine import DecodeState, Engine, Prefix, StepOutput
 from magic_jax.sampling import sample_key
 
 Truncation = Literal["no_eos", "length"]
@@ -217,7 +217,7 @@ class RolloutDriver:
                 params, state, rows=rows, attend=attend, stop_on_free=bool(queue), min_live=min_live
             )
             n = int(n)
-            outs = jax.tree.map(lambda x: np.asarray(x[:n]), outs)
+            outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
             stats.decode_s += time.perf_counter() - td
 
             t1 = time.perf_counter()

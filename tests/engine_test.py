@@ -14,7 +14,13 @@ from magic_jax.sharding import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh,
 from magic_jax.testing import make_hf_model, save_hf_model
 
 GREEDY = SamplingConfig(greedy=True)
-PROMPTS = [[5, 9, 13, 2, 7, 11, 3], [17, 4], [8, 8, 30, 41, 12], [60], [3, 14, 15, 9, 26, 5, 35, 8, 9]]
+PROMPTS = [
+    [5, 9, 13, 2, 7, 11, 3],
+    [17, 4],
+    [8, 8, 30, 41, 12],
+    [60],
+    [3, 14, 15, 9, 26, 5, 35, 8, 9],
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,8 @@ def _engine(model, mesh=None, **kw):
         max_prefill_length=16,
         max_decode_length=24,
         decode_steps=4,
-        cache_bucket=8,
+        cache_bucket=0,
+        compact_batch=False,
         sampling=GREEDY,
         eos_ids=(),
     )
@@ -72,7 +79,9 @@ def _engine(model, mesh=None, **kw):
 def test_greedy_matches_transformers_generate(hf_and_model):
     hf, model = hf_and_model
     want = _hf_greedy(hf, PROMPTS, 20)
-    engine = _engine(model)
+    # Five prompts on four slots: the last is inserted mid-flight; bucketed
+    # attention and batch compaction are on.
+    engine = _engine(model, cache_bucket=16, compact_batch=True)
     samples, _ = RolloutDriver(engine).run(
         engine.load_params(model), [np.array(p) for p in PROMPTS], max_new_tokens=20
     )
