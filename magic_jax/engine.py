@@ -378,6 +378,11 @@ class Engine:
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
         self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
 
+    @property
+    def eos_array(self) -> jax.Array:
+        """[E] int32 ids that end a response, on device (E may be 0)."""
+        return self._eos_E
+
     def _fn(self, name: str, **statics: Any) -> Any:
         key = tuple(statics.items())
         return _compiled(name, self.graphdef, self._shardings, self.config.sampling, key)
