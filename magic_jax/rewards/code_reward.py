@@ -1,4 +1,4 @@
-"""Code reward: extract the last python block, check its syntax, run the unit tests in the sandbox."""
+"""Code reward: last python block, AST syntax check, then the unit tests in the sandbox."""
 
 from __future__ import annotations
 
@@ -117,13 +117,13 @@ class _Verdict:
             return self.fail(RewardStatus.TIMEOUT, f"test {i}: {detail}")
         if status != "ok":
             return self.fail(RewardStatus.WRONG, f"test {i} {status}: {detail}")
-        style = self.tests.style
-        if style == "stdio":
-            if not stdio_output_matches(str(rec.get("output", "")), self.tests.outputs[i]):
-                return self.fail(RewardStatus.WRONG, f"test {i}: wrong output")
-        elif style == "call":
-            if "value" not in rec or not call_output_matches(rec["value"], self.tests.outputs[i]):
-                return self.fail(RewardStatus.WRONG, f"test {i}: wrong return value")
+        style, expected = self.tests.style, self.tests.outputs[i] if self.tests.outputs else None
+        if style == "stdio" and not stdio_output_matches(str(rec.get("output", "")), expected):
+            return self.fail(RewardStatus.WRONG, f"test {i}: wrong output")
+        if style == "call" and (
+            "value" not in rec or not call_output_matches(rec["value"], expected)
+        ):
+            return self.fail(RewardStatus.WRONG, f"test {i}: wrong return value")
         self.passed.add(i)
         return True
 
@@ -142,9 +142,7 @@ class _Verdict:
         )
 
 
-def code_reward(
-    response: str, tests: Any, *, config: SandboxConfig | None = None
-) -> RewardResult:
+def code_reward(response: str, tests: Any, *, config: SandboxConfig | None = None) -> RewardResult:
     """Scores a code response by running its unit tests in the sandbox.
 
     Args:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -270,10 +271,8 @@ def call_output_matches(actual: Any, expected: Any) -> bool:
     """
     candidates: list[Any] = [expected]
     if isinstance(expected, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError, RecursionError):
             candidates.append(json.loads(expected))
-        except (json.JSONDecodeError, RecursionError):
-            pass
     for cand in list(candidates):
         if isinstance(cand, list) and len(cand) == 1:
             candidates.append(cand[0])

@@ -1,8 +1,9 @@
-"""Sandbox confinement: tmpfs, rlimits, uid drop, Landlock, and killing what a program leaves behind."""
+"""Sandbox confinement: private /tmp, rlimits, uid drop, Landlock, and killing leftovers."""
 
 # Runs inside the sandbox, imported by harness.py before any untrusted code:
 # standard library only.
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -13,7 +14,7 @@ import time
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_NO_NEW_PRIVS = 38
-_MS_NOSUID, _MS_NODEV = 2, 4
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
 _LL_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)
 _LL_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
@@ -24,12 +25,30 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _mount_tmpfs(path, size_mb, uid, gid):
+def _mount_tmpfs(path, options, flags=0):
     libc = _libc()
-    opts = f"size={size_mb}m,mode=0700,uid={uid},gid={gid}".encode()
-    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
-        return os.strerror(ctypes.get_errno())
-    return "ok"
+    flags |= _MS_NOSUID | _MS_NODEV
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, options.encode()) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mounting a tmpfs on {path}: {os.strerror(errno)}")
+
+
+def private_tmp(size_mb, uid, gid):
+    """Inside a mount namespace: fresh /tmp holding the working directory, and
+    /var/tmp, /run/lock and /dev/shm made unwritable. Returns the working directory.
+
+    World-writable directories would otherwise be writable by the sandbox uid
+    wherever Landlock is missing.
+    """
+    _mount_tmpfs("/tmp", f"size={size_mb}m,mode=0755")
+    workdir = "/tmp/work"
+    os.mkdir(workdir, 0o700)
+    if uid is not None:
+        os.chown(workdir, uid, gid)
+    for path in ("/var/tmp", "/run/lock", "/dev/shm"):
+        if os.path.isdir(path) and not os.path.islink(path):
+            _mount_tmpfs(path, "size=4k,mode=0755", _MS_RDONLY)
+    return workdir
 
 
 def _landlock(workdir, extra_read):
@@ -92,19 +111,20 @@ def _landlock(workdir, extra_read):
 
 
 def confine(job):
-    """Confines this process; children inherit every limit. Returns facts for the log."""
+    """Confines this process; children inherit every limit.
+
+    Returns facts for the log, with ``workdir`` where the program must run.
+    """
     info = {}
     for name in job.get("preload", ()):
-        try:
+        with contextlib.suppress(Exception):
             __import__(name)
-        except Exception:
-            pass
     workdir = job["workdir"]
     uid, gid = job.get("uid"), job.get("gid")
-    if job.get("tmpfs_mb"):
-        owner = (uid, gid) if uid is not None else (os.getuid(), os.getgid())
-        info["tmpfs"] = _mount_tmpfs(workdir, job["tmpfs_mb"], *owner)
+    if job.get("private_tmp_mb"):
+        workdir = private_tmp(job["private_tmp_mb"], uid, gid)
     os.chdir(workdir)
+    os.environ.update(HOME=workdir, TMPDIR=workdir)
     lim = job["limits"]
     for res, value in (
         (resource.RLIMIT_CORE, 0),
@@ -132,8 +152,7 @@ def confine(job):
     if os.getpid() != 1:
         # Orphans of the program reparent here instead of escaping to init.
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    info["uid"] = os.getuid()
-    info["pid"] = os.getpid()
+    info.update(uid=os.getuid(), pid=os.getpid(), workdir=workdir)
     return info
 
 
@@ -161,16 +180,12 @@ def kill_others(kill_all):
         if kill_all:
             # Pid 1 of a pid namespace, or the only user of a dedicated uid:
             # kill(-1) reaches exactly the sandbox's processes.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(-1, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         else:
             for pid in _descendants(os.getpid()):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
         try:
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass

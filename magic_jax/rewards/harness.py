@@ -1,4 +1,4 @@
-"""Sandbox harness: runs one program against its unit tests inside the sandbox, streaming JSON records."""
+"""Sandbox harness: runs one program against its unit tests, streaming JSON records."""
 
 # Not imported by the package: sandbox.py runs this file as
 # `python -I harness.py <job.json>` inside the namespaces, so it uses the
@@ -11,6 +11,7 @@
 
 import ast
 import builtins
+import contextlib
 import json
 import os
 import resource
@@ -77,7 +78,7 @@ def _tmpfile(workdir, content=b""):
 
 
 def wait_child(pid, timeout):
-    """Waits for ``pid`` up to ``timeout`` seconds, killing it after. Returns (status, timed_out)."""
+    """Waits up to ``timeout`` seconds for ``pid``, then kills it. Returns (status, timed_out)."""
     timed_out = False
     try:
         pidfd = os.pidfd_open(pid)
@@ -97,10 +98,8 @@ def wait_child(pid, timeout):
         else:
             return 0, False
     if timed_out:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return os.waitpid(pid, 0)[1], timed_out
 
 
@@ -144,10 +143,8 @@ def fork_child(body, cpu_s, in_fd, out_fd, err_fd, keep_records):
         sys.set_int_max_str_digits(0)
         body()
     except _BaseException:
-        try:
+        with contextlib.suppress(_BaseException):
             traceback.print_exc()
-        except _BaseException:
-            pass
     _exit(1)
 
 
@@ -237,13 +234,14 @@ def _is_plain(x, depth=0):
         return True
     if depth > 100:
         return False
+    # Plain loops rather than all(): the program may have replaced builtins.all.
     if t in _SEQUENCES:
-        for v in x:
+        for v in x:  # noqa: SIM110
             if not _is_plain(v, depth + 1):
                 return False
         return True
     if t is dict:
-        for k, v in x.items():
+        for k, v in x.items():  # noqa: SIM110
             if not (_is_plain(k, depth + 1) and _is_plain(v, depth + 1)):
                 return False
         return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,6 +116,8 @@ def math_reward(
         golds = parse_math_ground_truth(gold)
     except GroundTruthError as e:
         return RewardResult.of(RewardStatus.ERROR, str(e))
+    if threading.current_thread() is not threading.main_thread():
+        return RewardResult.of(RewardStatus.ERROR, _THREAD_MESSAGE)
     # Imported here: sympy and Math-Verify take about a second to import, and
     # `import magic_jax.rewards` has to stay fast.
     from math_verify import parse, verify
@@ -125,10 +128,6 @@ def math_reward(
         parsed = parse(region, parsing_timeout=config.parse_timeout_s, raise_on_error=True)
     except TimeoutException:
         return RewardResult.of(RewardStatus.TIMEOUT, "parsing the answer timed out")
-    except ValueError as e:
-        if "main thread" in str(e):
-            return RewardResult.of(RewardStatus.ERROR, _THREAD_MESSAGE)
-        parsed = []
     except Exception:
         # Any failure inside the parser means no usable answer, as with
         # raise_on_error=False; raising is only asked for to see timeouts.
@@ -165,9 +164,6 @@ def math_reward(
                         return RewardResult.of(RewardStatus.CORRECT)
                 except TimeoutException:
                     timed_out = True
-                except ValueError as e:
-                    if "main thread" in str(e):
-                        return RewardResult.of(RewardStatus.ERROR, _THREAD_MESSAGE)
                 except Exception:
                     continue
     if timed_out:

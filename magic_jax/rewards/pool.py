@@ -1,8 +1,9 @@
-"""VerifierPool: worker processes with outside deadlines, recycling and an async submit/collect API."""
+"""VerifierPool: worker processes, outside deadlines, recycling, async submit/collect."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -75,7 +76,9 @@ class PoolConfig:
                 f"({self.sandbox.max_wall_s}) so the sandbox can report its own timeouts"
             )
         if self.worker_memory_mb is not None and self.worker_memory_mb < 256:
-            raise ValueError(f"worker_memory_mb must be >= 256 or None, got {self.worker_memory_mb}")
+            raise ValueError(
+                f"worker_memory_mb must be >= 256 or None, got {self.worker_memory_mb}"
+            )
         if self.sandbox_uid_base is not None and not 0 < self.sandbox_uid_base < 2**31:
             raise ValueError(f"sandbox_uid_base must be in (0, 2**31), got {self.sandbox_uid_base}")
 
@@ -267,10 +270,9 @@ class VerifierPool:
             raise KeyError(f"unknown or already collected ticket {ticket}")
 
     def _wake(self) -> None:
-        try:
+        # Full pipe: a wake-up is already pending; closed: the pool is closing.
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is already pending, or the pool is closing
 
     def _finish(self, ticket: int, result: RewardResult) -> None:
         # Caller holds the lock.
@@ -281,9 +283,7 @@ class VerifierPool:
     def _spawn(self, slot: int) -> None:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "magic_jax.rewards.worker"]
         proc = subprocess.Popen(
             [*cmd, str(child_sock.fileno()), str(os.getpid()), str(slot)],
@@ -315,6 +315,20 @@ class VerifierPool:
         w.conn.close()
         self._procs.discard(w.proc)
         self._workers[w.slot] = None
+
+    def _replace(self, w: _Worker, *, kill: bool, failed_start: bool = False) -> None:
+        # Caller holds the lock. The replacement starts warming up at once.
+        self._retire(w, kill=kill)
+        if failed_start:
+            self._start_failures += 1
+            if self._start_failures >= 3:
+                # Probably a broken environment (e.g. the worker cannot import
+                # Math-Verify): fail loudly instead of respawning forever.
+                self._broken = "verifier workers keep failing to start"
+                self._fail_all(self._broken)
+                raise RuntimeError(self._broken)
+        if not self._closing:
+            self._spawn(w.slot)
 
     def _run(self) -> None:
         try:
@@ -408,7 +422,7 @@ class VerifierPool:
                 w.items += 1
                 if w.items >= self.config.max_items_per_worker:
                     self._stats["workers_recycled"] += 1
-                    self._retire(w, kill=False)
+                    self._replace(w, kill=False)
 
     def _on_death(self, w: _Worker) -> None:
         # Caller holds the lock.
@@ -418,15 +432,9 @@ class VerifierPool:
                 w.ticket, RewardResult.of(RewardStatus.ERROR, f"verifier worker died (exit {code})")
             )
             w.ticket = None
-        elif not w.ready:
-            self._start_failures += 1
         self._stats["workers_died"] += 1
         logger.warning("verifier worker %d died (exit code %s)", w.slot, code)
-        self._retire(w, kill=True)
-        if self._start_failures >= 3:
-            self._broken = "workers keep dying before they are ready"
-            self._fail_all(self._broken)
-            raise RuntimeError(self._broken)
+        self._replace(w, kill=True, failed_start=not w.ready)
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -450,11 +458,10 @@ class VerifierPool:
                     )
                     w.ticket = None
                     self._stats["killed_at_deadline"] += 1
-                    self._retire(w, kill=True)
+                    self._replace(w, kill=True)
                 elif not w.ready and now >= w.spawned + self.config.start_timeout_s:
                     logger.warning("verifier worker %d did not start in time", w.slot)
-                    self._start_failures += 1
-                    self._retire(w, kill=True)
+                    self._replace(w, kill=True, failed_start=True)
 
 
 def _kill_all(procs: set[subprocess.Popen[bytes]]) -> None:

@@ -1,4 +1,4 @@
-"""Runs untrusted programs: namespaces or a fallback, limits, deadline, and cleanup of every process."""
+"""Runs untrusted programs: namespaces or a fallback, limits, deadline, cleanup of processes."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ class SandboxConfig:
       max_open_files: RLIMIT_NOFILE.
       max_file_mb: RLIMIT_FSIZE: the largest file (and stdout) a program may write.
       max_output_bytes: stdout of one test above this fails the test.
-      tmpfs_mb: size of the private tmpfs used as working directory inside a
-        mount namespace (0 keeps a plain temporary directory).
+      tmpfs_mb: size of the private ``/tmp`` (a tmpfs holding the working
+        directory) inside the mount namespace; the host's world-writable
+        directories are hidden from the program.
       uid / gid: unprivileged ids programs run as when the launcher is root.
       landlock: restrict file access to the Python installation (read) and the
         working directory (read-write), deny TCP and outside signals, where
@@ -108,8 +109,8 @@ class SandboxConfig:
             raise ValueError(f"max_open_files must be >= 16, got {self.max_open_files}")
         if self.max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be >= 1, got {self.max_output_bytes}")
-        if self.tmpfs_mb < 0:
-            raise ValueError(f"tmpfs_mb must be >= 0, got {self.tmpfs_mb}")
+        if not isinstance(self.tmpfs_mb, int) or self.tmpfs_mb < 1:
+            raise ValueError(f"tmpfs_mb must be an int >= 1, got {self.tmpfs_mb!r}")
         for name in ("uid", "gid"):
             if not 0 < getattr(self, name) < 2**32 - 1:
                 raise ValueError(f"{name} must be a non-root id, got {getattr(self, name)}")
@@ -170,7 +171,7 @@ def _python_usable(python: str, uid: int | None, gid: int | None) -> bool:
     try:
         proc = subprocess.run(
             [python, "-I", "-c", "import fractions, json"],
-            preexec_fn=_as_uid(uid, gid) if uid is not None else None,  # noqa: PLW1509
+            preexec_fn=_as_uid(uid, gid) if uid is not None else None,
             capture_output=True,
             timeout=30,
             env=_ENV,
@@ -231,12 +232,39 @@ def _plan(config_key: tuple[Any, ...]) -> _Plan:
     return _Plan((), python, root, False)
 
 
+@functools.cache
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is unavailable."""
+    import ctypes
+
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+        syscall.restype = ctypes.c_long
+        # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
+        return max(0, syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+    except (OSError, AttributeError):
+        return 0
+
+
 def isolation_plan(config: SandboxConfig) -> dict[str, Any]:
-    """Describes how programs will be isolated with ``config`` on this machine."""
+    """Describes how programs will be isolated with ``config`` on this machine.
+
+    Returns:
+      ``namespaces`` (pid/mount/ipc/net namespaces in use), ``drop_uid`` (runs
+      as ``config.uid``), ``landlock`` (ABI version in use, 0 for none),
+      ``python`` (the sandbox interpreter) and ``command`` (the launcher).
+    """
     plan = _plan(_plan_key(config))
+    abi = landlock_abi() if config.landlock else 0
+    if config.landlock and not abi:
+        _warn_once(
+            "Landlock is unavailable: sandboxed programs can read world-readable files "
+            "outside their directory"
+        )
     return {
         "namespaces": plan.namespaces,
         "drop_uid": plan.drop_uid,
+        "landlock": abi,
         "python": plan.python,
         "command": list(plan.prefix),
     }
@@ -321,7 +349,7 @@ def run_sandboxed(
         workdir=workdir,
         uid=uid,
         gid=config.gid if plan.drop_uid else None,
-        tmpfs_mb=config.tmpfs_mb if plan.namespaces else 0,
+        private_tmp_mb=config.tmpfs_mb if plan.namespaces else 0,
         landlock=config.landlock,
         kill_all=plan.drop_uid,
         preload=list(config.preload),
@@ -377,7 +405,7 @@ def _launch(
         env=env,
         cwd="/",
         start_new_session=True,
-        preexec_fn=_set_pdeathsig if single else None,  # noqa: PLW1509
+        preexec_fn=_set_pdeathsig if single else None,
     )
     run = SandboxRun(records=[])
     deadline = time.monotonic() + config.max_wall_s + 2.0  # + harness start-up
@@ -411,7 +439,10 @@ def _launch(
                     try:
                         record = json.loads(line)
                     except (json.JSONDecodeError, UnicodeDecodeError):
-                        record = {"event": "garbled", "detail": line[:200].decode("utf-8", "replace")}
+                        record = {
+                            "event": "garbled",
+                            "detail": line[:200].decode("utf-8", "replace"),
+                        }
                     if not isinstance(record, dict):
                         record = {"event": "garbled", "detail": repr(record)[:200]}
                     run.records.append(record)

@@ -1,0 +1,211 @@
+"""VerifierPool: async submit/collect, deadlines, recycling, hostile items, clean shutdown."""
+
+import os
+import time
+
+import psutil
+import pytest
+
+from magic_jax.rewards import (
+    MathConfig,
+    PoolConfig,
+    RewardItem,
+    RewardStatus,
+    SandboxConfig,
+    VerifierPool,
+    compute_reward,
+)
+
+C, W, N, T, E = (
+    RewardStatus.CORRECT,
+    RewardStatus.WRONG,
+    RewardStatus.NO_ANSWER,
+    RewardStatus.TIMEOUT,
+    RewardStatus.ERROR,
+)
+ROOT = os.geteuid() == 0
+SANDBOX = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=4.0, memory_mb=512)
+# Math-Verify's own limit is far above the pool deadline so that the power
+# tower is stopped from outside, by killing its worker.
+CONFIG = PoolConfig(
+    num_workers=2,
+    max_items_per_worker=4,
+    math_deadline_s=2.0,
+    code_deadline_s=8.0,
+    math=MathConfig(verify_timeout_s=60, parse_timeout_s=60),
+    sandbox=SANDBOX,
+)
+TOWER = "\\boxed{9^{9^{9^{9}}}}"
+STDIO = '{"inputs": ["2\\n", "5\\n"], "outputs": ["4", "10"]}'
+
+
+def math_item(answer, gold="204", **kw):
+    return RewardItem(response=f"<think>...</think> \\boxed{{{answer}}}", ground_truth=gold, **kw)
+
+
+def code_item(code, tests=STDIO):
+    return RewardItem(response=f"```python\n{code}\n```", ground_truth=tests, ability="code")
+
+
+def sandbox_uid_pids(config):
+    uids = {config.sandbox_for(i).uid for i in range(config.workers)}
+    return [
+        p.pid
+        for p in psutil.process_iter(["uids", "status"])
+        if p.info["uids"] and p.info["uids"].real in uids and p.info["status"] != "zombie"
+    ]
+
+
+def children():
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(CONFIG) as p:
+        yield p
+    assert children() == []
+
+
+def test_mixed_batch_matches_sequential(pool):
+    items = [
+        math_item(204),
+        math_item(205),
+        math_item("025", gold="25"),
+        RewardItem(response="no answer", ground_truth='["204"]', ability="math"),
+        code_item("print(int(input()) * 2)"),
+        code_item("print(int(input()) + 2)"),
+        {
+            "response": "```python\nprint(3)\n```",
+            "ground_truth": '{"assert_case": ["assert 1 == 1"]}',
+        },
+        RewardItem(response="\\boxed{1}", ground_truth="1", ability="Chemistry"),
+        RewardItem(response="x", ground_truth="{broken", ability="code"),
+    ]
+    results = pool.map(items, timeout=60)
+    assert [r.status for r in results] == [C, W, C, N, C, W, C, E, E]
+    assert "unknown ability 'Chemistry'" in results[7].detail
+    assert "not valid JSON" in results[8].detail
+    sequential = [
+        compute_reward(it, math_config=CONFIG.math, sandbox_config=SANDBOX) for it in items
+    ]
+    assert [r.status for r in sequential] == [r.status for r in results]
+
+
+def test_submit_poll_collect_are_asynchronous(pool):
+    slow = pool.submit(code_item("import time\ntime.sleep(0.8)\nprint(int(input()) * 2)"))
+    fast = pool.submit(math_item(204))
+    assert pool.poll(slow) is None  # queued or running: the caller is not blocked
+    with pytest.raises(TimeoutError):
+        pool.collect([slow], timeout=0.05)
+    [fast_result] = pool.collect([fast], timeout=30)
+    assert fast_result.status is C
+    [slow_result] = pool.collect([slow], timeout=30)
+    assert slow_result.status is C
+    with pytest.raises(KeyError):
+        pool.collect([slow])
+
+
+def test_power_tower_is_killed_at_its_deadline_and_pool_recovers(pool):
+    before = pool.stats()
+    start = time.monotonic()
+    tower, after = pool.submit_many(
+        [RewardItem(response=TOWER, ground_truth="204", ability="math"), math_item(204)]
+    )
+    [result] = pool.collect([tower], timeout=30)
+    elapsed = time.monotonic() - start
+    assert result.status is T and result.reward == 0.0
+    assert CONFIG.math_deadline_s <= result.elapsed_s < CONFIG.math_deadline_s + 1.0
+    assert elapsed < CONFIG.math_deadline_s + 5.0
+    assert pool.collect([after], timeout=30)[0].status is C
+    stats = pool.stats()
+    assert stats["killed_at_deadline"] == before.get("killed_at_deadline", 0) + 1
+    assert stats["workers_started"] > before["workers_started"]  # the killed one was replaced
+
+
+def test_item_deadline_overrides_the_default(pool):
+    item = RewardItem(response=TOWER, ground_truth="1", ability="math", deadline_s=0.5)
+    start = time.monotonic()
+    [result] = pool.map([item], timeout=30)
+    assert result.status is T
+    assert time.monotonic() - start < 4.0
+
+
+def test_workers_are_recycled(pool):
+    before = pool.stats().get("workers_recycled", 0)
+    results = pool.map([math_item(i, gold="3") for i in range(2 * CONFIG.max_items_per_worker + 1)])
+    assert sum(r.status is C for r in results) == 1
+    assert pool.stats()["workers_recycled"] > before
+
+
+HOSTILE = [
+    "while True:\n    pass",
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "import os\nos.kill(os.getppid(), 9)\nprint(4)",
+    "import os\nos.killpg(0, 9)",
+    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\nprint(1)",
+    "x = ' ' * (1 << 40)",
+    "import sys\nsys.exit(0)",
+]
+
+
+def test_hostile_code_scores_zero_and_pool_keeps_working(pool):
+    start = time.monotonic()
+    results = pool.map([code_item(c) for c in HOSTILE], timeout=60)
+    assert [r.reward for r in results] == [0.0] * len(HOSTILE), results
+    assert time.monotonic() - start < 2 * CONFIG.code_deadline
+    assert pool.map([code_item("print(int(input()) * 2)")])[0].status is C
+    if ROOT:
+        assert sandbox_uid_pids(CONFIG) == []
+    workers = {p.pid for p in psutil.Process().children()}
+    assert {p.pid for p in children()} == workers  # no sandbox process outlived its item
+
+
+def test_worker_does_not_load_jax(pool):
+    pool.map([math_item(204)])
+    workers = psutil.Process().children()
+    assert workers
+    for w in workers:
+        with open(f"/proc/{w.pid}/maps") as f:
+            maps = f.read()
+        assert "jaxlib" not in maps and "xla_extension" not in maps
+        assert "magic_jax.rewards.worker" in " ".join(w.cmdline())
+
+
+def test_close_cancels_queued_items_and_leaves_no_process():
+    config = PoolConfig(
+        num_workers=1,
+        math_deadline_s=3.0,
+        math=CONFIG.math,
+        sandbox=SANDBOX,
+        sandbox_uid_base=CONFIG.sandbox_uid_base + 100,
+    )
+    before = {p.pid for p in children()}
+    pool = VerifierPool(config)
+    tickets = pool.submit_many(
+        [math_item(204)] + [RewardItem(response=TOWER, ground_truth="1")] * 3
+    )
+    pool.close(cancel_pending=True)
+    results = pool.collect(tickets)
+    assert results[-1].status is E and "pool closed" in results[-1].detail
+    assert {p.pid for p in children()} <= before
+    if ROOT:
+        assert sandbox_uid_pids(config) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(math_item(1))
+    pool.close()  # idempotent
+
+
+def test_pool_config_validation_names_the_field():
+    for kwargs, field in [
+        ({"num_workers": 0}, "num_workers"),
+        ({"max_items_per_worker": 0}, "max_items_per_worker"),
+        ({"math_deadline_s": 0}, "math_deadline_s"),
+        ({"code_deadline_s": 1.0}, "code_deadline_s"),
+        ({"worker_memory_mb": 10}, "worker_memory_mb"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            PoolConfig(**kwargs)
+    assert PoolConfig().workers == (os.cpu_count() or 1)
+    with pytest.raises(TypeError, match="response must be a str"):
+        RewardItem(response=None, ground_truth="1")
