@@ -1,4 +1,4 @@
-"""The ``magic-jax`` command line: checkpoint conversion (training commands join as they land)."""
+"""The ``magic-jax`` command line: checkpoint conversion and the pipeline demo."""
 
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from magic_jax.demo import DemoConfig, run
+
+    run(DemoConfig(workdir=args.workdir, steps=args.steps, seed=args.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
@@ -74,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("demo", help="run every pipeline stage on a tiny built-in model")
+    p.add_argument("--workdir", default="runs/demo", help="output directory (replaced)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)
     return parser
 
 
