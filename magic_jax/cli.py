@@ -13,8 +13,9 @@ def _mesh_arg(text: str | None):
     """Parses ``data=1,fsdp=-1,tensor=2`` into a mesh (None: a single device)."""
     if not text:
         return None
-    from magic_jax.sharding import MeshConfig, make_mesh
+    from magic_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
 
+    maybe_initialize_distributed()  # a no-op on one host
     try:
         kw = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
         return make_mesh(MeshConfig(**kw))
