@@ -22,6 +22,7 @@ from magic_jax.rewards import (
 )
 from magic_jax.rewards import sandbox as sandbox_mod
 from magic_jax.rewards.code_tests import call_output_matches, stdio_output_matches, values_equal
+from magic_jax.rewards.observe import split_expected
 
 C, W, N, T, E = (
     RewardStatus.CORRECT,
@@ -223,6 +224,18 @@ ALWAYS_EQUAL = src("""
             return True
         __hash__ = None
 """)
+# Knows the harness protocol: writes "passed" records for every test to the
+# record descriptor and leaves before any test runs.
+FORGE = src("""
+    import os
+    for fd in range(3, 64):
+        for i in range(2):
+            try:
+                os.write(fd, b'{"i": %d, "status": "ok", "detail": ""}\\n' % i)
+            except OSError:
+                pass
+    os._exit(0)
+""")
 HOSTILE = {
     # name: (program, tests, expected status; None means WRONG or TIMEOUT)
     "infinite loop": ("while True:\n    pass", STDIO, T),
@@ -326,6 +339,8 @@ HOSTILE = {
         W,
     ),
     "prints a success record": ('print(\'{"i": 0, "status": "ok"}\')', ASSERTS, W),
+    "forges records on the harness channel": (FORGE, ASSERTS, W),
+    "forges records, check style": (FORGE.replace("range(2)", "range(1)"), CHECK, W),
     "network": (
         "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n" + ADD,
         STDIO,
@@ -368,6 +383,24 @@ def test_the_secret_probe_would_pass_if_readable():
     # expected output is inside its reach (its own stdin here).
     result = code_reward(respond("print(open(0).read().count(' ') + 2)"), ONE, config=CFG)
     assert result.status is C
+
+
+def test_literal_asserts_are_checked_outside_the_sandbox():
+    source, expected = split_expected(
+        "assert f(1) == [1, 2]\nassert 3 == g()\nassert h() is True\n"
+        "assert abs(f(2) - 1.5) < 1e-6\nassert f(3) == x\n",
+        start=5,
+    )
+    assert expected == {5: ("eq", [1, 2]), 6: ("eq", 3), 7: ("is", True)}
+    assert "[1, 2]" not in source and "__mj_observe__(5, f(1))" in source
+    assert "abs(f(2) - 1.5) < 1e-06" in source and "f(3) == x" in source
+    tuple_test = {"assert_case": ["assert pair() == (1, 2)"]}
+    as_list = code_reward(respond("def pair():\n    return [1, 2]"), tuple_test, config=CFG)
+    as_tuple = code_reward(respond("def pair():\n    return (1, 2)"), tuple_test, config=CFG)
+    assert (as_list.status, as_tuple.status) == (W, C)  # as Python's == decides
+    is_test = {"assert_case": ["assert ok() is True"]}
+    assert code_reward(respond("def ok():\n    return 1"), is_test, config=CFG).status is W
+    assert code_reward(respond("def ok():\n    return True"), is_test, config=CFG).status is C
 
 
 def test_isolation_plan_is_reported():

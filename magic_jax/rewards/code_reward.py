@@ -13,6 +13,7 @@ from magic_jax.rewards.code_tests import (
     stdio_output_matches,
 )
 from magic_jax.rewards.math_reward import extract_answer_region
+from magic_jax.rewards.observe import observed_matches, split_expected
 from magic_jax.rewards.sandbox import SandboxConfig, run_sandboxed
 from magic_jax.rewards.types import GroundTruthError, RewardResult, RewardStatus
 
@@ -62,27 +63,38 @@ def _validate_test_syntax(tests: CodeTests) -> None:
             ) from None
 
 
-def build_job(tests: CodeTests, code: str) -> dict[str, Any]:
-    """The harness job for ``tests``; expected outputs are deliberately left out."""
+def build_job(tests: CodeTests, code: str) -> tuple[dict[str, Any], dict[int, Any]]:
+    """The harness job for ``tests``, and the expected values kept out of it.
+
+    Expected outputs never go into the job: stdin/stdout and call outputs are
+    compared here, and literal asserts are split by ``observe.split_expected``.
+    """
     program = f"{tests.import_prefix}\n{code}" if tests.import_prefix else code
     job: dict[str, Any] = {"style": tests.style, "code": program}
+    expected: dict[int, Any] = {}
     if tests.style in ("stdio", "call"):
         job["tests"] = list(tests.inputs)
         job["fn_name"] = tests.fn_name
     elif tests.style == "assert":
-        job["tests"] = list(tests.asserts)
+        job["tests"] = []
+        for source in tests.asserts:
+            source, kept = split_expected(source, len(expected))
+            job["tests"].append(source)
+            expected.update(kept)
     else:
         job["tests"] = [None]
-        job["test_code"] = tests.test_code
+        job["test_code"], expected = split_expected(tests.test_code)
         job["entry_point"] = tests.entry_point
-    return job
+    return job, expected
 
 
 class _Verdict:
     """Judges records as they stream in; returning False stops the run early."""
 
-    def __init__(self, tests: CodeTests) -> None:
+    def __init__(self, tests: CodeTests, expected: dict[int, Any]) -> None:
         self.tests = tests
+        self.expected = expected
+        self.observed: set[int] = set()
         self.passed: set[int] = set()
         self.failure: tuple[RewardStatus, str] | None = None
         self.done = False
@@ -104,8 +116,19 @@ class _Verdict:
             return self.fail(RewardStatus.WRONG, f"program failed to load: {rec.get('detail')}")
         elif event == "child" and rec.get("status") == "timeout":
             return self.fail(RewardStatus.TIMEOUT, f"tests: {rec.get('detail')}")
+        elif "obs" in rec:
+            return self._observation(rec)
         elif event is None:
             return self._test(rec)
+        return True
+
+    def _observation(self, rec: dict[str, Any]) -> bool:
+        k = rec["obs"]
+        if k not in self.expected or "value" not in rec:
+            return self.fail(RewardStatus.WRONG, f"unexpected record {str(rec)[:100]}")
+        if not observed_matches(rec["value"], self.expected[k]):
+            return self.fail(RewardStatus.WRONG, f"assert {k}: wrong value")
+        self.observed.add(k)
         return True
 
     def _test(self, rec: dict[str, Any]) -> bool:
@@ -135,7 +158,8 @@ class _Verdict:
         if run_timed_out:
             return RewardResult.of(RewardStatus.TIMEOUT, "sandbox deadline")
         n = self.tests.num_tests
-        if self.done and len(self.passed) == n:
+        # Every literal assert must have reported: a program cannot skip them.
+        if self.done and len(self.passed) == n and self.observed == set(self.expected):
             return RewardResult.of(RewardStatus.CORRECT, f"{n}/{n} tests passed")
         return RewardResult.of(
             RewardStatus.WRONG, f"run ended after {len(self.passed)}/{n} passing tests"
@@ -170,6 +194,7 @@ def code_reward(response: str, tests: Any, *, config: SandboxConfig | None = Non
         return RewardResult.of(RewardStatus.NO_ANSWER, "no python code block")
     if err := syntax_error(code):
         return RewardResult.of(RewardStatus.WRONG, f"syntax error: {err}")
-    verdict = _Verdict(suite)
-    run = run_sandboxed(build_job(suite, code), config, on_record=verdict)
+    job, expected = build_job(suite, code)
+    verdict = _Verdict(suite, expected)
+    run = run_sandboxed(job, config, on_record=verdict)
     return verdict.result(run.timed_out)

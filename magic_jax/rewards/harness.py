@@ -210,22 +210,37 @@ def run_stdio(job, code, kill_all):
             return
 
 
-def _plain(x, depth=0):
-    """Converts a return value to JSON types, refusing anything that could fake equality."""
+def _plain(x, depth=0, tagged=False):
+    """Converts a value to JSON types, refusing anything that could fake equality.
+
+    ``tagged`` keeps tuples and sets apart from lists (observe.normalize does
+    the same to the expected side); return values of function-call tests are
+    compared like JSON, where a tuple is a list.
+    """
     t = _type(x)
     if t is float or t is int or t is str or t is bool or x is None:
         return x
     if depth > 100:
-        raise ValueError("return value nested too deeply")
-    if t is list or t is tuple:
-        return [_plain(v, depth + 1) for v in x]
+        raise ValueError("value nested too deeply")
+    d = depth + 1
+    if t is list or (t is tuple and not tagged):
+        return [_plain(v, d, tagged) for v in x]
+    if t is tuple:
+        return {"__tuple__": [_plain(v, d, tagged) for v in x]}
     if t is dict:
-        return {_str(_plain(k, depth + 1)): _plain(v, depth + 1) for k, v in x.items()}
+        return {_str(_plain(k, d, tagged)): _plain(v, d, tagged) for k, v in x.items()}
     if t is set or t is frozenset:
-        return _sorted(_plain(v, depth + 1) for v in x)
+        items = _sorted(_plain(v, d, tagged) for v in x)
+        return {"__set__": items} if tagged else items
     if _getattr(t, "__module__", "") == "numpy" and _callable(_getattr(x, "tolist", None)):
-        return _plain(x.tolist(), depth + 1)
-    raise TypeError(f"return type {t.__name__} is not a JSON value")
+        return _plain(x.tolist(), d, tagged)
+    raise TypeError(f"{t.__name__} is not a JSON value")
+
+
+def _observe(k, value):
+    # Reports the value of the left side of `assert call == literal`; the
+    # literal itself never entered the sandbox.
+    emit({"obs": k, "value": _plain(value, 0, True)}, _REC_FD)
 
 
 def _is_plain(x, depth=0):
@@ -294,6 +309,7 @@ def _test_namespace(ns):
     tns["__builtins__"] = _dict(_PRISTINE)
     tns["__name__"] = "__mj_tests__"
     tns["__mj_eq__"] = strict_eq
+    tns["__mj_observe__"] = _observe
     return tns
 
 

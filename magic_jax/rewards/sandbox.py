@@ -156,22 +156,15 @@ def _warn_once(message: str) -> None:
 _warned: set[str] = set()
 
 
-def _as_uid(uid: int, gid: int) -> Callable[[], None]:
-    def drop() -> None:
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-
-    return drop
-
-
-def _python_usable(python: str, uid: int | None, gid: int | None) -> bool:
+def _python_usable(python: str, uid: int, gid: int) -> bool:
     # `fractions` is not imported at startup, so this also checks that the
     # standard library stays readable after the uid drop.
     try:
         proc = subprocess.run(
             [python, "-I", "-c", "import fractions, json"],
-            preexec_fn=_as_uid(uid, gid) if uid is not None else None,
+            user=uid,
+            group=gid,
+            extra_groups=[],
             capture_output=True,
             timeout=30,
             env=_ENV,
