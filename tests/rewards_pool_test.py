@@ -92,6 +92,23 @@ def test_mixed_batch_matches_sequential(pool):
     assert [r.status for r in sequential] == [r.status for r in results]
 
 
+def test_items_from_verl_rows():
+    row = {
+        "data_source": "test-math-aime24",
+        "prompt": [{"role": "user", "content": "Find x."}],
+        "ability": "math",
+        "reward_model": {"ground_truth": "025", "style": "rule"},
+        "extra_info": {"index": 1},
+    }
+    item = RewardItem.from_row(row, "<think>x</think>\\boxed{25}")
+    assert (item.ability, item.ground_truth) == ("math", "025")
+    assert compute_reward(item).status is C
+    code_row = {"reward_model": {"ground_truth": STDIO}, "ability": None}
+    assert compute_reward(RewardItem.from_row(code_row, "```python\nprint(2)\n```")).status is W
+    with pytest.raises(ValueError, match="ground_truth"):
+        RewardItem.from_row({"ability": "math"}, "x")
+
+
 def test_submit_poll_collect_are_asynchronous(pool):
     slow = pool.submit(code_item("import time\ntime.sleep(0.8)\nprint(int(input()) * 2)"))
     fast = pool.submit(math_item(204))

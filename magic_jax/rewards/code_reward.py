@@ -112,6 +112,8 @@ class _Verdict:
         elif event in ("fatal", "garbled"):
             self.fatal = str(rec.get("detail", ""))
             return False
+        elif event == "overflow":
+            return self.fail(RewardStatus.WRONG, "output too large")
         elif event == "load_error":
             return self.fail(RewardStatus.WRONG, f"program failed to load: {rec.get('detail')}")
         elif event == "child" and rec.get("status") == "timeout":

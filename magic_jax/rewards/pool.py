@@ -19,7 +19,8 @@ from typing import Any
 
 from magic_jax.rewards.dispatch import as_item, resolve_ability
 from magic_jax.rewards.math_reward import MathConfig
-from magic_jax.rewards.sandbox import SandboxConfig, kill_uid
+from magic_jax.rewards.procs import kill_uid
+from magic_jax.rewards.sandbox import SandboxConfig
 from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
 
 logger = logging.getLogger(__name__)

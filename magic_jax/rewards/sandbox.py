@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from magic_jax.rewards.procs import children, descendants, kill_uid
+
 logger = logging.getLogger(__name__)
 
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
@@ -282,25 +284,6 @@ def _nproc_limit(config: SandboxConfig, plan: _Plan) -> int:
     return count + config.max_processes
 
 
-def kill_uid(uid: int) -> int:
-    """SIGKILLs every process whose real uid is ``uid``; returns how many were signalled."""
-    if uid == 0 or uid == os.getuid():
-        raise ValueError(f"refusing to kill every process of uid {uid}")
-    killed = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                line = next(ln for ln in f if ln.startswith("Uid:"))
-            if int(line.split()[1]) == uid:
-                os.kill(int(name), signal.SIGKILL)
-                killed += 1
-        except (OSError, StopIteration, ValueError, IndexError):
-            continue
-    return killed
-
-
 def _rmtree(path: str) -> None:
     def retry(func: Callable[..., Any], p: str, _exc: Any) -> None:
         # The program may have removed its own permissions from what it made.
@@ -402,7 +385,8 @@ def _launch(
     )
     run = SandboxRun(records=[])
     deadline = time.monotonic() + config.max_wall_s + 2.0  # + harness start-up
-    line_cap = 2 * config.max_output_bytes + (1 << 16)
+    # JSON escapes a control character in 6 bytes.
+    line_cap = 6 * config.max_output_bytes + (1 << 16)
     buf, err = bytearray(), bytearray()
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -425,7 +409,9 @@ def _launch(
                 *lines, rest = buf.split(b"\n")
                 buf = bytearray(rest)
                 if len(buf) > line_cap:
-                    run.records.append({"event": "fatal", "detail": "record too long"})
+                    run.records.append({"event": "overflow", "detail": "record too long"})
+                    if on_record is not None:
+                        on_record(run.records[-1])
                     run.aborted = True
                     break
                 for line in lines:
@@ -456,32 +442,6 @@ def _launch(
     return run
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        pass
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
-                        found.append(int(name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    out, frontier = [], [pid]
-    while frontier:
-        frontier = [c for p in frontier for c in _children(p)]
-        out += frontier
-    return out
-
-
 def _stop(proc: subprocess.Popen[bytes], plan: _Plan) -> None:
     """Kills everything the run started and waits until it is gone."""
     if proc.poll() is None:
@@ -489,14 +449,14 @@ def _stop(proc: subprocess.Popen[bytes], plan: _Plan) -> None:
             # SIGKILL to the namespace's init takes every process of the
             # namespace with it; unshare then reaps it and exits, so when
             # wait() returns nothing of the run is left, not even a zombie.
-            for child in _children(proc.pid):
+            for child in children(proc.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
         else:
             # Processes that left the group with setsid are still descendants.
-            for pid in _descendants(proc.pid):
+            for pid in descendants(proc.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
