@@ -1,5 +1,6 @@
 """VerifierPool: async submit/collect, deadlines, recycling, hostile items, clean shutdown."""
 
+import dataclasses
 import os
 import time
 
@@ -176,6 +177,27 @@ def test_hostile_code_scores_zero_and_pool_keeps_working(pool):
         assert sandbox_uid_pids(CONFIG) == []
     workers = {p.pid for p in psutil.Process().children()}
     assert {p.pid for p in children()} == workers  # no sandbox process outlived its item
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
+    # The pool deadline is shorter than the sandbox's own limits, so the
+    # worker is killed while its sandboxed program is still running.
+    sandbox = SandboxConfig(isolation=isolation, test_timeout_s=20, cpu_s=20, max_wall_s=30)
+    config = PoolConfig(
+        num_workers=1, sandbox=sandbox, sandbox_uid_base=CONFIG.sandbox_uid_base + 200
+    )
+    before = {p.pid for p in children()}
+    with VerifierPool(config) as pool:
+        pool.map([math_item(1)])  # warm
+        spinner = code_item("import os, time\nos.fork()\nos.setsid()\nwhile True:\n    pass")
+        [result] = pool.map([dataclasses.replace(spinner, deadline_s=1.0)])
+        assert result.status is T and "pool deadline" in result.detail
+        time.sleep(0.2)
+        if ROOT:
+            assert sandbox_uid_pids(config) == []
+        assert pool.map([code_item("print(int(input()) * 2)")])[0].status is C
+    assert {p.pid for p in children()} <= before
 
 
 def test_worker_does_not_load_jax(pool):

@@ -36,7 +36,6 @@ _type = type
 _len = len
 _bool = bool
 _str = str
-_repr = repr
 _getattr = getattr
 _callable = callable
 _isinstance = isinstance
@@ -90,13 +89,12 @@ def wait_child(pid, timeout):
         timed_out = not ready
     else:
         deadline = time.monotonic() + timeout
-        while os.waitpid(pid, os.WNOHANG)[0] == 0:
-            if time.monotonic() >= deadline:
-                timed_out = True
-                break
+        while not timed_out:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status, False
+            timed_out = time.monotonic() >= deadline
             time.sleep(0.002)
-        else:
-            return 0, False
     if timed_out:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -113,7 +111,11 @@ def describe(status, timed_out, err_fd):
             return "timeout", "cpu-time limit"
         if sig == signal.SIGXFSZ:
             return "error", "file size limit (output too large)"
-        return "crash", f"killed by {signal.Signals(sig).name}"
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return "crash", f"killed by {name}"
     code = os.WEXITSTATUS(status)
     if code == 0:
         return "ok", ""

@@ -320,6 +320,10 @@ class VerifierPool:
     def _replace(self, w: _Worker, *, kill: bool, failed_start: bool = False) -> None:
         # Caller holds the lock. The replacement starts warming up at once.
         self._retire(w, kill=kill)
+        if kill:
+            # Without namespaces a killed worker's sandbox can outlive it;
+            # its processes all run as this slot's uid.
+            self._cleanup_uids([w.slot])
         if failed_start:
             self._start_failures += 1
             if self._start_failures >= 3:
@@ -356,12 +360,12 @@ class VerifierPool:
                 self._finish(w.ticket, RewardResult.of(RewardStatus.ERROR, reason))
                 w.ticket = None
 
-    def _cleanup_uids(self) -> None:
+    def _cleanup_uids(self, slots: Iterable[int] | None = None) -> None:
         if os.geteuid() != 0 or self.config.sandbox_uid_base is None:
             return
-        for slot in range(len(self._workers)):
+        for slot in range(len(self._workers)) if slots is None else slots:
             if kill_uid(self.config.sandbox_for(slot).uid):
-                logger.warning("killed leftover processes of sandbox uid slot %d", slot)
+                logger.info("killed leftover processes of sandbox uid of worker %d", slot)
 
     def _loop(self) -> None:
         while True:
