@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import textwrap
 import time
 
@@ -35,6 +36,7 @@ ROOT = os.geteuid() == 0
 CFG = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=5.0, memory_mb=512, max_file_mb=4)
 # A hostile run must end within max_wall_s plus launch and cleanup.
 DEADLINE_S = CFG.max_wall_s + 3.0
+TMP = tempfile.gettempdir()
 OUTSIDE = "/tmp/magic_jax_sandbox_escape_probe"
 # Holds the expected stdout of STDIO test 0: a program that can read it passes.
 SECRET = "/tmp/magic_jax_sandbox_secret_answer"
@@ -367,6 +369,7 @@ def test_hostile_program_scores_zero_in_time_and_leaves_nothing(name, case):
     if name == "read outside" and not isolation_plan(CFG)["landlock"]:
         pytest.skip("reads of world-readable files are only blocked with Landlock")
     before = set(psutil.Process().children(recursive=True))
+    dirs_before = set(os.listdir(TMP))
     start = time.monotonic()
     result = code_reward(respond(code), tests, config=CFG)
     elapsed = time.monotonic() - start
@@ -375,7 +378,7 @@ def test_hostile_program_scores_zero_in_time_and_leaves_nothing(name, case):
     assert elapsed < DEADLINE_S, (name, elapsed)
     assert sandbox_pids() == []
     assert set(psutil.Process().children(recursive=True)) <= before
-    assert not [d for d in os.listdir(CFG.tmp_root or "/tmp") if d.startswith("mj-sandbox-")]
+    assert set(os.listdir(TMP)) <= dirs_before  # the working directory was removed
 
 
 def test_the_secret_probe_would_pass_if_readable():

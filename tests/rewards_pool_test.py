@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import tempfile
 import time
 
 import psutil
@@ -188,6 +189,7 @@ def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
         num_workers=1, sandbox=sandbox, sandbox_uid_base=CONFIG.sandbox_uid_base + 200
     )
     before = {p.pid for p in children()}
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
     with VerifierPool(config) as pool:
         pool.map([math_item(1)])  # warm
         spinner = code_item("import os, time\nos.fork()\nos.setsid()\nwhile True:\n    pass")
@@ -198,6 +200,7 @@ def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
             assert sandbox_uid_pids(config) == []
         assert pool.map([code_item("print(int(input()) * 2)")])[0].status is C
     assert {p.pid for p in children()} <= before
+    assert set(os.listdir(tempfile.gettempdir())) <= tmp_before  # no working directory left
 
 
 def test_worker_does_not_load_jax(pool):

@@ -79,10 +79,12 @@ def _landlock(workdir, extra_read):
     if rfd < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
 
-    def allow(path, access):
+    def allow(path, access, required=False):
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
+            if required:
+                raise
             return
         try:
             acc = access & fs
@@ -103,7 +105,7 @@ def _landlock(workdir, extra_read):
         allow(path, _LL_READ)
     for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
         allow(dev, _LL_DEV)
-    allow(workdir, fs)
+    allow(workdir, fs, required=True)
     if sc(_LL_RESTRICT, ctypes.c_int(rfd), ctypes.c_uint32(0)) != 0:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     os.close(rfd)

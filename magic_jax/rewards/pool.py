@@ -7,9 +7,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -150,7 +152,11 @@ class VerifierPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._procs: set[subprocess.Popen[bytes]] = set()
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        # Sandbox working directories live here, one folder per worker, so
+        # that those of a killed worker can be removed.
+        self._tmp = tempfile.mkdtemp(prefix="mj-verifier-pool-", dir=self.config.sandbox.tmp_root)
+        os.chmod(self._tmp, 0o711)  # sandbox uids must reach their own directories
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._tmp)
         self._thread = threading.Thread(target=self._run, name="verifier-pool", daemon=True)
         self._thread.start()
 
@@ -294,7 +300,7 @@ class VerifierPool:
         )
         child_sock.close()
         conn = Connection(parent_sock.detach())
-        sandbox = self.config.sandbox_for(slot)
+        sandbox = dataclasses.replace(self.config.sandbox_for(slot), tmp_root=self._slot_dir(slot))
         conn.send(("init", self.config.math, sandbox, self.config.worker_memory_mb))
         self._procs.add(proc)
         self._workers[slot] = _Worker(slot, proc, conn, spawned=time.monotonic())
@@ -324,6 +330,7 @@ class VerifierPool:
             # Without namespaces a killed worker's sandbox can outlive it;
             # its processes all run as this slot's uid.
             self._cleanup_uids([w.slot])
+            shutil.rmtree(self._slot_dir(w.slot), ignore_errors=True)
         if failed_start:
             self._start_failures += 1
             if self._start_failures >= 3:
@@ -334,6 +341,12 @@ class VerifierPool:
                 raise RuntimeError(self._broken)
         if not self._closing:
             self._spawn(w.slot)
+
+    def _slot_dir(self, slot: int) -> str:
+        path = os.path.join(self._tmp, f"worker-{slot}")
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, 0o711)
+        return path
 
     def _run(self) -> None:
         try:
@@ -350,6 +363,7 @@ class VerifierPool:
                 if w is not None:
                     self._retire(w, kill=w.ticket is not None or not w.ready)
             self._cleanup_uids()
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _fail_all(self, reason: str) -> None:
         while self._queue:
@@ -469,9 +483,10 @@ class VerifierPool:
                     self._replace(w, kill=True, failed_start=True)
 
 
-def _kill_all(procs: set[subprocess.Popen[bytes]]) -> None:
+def _kill_all(procs: set[subprocess.Popen[bytes]], tmp: str) -> None:
     # Last resort when a pool is garbage-collected or the interpreter exits unclosed.
     for proc in list(procs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -425,6 +425,8 @@ def _launch(
                     if not isinstance(record, dict):
                         record = {"event": "garbled", "detail": repr(record)[:200]}
                     run.records.append(record)
+                    if record.get("event") == "ready":
+                        _check_ready(record)
                     if on_record is not None and on_record(record) is False:
                         run.aborted = True
                         break
@@ -440,6 +442,12 @@ def _launch(
     run.returncode = proc.returncode
     run.stderr = err.decode("utf-8", "replace")
     return run
+
+
+def _check_ready(record: dict[str, Any]) -> None:
+    for key in ("landlock_error", "rlimit_errors"):
+        if key in record:
+            _warn_once(f"sandbox confinement incomplete: {key}: {record[key]}")
 
 
 def _stop(proc: subprocess.Popen[bytes], plan: _Plan) -> None:
