@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from magic_jax import sampling as sampling_lib
-from magic_jax.model import KVCache, Qwen2
+from magic_jax.model import KVCache, Qwen2, apply_rope
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 
@@ -203,6 +203,90 @@ def insert_fn(
     return state, jax.tree.map(lambda x: x[0], first)
 
 
+def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.Array:
+    """Writes ``new_BX[b]`` at slot ``at_B[b]`` of row b (in place under donation)."""
+    zeros = (0,) * (buf_BSX.ndim - 2)
+    return jax.vmap(lambda r, n, i: jax.lax.dynamic_update_slice(r, n[None], (i, *zeros)))(
+        buf_BSX, new_BX.astype(buf_BSX.dtype), at_B
+    )
+
+
+def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
+    """One query per row against the whole cache, without relayouting the cache.
+
+    A [B, K, ...]-batched einsum over the [B, S, K, H] cache makes XLA transpose the
+    whole cache every layer and step (measured: most of the decode step at long
+    S on CPU). Here both products keep the cache as stored, [B, S*K, H] and
+    [B, S, K*H], and compute every (query head, kv head) pair; the K x K blocks
+    off the diagonal are discarded (K x the score flops, which are tiny at T = 1).
+    """
+    b, kh, g, h = q_BKGH.shape
+    s = k_BSKH.shape[1]
+    q_BNH = q_BKGH.reshape(b, kh * g, h)
+    scores_BMN = jnp.einsum(
+        "bmh,bnh->bmn",
+        k_BSKH.reshape(b, s * kh, h).astype(q_BNH.dtype),
+        q_BNH,
+        preferred_element_type=jnp.float32,
+    )  # M = (S, K'), N = (K, G)
+    eye_KK = jnp.eye(kh, dtype=bool)
+    scores_BSKKG = scores_BMN.reshape(b, s, kh, kh, g)  # [b, s, k', k, g]
+    scores_BKGS = jnp.sum(
+        jnp.where(eye_KK[None, None, :, :, None], scores_BSKKG, 0.0), axis=2
+    ).transpose(0, 2, 3, 1)
+    scores_BKGS = scores_BKGS * (h**-0.5)
+    scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BNS = jax.nn.softmax(scores_BKGS, axis=-1).reshape(b, kh * g, s).astype(v_BSKH.dtype)
+    out_BNKH = jnp.einsum("bns,bsm->bnm", probs_BNS, v_BSKH.reshape(b, s, kh * h)).reshape(
+        b, kh, g, kh, h
+    )
+    return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
+
+
+def decode_forward(
+    model: Qwen2, tokens_B: jax.Array, live_B: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """The model's forward for one new token per row, with the decode attention above.
+
+    Every module (embedding, projections, RoPE, norms, MLP, unembedding) is the
+    model's own; only the attention product is arranged for T = 1. Finished rows
+    (``~live_B``) write a padding entry (pos -1) and do not advance.
+
+    Returns:
+      (logits [B, V], the cache with the token written).
+    """
+    cfg = model.config
+    b = tokens_B.shape[0]
+    kh, g, h = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size
+    pos_B = cache.next_positions()
+    at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
+    pos_BS = _write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    x_BD = model.embed_tokens(tokens_B[:, None])[:, 0]
+    new_k, new_v = [], []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        y_BD = layer.input_layernorm(x_BD)
+        q_BKGH = apply_rope(
+            attn.q_proj(y_BD).reshape(b, 1, kh, g, h), pos_B[:, None], attn.rope_theta
+        )
+        k_BKH = apply_rope(attn.k_proj(y_BD).reshape(b, 1, kh, h), pos_B[:, None], attn.rope_theta)
+        k_BSKH = _write_slot(cache.k[i], k_BKH[:, 0], at_B)
+        v_BSKH = _write_slot(cache.v[i], attn.v_proj(y_BD).reshape(b, kh, h), at_B)
+        allowed_BS = pos_BS >= 0
+        if attn.window is not None:
+            allowed_BS &= pos_B[:, None] - pos_BS < attn.window
+        out_BKGH = _decode_attention(q_BKGH[:, 0], k_BSKH, v_BSKH, allowed_BS)
+        x_BD = x_BD + attn.o_proj(out_BKGH.reshape(b, kh * g * h).astype(x_BD.dtype))
+        x_BD = x_BD + layer.mlp(layer.post_attention_layernorm(x_BD))
+        new_k.append(k_BSKH)
+        new_v.append(v_BSKH)
+    x_BD = model.norm(x_BD)
+    dt = jnp.dtype(cfg.dtype)
+    logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
+    lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
+    return logits_BV, KVCache(k=tuple(new_k), v=tuple(new_v), pos=pos_BS, lengths=lengths_B)
+
+
 def decode_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -217,15 +301,9 @@ def decode_step(
     """
     model: Qwen2 = nnx.merge(graphdef, params)
     live_B = ~state.done
-    logits_B1V, cache = model(
-        state.tokens[:, None], attention_mask=live_B[:, None], cache=state.cache
-    )
-    # Finished rows must not advance: their writes went to a padding slot (pos -1).
-    cache = dataclasses.replace(
-        cache, lengths=jnp.where(live_B, cache.lengths, state.cache.lengths)
-    )
+    logits_BV, cache = decode_forward(model, state.tokens, live_B, state.cache)
     keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
-    d = sampling_lib.draw(logits_B1V[:, 0], keys_B, sampling)
+    d = sampling_lib.draw(logits_BV, keys_B, sampling)
     steps_B = state.steps + live_B.astype(jnp.int32)
     finished_B = live_B & (_eos_hit(d.tokens, eos_E) | (steps_B >= state.max_new))
     new = dataclasses.replace(
