@@ -244,13 +244,21 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
 
 
 def decode_forward(
-    model: Qwen2, tokens_B: jax.Array, live_B: jax.Array, cache: KVCache
+    model: Qwen2,
+    tokens_B: jax.Array,
+    live_B: jax.Array,
+    cache: KVCache,
+    unembed_VD: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The model's forward for one new token per row, with the decode attention above.
 
     Every module (embedding, projections, RoPE, norms, MLP, unembedding) is the
     model's own; only the attention product is arranged for T = 1. Finished rows
     (``~live_B``) write a padding entry (pos -1) and do not advance.
+    ``unembed_VD``, when given, is the model's unembedding stored transposed,
+    [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
+    (measured 10 vs 19 ms at B 32, D 512, V 32768), and transposing per call
+    would cost more than it saves (37 ms), so the caller makes it once per weights.
 
     Returns:
       (logits [B, V], the cache with the token written).
@@ -282,7 +290,10 @@ def decode_forward(
         new_v.append(v_BSKH)
     x_BD = model.norm(x_BD)
     dt = jnp.dtype(cfg.dtype)
-    logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
+    if unembed_VD is None:
+        logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
+    else:
+        logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
     return logits_BV, KVCache(k=tuple(new_k), v=tuple(new_v), pos=pos_BS, lengths=lengths_B)
 
@@ -294,14 +305,16 @@ def decode_step(
     eos_E: jax.Array,
     *,
     sampling: SamplingConfig,
+    unembed_VD: jax.Array | None = None,
 ) -> tuple[DecodeState, StepOutput]:
     """One token for every live slot: feed the last token, sample the next.
 
-    ``eos_E`` [E] int32 holds the ids that end a response (E may be 0).
+    ``eos_E`` [E] int32 holds the ids that end a response (E may be 0);
+    ``unembed_VD`` is passed on to ``decode_forward``.
     """
     model: Qwen2 = nnx.merge(graphdef, params)
     live_B = ~state.done
-    logits_BV, cache = decode_forward(model, state.tokens, live_B, state.cache)
+    logits_BV, cache = decode_forward(model, state.tokens, live_B, state.cache, unembed_VD)
     keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
     d = sampling_lib.draw(logits_BV, keys_B, sampling)
     steps_B = state.steps + live_B.astype(jnp.int32)
@@ -360,6 +373,7 @@ def decode_chunk_fn(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
+    unembed_VD: jax.Array | None,
     rows_b: jax.Array | None,
     stop_on_free: jax.Array,
     min_live: jax.Array,
@@ -374,7 +388,8 @@ def decode_chunk_fn(
     The loop runs on rows ``rows_b`` (all if None) with the cache cut to its first
     ``attend`` slots, and stops when: every row is done; ``stop_on_free`` and a row
     finished (so the host can refill it); at most ``min_live`` rows are live (so
-    the host can compact); or a live row reached ``attend``.
+    the host can compact); or a live row reached ``attend``. ``unembed_VD`` is
+    ``Engine.decode_unembedding(params)``, or None for the model's own layout.
 
     Returns:
       (state, outputs [num_steps, b] (rows past the step count are invalid), steps run).
@@ -400,7 +415,9 @@ def decode_chunk_fn(
 
     def body(carry):
         i, sub, outs = carry
-        sub, out = decode_step(graphdef, params, sub, eos_E, sampling=sampling)
+        sub, out = decode_step(
+            graphdef, params, sub, eos_E, sampling=sampling, unembed_VD=unembed_VD
+        )
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, outs
 
@@ -417,6 +434,8 @@ def _compiled(
     kw = dict(statics)
     if name == "prefill":
         return jax.jit(functools.partial(prefill_fn, graphdef))
+    if name == "unembed_VD":
+        return jax.jit(lambda params: nnx.merge(graphdef, params).unembedding().T)
     if name == "insert":
         fn = functools.partial(insert_fn, sampling=sampling)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None))
@@ -573,18 +592,38 @@ class Engine:
         """One decode step for every slot (donates ``state``)."""
         return self._fn("generate")(params, state, self._eos_E)
 
+    def decode_unembedding(self, params: nnx.State) -> jax.Array:
+        """The unembedding of ``params`` as [V, D], on device, for ``generate_chunk``.
+
+        Make it once per weights (it is a copy of the [D, V] matrix): the decode
+        loop's logits are faster from this layout on CPU.
+        """
+        return self._fn("unembed_VD")(params)
+
     def generate_chunk(
         self,
         params: nnx.State,
         state: DecodeState,
         *,
+        unembed_VD: jax.Array | None = None,
         rows: np.ndarray | None = None,
         attend: int | None = None,
         stop_on_free: bool = False,
         min_live: int = 0,
     ) -> tuple[DecodeState, StepOutput, jax.Array]:
-        """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``."""
+        """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``.
+
+        ``unembed_VD`` from ``decode_unembedding(params)`` speeds the logits up.
+        """
         attend = self.config.cache_length if attend is None else attend
         fn = self._fn("chunk", num_steps=self.config.decode_steps, attend=attend)
         rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
-        return fn(params, state, rows_b, jnp.bool_(stop_on_free), jnp.int32(min_live), self._eos_E)
+        return fn(
+            params,
+            state,
+            unembed_VD,
+            rows_b,
+            jnp.bool_(stop_on_free),
+            jnp.int32(min_live),
+            self._eos_E,
+        )

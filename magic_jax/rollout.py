@@ -141,6 +141,7 @@ class RolloutDriver:
         stats = RolloutStats()
         t_start = time.perf_counter()
         state = self._state if self._state is not None else eng.init_decode_state()
+        unembed_VD = eng.decode_unembedding(params)
         self._state = None  # donated below; restored at the end
 
         queue = collections.deque((p, j) for p in range(len(prompts)) for j in range(num_samples))
@@ -214,7 +215,13 @@ class RolloutDriver:
 
             td = time.perf_counter()
             state, outs, n = eng.generate_chunk(
-                params, state, rows=rows, attend=attend, stop_on_free=bool(queue), min_live=min_live
+                params,
+                state,
+                unembed_VD=unembed_VD,
+                rows=rows,
+                attend=attend,
+                stop_on_free=bool(queue),
+                min_live=min_live,
             )
             n = int(n)
             outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
