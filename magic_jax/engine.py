@@ -33,8 +33,8 @@ class EngineConfig:
       decode_steps: most decode steps run on device per host round trip.
       cache_bucket: the attended cache length is the longest live row rounded up
         to a multiple of this (one compilation per length); 0 attends the whole cache.
-      compact_batch: once at most half the slots are live and no request waits,
-        decode only the live rows (batch halved, one compilation per size).
+      compact_batch: once no request waits, decode only the live rows, in a batch
+        of the next size in ``compact_sizes()`` (one compilation per size).
       sampling: the sampling strategy.
       eos_ids: ids that end a response; None takes the model config's.
     """
@@ -74,6 +74,20 @@ class EngineConfig:
     def cache_length(self) -> int:
         """S, slots per row of the KV cache: the longest prompt plus the longest response."""
         return self.max_prefill_length + self.max_decode_length
+
+    def compact_sizes(self) -> tuple[int, ...]:
+        """Batch sizes for compacted decoding: eighths of the slots, then halvings below.
+
+        Steps of B/8 keep few idle rows in the long tail (a step's cost grows with its
+        rows) while bounding the compilations to about 8 + log2(B / 8).
+        """
+        b = self.max_concurrent_decodes
+        sizes = {max(1, b * k // 8) for k in range(1, 9)}
+        s = max(1, b // 8)
+        while s > 1:
+            s //= 2
+            sizes.add(s)
+        return tuple(sorted(sizes))
 
     def buckets(self) -> tuple[int, ...]:
         if self.prefill_buckets:

@@ -151,6 +151,7 @@ class RolloutDriver:
         first_draws: list[tuple[_Pending, object]] = []
         done: list[_Pending] = []
         eos = set(eng.eos_ids)
+        sizes = cfg.compact_sizes()
 
         def finish(pend: _Pending, slot: int):
             done.append(pend)
@@ -200,13 +201,12 @@ class RolloutDriver:
 
             rows, min_live = None, 0
             if cfg.compact_batch and not queue:
-                b = b_max
-                while b // 2 >= len(live) and b > 1:
-                    b //= 2
+                b = min(x for x in sizes if x >= len(live))
                 if b < b_max:
                     spare = [s for s in range(b_max) if slot_of[s] is None]
                     rows = np.asarray(live + spare[: b - len(live)], np.int32)
-                min_live = b // 2 if b > 1 else 0
+                # Stop the chunk once the live rows fit the next size down.
+                min_live = max([x for x in sizes if x < b], default=0)
             longest = int(slot_len[live].max())
             attend = s_max
             if cfg.cache_bucket:
