@@ -1,19 +1,23 @@
 """Engine: greedy parity with transformers' generate, sharding, donation, weight resharding."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from magic_jax.convert import load_hf
-from magic_jax.engine import Engine, EngineConfig
+from magic_jax.engine import Engine, EngineConfig, decode_forward
+from magic_jax.model import KVCache, ModelConfig, Qwen2
 from magic_jax.reshard import Resharder
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh, model_shardings
-from magic_jax.testing import make_hf_model, save_hf_model
+from magic_jax.testing import TINY_CONFIGS, make_hf_model, save_hf_model
 
 GREEDY = SamplingConfig(greedy=True)
+EOS = 2
 PROMPTS = [
     [5, 9, 13, 2, 7, 11, 3],
     [17, 4],
@@ -23,28 +27,41 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_and_model(tmp_path_factory):
-    hf = make_hf_model(
-        seed=1,
+HF_CONFIGS = {
+    # grouped-query attention (2 kv heads), untied
+    "gqa": dict(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        eos_token_id=2,
-    )
-    # Random init gives near-flat logits where fp32 noise could flip an arg-max;
-    # a larger output scale makes the greedy path well separated.
+    ),
+    # one kv head, head_dim (32) larger than hidden / heads (16), another rope theta
+    "wide_heads": dict(vocab_size=96, **TINY_CONFIGS["wide_heads"]),
+}
+
+
+def _load(name, tmp_path_factory):
+    hf = make_hf_model(seed=1, eos_token_id=EOS, **HF_CONFIGS[name])
+    # Random init gives near-flat logits (fp32 noise could flip an arg-max) and a
+    # greedy path stuck on one token; larger embeddings and output scale give
+    # varied sequences whose arg-maxes are separated by > 1e-2, some ending in EOS.
     with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(20.0)
         hf.lm_head.weight.mul_(30.0)
-    path = save_hf_model(hf, tmp_path_factory.mktemp("tiny"))
+    path = save_hf_model(hf, tmp_path_factory.mktemp(name))
     return hf, load_hf(path)
 
 
+@pytest.fixture(scope="module")
+def hf_and_model(tmp_path_factory):
+    return _load("gqa", tmp_path_factory)
+
+
 def _hf_greedy(hf, prompts, new_tokens):
-    """transformers' generate on one left-padded batch, greedy, no early stop."""
+    """transformers' generate on one left-padded batch, greedy, stopping at the
+    checkpoint's EOS; each row is cut after its EOS (generate pads past it)."""
     width = max(map(len, prompts))
     ids = np.zeros((len(prompts), width), np.int64)
     mask = np.zeros_like(ids)
@@ -55,11 +72,14 @@ def _hf_greedy(hf, prompts, new_tokens):
             input_ids=torch.as_tensor(ids),
             attention_mask=torch.as_tensor(mask),
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
         )
-    return out[:, width:].numpy()
+    rows = []
+    for row in out[:, width:].numpy():
+        hits = np.flatnonzero(row == EOS)
+        rows.append(row[: hits[0] + 1] if len(hits) else row)
+    return rows
 
 
 def _engine(model, mesh=None, **kw):
@@ -71,43 +91,95 @@ def _engine(model, mesh=None, **kw):
         cache_bucket=0,
         compact_batch=False,
         sampling=GREEDY,
-        eos_ids=(),
     )
     return Engine(model, EngineConfig(**(base | kw)), mesh=mesh)
 
 
-def test_greedy_matches_transformers_generate(hf_and_model):
-    hf, model = hf_and_model
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_greedy_matches_transformers_generate(name, tmp_path_factory):
+    hf, model = _load(name, tmp_path_factory)
     want = _hf_greedy(hf, PROMPTS, 20)
-    # Five prompts on four slots: the last is inserted mid-flight; bucketed
-    # attention and batch compaction are on.
+    assert any(len(w) < 20 for w in want) and any(len(w) == 20 for w in want)
+    # Five prompts of mixed lengths on four slots: the last is inserted mid-flight
+    # into a freed slot; bucketed attention and batch compaction are on. EOS is
+    # the checkpoint's.
     engine = _engine(model, cache_bucket=16, compact_batch=True)
+    assert engine.eos_ids == (EOS,)
     samples, _ = RolloutDriver(engine).run(
         engine.load_params(model), [np.array(p) for p in PROMPTS], max_new_tokens=20
     )
-    got = np.stack([s.tokens for s in samples])
-    np.testing.assert_array_equal(got, want)
+    for s, w in zip(samples, want):
+        np.testing.assert_array_equal(s.tokens, w)
+        assert s.finish_reason == ("eos" if w[-1] == EOS else "length")
 
 
 def test_raw_engine_api_matches_transformers(hf_and_model):
-    """prefill / insert / generate by hand, one step at a time, slots out of order."""
+    """prefill / insert / generate by hand, one step at a time, slots out of order,
+    one prompt right-padded as JetStream sends it (``true_length``)."""
     hf, model = hf_and_model
-    want = _hf_greedy(hf, PROMPTS[:3], 6)
+    want = _hf_greedy(hf, PROMPTS[:3], 8)
     engine = _engine(model, max_concurrent_decodes=3)
     params = engine.load_params(model)
     state = engine.init_decode_state()
     got = {i: [] for i in range(3)}
-    for slot, i in ((2, 0), (0, 1), (1, 2)):
-        state, first = engine.insert(
-            engine.prefill(params, PROMPTS[i]), state, slot, key=jax.random.key(0)
-        )
+    order = ((2, 0), (0, 1), (1, 2))
+    for slot, i in order:
+        padded = np.zeros(16, np.int32)
+        padded[: len(PROMPTS[i])] = PROMPTS[i]
+        prefix = engine.prefill(params, padded, true_length=len(PROMPTS[i]))
+        state, first = engine.insert(prefix, state, slot, key=jax.random.key(0))
         got[i].append(int(first.tokens))
-    for _ in range(5):
+    for _ in range(7):
         state, out = engine.generate(params, state)
-        for slot, i in ((2, 0), (0, 1), (1, 2)):
-            assert bool(out.valid[slot])
-            got[i].append(int(out.tokens[slot]))
-    np.testing.assert_array_equal(np.array([got[i] for i in range(3)]), want)
+        for slot, i in order:
+            if bool(out.valid[slot]):
+                got[i].append(int(out.tokens[slot]))
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], want[i])
+
+
+def test_decode_forward_equals_model_forward():
+    """The T = 1 decode path against the model's own cached forward, on a model with
+    a sliding-window layer, left-padded rows of different lengths and a finished row."""
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        sliding_window=3,
+        sliding_layers=(1,),
+    )
+    model = Qwen2(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (3, 6)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :1] = 0
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, ids, mask, tok, live):
+        m = nnx.merge(graphdef, state)
+        _, cache = m(ids, attention_mask=mask, cache=KVCache.init(cfg, 3, 10))
+        want = m(tok[:, None], attention_mask=live[:, None], cache=cache)
+        got = decode_forward(m, tok, live, cache)
+        transposed, _ = decode_forward(m, tok, live, cache, m.unembedding().T)
+        return want, got, transposed
+
+    tok = jnp.asarray([5, 7, 9], jnp.int32)
+    live = jnp.asarray([True, True, False])
+    (want_logits, want), (got_logits, got), unembed_logits = run(
+        state, jnp.asarray(ids), jnp.asarray(mask), tok, live
+    )
+    rows = np.asarray(live)
+    np.testing.assert_allclose(got_logits[rows], want_logits[rows, 0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(unembed_logits, got_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got.pos, want.pos)
+    np.testing.assert_array_equal(got.lengths, [7, 7, 6])
+    for a, b in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_allclose(a[rows], b[rows], atol=1e-6)
 
 
 def test_insert_and_generate_donate_the_state(hf_and_model):
@@ -140,8 +212,6 @@ def test_sharded_engine_matches_unsharded(hf_and_model):
 
 def test_reshard_train_to_sample_layout_stays_on_device(hf_and_model):
     _, model = hf_and_model
-    from flax import nnx
-
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     state = nnx.state(model)
     train = jax.device_put(state, model_shardings(state, mesh, TRAIN_RULES))
