@@ -7,11 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from scipy import stats
 
+from magic_jax.buffer import pack_rollouts
 from magic_jax.engine import Engine, EngineConfig
+from magic_jax.losses import LossConfig
 from magic_jax.model import KVCache, ModelConfig, Qwen2
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
+from magic_jax.train_step import compute_logprobs
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
@@ -98,32 +102,111 @@ def test_continuous_batching_equals_static_batching(model, kw):
     assert stats.tokens == sum(s.length for s in samples)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7), SamplingConfig(top_p=0.8)])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=0.7), SamplingConfig(top_p=0.8), SamplingConfig(top_k=5)],
+)
 def test_logprobs_equal_trainer_recompute(model, sampling):
+    """The on-policy guarantee: the sampler's log-probs and entropies are what the
+    trainer recomputes (``pack_rollouts`` -> ``compute_logprobs``: left-padded
+    prompts, a full forward, chunked log-probs over the hidden states), fp32."""
     engine = _engine(
         model, sampling=sampling, max_concurrent_decodes=4, cache_bucket=0, compact_batch=False
     )
     samples, _ = RolloutDriver(engine).run(
         engine.load_params(model), PROMPTS, num_samples=3, seed=1, step=2, max_new_tokens=12
     )
+    buf = pack_rollouts(samples, np.zeros(len(samples)), prompt_bucket=8, response_bucket=16)
     graphdef, state = nnx.split(model)
-    # A plain full forward, as the trainer runs it (right padding to one shape:
-    # the model is causal, so it does not change the positions that are read).
+    loss = LossConfig(temperature=sampling.temperature, logit_chunk=5)
+    batch = jax.tree.map(jnp.asarray, buf)
+    logp, ent = jax.jit(compute_logprobs, static_argnums=(0, 3))(graphdef, state, batch, loss)
+    mask = buf.response_mask > 0
+    assert mask.sum() == sum(s.length for s in samples)
+    np.testing.assert_allclose(np.asarray(logp)[mask], buf.old_logprobs[mask], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent)[mask], buf.entropies[mask], atol=1e-4, rtol=0)
+
+    # Truncated sampling: every token lies in the top-k / top-p set of the model's
+    # distribution (a sorting reference on the full forward's logits), and
+    # ``sampling_logprobs`` is its log-prob in that renormalised set.
     forward = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids))
     for s in samples:
-        full = np.zeros((1, 8 + 12), np.int32)
         n = len(s.prompt_tokens) + s.length
+        full = np.zeros((1, 8 + 12), np.int32)
         full[0, :n] = np.concatenate([s.prompt_tokens, s.tokens])
-        logits = forward(state, jnp.asarray(full))[0, len(s.prompt_tokens) - 1 : n - 1]
-        logp_TV = jax.nn.log_softmax(logits.astype(jnp.float32) / sampling.temperature, axis=-1)
-        want = np.take_along_axis(np.asarray(logp_TV), s.tokens[:, None], axis=-1)[:, 0]
-        np.testing.assert_allclose(s.logprobs, want, atol=1e-4, rtol=0)
-        ent = -np.sum(np.exp(logp_TV) * logp_TV, axis=-1)
-        np.testing.assert_allclose(s.entropies, ent, atol=1e-4, rtol=0)
-        if sampling.top_p < 1:
-            assert np.all(s.sampling_logprobs >= s.logprobs - 1e-6)
-        else:
+        z_TV = np.asarray(forward(state, jnp.asarray(full))[0, len(s.prompt_tokens) - 1 : n - 1])
+        z_TV = z_TV.astype(np.float64) / sampling.temperature
+        keep_TV = _sorting_keep(z_TV, sampling.top_k, sampling.top_p)
+        assert keep_TV[np.arange(s.length), s.tokens].all()
+        zt_TV = np.where(keep_TV, z_TV, -np.inf)
+        want = zt_TV[np.arange(s.length), s.tokens] - _logsumexp(zt_TV)
+        np.testing.assert_allclose(s.sampling_logprobs, want, atol=1e-4, rtol=0)
+        if not sampling.truncates:
             np.testing.assert_array_equal(s.sampling_logprobs, s.logprobs)
+
+
+def _logsumexp(z):
+    m = z.max(-1)
+    return m + np.log(np.exp(z - m[:, None]).sum(-1))
+
+
+def _sorting_keep(z_TV, top_k, top_p):
+    """Top-k, then the top-p nucleus of the renormalised rest, by sorting."""
+    keep = np.ones_like(z_TV, bool)
+    for t, z in enumerate(z_TV):
+        order = np.argsort(-z, kind="stable")
+        if top_k:
+            keep[t, order[top_k:]] = False
+        p = np.where(keep[t], np.exp(z - z.max()), 0.0)
+        p = p[order] / p.sum()
+        keep[t, order[np.cumsum(p) - p >= top_p]] = False
+    return keep
+
+
+def test_sampled_frequencies_match_model_distribution():
+    """Temperature 1 through the whole engine (insert samples token 0, a decode step
+    token 1) on an 8-token vocabulary: the frequencies of the 64 (token 0, token 1)
+    pairs over 1024 samples match p(t0) p(t1 | t0) from the model's full forward."""
+    cfg = dataclasses.replace(CFG, vocab_size=8)
+    m = Qwen2(cfg, rngs=nnx.Rngs(11))
+    m.lm_head.kernel[...] = m.lm_head.kernel[...] * 6.0  # far from uniform
+    prompt = np.array([3, 1, 4, 1, 5])
+    n = 1024
+    engine = _engine(m, sampling=SamplingConfig(), max_concurrent_decodes=32, decode_steps=2)
+    samples, _ = RolloutDriver(engine).run(
+        engine.load_params(m), [prompt], num_samples=n, seed=3, max_new_tokens=2
+    )
+    pairs = np.array([s.tokens for s in samples])
+    counts = np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64)
+
+    ids = np.stack([np.concatenate([prompt, [t]]) for t in range(8)])
+    logits = np.asarray(m(jnp.asarray(ids)), np.float64)
+
+    def p_at(temperature):
+        z = logits / temperature
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p = p_at(1.0)
+    p0 = p[0, len(prompt) - 1]
+    p01 = (p0[:, None] * p[:, len(prompt)]).ravel()
+    p01 /= p01.sum()  # exactly, in float64, for scipy's sum check
+    assert p0.max() < 0.9 and np.sort(p0)[-2] > 0.05  # a distribution worth testing
+    # Pool pairs expected fewer than 5 times into one cell (chi-square validity).
+    small = n * p01 < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(n * p01[~small], n * p01[small].sum())
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+    # The test has power against plausible bugs: a wrong temperature (0.8), or a
+    # second token drawn without the first one fed (the prompt's distribution again).
+    for q_V, q_VV in (
+        (p_at(0.8)[0, len(prompt) - 1], p_at(0.8)[:, len(prompt)]),
+        (p0, np.broadcast_to(p0, (8, 8))),
+    ):
+        q = (q_V[:, None] * q_VV).ravel()
+        q /= q.sum()
+        alt = np.append(n * q[~small], n * q[small].sum())
+        assert stats.chisquare(obs, alt).pvalue < 1e-3
 
 
 def test_results_do_not_depend_on_scheduling(model):
