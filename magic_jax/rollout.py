@@ -56,7 +56,8 @@ class RolloutStats:
 
     ``prefill_s`` / ``insert_s`` are exact only with ``profile=True`` (else the
     work is asynchronous and lands in ``decode_s``). ``slot_steps`` counts rows
-    computed per device step (the batch run), ``tokens`` the useful ones.
+    computed per device step (the batch run), ``tokens`` the useful ones;
+    ``by_batch`` maps a decode batch size to [steps, seconds] spent at it.
     """
 
     tokens: int = 0
@@ -69,6 +70,7 @@ class RolloutStats:
     steps: int = 0
     slot_steps: int = 0
     prefills: int = 0
+    by_batch: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
 
 class _Pending:
@@ -225,7 +227,11 @@ class RolloutDriver:
             )
             n = int(n)
             outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
-            stats.decode_s += time.perf_counter() - td
+            dt = time.perf_counter() - td
+            stats.decode_s += dt
+            at = stats.by_batch.setdefault(b_max if rows is None else len(rows), [0, 0.0])
+            at[0] += n
+            at[1] += dt
 
             t1 = time.perf_counter()
             cols = range(b_max) if rows is None else rows
