@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Literal
 
@@ -30,6 +31,63 @@ def _scaled_logits(hidden_BCD: jax.Array, unembed_DV: jax.Array, temperature: fl
     return logits / temperature
 
 
+def _chunk_forward(h_BCD, t_BC, unembed_DV, temperature):
+    z_BCV = _scaled_logits(h_BCD, unembed_DV, temperature)
+    lse_BC = jax.nn.logsumexp(z_BCV, axis=-1)
+    tgt_BC = jnp.take_along_axis(z_BCV, t_BC[..., None], axis=-1)[..., 0]
+    ent_BC = lse_BC - jnp.sum(jnp.exp(z_BCV - lse_BC[..., None]) * z_BCV, axis=-1)
+    return tgt_BC - lse_BC, ent_BC, lse_BC
+
+
+def _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature):
+    def body(carry, xs):
+        return carry, _chunk_forward(*xs, unembed_DV, temperature)
+
+    return jax.lax.scan(body, None, (h_NBCD, t_NBC))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_logp_entropy(h_NBCD, unembed_DV, t_NBC, temperature):
+    logp_NBC, ent_NBC, _ = _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature)
+    return logp_NBC, ent_NBC
+
+
+def _chunked_fwd(h_NBCD, unembed_DV, t_NBC, temperature):
+    logp_NBC, ent_NBC, lse_NBC = _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature)
+    return (logp_NBC, ent_NBC), (h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC)
+
+
+def _chunked_bwd(temperature, res, cotangents):
+    """Recomputes each chunk's logits once and applies the closed-form softmax gradients.
+
+    With q = softmax(z): d logp / dz = onehot(target) - q and
+    dH / dz = -q * (log q + H). Only one chunk's [B, C, V] buffers are live, and
+    the [D, V] gradient is accumulated across chunks in fp32.
+    """
+    h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC = res
+    g_logp_NBC, g_ent_NBC = cotangents
+    vocab = unembed_DV.shape[1]
+
+    def body(dw_DV, xs):
+        h_BCD, t_BC, lse_BC, ent_BC, gl_BC, ge_BC = xs
+        logq_BCV = _scaled_logits(h_BCD, unembed_DV, temperature) - lse_BC[..., None]
+        q_BCV = jnp.exp(logq_BCV)
+        dz_BCV = -q_BCV * (gl_BC[..., None] + ge_BC[..., None] * (logq_BCV + ent_BC[..., None]))
+        hit_BCV = jnp.arange(vocab, dtype=t_BC.dtype) == t_BC[..., None]
+        dz_BCV = (dz_BCV + jnp.where(hit_BCV, gl_BC[..., None], 0.0)) / temperature
+        dz_BCV = dz_BCV.astype(unembed_DV.dtype)
+        dh_BCD = jnp.einsum("bcv,dv->bcd", dz_BCV, unembed_DV, preferred_element_type=jnp.float32)
+        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dz_BCV, preferred_element_type=jnp.float32)
+        return dw_DV, dh_BCD.astype(h_BCD.dtype)
+
+    xs = (h_NBCD, t_NBC, lse_NBC, ent_NBC, g_logp_NBC, g_ent_NBC)
+    dw_DV, dh_NBCD = jax.lax.scan(body, jnp.zeros(unembed_DV.shape, jnp.float32), xs)
+    return dh_NBCD, dw_DV.astype(unembed_DV.dtype), None
+
+
+_chunked_logp_entropy.defvjp(_chunked_fwd, _chunked_bwd)
+
+
 def token_logprobs_and_entropy(
     hidden_BTD: jax.Array,
     unembed_DV: jax.Array,
@@ -43,10 +101,11 @@ def token_logprobs_and_entropy(
 
     Logits are divided by the sampling temperature before both, as the sampler
     does. The sequence is cut into chunks of ``chunk_size`` positions and a
-    rematerialised ``lax.scan`` runs over them, so at most one chunk's [B, C, V]
-    fp32 logits is live in the forward pass, and the backward pass recomputes
-    each chunk's logits instead of keeping them: peak memory scales with
-    ``B * chunk_size * V``, not ``B * T * V``.
+    ``lax.scan`` runs over them, so at most one chunk's [B, C, V] fp32 logits is
+    live. The custom backward pass recomputes each chunk's logits (keeping only
+    the [B, T] log-normaliser and entropy from the forward pass) and applies the
+    closed-form softmax gradients, so peak memory scales with ``B * chunk_size * V``
+    plus the [D, V] gradient, never with ``B * T * V``.
 
     Args:
       hidden_BTD: [B, T, D] final hidden states (after the final norm).
@@ -58,7 +117,8 @@ def token_logprobs_and_entropy(
         everything after the matmul is float32. None keeps the input dtypes.
 
     Returns:
-      (logp_BT, ent_BT), both float32 [B, T].
+      (logp_BT, ent_BT), both float32 [B, T]; differentiable with respect to
+      ``hidden_BTD`` and ``unembed_DV``.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -67,6 +127,9 @@ def token_logprobs_and_entropy(
     if compute_dtype is not None:
         hidden_BTD = hidden_BTD.astype(compute_dtype)
         unembed_DV = unembed_DV.astype(compute_dtype)
+    # one dtype for both matmul operands, so the custom backward's cotangents match
+    dtype = jnp.promote_types(hidden_BTD.dtype, unembed_DV.dtype)
+    hidden_BTD, unembed_DV = hidden_BTD.astype(dtype), unembed_DV.astype(dtype)
     B, T, D = hidden_BTD.shape
     C = min(chunk_size, T)
     n_chunks = math.ceil(T / C)
@@ -75,16 +138,8 @@ def token_logprobs_and_entropy(
         hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
         targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
     h_NBCD = hidden_BTD.reshape(B, n_chunks, C, D).swapaxes(0, 1)
-    t_NBC = targets_BT.reshape(B, n_chunks, C).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def chunk(h_BCD, t_BC):
-        return _logp_entropy_from_logits(_scaled_logits(h_BCD, unembed_DV, temperature), t_BC)
-
-    def body(carry, xs):
-        return carry, chunk(*xs)
-
-    _, (logp_NBC, ent_NBC) = jax.lax.scan(body, None, (h_NBCD, t_NBC))
+    t_NBC = targets_BT.astype(jnp.int32).reshape(B, n_chunks, C).swapaxes(0, 1)
+    logp_NBC, ent_NBC = _chunked_logp_entropy(h_NBCD, unembed_DV, t_NBC, float(temperature))
     logp_BT = logp_NBC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :T]
     ent_BT = ent_NBC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :T]
     return logp_BT, ent_BT

@@ -148,8 +148,9 @@ def init_train_state(
       params: ``nnx.state(model, nnx.Param)``, possibly sharded.
       config: update options (optimizer, controller).
       ref_params: reference-policy parameters, needed iff ``config.loss.kl_beta > 0``.
-      mesh: the mesh the params live on; scalars (step, counters, controller,
-        Adam's count) are replicated over it so every leaf shares the device set.
+      mesh: the mesh the params live on (default: the mesh of sharded params, if
+        any); scalars (step, counters, controller, Adam's count) are replicated
+        over it so every leaf shares the device set.
     """
     if config.loss.kl_beta > 0 and ref_params is None:
         raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params")
@@ -166,8 +167,20 @@ def init_train_state(
         ref_params=None if config.loss.kl_beta == 0 else ref_params,
     )
     if mesh is None:
-        return state
-    return jax.device_put(state, _on_mesh(state, mesh))
+        mesh = next(
+            (
+                x.sharding.mesh
+                for x in jax.tree.leaves(params)
+                if isinstance(getattr(x, "sharding", None), NamedSharding)
+            ),
+            None,
+        )
+    if mesh is not None:
+        return jax.device_put(state, _on_mesh(state, mesh))
+    # Commit every leaf to the params' device: a mix of committed and uncommitted
+    # inputs would compile the step a second time once its outputs come back committed.
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    return jax.device_put(state, jax.sharding.SingleDeviceSharding(device))
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -432,10 +445,11 @@ class PolicyUpdater:
     ) -> tuple[TrainState, dict[str, Any]]:
         """All optimizer steps of one training step over its rollout buffer.
 
-        Measures e_k on the buffer, sets alpha_k = c_k * 1{e_k <= target} for every
+        Measures e_k over the response tokens of every valid row of the buffer
+        (before rejection sampling), sets alpha_k = c_k * 1{e_k <= target} for every
         step, runs ``num_reuse`` shuffled passes of ceil(kept / D_T) mini-batches
         (none when no group is kept: the step is skipped), then advances the
-        controller to c_{k+1}.
+        controller to c_{k+1} (also when no group was kept).
 
         Args:
           state: the train state (donated).
