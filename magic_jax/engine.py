@@ -43,7 +43,7 @@ class EngineConfig:
     max_prefill_length: int = 1024
     max_decode_length: int = 1024
     prefill_buckets: tuple[int, ...] = ()
-    decode_steps: int = 16
+    decode_steps: int = 64
     cache_bucket: int = 128
     compact_batch: bool = True
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)

@@ -92,9 +92,7 @@ def test_shim_restores_tree_map_and_stubs_seqio():
 
 
 def test_rejects_prefill_length_jetstream_cannot_pad(setup):
-    engine, params = setup
-    bad = Engine(
-        engine.graphdef and Qwen2(CFG, rngs=nnx.Rngs(0)), EngineConfig(max_prefill_length=24)
-    )
+    _, params = setup
+    bad = Engine(Qwen2(CFG, rngs=nnx.Rngs(0)), EngineConfig(max_prefill_length=24))
     with pytest.raises(ValueError, match="max_prefill_length"):
         jetstream_adapter.JetStreamEngine(bad, params)
