@@ -21,6 +21,13 @@ _LAZY = {
     "save_hf": "magic_jax.convert",
     "MeshConfig": "magic_jax.sharding",
     "make_mesh": "magic_jax.sharding",
+    "Engine": "magic_jax.engine",
+    "EngineConfig": "magic_jax.engine",
+    "RolloutDriver": "magic_jax.rollout",
+    "SamplingConfig": "magic_jax.sampling",
+    "PolicyUpdater": "magic_jax.train_step",
+    "UpdateConfig": "magic_jax.train_step",
+    "VerifierPool": "magic_jax.rewards",
 }
 
 
