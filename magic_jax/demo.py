@@ -129,23 +129,28 @@ def run(config: DemoConfig) -> dict:
             t0 = time.perf_counter()
             problems = _problems(rng, config.prompts_per_step)
             prompts = [encode(q) for q, _ in problems]
+            # Each sample goes to the verifier pool as soon as it ends, while the
+            # others still decode; t_O is the wait left after the rollout.
+            tickets = {}
+
+            def submit(s, problems=problems, tickets=tickets):
+                item = RewardItem(
+                    response=decode(s.tokens),
+                    ground_truth=problems[s.prompt_index][1],
+                    ability="math",
+                )
+                tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+
             samples, _ = driver.run(
                 engine.load_params(state.params),
                 prompts,
                 num_samples=config.group_size,
                 seed=config.seed,
                 step=step,
+                on_sample=submit,
             )
             t1 = time.perf_counter()
-            items = [
-                RewardItem(
-                    response=decode(s.tokens),
-                    ground_truth=problems[s.prompt_index][1],
-                    ability="math",
-                )
-                for s in samples
-            ]
-            results = pool.map(items)
+            results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
             rewards = np.asarray([r.reward for r in results], np.float32)
             buffer = pack_rollouts(
                 samples,

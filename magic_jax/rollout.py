@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -111,6 +111,7 @@ class RolloutDriver:
         max_new_tokens: int | np.ndarray | None = None,
         truncation: Truncation = "no_eos",
         profile: bool = False,
+        on_sample: Callable[[Sample], None] | None = None,
     ) -> tuple[list[Sample], RolloutStats]:
         """Generates ``num_samples`` responses for each prompt.
 
@@ -123,6 +124,9 @@ class RolloutDriver:
             default the engine's ``max_decode_length``.
           truncation: how ``Sample.truncated`` is counted.
           profile: block after each prefill and insert so their time is exact.
+          on_sample: called with each sample as soon as it ends, while the others
+            still decode (e.g. to submit it to a ``VerifierPool``). An exception
+            it raises ends the rollout.
 
         Returns:
           (samples ordered by (prompt, sample), stats).
@@ -151,13 +155,16 @@ class RolloutDriver:
         slot_of: list[_Pending | None] = [None] * b_max
         slot_len = np.zeros(b_max, np.int64)  # mirrors the cache's per-row lengths
         first_draws: list[tuple[_Pending, object]] = []
-        done: list[_Pending] = []
+        done: list[Sample] = []
         eos = set(eng.eos_ids)
         sizes = cfg.compact_sizes()
 
         def finish(pend: _Pending, slot: int):
-            done.append(pend)
+            sample = self._to_sample(pend, prompts, eos, truncation)
+            done.append(sample)
             slot_of[slot] = None
+            if on_sample is not None:
+                on_sample(sample)
 
         while queue or any(s is not None for s in slot_of):
             t0 = time.perf_counter()
@@ -259,8 +266,7 @@ class RolloutDriver:
             stats.host_s += time.perf_counter() - t1
 
         self._state = state
-        samples = [self._to_sample(p, prompts, eos, truncation) for p in done]
-        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        samples = sorted(done, key=lambda s: (s.prompt_index, s.sample_index))
         stats.tokens = sum(s.length for s in samples)
         stats.wall_s = time.perf_counter() - t_start
         return samples, stats

@@ -252,6 +252,37 @@ def test_groups_share_one_prefill_and_carry_indices(model):
     assert len(again) == 2
 
 
+def test_on_sample_reports_each_sample_as_it_ends(model):
+    """Short samples are handed out while long ones still decode, each exactly once."""
+    engine = _engine(model, sampling=SamplingConfig(), **SCHED_A)
+    limits = np.array([[12, 2, 12], [1, 12, 3]])  # per (prompt, sample)
+    seen = []
+    samples, _ = RolloutDriver(engine).run(
+        engine.load_params(model),
+        PROMPTS[:2],
+        num_samples=3,
+        max_new_tokens=limits,
+        on_sample=seen.append,
+    )
+    assert sorted(seen, key=lambda s: (s.prompt_index, s.sample_index)) == samples
+    order = [(s.prompt_index, s.sample_index) for s in seen]
+    # Two slots: (0, 0) and (0, 1) start; (0, 1) ends after 2 tokens, long before
+    # (0, 0) ends after 12, and is reported first although it sorts second.
+    assert order[0] == (0, 1) and order.index((0, 1)) < order.index((0, 0))
+    assert [s.length for s in samples] == list(limits.reshape(-1))
+    boom = RuntimeError("callback failed")
+
+    def fail(_):
+        raise boom
+
+    driver = RolloutDriver(engine)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        driver.run(engine.load_params(model), PROMPTS[:1], max_new_tokens=2, on_sample=fail)
+    # a failed rollout leaves the driver usable
+    again, _ = driver.run(engine.load_params(model), PROMPTS[:1], max_new_tokens=2)
+    assert again[0].length == 2
+
+
 def test_truncation_modes(model):
     prompts = PROMPTS[:2]
     static = _static_greedy(model, prompts, 8)
