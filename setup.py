@@ -34,7 +34,14 @@ setup(
     extras_require={
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
         # does not pull a CUDA wheel; the test extra only checks the version.
-        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "torch==2.13.0", "pyarrow>=15"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3",
+            "ruff>=0.6",
+            "torch==2.13.0",
+            "pyarrow>=15",
+            "scipy>=1.11",
+        ],
         "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
         # google-jetstream itself goes in with --no-deps (see README): its pinned
