@@ -30,6 +30,7 @@ setup(
         "numpy>=2.0",
         "ml_dtypes>=0.5",
         "psutil>=5.9",
+        "pyarrow>=15",
     ],
     extras_require={
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip

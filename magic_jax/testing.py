@@ -90,3 +90,40 @@ def torch_logits(model: Any, input_ids: Any, attention_mask: Any = None):
         kw = {"attention_mask": mask, "position_ids": pos}
     with torch.no_grad():
         return model(ids, **kw).logits.float().numpy()
+
+
+R1_SPECIALS = (
+    "<pad>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+)
+
+
+def make_char_tokenizer(
+    chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,()\n\\{}$^_",
+    specials: tuple[str, ...] = R1_SPECIALS,
+):
+    """A character-level Hugging Face fast tokenizer (one token per character).
+
+    The special tokens (the R1-Distill chat markers by default) are whole tokens;
+    ``<unk>`` takes every other character. Save it with ``save_pretrained`` next
+    to a tiny checkpoint to get a complete model directory.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys(chars), "<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(list(specials))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token=specials[0],
+        bos_token=specials[1] if len(specials) > 1 else None,
+        eos_token=specials[2] if len(specials) > 2 else None,
+    )
