@@ -1,4 +1,4 @@
-"""The ``magic-jax`` command line: checkpoint conversion and the pipeline demo."""
+"""The ``magic-jax`` command line: training, checkpoint conversion and the pipeline demo."""
 
 from __future__ import annotations
 
@@ -56,6 +56,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from magic_jax.config import load_config
+    from magic_jax.trainer import Trainer
+
+    config = load_config(args.config, args.set or ())
+    Trainer(config).run(stop_after=args.stop_after)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
@@ -83,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
     p.set_defaults(func=_export)
 
+    p = sub.add_parser("train", help="run a MAGIC training config (resumes from its output_dir)")
+    p.add_argument("config", help="YAML run configuration (see configs/)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override an option, e.g. --set loss.eps_high=0.28 --set stages.0.steps=10",
+    )
+    p.add_argument("--stop-after", type=int, help="stop after this many steps (resumable)")
+    p.set_defaults(func=_train)
+
     p = sub.add_parser("demo", help="run every pipeline stage on a tiny built-in model")
     p.add_argument("--workdir", default="runs/demo", help="output directory (replaced)")
     p.add_argument("--steps", type=int, default=3)
@@ -98,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from magic_jax.convert import CheckpointError
+    from magic_jax.data import DataError
 
     try:
         return args.func(args)
-    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (CheckpointError, DataError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

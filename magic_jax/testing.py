@@ -98,28 +98,34 @@ R1_SPECIALS = (
     "<｜end▁of▁sentence｜>",
     "<｜User｜>",
     "<｜Assistant｜>",
-    "<think>",
-    "</think>",
 )
+R1_THINK = ("<think>", "</think>")
 
 
 def make_char_tokenizer(
     chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,()\n\\{}$^_",
     specials: tuple[str, ...] = R1_SPECIALS,
+    added: tuple[str, ...] = R1_THINK,
 ):
     """A character-level Hugging Face fast tokenizer (one token per character).
 
-    The special tokens (the R1-Distill chat markers by default) are whole tokens;
-    ``<unk>`` takes every other character. Save it with ``save_pretrained`` next
-    to a tiny checkpoint to get a complete model directory.
+    ``specials`` (pad, BOS, EOS and the R1-Distill chat markers by default) are
+    special tokens, dropped by ``decode(..., skip_special_tokens=True)``;
+    ``added`` (``<think>``, ``</think>``) are whole tokens that decoding keeps,
+    as in the R1-Distill tokenizer. Every other character maps to ``<unk>``.
+    Save it with ``save_pretrained`` next to a tiny checkpoint to get a complete
+    model directory.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys(chars), "<unk>"])}
+    names = [*specials, *added, *dict.fromkeys(chars), "<unk>"]
+    vocab = {t: i for i, t in enumerate(names)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(specials))
+    tok.add_tokens(list(added))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

@@ -1,0 +1,395 @@
+"""Training-run configuration: typed dataclasses read from YAML, with named errors.
+
+A run is described by one YAML file (see ``configs/``): the model, data,
+stages of the multi-stage schedule (SPEC item 9) and every option of the
+objective, sampler, verifier pool and mesh. ``load_config`` checks it against
+the dataclasses below: an unknown key, a wrong type or a bad value raises
+``ConfigError`` naming its dotted path (``stages[1].max_response_length``).
+``--set key.path=value`` overrides apply to the raw YAML before the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from magic_jax.advantages import AdvantageConfig
+from magic_jax.entropy import EntropyControlConfig
+from magic_jax.losses import LossConfig
+from magic_jax.rewards.pool import PoolConfig
+from magic_jax.sampling import SamplingConfig
+from magic_jax.sharding import MeshConfig
+from magic_jax.train_step import OptimizerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the option's path."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """One stage of the multi-stage schedule (SPEC item 9).
+
+    Attributes:
+      steps: training steps in this stage (its budget).
+      max_response_length: T, the response limit of this stage's rollouts.
+      prompts_per_step: D_R, prompts sampled per training step.
+      mini_batch_groups: D_T, prompts per optimizer step (N_SGD = D_R / D_T * N_reuse).
+      group_size: G, responses per prompt.
+      name: a label for logs.
+    """
+
+    steps: int
+    max_response_length: int
+    prompts_per_step: int
+    mini_batch_groups: int
+    group_size: int
+    name: str = ""
+
+    def __post_init__(self):
+        for f in ("steps", "max_response_length", "prompts_per_step", "mini_batch_groups"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (group advantages), got {self.group_size}")
+        if self.mini_batch_groups > self.prompts_per_step:
+            raise ValueError(
+                f"mini_batch_groups ({self.mini_batch_groups}) exceeds prompts_per_step "
+                f"({self.prompts_per_step})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training prompts.
+
+    Attributes:
+      train: files or directories of verl rows (``.parquet`` / ``.jsonl``).
+      max_prompt_length: longer prompts are dropped (counted in the log).
+      offline_filter_model: with ``offline_filter_samples``, drop prompts this
+        model solved 0 or N of N times (``extra_info.model_difficulty``).
+      offline_filter_samples: N of the difficulty table (16 math, 8 code).
+      online_filter: at each new stage, drop prompts whose accuracy in the
+        previous stage was 1 (SPEC item 10).
+    """
+
+    train: tuple[str, ...]
+    max_prompt_length: int = 1024
+    offline_filter_model: str | None = None
+    offline_filter_samples: int = 16
+    online_filter: bool = True
+
+    def __post_init__(self):
+        if not self.train:
+            raise ValueError("train must name at least one file or directory")
+        if self.max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Decode engine settings (the sampling distribution itself is ``sampling``).
+
+    Attributes:
+      max_concurrent_decodes: decode slots.
+      decode_steps: decode steps per host round trip.
+      truncation: ``"no_eos"`` (report) or ``"length"`` (reference code).
+    """
+
+    max_concurrent_decodes: int = 64
+    decode_steps: int = 64
+    truncation: Literal["no_eos", "length"] = "no_eos"
+
+    def __post_init__(self):
+        if self.truncation not in ("no_eos", "length"):
+            raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
+        if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:
+            raise ValueError("max_concurrent_decodes and decode_steps must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A whole training run.
+
+    Attributes:
+      model: a Hugging Face checkpoint directory (config.json + safetensors) or
+        a magic_jax orbax checkpoint (``model_config.json`` + ``state/``).
+      tokenizer: directory of a Hugging Face tokenizer; default ``model``.
+      output_dir: checkpoints, ``metrics.jsonl``, the resolved config and the
+        final Hugging Face export go here; a run in a directory with
+        checkpoints resumes from the newest.
+      stages: the multi-stage schedule, in order.
+      data, rollout, sampling, advantage, loss, entropy, optimizer, rewards, mesh:
+        the options of each part (see their classes).
+      micro_batch_size: sequences per micro-batch (gradient accumulation).
+      num_reuse: N_reuse, passes over each rollout buffer.
+      param_dtype: ``float32`` master weights (default) or ``bfloat16``.
+      seed: data order and sampling randomness.
+      checkpoint_every: steps between checkpoints (and at each stage's end).
+      keep_checkpoints: newest checkpoints kept.
+      export_hf: write the final policy as a Hugging Face checkpoint.
+    """
+
+    model: str
+    output_dir: str
+    stages: tuple[StageConfig, ...]
+    data: DataConfig
+    tokenizer: str | None = None
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    rewards: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    mesh: MeshConfig | None = None
+    micro_batch_size: int | None = None
+    num_reuse: int = 1
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    export_hf: bool = True
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("stages must list at least one stage")
+        if self.loss.temperature != self.sampling.temperature:
+            raise ValueError(
+                f"loss.temperature ({self.loss.temperature}) must equal sampling.temperature "
+                f"({self.sampling.temperature}): the trainer recomputes the sampler's log-probs"
+            )
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
+            raise ValueError("checkpoint_every and keep_checkpoints must be positive")
+        if self.num_reuse <= 0:
+            raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(stage index, step within the stage) of global step ``step``."""
+        for i, s in enumerate(self.stages):
+            if step < s.steps:
+                return i, step
+            step -= s.steps
+        return len(self.stages), 0
+
+
+# --------------------------------------------------------------------------- dict <-> dataclass
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of "
+                          f"{[_type_name(o) for o in options]}")  # fmt: skip
+    if value is None:
+        raise ConfigError(f"{path}: must not be null")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            if args and args[-1] is Ellipsis and isinstance(value, str):
+                value = [value]  # a single path where a list is expected
+            else:
+                raise ConfigError(f"{path}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"{path}: expected one of {[e.value for e in tp]}, got {value!r}"
+            ) from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Builds dataclass ``cls`` from a nested mapping, checking keys, types and values.
+
+    Raises:
+      ConfigError: naming the dotted path of the first bad option.
+    """
+    where = path or cls.__name__
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of options, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(
+            f"{path + '.' if path else ''}{key}: unknown option of {cls.__name__}; "
+            f"expected one of {sorted(fields)}"
+        )
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing required option {missing[0]!r}")
+    kwargs = {k: _convert(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain YAML/JSON values (enums as their strings)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------- files and overrides
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Applies ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place.
+
+    List items are addressed by index: ``stages.1.steps=100``.
+    """
+    import yaml
+
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r}: expected key.path=value")
+    key, text = assignment.split("=", 1)
+    value = yaml.safe_load(text)
+    parts = key.strip().split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {assignment!r}: {here} is not an item of the list")
+            node = node[int(part)]
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        if not isinstance(node, dict | list):
+            raise ConfigError(f"override {assignment!r}: {here} is not a mapping or list")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {assignment!r}: {key} is not an item of the list")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    raw: Mapping[str, Any] | None = None,
+) -> TrainConfig:
+    """Reads a YAML run configuration (or a raw mapping), applies overrides, checks it.
+
+    Relative paths in ``model``, ``tokenizer`` and ``data.train`` are taken
+    relative to the YAML file's directory.
+
+    Raises:
+      ConfigError: an unreadable file or a bad option (named by its path).
+    """
+    import copy
+
+    import yaml
+
+    base = Path(".")
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw = loaded
+        base = path.parent
+    raw = copy.deepcopy(dict(raw or {}))
+    for o in overrides:
+        apply_override(raw, o)
+    # The trainer recomputes the sampler's log-probs: one temperature for both.
+    sampling = raw.get("sampling")
+    if isinstance(sampling, dict) and "temperature" in sampling:
+        loss = raw.setdefault("loss", {}) or {}
+        raw["loss"] = loss
+        loss.setdefault("temperature", sampling["temperature"])
+
+    def rel(p: Any) -> Any:
+        if isinstance(p, str) and p and not os.path.isabs(p) and path is not None:
+            return str((base / p).resolve()) if (base / p).exists() else p
+        return p
+
+    for key in ("model", "tokenizer"):
+        if key in raw:
+            raw[key] = rel(raw[key])
+    data = raw.get("data")
+    if isinstance(data, dict) and "train" in data:
+        train = data["train"]
+        data["train"] = [rel(t) for t in train] if isinstance(train, list) else rel(train)
+    try:
+        return from_dict(TrainConfig, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None

@@ -1,0 +1,42 @@
+"""The shipped recipes load and match the released stage tables."""
+
+from pathlib import Path
+
+import pytest
+
+from magic_jax.config import load_config
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+# (steps, T, D_R, D_T, G) per stage, from the released tables
+RELEASED = {
+    "skywork-or1-7b": [(660, 16384, 256, 256, 16), (660, 32768, 160, 160, 32)],
+    "skywork-or1-32b": [(760, 16384, 256, 256, 16), (370, 24576, 160, 160, 32)],
+    "skywork-or1-math-7b": [
+        (740, 8192, 256, 128, 16),
+        (1000, 16384, 256, 128, 16),
+        (340, 32768, 256, 128, 16),
+        (80, 32768, 128, 64, 64),
+    ],
+    "ablation-7b": [(1000, 16384, 64, 64, 16)],
+}
+
+
+def test_every_config_is_covered():
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == sorted(RELEASED)
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_recipe_loads_with_the_released_schedule(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    got = [
+        (s.steps, s.max_response_length, s.prompts_per_step, s.mini_batch_groups, s.group_size)
+        for s in cfg.stages
+    ]
+    assert got == RELEASED[name]
+    # the released hyper-parameters
+    assert cfg.optimizer.learning_rate == 1e-6 and cfg.optimizer.weight_decay == 0.01
+    assert cfg.loss.eps_low == cfg.loss.eps_high == 0.2 and cfg.loss.kl_beta == 0
+    assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
+    assert (cfg.entropy.mode, cfg.entropy.target, cfg.entropy.delta) == ("adaptive", 0.2, 0.005)
+    assert cfg.num_reuse == 1 and cfg.advantage.mask == "none"

@@ -1,0 +1,188 @@
+"""The training loop on a tiny model: stages, metrics, checkpoints, exact resume, config errors."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from magic_jax.cli import main
+from magic_jax.config import ConfigError, load_config
+from magic_jax.trainer import Trainer, latest_checkpoint
+
+# A tiny vocabulary and one-digit answers: a random policy hits the gold answer often
+# enough that groups with mixed rewards (which train) occur in every run.
+CHARS = "0123+= "
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from magic_jax.testing import make_char_tokenizer, make_hf_model, save_hf_model
+
+    root = tmp_path_factory.mktemp("trainer")
+    tok = make_char_tokenizer(chars=CHARS)
+    hf = make_hf_model(
+        seed=0,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    save_hf_model(hf, root / "model")
+    tok.save_pretrained(root / "model")
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(12):
+        a, b = (int(x) for x in rng.integers(0, 2, 2))
+        rows.append(
+            {
+                "data_source": "sums",
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+                "extra_info": {"index": i},
+            }
+        )
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {
+        "model": "model",
+        "output_dir": str(root / "run"),
+        "data": {"train": ["train.jsonl"], "max_prompt_length": 16},
+        "stages": [
+            {
+                "steps": 2,
+                "max_response_length": 3,
+                "prompts_per_step": 4,
+                "mini_batch_groups": 2,
+                "group_size": 8,
+            },
+            {
+                "steps": 2,
+                "max_response_length": 5,
+                "prompts_per_step": 4,
+                "mini_batch_groups": 4,
+                "group_size": 8,
+                "name": "longer",
+            },
+        ],
+        "rollout": {"max_concurrent_decodes": 8, "decode_steps": 8},
+        "optimizer": {"learning_rate": 1e-2},
+        "entropy": {"target": 5.0, "delta": 0.01},
+        "rewards": {"num_workers": 1},
+        "checkpoint_every": 1,
+        "keep_checkpoints": 2,
+    }
+    (root / "run.yaml").write_text(yaml.safe_dump(raw))
+    return root
+
+
+def _config(files, out, *overrides):
+    return load_config(files / "run.yaml", [f"output_dir={files / out}", *overrides])
+
+
+def _metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(path):
+    from safetensors.numpy import load_file
+
+    return load_file(str(path / "hf_final" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def straight(files):
+    """An uninterrupted run of both stages."""
+    summary = Trainer(_config(files, "straight"), log=lambda s: None).run()
+    return files / "straight", summary
+
+
+def test_run_goes_through_both_stages(straight):
+    out, summary = straight
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["stage"] for r in rows] == [0, 0, 1, 1]
+    assert [r["max_response_length"] for r in rows] == [3, 3, 5, 5]
+    assert all(r["response_length_max"] <= r["max_response_length"] for r in rows)
+    for r in rows:
+        for key in ("entropy", "alpha", "reward", "kept_group_fraction", "grad_norm",
+                    "clipfrac_low", "clipfrac_high", "approx_kl", "truncated_fraction",
+                    "t_rollout_s", "t_update_s", "t_other_s"):  # fmt: skip
+            assert np.isfinite(r[key]), key
+    # entropy above a target of 5 nats never happens with 20 tokens: c_k grows by delta
+    assert [r["alpha"] for r in rows] == pytest.approx([0.0, 0.01, 0.02, 0.03])
+    assert summary["entropy_coef"] == pytest.approx(0.04)
+    assert summary["optimizer_steps"] == sum(r["sgd_steps"] for r in rows) > 0
+    # the two newest checkpoints are kept; the final policy is exported with its tokenizer
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_00000003", "step_00000004"]
+    assert (out / "hf_final" / "config.json").exists()
+    assert (out / "hf_final" / "tokenizer.json").exists()
+    assert yaml.safe_load((out / "config.yaml").read_text())["stages"][1]["name"] == "longer"
+
+
+def test_resume_reproduces_the_uninterrupted_run(files, straight):
+    out, _ = straight
+    cfg = _config(files, "resumed")
+    first = Trainer(cfg, log=lambda s: None).run(stop_after=1)
+    assert first["steps"] == 1 and latest_checkpoint(files / "resumed").name == "step_00000001"
+    assert not (files / "resumed" / "hf_final").exists()
+    logs = []
+    Trainer(cfg, log=logs.append).run()
+    assert any("[resume]" in line and "step 1" in line for line in logs)
+    a, b = _metrics(out), _metrics(files / "resumed")
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("reward", "entropy", "alpha", "loss", "grad_norm", "response_length_mean"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    pa, pb = _params(out), _params(files / "resumed")
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_online_filter_drops_prompts_solved_in_the_previous_stage(files, tmp_path):
+    from magic_jax.data import AccuracyTracker, read_rows
+    from magic_jax.trainer import Trainer as T
+
+    cfg = _config(files, tmp_path / "x")
+    trainer = T(cfg, log=lambda s: None)
+    trainer._setup()
+    rows = read_rows(files / "train.jsonl")
+    tracker = AccuracyTracker()
+    tracker.record(rows[0].uid, [1, 1, 1, 1])
+    tracker.record(rows[1].uid, [1, 0, 1, 1])
+    stage = trainer._make_stage(1, sorted(tracker.solved()))
+    assert [r.uid for r in stage.rows] == [r.uid for r in rows[1:]]
+
+
+def test_config_errors_name_the_option(files):
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.group_sise: unknown option"):
+        _config(files, "e", "stages.0.group_sise=3")
+    with pytest.raises(ConfigError, match=r"optimizer\.learning_rate: expected a number"):
+        _config(files, "e", "optimizer.learning_rate=fast")
+    with pytest.raises(ConfigError, match=r"stages\[1\]: group_size must be >= 2"):
+        _config(files, "e", "stages.1.group_size=1")
+    with pytest.raises(ConfigError, match="run.yaml"):
+        _config(files, "e", "loss.aggregation=mean")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        bad = files / "bad.yaml"
+        bad.write_text("stages: [\n")
+        load_config(bad)
+    # one temperature for sampler and loss
+    cfg = _config(files, "e", "sampling.temperature=0.6")
+    assert cfg.loss.temperature == 0.6
+
+
+def test_cli_reports_bad_config_and_bad_data(files, capsys):
+    assert main(["train", str(files / "run.yaml"), "--set", "stages.0.steps=0"]) == 2
+    assert "steps must be positive" in capsys.readouterr().err
+    (files / "broken.jsonl").write_text('{"prompt": []}\n')
+    code = main(
+        ["train", str(files / "run.yaml"), "--set", f"data.train=[{files / 'broken.jsonl'}]",
+         "--set", f"output_dir={files / 'broken_run'}"]
+    )  # fmt: skip
+    assert code == 2
+    assert "broken.jsonl:0" in capsys.readouterr().err
