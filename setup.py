@@ -31,6 +31,7 @@ setup(
         "ml_dtypes>=0.5",
         "psutil>=5.9",
         "pyarrow>=15",
+        "pyyaml>=6",
     ],
     extras_require={
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip

@@ -52,7 +52,7 @@ def _export(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from magic_jax.demo import DemoConfig, run
 
-    run(DemoConfig(workdir=args.workdir, steps=args.steps, seed=args.seed))
+    run(DemoConfig(workdir=args.workdir, rl_steps=args.rl_steps, seed=args.seed, quick=args.quick))
     return 0
 
 
@@ -103,9 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, help="stop after this many steps (resumable)")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("demo", help="run every pipeline stage on a tiny built-in model")
+    p = sub.add_parser(
+        "demo", help="the embedded default: a tiny model learns addition with MAGIC on CPU"
+    )
     p.add_argument("--workdir", default="runs/demo", help="output directory (replaced)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rl-steps", type=int, default=120)
+    p.add_argument("--quick", action="store_true", help="a few steps of each phase (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
     return parser

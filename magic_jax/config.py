@@ -115,6 +115,29 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """avg@n evaluation during training (SPEC item 13).
+
+    Attributes:
+      data: files or directories of verl rows.
+      every: steps between evaluations (also before the first and after the last).
+      num_samples: n of avg@n.
+      max_response_length: response limit; default the longest stage T.
+    """
+
+    data: tuple[str, ...]
+    every: int = 50
+    num_samples: int = 4
+    max_response_length: int | None = None
+
+    def __post_init__(self):
+        if not self.data:
+            raise ValueError("data must name at least one file or directory")
+        if self.every <= 0 or self.num_samples <= 0:
+            raise ValueError("every and num_samples must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A whole training run.
 
@@ -126,7 +149,7 @@ class TrainConfig:
         final Hugging Face export go here; a run in a directory with
         checkpoints resumes from the newest.
       stages: the multi-stage schedule, in order.
-      data, rollout, sampling, advantage, loss, entropy, optimizer, rewards, mesh:
+      data, rollout, sampling, advantage, loss, entropy, optimizer, rewards, mesh, eval:
         the options of each part (see their classes).
       micro_batch_size: sequences per micro-batch (gradient accumulation).
       num_reuse: N_reuse, passes over each rollout buffer.
@@ -135,6 +158,7 @@ class TrainConfig:
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
       export_hf: write the final policy as a Hugging Face checkpoint.
+      export_dtype: its dtype (bf16, as released checkpoints; fp32 for tiny models).
     """
 
     model: str
@@ -150,6 +174,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     rewards: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     mesh: MeshConfig | None = None
+    eval: EvalConfig | None = None
     micro_batch_size: int | None = None
     num_reuse: int = 1
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -157,6 +182,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     export_hf: bool = True
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def __post_init__(self):
         if not self.stages:
@@ -385,10 +411,11 @@ def load_config(
     for key in ("model", "tokenizer"):
         if key in raw:
             raw[key] = rel(raw[key])
-    data = raw.get("data")
-    if isinstance(data, dict) and "train" in data:
-        train = data["train"]
-        data["train"] = [rel(t) for t in train] if isinstance(train, list) else rel(train)
+    for section, key in (("data", "train"), ("eval", "data")):
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            v = node[key]
+            node[key] = [rel(t) for t in v] if isinstance(v, list) else rel(v)
     try:
         return from_dict(TrainConfig, raw)
     except ConfigError as e:

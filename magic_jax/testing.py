@@ -92,44 +92,10 @@ def torch_logits(model: Any, input_ids: Any, attention_mask: Any = None):
         return model(ids, **kw).logits.float().numpy()
 
 
-R1_SPECIALS = (
-    "<pad>",
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-)
-R1_THINK = ("<think>", "</think>")
-
-
 def make_char_tokenizer(
-    chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,()\n\\{}$^_",
-    specials: tuple[str, ...] = R1_SPECIALS,
-    added: tuple[str, ...] = R1_THINK,
+    chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,()\n\\{}$^_", **kw: Any
 ):
-    """A character-level Hugging Face fast tokenizer (one token per character).
+    """A character-level tokenizer with the R1-Distill markers (see ``tasks.vocab``)."""
+    from magic_jax.tasks.vocab import char_tokenizer
 
-    ``specials`` (pad, BOS, EOS and the R1-Distill chat markers by default) are
-    special tokens, dropped by ``decode(..., skip_special_tokens=True)``;
-    ``added`` (``<think>``, ``</think>``) are whole tokens that decoding keeps,
-    as in the R1-Distill tokenizer. Every other character maps to ``<unk>``.
-    Save it with ``save_pretrained`` next to a tiny checkpoint to get a complete
-    model directory.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    names = [*specials, *added, *dict.fromkeys(chars), "<unk>"]
-    vocab = {t: i for i, t in enumerate(names)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(specials))
-    tok.add_tokens(list(added))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token=specials[0],
-        bos_token=specials[1] if len(specials) > 1 else None,
-        eos_token=specials[2] if len(specials) > 2 else None,
-    )
+    return char_tokenizer(chars, **kw)

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+EVALS = "eval.jsonl"
 TRAINER_STATE = "trainer.json"
 
 
@@ -84,10 +85,22 @@ def _load_policy(path: str, dtype: str, mesh: Any):
     )
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str | os.PathLike):
+    """A Hugging Face tokenizer from a local directory.
 
+    A directory whose ``tokenizer_config.json`` names the generic fast class
+    (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as custom tokenizers
+    are saved) is read as exactly its ``tokenizer.json``: ``AutoTokenizer``
+    would pick the model type's tokenizer class instead (``Qwen2Tokenizer``
+    beside a Qwen2 ``config.json``) and rebuild its pre-tokenizer.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = Path(path) / "tokenizer_config.json"
     try:
+        cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
+        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
@@ -115,6 +128,7 @@ class Trainer:
         self.config = config
         self.log = log
         self.out = Path(config.output_dir)
+        self._eval_driver = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -128,7 +142,7 @@ class Trainer:
             maybe_initialize_distributed()
         self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
         self.model = _load_policy(cfg.model, cfg.param_dtype, self.mesh)
-        self.tokenizer = _load_tokenizer(cfg.tokenizer or cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = 0
@@ -257,7 +271,10 @@ class Trainer:
             self.log(f"[done] all {cfg.total_steps} steps are in {ckpt}")
         stage: _Stage | None = None
         history: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
         with VerifierPool(cfg.rewards) as pool:
+            if cfg.eval is not None and step == 0:
+                evals.append(self._evaluate(state, 0, pool))
             end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
             while step < end:
                 index, k = cfg.stage_at(step)
@@ -274,6 +291,8 @@ class Trainer:
                 self.log(_format(row))
                 step += 1
                 end_of_stage = cfg.stage_at(step)[0] != index
+                if cfg.eval is not None and (step % cfg.eval.every == 0 or step == end):
+                    evals.append(self._evaluate(state, step, pool))
                 if step % cfg.checkpoint_every == 0 or end_of_stage or step == end:
                     jax.block_until_ready(state)
                     self._save(state, step, stage, tracker)
@@ -283,8 +302,10 @@ class Trainer:
             "skipped_updates": int(state.skipped),
             "entropy_coef": float(state.entropy.coef),
             "last": history[-1] if history else None,
+            "evals": [{"step": e["step"], "accuracy": e["accuracy"]} for e in evals],
         }
         if cfg.export_hf and step == cfg.total_steps and jax.process_index() == 0:
+            import jax.numpy as jnp
             from flax import nnx
 
             from magic_jax.convert import save_hf
@@ -292,7 +313,7 @@ class Trainer:
             out = self.out / "hf_final"
             if out.exists():
                 shutil.rmtree(out)
-            save_hf(nnx.merge(self.graphdef, state.params), out)
+            save_hf(nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(cfg.export_dtype))
             self.tokenizer.save_pretrained(out)
             summary["hf_export"] = str(out)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -312,12 +333,58 @@ class Trainer:
         )
 
     def _trim_metrics(self, step: int) -> None:
-        """Drops metric lines of steps after the checkpoint (they are computed again)."""
-        path = self.out / METRICS
-        if not path.exists():
-            return
-        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in keep))
+        """Drops the lines of steps after the checkpoint (they are computed again)."""
+        for name, last in ((METRICS, step - 1), (EVALS, step)):
+            path = self.out / name
+            if path.exists():
+                lines = path.read_text().splitlines()
+                keep = [line for line in lines if json.loads(line)["step"] <= last]
+                path.write_text("".join(line + "\n" for line in keep))
+
+    def _evaluate(self, state: Any, step: int, pool: Any) -> dict[str, Any]:
+        from magic_jax.engine import Engine, EngineConfig
+        from magic_jax.evaluate import evaluate
+        from magic_jax.rollout import RolloutDriver
+
+        cfg, ev = self.config, self.config.eval
+        if self._eval_driver is None:
+            self._eval_rows = read_rows(ev.data)
+            limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
+            engine = Engine(
+                self.model,
+                EngineConfig(
+                    max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
+                    max_prefill_length=cfg.data.max_prompt_length,
+                    max_decode_length=limit,
+                    decode_steps=cfg.rollout.decode_steps,
+                    sampling=cfg.sampling,
+                ),
+                mesh=self.mesh,
+            )
+            self._eval_driver = RolloutDriver(engine)
+        t0 = time.perf_counter()
+        driver = self._eval_driver
+        row = evaluate(
+            driver,
+            driver.engine.load_params(state.params),
+            self._eval_rows,
+            self.tokenizer,
+            num_samples=ev.num_samples,
+            max_prompt_length=cfg.data.max_prompt_length,
+            seed=cfg.seed,
+            step=step,
+            pool=pool,
+        )
+        row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
+        with open(self.out / EVALS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.log(
+            f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
+            f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
+            f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f} "
+            f"({row['t_eval_s']:.1f}s)"
+        )
+        return row
 
     def _step(self, state, stage: _Stage, step: int, k: int, pool, tracker, RewardItem):
         import jax
