@@ -11,7 +11,7 @@
 3. The warmed-up model is written as a Hugging Face checkpoint with its
    tokenizer; prompts (train and held-out) are written as verl rows; a run
    config is written as YAML.
-4. ``magic-jax train`` on that config: two stages (T 48, then 64), MAGIC's
+4. ``magic-jax train`` on that config: two stages (T 56, then 64), MAGIC's
    adaptive entropy control, rejection sampling, on-policy updates, avg@4
    evaluation on held-out problems, checkpoints and a final export.
 
@@ -156,7 +156,7 @@ def run_config(config: DemoConfig, work: Path, model_dir: Path) -> dict[str, Any
             "max_response_length": 64,
         },
         "stages": [
-            {"name": "T48", "steps": steps[0], "max_response_length": 48, **stage},
+            {"name": "T56", "steps": steps[0], "max_response_length": 56, **stage},
             {"name": "T64", "steps": steps[1], "max_response_length": 64, **stage},
         ],
         "sampling": {"temperature": 1.0},
