@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-R1_SPECIALS = (
-    "<pad>",
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-)
+from magic_jax.data import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
+
+R1_SPECIALS = ("<pad>", R1_BOS, R1_EOS, R1_USER, R1_ASSISTANT)
 R1_THINK = ("<think>", "</think>")
 
 
