@@ -159,25 +159,31 @@ class Trainer:
         )
         self._params = params
 
-    def _make_stage(self, index: int, excluded: list[str]) -> _Stage:
+    def _engine(self, max_response_length: int):
+        """A decode engine with the run's slots and sampling, for one response limit."""
         from magic_jax.engine import Engine, EngineConfig
+
+        cfg = self.config
+        return Engine(
+            self.model,
+            EngineConfig(
+                max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
+                max_prefill_length=cfg.data.max_prompt_length,
+                max_decode_length=max_response_length,
+                decode_steps=cfg.rollout.decode_steps,
+                sampling=cfg.sampling,
+            ),
+            mesh=self.mesh,
+        )
+
+    def _make_stage(self, index: int, excluded: list[str]) -> _Stage:
         from magic_jax.rollout import RolloutDriver
         from magic_jax.train_step import PolicyUpdater
 
         cfg, st = self.config, self.config.stages[index]
         rows = online_filter(self.rows, set(excluded))
         batches = prompt_batches(rows, st.prompts_per_step, seed=cfg.seed + 1000 * index)
-        engine = Engine(
-            self.model,
-            EngineConfig(
-                max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-                max_prefill_length=cfg.data.max_prompt_length,
-                max_decode_length=st.max_response_length,
-                decode_steps=cfg.rollout.decode_steps,
-                sampling=cfg.sampling,
-            ),
-            mesh=self.mesh,
-        )
+        engine = self._engine(st.max_response_length)
         updater = PolicyUpdater(self.graphdef, self._update_config(index), mesh=self.mesh)
         self.log(
             f"[stage {index}{' ' + st.name if st.name else ''}] T {st.max_response_length}, "
@@ -249,7 +255,7 @@ class Trainer:
         import jax
         import yaml
 
-        from magic_jax.rewards import RewardItem, VerifierPool
+        from magic_jax.rewards import VerifierPool
         from magic_jax.train_step import init_train_state
 
         cfg = self.config
@@ -284,7 +290,7 @@ class Trainer:
                             excluded = sorted(set(excluded) | tracker.solved())
                         tracker.reset()
                     stage = self._make_stage(index, excluded)
-                state, row = self._step(state, stage, step, k, pool, tracker, RewardItem)
+                state, row = self._step(state, stage, step, k, pool, tracker)
                 history.append(row)
                 with open(self.out / METRICS, "a") as f:
                     f.write(json.dumps(row) + "\n")
@@ -342,7 +348,6 @@ class Trainer:
                 path.write_text("".join(line + "\n" for line in keep))
 
     def _evaluate(self, state: Any, step: int, pool: Any) -> dict[str, Any]:
-        from magic_jax.engine import Engine, EngineConfig
         from magic_jax.evaluate import evaluate
         from magic_jax.rollout import RolloutDriver
 
@@ -350,18 +355,7 @@ class Trainer:
         if self._eval_driver is None:
             self._eval_rows = read_rows(ev.data)
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
-            engine = Engine(
-                self.model,
-                EngineConfig(
-                    max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-                    max_prefill_length=cfg.data.max_prompt_length,
-                    max_decode_length=limit,
-                    decode_steps=cfg.rollout.decode_steps,
-                    sampling=cfg.sampling,
-                ),
-                mesh=self.mesh,
-            )
-            self._eval_driver = RolloutDriver(engine)
+            self._eval_driver = RolloutDriver(self._engine(limit))
         t0 = time.perf_counter()
         driver = self._eval_driver
         row = evaluate(
@@ -386,11 +380,11 @@ class Trainer:
         )
         return row
 
-    def _step(self, state, stage: _Stage, step: int, k: int, pool, tracker, RewardItem):
+    def _step(self, state, stage: _Stage, step: int, k: int, pool, tracker):
         import jax
 
         from magic_jax.buffer import pack_rollouts
-        from magic_jax.rewards import status_counts
+        from magic_jax.rewards import RewardItem, status_counts
 
         cfg, st = self.config, self.config.stages[stage.index]
         t0 = time.perf_counter()
@@ -425,8 +419,9 @@ class Trainer:
         t1 = time.perf_counter()
         results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
         rewards = np.asarray([r.reward for r in results], np.float32)
+        prompt_of = np.asarray([s.prompt_index for s in samples])
         for p, row in enumerate(rows):
-            tracker.record(row.uid, rewards[[s.prompt_index == p for s in samples]])
+            tracker.record(row.uid, rewards[prompt_of == p])
         buffer = pack_rollouts(
             samples,
             rewards,
