@@ -365,6 +365,28 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node[last] = value
 
 
+# Every option that names a file or directory, as dotted paths into the raw config.
+PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data")
+
+
+def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
+    """Makes the option at ``dotted`` absolute (relative to the working directory)."""
+
+    def absolute(p: Any) -> Any:
+        if isinstance(p, (str, os.PathLike)) and str(p):
+            return os.path.abspath(os.path.expanduser(os.fspath(p)))
+        return p
+
+    *parents, last = dotted.split(".")
+    node: Any = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return
+    v = node[last]
+    node[last] = [absolute(t) for t in v] if isinstance(v, (list, tuple)) else absolute(v)
+
+
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
@@ -372,8 +394,10 @@ def load_config(
 ) -> TrainConfig:
     """Reads a YAML run configuration (or a raw mapping), applies overrides, checks it.
 
-    Relative paths in ``model``, ``tokenizer`` and ``data.train`` are taken
-    relative to the YAML file's directory.
+    Every path option (``model``, ``tokenizer``, ``output_dir``, ``data.train``,
+    ``eval.data``) is resolved once, here, to an absolute path: a relative one
+    is taken relative to the working directory, as paths typed on a command
+    line are (orbax and the worker processes need absolute paths).
 
     Raises:
       ConfigError: an unreadable file or a bad option (named by its path).
@@ -382,7 +406,6 @@ def load_config(
 
     import yaml
 
-    base = Path(".")
     if path is not None:
         path = Path(path)
         try:
@@ -392,7 +415,6 @@ def load_config(
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         raw = loaded
-        base = path.parent
     raw = copy.deepcopy(dict(raw or {}))
     for o in overrides:
         apply_override(raw, o)
@@ -403,19 +425,8 @@ def load_config(
         raw["loss"] = loss
         loss.setdefault("temperature", sampling["temperature"])
 
-    def rel(p: Any) -> Any:
-        if isinstance(p, str) and p and not os.path.isabs(p) and path is not None:
-            return str((base / p).resolve()) if (base / p).exists() else p
-        return p
-
-    for key in ("model", "tokenizer"):
-        if key in raw:
-            raw[key] = rel(raw[key])
-    for section, key in (("data", "train"), ("eval", "data")):
-        node = raw.get(section)
-        if isinstance(node, dict) and key in node:
-            v = node[key]
-            node[key] = [rel(t) for t in v] if isinstance(v, list) else rel(v)
+    for key in PATH_OPTIONS:
+        _resolve_path_option(raw, key)
     try:
         return from_dict(TrainConfig, raw)
     except ConfigError as e:

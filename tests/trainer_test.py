@@ -1,5 +1,6 @@
 """The training loop on a tiny model: stages, metrics, checkpoints, exact resume, config errors."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -80,7 +81,9 @@ def files(tmp_path_factory):
 
 
 def _config(files, out, *overrides):
-    return load_config(files / "run.yaml", [f"output_dir={files / out}", *overrides])
+    # run.yaml's paths are relative: they are read against the working directory
+    with contextlib.chdir(files):
+        return load_config("run.yaml", [f"output_dir={out}", *overrides])
 
 
 def _metrics(path):
@@ -176,7 +179,8 @@ def test_config_errors_name_the_option(files):
     assert cfg.loss.temperature == 0.6
 
 
-def test_cli_reports_bad_config_and_bad_data(files, capsys):
+def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
+    monkeypatch.chdir(files)
     assert main(["train", str(files / "run.yaml"), "--set", "stages.0.steps=0"]) == 2
     assert "steps must be positive" in capsys.readouterr().err
     (files / "broken.jsonl").write_text('{"prompt": []}\n')
@@ -186,3 +190,14 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys):
     )  # fmt: skip
     assert code == 2
     assert "broken.jsonl:0" in capsys.readouterr().err
+
+
+def test_train_command_with_relative_paths_checkpoints_and_resumes(files, monkeypatch, capsys):
+    """As a user types it: a relative config, a relative output_dir (orbax needs absolute)."""
+    monkeypatch.chdir(files)
+    args = ["train", "run.yaml", "--set", "output_dir=runs/rel", "--set", "export_hf=false"]
+    assert main([*args, "--stop-after", "1"]) == 0
+    assert latest_checkpoint(files / "runs" / "rel").name == "step_00000001"
+    assert main([*args, "--stop-after", "2"]) == 0
+    assert [r["step"] for r in _metrics(files / "runs" / "rel")] == [0, 1]
+    assert "continuing at step 1" in capsys.readouterr().out
