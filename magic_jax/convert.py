@@ -2,11 +2,15 @@
 
 The whole conversion is ``KEY_TABLE``: a regex over our parameter path, the
 Hugging Face tensor name it maps to, and whether the matrix is transposed
-(torch ``Linear.weight`` is [out, in]; our ``kernel`` is [in, out]).
+(torch ``Linear.weight`` is [out, in]; our ``kernel`` is [in, out]). The table
+speaks of one layer (``layers.3.mlp...``); a stacked parameter of the scanned
+layers (``layers.mlp...``, [L, ...]) is the L per-layer tensors, read or written
+one layer at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from magic_jax.model import ModelConfig, Qwen2, abstract_model
 from magic_jax.sharding import TRAIN_RULES, Rules, model_shardings
@@ -73,6 +77,18 @@ def hf_name(path: str) -> tuple[str, bool]:
         if re.fullmatch(pattern, path):
             return re.sub(pattern, template, path), transpose
     raise CheckpointError(f"parameter {path!r} has no entry in convert.KEY_TABLE")
+
+
+def hf_names(path: str, num_stacked: int = 0) -> list[tuple[int | None, str, bool]]:
+    """``(layer, Hugging Face name, transpose)`` of each tensor behind one parameter.
+
+    ``num_stacked`` is L for a model with stacked layers: a ``layers.*`` path then
+    stands for L tensors, one per layer index; otherwise layer is None.
+    """
+    if num_stacked and path.startswith("layers.") and not path.split(".")[1].isdigit():
+        rest = path[len("layers.") :]
+        return [(i, *hf_name(f"layers.{i}.{rest}")) for i in range(num_stacked)]
+    return [(None, *hf_name(path))]
 
 
 def _path_str(path: tuple) -> str:
@@ -247,6 +263,39 @@ def _target_shardings(abs_state, mesh: Mesh | None, rules: Rules):
     )
 
 
+def _read_tensor(ckpt, name, transpose, shape, sharding, dt, path_t, config) -> jax.Array:
+    """Reads one checkpoint tensor straight into ``sharding`` (each device its own shard)."""
+    f, fname = ckpt.locate(name)
+    got = f.shape(name)[::-1] if transpose else f.shape(name)
+    if tuple(got) != tuple(shape):
+        raise CheckpointError(
+            f"{ckpt.path / fname}: tensor {name!r} has shape {f.shape(name)}, expected "
+            f"{tuple(shape)[::-1] if transpose else tuple(shape)} for "
+            f"{_path_str(path_t)} (config.json: {config})"
+        )
+    raw = f.read(name)
+    src = raw.T if transpose else raw
+    return jax.make_array_from_callback(
+        tuple(shape), sharding, lambda idx, s=src: np.asarray(s[idx], dtype=dt)
+    )
+
+
+def _drop_leading_axis(sharding: Any) -> Any:
+    """The sharding of one layer's slice of a stacked array (the layer axis is never split)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
+def _zeros(shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, 0)
+
+
 def load_hf(
     path: str | os.PathLike,
     dtype: Any = jnp.float32,
@@ -255,6 +304,7 @@ def load_hf(
     rules: Rules = TRAIN_RULES,
     compute_dtype: Any = None,
     strict: bool = True,
+    overrides: dict[str, Any] | None = None,
 ) -> Qwen2:
     """Loads a Hugging Face Qwen2 checkpoint directory into a sharded ``Qwen2``.
 
@@ -270,6 +320,8 @@ def load_hf(
       rules: logical-axis rules (``sharding.TRAIN_RULES`` or ``SAMPLE_RULES``).
       compute_dtype: matmul dtype (default: ``dtype``).
       strict: fail on checkpoint tensors the model does not use.
+      overrides: ``ModelConfig`` fields to set beyond ``config.json``
+        (``scan_layers``, ``remat``, ``attention_chunk``).
 
     Raises:
       CheckpointError: a missing, extra, or wrongly shaped tensor, naming it and its file.
@@ -277,31 +329,35 @@ def load_hf(
     ckpt = HFCheckpoint(path)
     dt = jnp.dtype(dtype)
     config = ModelConfig.from_hf_config(
-        ckpt.hf_config, param_dtype=dt.name, dtype=jnp.dtype(compute_dtype or dt).name
+        ckpt.hf_config,
+        param_dtype=dt.name,
+        dtype=jnp.dtype(compute_dtype or dt).name,
+        **(overrides or {}),
     )
     graphdef, abs_state = nnx.split(abstract_model(config))
     shardings = _target_shardings(abs_state, mesh, rules)
     flat_sh = dict(nnx.to_flat_state(shardings))
     used: set[str] = set()
     leaves = []
+    stacked = config.num_layers if config.scan_layers else 0
     for path_t, var in nnx.to_flat_state(abs_state):
-        name, transpose = hf_name(_path_str(path_t))
-        f, fname = ckpt.locate(name)
-        shape = f.shape(name)[::-1] if transpose else f.shape(name)
-        if tuple(shape) != tuple(var.shape):
-            raise CheckpointError(
-                f"{ckpt.path / fname}: tensor {name!r} has shape {f.shape(name)}, expected "
-                f"{tuple(var.shape)[::-1] if transpose else tuple(var.shape)} for "
-                f"{_path_str(path_t)} (config.json: {config})"
-            )
-        raw = f.read(name)
-        src = raw.T if transpose else raw
         sharding = flat_sh[path_t].get_value()
-        arr = jax.make_array_from_callback(
-            tuple(var.shape), sharding, lambda idx, s=src: np.asarray(s[idx], dtype=dt)
-        )
-        del raw, src
-        used.add(name)
+        entries = hf_names(_path_str(path_t), stacked)
+        if entries[0][0] is None:
+            _, name, transpose = entries[0]
+            arr = _read_tensor(ckpt, name, transpose, var.shape, sharding, dt, path_t, config)
+        else:
+            # One layer's tensor in host memory at a time, written into the stacked
+            # array on device in place.
+            arr = _zeros(tuple(var.shape), dt, sharding)
+            layer_sharding = _drop_leading_axis(sharding)
+            for i, name, transpose in entries:
+                x = _read_tensor(
+                    ckpt, name, transpose, var.shape[1:], layer_sharding, dt, path_t, config
+                )
+                arr = _set_layer(arr, x, jnp.int32(i))
+                del x
+        used.update(n for _, n, _ in entries)
         leaves.append((path_t, var.replace(arr)))
     extra = [k for k in ckpt.weight_map if k not in used and not any(p.match(k) for p in _IGNORED)]
     if config.tie_word_embeddings:
@@ -328,16 +384,19 @@ def _host_value(x: jax.Array) -> np.ndarray:
 
 
 def _iter_hf_tensors(model: Qwen2, out_dtype: np.dtype) -> Iterator[tuple[str, tuple]]:
+    cfg = model.config
+    stacked = cfg.num_layers if cfg.scan_layers else 0
     for path_t, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = hf_name(_path_str(path_t))
         value = var.get_value()
-        shape = tuple(value.shape)[::-1] if transpose else tuple(value.shape)
+        for layer, name, transpose in hf_names(_path_str(path_t), stacked):
+            shape = tuple(value.shape) if layer is None else tuple(value.shape[1:])
+            shape = shape[::-1] if transpose else shape
 
-        def produce(v=value, t=transpose):
-            host = _host_value(v)
-            return (host.T if t else host).astype(out_dtype)
+            def produce(v=value, i=layer, t=transpose):
+                host = _host_value(v if i is None else v[i])
+                return (host.T if t else host).astype(out_dtype)
 
-        yield name, (produce, shape, out_dtype)
+            yield name, (produce, shape, out_dtype)
 
 
 def save_hf(
@@ -412,6 +471,7 @@ __all__ = [
     "HFCheckpoint",
     "SafetensorsFile",
     "hf_name",
+    "hf_names",
     "load_hf",
     "save_hf",
     "write_safetensors",

@@ -6,8 +6,14 @@ Einsum letters, used everywhere in magic_jax:
   H head dim, F mlp width, V vocabulary, L layers.
 
 Parameters carry logical axis names (``embed``, ``q_heads``, ``kv_heads``,
-``mlp``, ``vocab``, ``norm``); ``sharding.py`` maps them onto mesh axes.
-Module and parameter names mirror Hugging Face so that conversion is a table.
+``mlp``, ``vocab``, ``norm``, and ``layers`` for the stacked layer axis);
+``sharding.py`` maps them onto mesh axes. Module and parameter names mirror
+Hugging Face so that conversion is a table.
+
+By default the decoder layers are one module whose parameters carry a leading
+layer axis [L, ...], run under ``nnx.scan``: compile time no longer grows with
+depth. ``ModelConfig.scan_layers=False`` keeps a Python list of layers (the
+same maths, one traced copy per layer).
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ from flax import nnx
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
+RematPolicy = Literal["none", "full", "dots_saveable"]
+_REMAT = ("none", "full", "dots_saveable")
+LAYER_AXIS = "layers"
+# The window of a full-attention layer when windows are per-layer data: longer than
+# any position difference, so the mask term is always true.
+_NO_WINDOW = 2**30
 _HF_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 
@@ -50,6 +62,11 @@ class ModelConfig:
       dtype: compute dtype of matmuls; softmax, norms and RoPE stay in fp32.
       attention_chunk: queries per attention block for long inputs (0: all at
         once); bounds attention memory by [B, N, chunk, S] instead of [B, N, T, S].
+      scan_layers: stack the layers' parameters on a leading ``layers`` axis and
+        run them under ``nnx.scan`` (False: a Python loop over separate layers).
+      remat: what the backward pass keeps of each layer's forward: ``none``
+        (everything), ``full`` (only the layer inputs; the layer is recomputed),
+        ``dots_saveable`` (matmul outputs; the elementwise work is recomputed).
     """
 
     vocab_size: int
@@ -70,6 +87,8 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"
     attention_chunk: int = 2048
+    scan_layers: bool = True
+    remat: RematPolicy = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -101,6 +120,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention_chunk must be >= 0, got {self.attention_chunk}"
             )
+        if self.remat not in _REMAT:
+            raise ValueError(f"ModelConfig.remat must be one of {_REMAT}, got {self.remat!r}")
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("ModelConfig.sliding_layers is set but sliding_window is not")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
@@ -113,6 +134,10 @@ class ModelConfig:
     def head_size(self) -> int:
         """H, the per-head width."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding-window length of layer ``layer`` (None: full attention)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -268,15 +293,15 @@ class KVCache:
     """Preallocated key/value cache; each row (decode slot) advances on its own.
 
     Attributes:
-      k: per layer, keys [B, S, K, H].
-      v: per layer, values [B, S, K, H].
+      k: keys of every layer, [L, B, S, K, H].
+      v: values of every layer, [L, B, S, K, H].
       pos: [B, S] int32 position of the token held in each slot, -1 if empty
         or padding (never attended).
       lengths: [B] int32 slots used so far; the next write starts there.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     pos: jax.Array
     lengths: jax.Array
 
@@ -284,11 +309,10 @@ class KVCache:
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty cache of ``max_len`` slots per row (dtype defaults to compute dtype)."""
         dtype = jnp.dtype(dtype or config.dtype)
-        shape = (batch, max_len, config.num_kv_heads, config.head_size)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_size)
         return cls(
-            k=zeros,
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
             pos=jnp.full((batch, max_len), -1, jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
@@ -408,7 +432,7 @@ def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, win
 class Attention(nnx.Module):
     """Grouped-query attention with q/k/v biases and RoPE."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_size
         n, k = config.num_heads, config.num_kv_heads
         kw = dict(config=config, rngs=rngs)
@@ -418,12 +442,13 @@ class Attention(nnx.Module):
         self.o_proj = Linear(n * h, d, bias=False, names=("q_heads", "embed"), **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
-        self.window = config.sliding_window if layer in config.sliding_layers else None
         self.attention_chunk = config.attention_chunk
 
-    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B):
+    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B, window):
         """Attends queries at cache slots ``q_slot_BT`` to the keys held in the cache.
 
+        ``window`` is this layer's sliding window: None (full attention), an int,
+        or a traced () int32 when the window is per-layer data under the scan.
         Returns the output [B, T, D] and the updated (k, v) of this layer.
         """
         b, t, _ = x_BTD.shape
@@ -441,7 +466,7 @@ class Attention(nnx.Module):
             v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
 
         attend = functools.partial(
-            _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=self.window
+            _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=window
         )
         c = self.attention_chunk
         if not c or t <= c:
@@ -482,15 +507,21 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
-        self.self_attn = Attention(config, layer, rngs=rngs)
+        self.self_attn = Attention(config, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B):
+    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B, window):
         attn, new_kv = self.self_attn(
-            self.input_layernorm(x_BTD), positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B
+            self.input_layernorm(x_BTD),
+            positions_BT,
+            q_slot_BT,
+            cache_kv,
+            key_pos_BS,
+            write_at_B,
+            window,
         )
         x_BTD = x_BTD + attn
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
@@ -526,9 +557,12 @@ class Qwen2(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = Embed(config, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
-        )
+        if config.scan_layers:
+            self.layers = _stacked_layers(config, rngs)
+        else:
+            self.layers = nnx.List(
+                [DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
+            )
         self.norm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
         self.lm_head = (
             None
@@ -542,6 +576,48 @@ class Qwen2(nnx.Module):
                 rngs=rngs,
             )
         )
+
+    def layer_windows(self) -> jax.Array | None:
+        """[L] int32 sliding window of each layer (a huge value for full attention), or
+        None when no layer slides (then no window mask is built at all)."""
+        cfg = self.config
+        if not cfg.sliding_layers:
+            return None
+        return jnp.asarray(
+            [cfg.layer_window(i) or _NO_WINDOW for i in range(cfg.num_layers)], jnp.int32
+        )
+
+    def run_layers(self, fn: Any, carry: Any, per_layer: Any = None, *, remat: bool = False):
+        """Runs ``fn(layer, carry, xs) -> (carry, ys)`` over the decoder layers in order.
+
+        ``per_layer`` is a pytree of [L, ...] arrays; layer i receives their i-th
+        slices as ``xs``. Under ``scan_layers`` this is one ``nnx.scan`` over the
+        stacked layer (one traced copy), otherwise a Python loop. With ``remat``
+        each layer is wrapped in ``nnx.remat`` with the config's policy.
+
+        Returns:
+          (the final carry, the ``ys`` stacked on a leading [L] axis).
+        """
+        policy = self.config.remat
+        if remat and policy != "none":
+            saved = jax.checkpoint_policies.dots_saveable if policy == "dots_saveable" else None
+            fn = nnx.remat(fn, policy=saved, prevent_cse=not self.config.scan_layers)
+        if self.config.scan_layers:
+            scan = nnx.scan(
+                fn,
+                in_axes=(0, nnx.Carry, 0),
+                out_axes=(nnx.Carry, 0),
+                # Layers are read, never restructured, inside: the plain (no graph
+                # updates) scan, which also accepts a model merged in an outer trace
+                # (the engine's decode loop).
+                graph_updates=False,
+            )
+            return scan(self.layers, carry, per_layer)
+        ys = []
+        for i, layer in enumerate(self.layers):
+            carry, y = fn(layer, carry, jax.tree.map(lambda x, i=i: x[i], per_layer))
+            ys.append(y)
+        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     def unembedding(self) -> jax.Array:
         """The output projection [D, V] (the embedding transposed when tied)."""
@@ -585,13 +661,17 @@ class Qwen2(nnx.Module):
             key_pos_BS = _write_rows(cache.pos, new_pos_BT, write_at_B)
         q_slot_BT = write_at_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
-        x_BTD = self.embed_tokens(input_ids)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_BTD, (k, v) = layer(x_BTD, positions, q_slot_BT, kv, key_pos_BS, write_at_B)
-            new_k.append(k)
-            new_v.append(v)
+        def layer_fn(layer, x_BTD, xs):
+            window, kv = xs
+            x_BTD, new_kv = layer(x_BTD, positions, q_slot_BT, kv, key_pos_BS, write_at_B, window)
+            # Without a cache nothing leaves the layer but x: the keys and values of
+            # every layer would otherwise be stacked as outputs.
+            return x_BTD, (None if kv is None else new_kv)
+
+        kv_L = None if cache is None else (cache.k, cache.v)
+        x_BTD, new_kv = self.run_layers(
+            layer_fn, self.embed_tokens(input_ids), (self.layer_windows(), kv_L), remat=True
+        )
         x_BTD = self.norm(x_BTD)
 
         if return_hidden:
@@ -601,10 +681,19 @@ class Qwen2(nnx.Module):
             out = jnp.dot(x_BTD.astype(dt), self.unembedding().astype(dt))
         if cache is None:
             return out
-        new_cache = KVCache(
-            k=tuple(new_k), v=tuple(new_v), pos=key_pos_BS, lengths=cache.lengths + t
-        )
+        new_cache = KVCache(k=new_kv[0], v=new_kv[1], pos=key_pos_BS, lengths=cache.lengths + t)
         return out, new_cache
+
+
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """One ``DecoderLayer`` whose parameters have a leading [L] axis named ``layers``."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=rngs)
+
+    return make(rngs)
 
 
 def abstract_model(config: ModelConfig) -> Qwen2:

@@ -7,6 +7,9 @@ owns the mapping onto the mesh axes ``data`` / ``fsdp`` / ``tensor``:
   parallel over ``tensor`` (the update step).
 * ``SAMPLE_RULES``: tensor parallel only, weights replicated over the data
   axes (the rollout engine, where every data shard decodes its own slots).
+
+The stacked layer axis (``layers``) is never sharded: ``nnx.scan`` slices it
+one layer per step on every device.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ TRAIN_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("norm", None),
+    ("layers", None),
 )
 
 SAMPLE_RULES: Rules = (
@@ -48,6 +52,7 @@ SAMPLE_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("norm", None),
+    ("layers", None),
 )
 
 

@@ -32,10 +32,13 @@ def hf_dir(tmp_path_factory):
     return hf, save_hf_model(hf, tmp_path_factory.mktemp("hf"))
 
 
-@pytest.mark.parametrize("name", ["gqa_untied", "mha_tied"])
-def test_save_hf_reloads_in_transformers_with_same_logits(name, tmp_path):
+@pytest.mark.parametrize(
+    "name,scan_layers", [("gqa_untied", True), ("mha_tied", True), ("gqa_untied", False)]
+)
+def test_save_hf_reloads_in_transformers_with_same_logits(name, scan_layers, tmp_path):
     hf = make_hf_model(seed=2, **TINY_CONFIGS[name])
-    model = load_hf(save_hf_model(hf, tmp_path / "in"))
+    model = load_hf(save_hf_model(hf, tmp_path / "in"), overrides={"scan_layers": scan_layers})
+    assert model.config.scan_layers == scan_layers
     out = save_hf(model, tmp_path / "out", dtype=jnp.float32)
     again = AutoModelForCausalLM.from_pretrained(out).eval()
     np.testing.assert_array_equal(torch_logits(again, IDS), torch_logits(hf, IDS))
@@ -149,14 +152,18 @@ def test_loaded_model_matches_hf_weights_directly(hf_dir):
     hf, src = hf_dir
     model = load_hf(src)
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    # stacked layers: [L, ...] with the layer axis named for the sharding rules
+    q = model.layers.self_attn.q_proj.kernel
+    assert q.shape[0] == hf.config.num_hidden_layers
+    assert q.get_metadata()["out_sharding"] == ("layers", "embed", "q_heads")
+    np.testing.assert_array_equal(q[1], sd["model.layers.1.self_attn.q_proj.weight"].T)
     np.testing.assert_array_equal(
-        model.layers[1].self_attn.q_proj.kernel[...], sd["model.layers.1.self_attn.q_proj.weight"].T
-    )
-    np.testing.assert_array_equal(
-        model.layers[0].post_attention_layernorm.scale[...],
+        model.layers.post_attention_layernorm.scale[0],
         sd["model.layers.0.post_attention_layernorm.weight"],
     )
-    assert isinstance(model.layers[0].mlp.down_proj.kernel, nnx.Param)
+    assert isinstance(model.layers.mlp.down_proj.kernel, nnx.Param)
+    loop = load_hf(src, overrides={"scan_layers": False})
+    np.testing.assert_array_equal(loop.layers[1].self_attn.q_proj.kernel[...], q[1])
 
 
 # Streaming: about 240 MB of bf16 in 8 layers; the largest tensor (the embedding)
@@ -181,7 +188,7 @@ _STREAM_SCRIPT = textwrap.dedent("""
 
 
 def _write_big_checkpoint(path):
-    from magic_jax.convert import hf_name
+    from magic_jax.convert import hf_names
     from magic_jax.model import ModelConfig, abstract_model
 
     cfg = ModelConfig(
@@ -197,10 +204,11 @@ def _write_big_checkpoint(path):
     tensors = []
     rng = np.random.default_rng(0)
     for p, var in nnx.to_flat_state(nnx.state(abstract_model(cfg))):
-        name, transpose = hf_name(".".join(map(str, p)))
-        shape = tuple(var.shape)[::-1] if transpose else tuple(var.shape)
-        make = lambda s=shape: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16)
-        tensors.append((name, (make, shape, ml_dtypes.bfloat16)))
+        for layer, name, transpose in hf_names(".".join(map(str, p)), cfg.num_layers):
+            shape = tuple(var.shape) if layer is None else tuple(var.shape[1:])
+            shape = shape[::-1] if transpose else shape
+            make = lambda s=shape: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16)
+            tensors.append((name, (make, shape, ml_dtypes.bfloat16)))
     write_safetensors(path / "model.safetensors", tensors)
     return 8192 * 1024 * 4
 

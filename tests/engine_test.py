@@ -188,9 +188,9 @@ def test_insert_and_generate_donate_the_state(hf_and_model):
     params = engine.load_params(model)
     state = engine.init_decode_state()
     new, _ = engine.insert(engine.prefill(params, [1, 2, 3]), state, 1, key=jax.random.key(0))
-    assert state.cache.k[0].is_deleted()
+    assert state.cache.k.is_deleted()
     newer, _ = engine.generate(params, new)
-    assert new.cache.k[0].is_deleted() and not newer.cache.k[0].is_deleted()
+    assert new.cache.k.is_deleted() and not newer.cache.k.is_deleted()
 
 
 def test_sharded_engine_matches_unsharded(hf_and_model):

@@ -87,8 +87,8 @@ def test_sharded_forward_equals_unsharded(tmp_path):
 
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     sharded = load_hf(path, mesh=mesh)  # streamed straight into the shardings
-    q = sharded.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == P("fsdp", "tensor") and len(q.addressable_shards) == 8
+    q = sharded.layers.self_attn.q_proj.kernel[...]  # [L, D, N*H]: the layer axis is not split
+    assert q.sharding.spec == P(None, "fsdp", "tensor") and len(q.addressable_shards) == 8
     graphdef, state = nnx.split(sharded)
     fwd = jax.jit(lambda s, x, a: nnx.merge(graphdef, s)(x, attention_mask=a))
     out = fwd(
