@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow lint format bench ci clean constraints
+.PHONY: setup demo test test-slow gpu-test lint format bench ci clean constraints
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,14 @@ test: setup
 # pytest exits 5 when no test carries the mark: not a failure
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The GPU tests, in an existing environment that has jax[cuda] (a GPU image may bring
+# its own Python and jax, lack grain / tensorflow-datasets / math-verify, and have no
+# network): the package goes in without its dependencies and without build isolation.
+GPU_PYTHON ?= python3
+gpu-test:
+	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	JAX_PLATFORMS=cuda,cpu $(GPU_PYTHON) -m pytest -q -m gpu tests/gpu_test.py $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

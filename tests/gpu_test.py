@@ -1,0 +1,176 @@
+"""On a GPU: logits vs transformers in bf16, chunked log-probs, the update step, engine greedy.
+
+Every test here carries the ``gpu`` mark: skipped without a GPU device, run by
+``make gpu-test`` (which installs the package with ``--no-deps`` into an image
+that already has ``jax[cuda]``). Only jax, flax, optax and numpy are required;
+the transformers comparisons skip cleanly where torch / transformers are missing.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from magic_jax.engine import Engine, EngineConfig
+from magic_jax.entropy import token_logprobs_and_entropy
+from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.sampling import SamplingConfig
+
+pytestmark = pytest.mark.gpu
+
+V = 96
+IDS = np.random.RandomState(0).randint(3, V, (3, 20)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """The first GPU (the conftest skips ``gpu`` tests before this runs when none exists)."""
+    return jax.devices("gpu")[0]
+
+
+def _np_logp_entropy(h, w, tgt):
+    z = h.astype(np.float64) @ w.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logq = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(logq, tgt[..., None], -1)[..., 0], -(np.exp(logq) * logq).sum(-1)
+
+
+def test_logits_match_transformers_in_bf16(gpu, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from magic_jax.convert import load_hf
+    from magic_jax.testing import make_hf_model, save_hf_model, torch_logits
+
+    hf = make_hf_model(
+        seed=3,
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    want = torch_logits(hf, IDS)  # fp32 on the host
+    path = save_hf_model(hf, tmp_path)
+    with jax.default_device(gpu):
+        for scan in (True, False):
+            model = load_hf(path, compute_dtype=jnp.bfloat16, overrides={"scan_layers": scan})
+            got = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(IDS))
+            assert got.devices() == {gpu}
+            # bf16 matmul inputs: ~3 significant digits per product, |logits| ~ 1
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=6e-2, rtol=6e-2)
+
+
+def test_chunked_logprobs_and_entropy(gpu):
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(2, 37, 64)).astype(np.float32)
+    w = (rng.normal(size=(64, 1000)) / 8).astype(np.float32)
+    tgt = rng.integers(0, 1000, (2, 37)).astype(np.int32)
+    ref_logp, ref_ent = _np_logp_entropy(h, w, tgt)
+    with jax.default_device(gpu):
+        fn = jax.jit(
+            lambda h, w, t, dt: token_logprobs_and_entropy(
+                h, w, t, chunk_size=16, compute_dtype=dt
+            ),
+            static_argnums=3,
+        )
+        with jax.default_matmul_precision("highest"):
+            logp, ent = fn(h, w, tgt, None)
+        np.testing.assert_allclose(logp, ref_logp, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
+        logp16, ent16 = fn(h, w, tgt, "bfloat16")
+        np.testing.assert_allclose(logp16, ref_logp, atol=0.15)
+        np.testing.assert_allclose(ent16, ref_ent, atol=0.15)
+
+
+def _update_inputs():
+    from magic_jax.buffer import pack_rollouts
+
+    @dataclasses.dataclass
+    class Sample:
+        prompt_index: int
+        sample_index: int
+        prompt_tokens: np.ndarray
+        tokens: np.ndarray
+        logprobs: np.ndarray
+        entropies: np.ndarray
+        truncated: bool
+        length: int
+
+    rng = np.random.default_rng(1)
+    samples, rewards = [], []
+    for p in range(2):
+        prompt = rng.integers(3, V, 6).astype(np.int32)
+        for s in range(4):
+            n = int(rng.integers(3, 12))
+            lp = np.log(rng.uniform(0.05, 0.9, n)).astype(np.float32)
+            toks = rng.integers(3, V, n).astype(np.int32)
+            ent = np.ones(n, np.float32)
+            samples.append(Sample(p, s, prompt, toks, lp, ent, False, n))
+            rewards.append(float(s % 2))
+    return pack_rollouts(samples, rewards, prompt_len=8, response_len=12)
+
+
+def test_update_step_matches_the_cpu(gpu):
+    pytest.importorskip("optax")
+    from magic_jax.losses import LossConfig
+    from magic_jax.train_step import PolicyUpdater, UpdateConfig
+
+    cfg = ModelConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, remat="dots_saveable",
+    )  # fmt: skip
+    batch = _update_inputs()
+    results = []
+    for device in (jax.devices("cpu")[0], gpu):
+        with jax.default_device(device), jax.default_matmul_precision("highest"):
+            graphdef, params = nnx.split(Qwen2(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+            updater = PolicyUpdater(
+                graphdef, UpdateConfig(mini_batch_groups=2, loss=LossConfig(logit_chunk=8))
+            )
+            state, metrics = updater.train_step(updater.init_state(params), batch, 0.0)
+            assert bool(metrics["applied"]) and np.isfinite(float(metrics["loss"]))
+            results.append((jax.device_get(state.params), jax.device_get(metrics)))
+    (cpu_params, cpu_m), (gpu_params, gpu_m) = results
+    np.testing.assert_allclose(gpu_m["loss"], cpu_m["loss"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gpu_m["grad_norm"], cpu_m["grad_norm"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(gpu_params), jax.tree.leaves(cpu_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_engine_greedy_equals_model_argmax(gpu):
+    """The engine's greedy tokens on the GPU are the arg-max of the full forward."""
+    cfg = ModelConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+        num_kv_heads=2,
+    )  # fmt: skip
+    prompts = [IDS[0, :7], IDS[1, :3], IDS[2, :11]]
+    with jax.default_device(gpu), jax.default_matmul_precision("highest"):
+        model = Qwen2(cfg, rngs=nnx.Rngs(0))
+        # large embeddings and unembedding separate the arg-maxes (as engine_test)
+        model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 20.0
+        model.lm_head.kernel[...] = model.lm_head.kernel[...] * 30.0
+        engine = Engine(
+            model,
+            EngineConfig(
+                max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=10,
+                decode_steps=4, sampling=SamplingConfig(greedy=True), eos_ids=(),
+            ),
+        )  # fmt: skip
+        params = engine.load_params(model)
+        forward = nnx.jit(lambda m, x: m(x))
+        for p in prompts:
+            state = engine.init_decode_state()
+            prefix = engine.prefill(params, p)
+            state, first = engine.insert(prefix, state, 0, key=jax.random.key(0))
+            got = [int(first.tokens)]
+            while len(got) < 10:
+                state, out = engine.generate(params, state)
+                got.append(int(out.tokens[0]))
+            seq = list(p)
+            for _ in range(10):
+                seq.append(int(jnp.argmax(forward(model, jnp.asarray([seq]))[0, -1])))
+            assert got == seq[len(p) :]
