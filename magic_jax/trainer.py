@@ -20,7 +20,6 @@ alone, the resumed run computes what the uninterrupted one would have.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -33,15 +32,9 @@ from typing import Any
 import numpy as np
 
 from magic_jax.config import ConfigError, TrainConfig, to_dict
-from magic_jax.data import (
-    AccuracyTracker,
-    PromptRow,
-    encode_prompts,
-    offline_filter,
-    online_filter,
-    prompt_batches,
-    read_rows,
-)
+from magic_jax.data import AccuracyTracker, encode_prompts, offline_filter, read_rows
+from magic_jax.policy import load_policy, load_tokenizer
+from magic_jax.stages import Stage, build_stage, excluded_after, update_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,57 +57,6 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
         p for p in root.iterdir() if p.name.startswith("step_") and (p / TRAINER_STATE).exists()
     )
     return done[-1] if done else None
-
-
-def _load_policy(path: str, dtype: str, mesh: Any):
-    import jax.numpy as jnp
-
-    from magic_jax.checkpoint import CONFIG_FILE, load_model
-    from magic_jax.convert import load_hf
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"model: {path} is not a directory")
-    if (p / CONFIG_FILE).exists():
-        return load_model(p, mesh=mesh)
-    if (p / "config.json").exists():
-        return load_hf(p, dtype=jnp.dtype(dtype), mesh=mesh)
-    raise ConfigError(
-        f"model: {path} holds neither a Hugging Face checkpoint (config.json) nor a "
-        f"magic_jax checkpoint ({CONFIG_FILE})"
-    )
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """A Hugging Face tokenizer from a local directory.
-
-    A directory whose ``tokenizer_config.json`` names the generic fast class
-    (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as custom tokenizers
-    are saved) is read as exactly its ``tokenizer.json``: ``AutoTokenizer``
-    would pick the model type's tokenizer class instead (``Qwen2Tokenizer``
-    beside a Qwen2 ``config.json``) and rebuild its pre-tokenizer.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    cfg_path = Path(path) / "tokenizer_config.json"
-    try:
-        cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
-        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
-
-
-@dataclasses.dataclass
-class _Stage:
-    index: int
-    rows: list[PromptRow]
-    excluded: list[str]
-    batches: Any
-    engine: Any
-    driver: Any
-    updater: Any
 
 
 class Trainer:
@@ -141,7 +83,7 @@ class Trainer:
         if cfg.mesh is not None:
             maybe_initialize_distributed()
         self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
-        self.model = _load_policy(cfg.model, cfg.param_dtype, self.mesh)
+        self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -176,25 +118,22 @@ class Trainer:
             mesh=self.mesh,
         )
 
-    def _make_stage(self, index: int, excluded: list[str]) -> _Stage:
-        from magic_jax.rollout import RolloutDriver
-        from magic_jax.train_step import PolicyUpdater
-
-        cfg, st = self.config, self.config.stages[index]
-        rows = online_filter(self.rows, set(excluded))
-        batches = prompt_batches(rows, st.prompts_per_step, seed=cfg.seed + 1000 * index)
-        engine = self._engine(st.max_response_length)
-        updater = PolicyUpdater(self.graphdef, self._update_config(index), mesh=self.mesh)
-        self.log(
-            f"[stage {index}{' ' + st.name if st.name else ''}] T {st.max_response_length}, "
-            f"D_R {st.prompts_per_step}, D_T {st.mini_batch_groups}, G {st.group_size}, "
-            f"{st.steps} steps; {len(rows)} prompts ({len(excluded)} dropped by online filtering)"
+    def _stage(self, index: int, excluded: list[str]) -> Stage:
+        stage = build_stage(
+            self.config,
+            index,
+            self.rows,
+            excluded,
+            graphdef=self.graphdef,
+            mesh=self.mesh,
+            make_engine=self._engine,
         )
-        return _Stage(index, rows, list(excluded), batches, engine, RolloutDriver(engine), updater)
+        self.log(stage.describe())
+        return stage
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _save(self, state: Any, step: int, stage: _Stage, tracker: AccuracyTracker) -> Path:
+    def _save(self, state: Any, step: int, stage: Stage, tracker: AccuracyTracker) -> Path:
         import jax
         import orbax.checkpoint as ocp
 
@@ -261,7 +200,7 @@ class Trainer:
         cfg = self.config
         self.out.mkdir(parents=True, exist_ok=True)
         self._setup()
-        state = init_train_state(self._params, self._update_config(0), mesh=self.mesh)
+        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
         step, tracker, excluded = 0, AccuracyTracker(), []
         ckpt = latest_checkpoint(self.out)
@@ -275,7 +214,7 @@ class Trainer:
         (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         if step >= cfg.total_steps:
             self.log(f"[done] all {cfg.total_steps} steps are in {ckpt}")
-        stage: _Stage | None = None
+        stage: Stage | None = None
         history: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
         with VerifierPool(cfg.rewards) as pool:
@@ -286,10 +225,9 @@ class Trainer:
                 index, k = cfg.stage_at(step)
                 if stage is None or stage.index != index:
                     if stage is not None:  # a new stage: online filtering, fresh statistics
-                        if cfg.data.online_filter:
-                            excluded = sorted(set(excluded) | tracker.solved())
+                        excluded = excluded_after(cfg, excluded, tracker)
                         tracker.reset()
-                    stage = self._make_stage(index, excluded)
+                    stage = self._stage(index, excluded)
                 state, row = self._step(state, stage, step, k, pool, tracker)
                 history.append(row)
                 with open(self.out / METRICS, "a") as f:
@@ -324,19 +262,6 @@ class Trainer:
             summary["hf_export"] = str(out)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-    def _update_config(self, index: int):
-        from magic_jax.train_step import UpdateConfig
-
-        cfg, st = self.config, self.config.stages[index]
-        return UpdateConfig(
-            mini_batch_groups=st.mini_batch_groups,
-            micro_batch_size=cfg.micro_batch_size,
-            num_reuse=cfg.num_reuse,
-            loss=cfg.loss,
-            entropy=cfg.entropy,
-            optimizer=cfg.optimizer,
-        )
 
     def _trim_metrics(self, step: int) -> None:
         """Drops the lines of steps after the checkpoint (they are computed again)."""
@@ -380,13 +305,13 @@ class Trainer:
         )
         return row
 
-    def _step(self, state, stage: _Stage, step: int, k: int, pool, tracker):
+    def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
         import jax
 
         from magic_jax.buffer import pack_rollouts
         from magic_jax.rewards import RewardItem, status_counts
 
-        cfg, st = self.config, self.config.stages[stage.index]
+        cfg, st = self.config, stage.config
         t0 = time.perf_counter()
         rows = stage.batches[k]
         ids, kept = encode_prompts(
@@ -405,7 +330,7 @@ class Trainer:
             item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
             tickets[s.prompt_index, s.sample_index] = pool.submit(item)
 
-        params = stage.engine.load_params(state.params)
+        params = stage.driver.engine.load_params(state.params)
         samples, rstats = stage.driver.run(
             params,
             ids,

@@ -156,7 +156,7 @@ def test_saved_task_tokenizer_loads_back_exactly(tmp_path):
     """Beside a Qwen2 config.json, AutoTokenizer would substitute Qwen2's own class."""
     import json
 
-    from magic_jax.trainer import load_tokenizer
+    from magic_jax.policy import load_tokenizer
 
     tok = addition.tokenizer()
     tok.save_pretrained(tmp_path)
