@@ -353,7 +353,7 @@ class Trainer:
             group_size=st.group_size,
             num_groups=st.prompts_per_step,
             advantage=cfg.advantage,
-            prompt_bucket=64,
+            prompt_bucket=min(64, cfg.data.max_prompt_length),
             response_bucket=min(256, st.max_response_length),
             pad_id=self.pad_id,
         )
