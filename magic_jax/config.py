@@ -365,6 +365,10 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node[last] = value
 
 
+# A path option starting with this names a file shipped inside the magic_jax package
+# (the default run's model and data), so the default config runs from any directory.
+PACKAGE_PREFIX = "package:"
+
 # Every option that names a file or directory, as dotted paths into the raw config.
 PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data")
 
@@ -373,6 +377,8 @@ def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
     """Makes the option at ``dotted`` absolute (relative to the working directory)."""
 
     def absolute(p: Any) -> Any:
+        if isinstance(p, str) and p.startswith(PACKAGE_PREFIX):
+            return str(Path(__file__).resolve().parent / p[len(PACKAGE_PREFIX) :])
         if isinstance(p, (str, os.PathLike)) and str(p):
             return os.path.abspath(os.path.expanduser(os.fspath(p)))
         return p
@@ -397,7 +403,8 @@ def load_config(
     Every path option (``model``, ``tokenizer``, ``output_dir``, ``data.train``,
     ``eval.data``) is resolved once, here, to an absolute path: a relative one
     is taken relative to the working directory, as paths typed on a command
-    line are (orbax and the worker processes need absolute paths).
+    line are (orbax and the worker processes need absolute paths); one that
+    starts with ``package:`` relative to the installed ``magic_jax`` package.
 
     Raises:
       ConfigError: an unreadable file or a bad option (named by its path).
