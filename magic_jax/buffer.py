@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
@@ -110,6 +110,52 @@ class RolloutBuffer:
             live = np.repeat(np.asarray(live_N, bool), g)
             out = dataclasses.replace(out, keep=out.keep & live, valid=out.valid & live)
         return out
+
+
+# How the kept groups of a buffer are cut into mini-batches (see ``split_mini_batches``).
+MiniBatchSplit = Literal["even", "fixed-size"]
+
+
+def split_mini_batches(
+    order_K: np.ndarray, num_groups: int, mini_batch_groups: int, split: MiniBatchSplit
+) -> list[np.ndarray]:
+    """Cuts the kept groups of one pass, in shuffled order, into mini-batches.
+
+    ``"even"`` (the report's ``N_SGD = D_R / D_T * N_reuse``): exactly
+    D_R / D_T mini-batches per pass whatever rejection sampling kept, their
+    sizes equal up to one group (``np.array_split``); when fewer groups than
+    that are kept, one group per mini-batch. Each optimizer step then sees a
+    similar share of the kept data.
+
+    ``"fixed-size"`` (verl's): ceil(kept / D_T) mini-batches of D_T groups; the
+    last holds the remainder, which can be a few groups, yet its token-mean
+    loss weighs as much as a full mini-batch in its optimizer step.
+
+    Args:
+      order_K: [K] indices of the kept groups, in the order of this pass.
+      num_groups: D_R, the buffer's groups (kept or not).
+      mini_batch_groups: D_T.
+      split: ``"even"`` or ``"fixed-size"``.
+
+    Returns:
+      Non-empty arrays of group indices, each at most D_T long, together ``order_K``.
+
+    Raises:
+      ValueError: ``"even"`` with D_R not a multiple of D_T, or an unknown split.
+    """
+    order_K = np.asarray(order_K)
+    k, d_t = len(order_K), mini_batch_groups
+    if k == 0:
+        return []
+    if split == "fixed-size":
+        return [order_K[i : i + d_t] for i in range(0, k, d_t)]
+    if split != "even":
+        raise ValueError(f"mini_batch_split must be 'even' or 'fixed-size', got {split!r}")
+    if num_groups % d_t:
+        raise ValueError(
+            f"mini_batch_split 'even' needs D_R ({num_groups}) to be a multiple of D_T ({d_t})"
+        )
+    return list(np.array_split(order_K, min(num_groups // d_t, k)))
 
 
 def _bucket(n: int, multiple: int) -> int:

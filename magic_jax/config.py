@@ -23,10 +23,10 @@ from typing import Any, Literal
 from magic_jax.advantages import AdvantageConfig
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
+from magic_jax.optim import OptimizerConfig
 from magic_jax.rewards.pool import PoolConfig
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import MeshConfig
-from magic_jax.train_step import OptimizerConfig
 
 
 class ConfigError(ValueError):
