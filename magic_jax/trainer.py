@@ -10,19 +10,20 @@ train state (weights, optimizer, entropy controller, step) carries across them,
 and at each new stage the prompts solved every time in the previous one are
 dropped (online filtering).
 
-Checkpoints hold the whole train state (orbax) plus the loop's own state
-(``trainer.json``: next step, per-prompt accuracy of the stage, the filtered
-prompt set); they are written under a temporary name and renamed when
-complete. A run started in a directory that has checkpoints resumes from the
-newest, and because step k's prompts and sampling keys are functions of k
-alone, the resumed run computes what the uninterrupted one would have.
+Checkpoints (``magic_jax.checkpoint``) hold the whole train state plus the
+loop's own state (``trainer.json``: next step, stage, per-prompt accuracy of the
+stage, the filtered prompt set) and a manifest of checksums. A run started in a
+directory that has checkpoints resumes from the newest one that verifies, and
+because step k's prompts and sampling keys are functions of k alone, the
+resumed run computes what the uninterrupted one would have. The run directory
+is claimed and locked for the run's life (``magic_jax.rundir``); SIGINT and
+SIGTERM stop the loop after the current step with a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -38,25 +39,8 @@ from magic_jax.stages import Stage, build_stage, excluded_after, update_config
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
-TRAINER_STATE = "trainer.json"
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of a run directory (None if there is none)."""
-    root = Path(output_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    done = sorted(
-        p for p in root.iterdir() if p.name.startswith("step_") and (p / TRAINER_STATE).exists()
-    )
-    return done[-1] if done else None
 
 
 class Trainer:
@@ -131,146 +115,173 @@ class Trainer:
         self.log(stage.describe())
         return stage
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save(self, state: Any, step: int, stage: Stage, tracker: AccuracyTracker) -> Path:
-        import jax
-        import orbax.checkpoint as ocp
-
-        root = self.out / CHECKPOINTS
-        final = _step_dir(root, step)
-        tmp = final.with_name(final.name + ".partial")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / "state", state)
-            ckptr.wait_until_finished()
-        if jax.process_index() == 0:
-            meta = {
-                "next_step": step,
-                "stage": stage.index,
-                "excluded": stage.excluded,
-                "tracker": tracker.state_dict(),
-            }
-            (tmp / TRAINER_STATE).write_text(json.dumps(meta))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            old = sorted(p for p in root.iterdir() if p.name.startswith("step_"))
-            for p in old[: -self.config.keep_checkpoints]:
-                if not p.name.endswith(".partial"):
-                    shutil.rmtree(p)
-        return final
-
-    def _restore(self, state: Any, path: Path) -> tuple[Any, dict[str, Any]]:
-        import jax
-        import orbax.checkpoint as ocp
-
-        try:
-            meta = json.loads((path / TRAINER_STATE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path / TRAINER_STATE}: unreadable trainer state: {e}") from None
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
-        try:
-            with ocp.StandardCheckpointer() as ckptr:
-                restored = ckptr.restore(path / "state", target)
-        except Exception as e:  # orbax raises many types for a mismatched tree
-            raise ConfigError(
-                f"{path}: the checkpoint does not match this run's model and optimizer: {e}"
-            ) from None
-        return restored, meta
-
     # ------------------------------------------------------------------ the loop
 
     def run(self, *, stop_after: int | None = None) -> dict[str, Any]:
         """Trains to the end of the last stage; returns a summary (also in ``summary.json``).
 
+        The output directory is claimed (``rundir.claim_run_dir``) and locked
+        for the run. A run that finished all its steps before says so and
+        changes nothing. A resumed run checks its config against the stored one
+        (``rundir.check_resume_config``) and continues from the newest
+        checkpoint that verifies.
+
         Args:
           stop_after: stop (with a checkpoint) once this global step count is
             reached, e.g. to split a run into jobs; the next ``run`` resumes.
+
+        Returns:
+          The summary, built from the run directory's records;
+          ``summary["stopped_by"]`` names the signal that stopped the run early.
+
+        Raises:
+          ConfigError: a bad ``stop_after`` or a config or data problem.
+          RunDirError: the directory is not usable (not ours, locked, a changed
+            config, no usable checkpoint).
         """
         import jax
-        import yaml
 
+        from magic_jax import rundir
+        from magic_jax.checkpoint import step_dirs
+
+        cfg = self.config
+        if stop_after is not None and stop_after <= 0:
+            raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
+        lock = jax.process_index() == 0
+        with rundir.run_directory(self.out, lock=lock), rundir.StopSignals(self.log) as signals:
+            raw = to_dict(cfg)
+            old = rundir.stored_config(self.out)
+            done = max((s for s, _ in step_dirs(self.out)), default=0)
+            if old is not None and done > 0:
+                for change in rundir.check_resume_config(old, raw, done):
+                    self.log(f"[resume] changed {change}")
+            finished = rundir.finished_summary(self.out, cfg.total_steps)
+            if finished is not None:
+                self.log(
+                    f"[done] {self.out} has finished all {cfg.total_steps} steps; nothing to do "
+                    f"(use a new output_dir for a new run)"
+                )
+                return finished
+            if jax.process_index() == 0:
+                rundir.write_config(self.out, raw)
+            return self._run(stop_after, signals)
+
+    def _run(self, stop_after: int | None, signals: Any) -> dict[str, Any]:
+        import signal
+
+        import jax
+
+        from magic_jax import rundir
+        from magic_jax.checkpoint import (
+            TrainCheckpoints,
+            latest_good_checkpoint,
+            read_trainer_state,
+        )
         from magic_jax.rewards import VerifierPool
         from magic_jax.train_step import init_train_state
 
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
         self._setup()
         state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
-        step, tracker, excluded = 0, AccuracyTracker(), []
-        ckpt = latest_checkpoint(self.out)
-        if ckpt is not None:
-            state, meta = self._restore(state, ckpt)
-            step = int(meta["next_step"])
+        step, stage_index, tracker, excluded = 0, None, AccuracyTracker(), []
+        found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
+        ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
+        if found is not None:
+            meta = read_trainer_state(found)
+            state = ckpts.restore(state, found)
+            step, stage_index = meta["next_step"], meta["stage"]
             tracker = AccuracyTracker.from_state_dict(meta["tracker"])
             excluded = list(meta["excluded"])
-            self.log(f"[resume] {ckpt}: continuing at step {step}")
-            self._trim_metrics(step)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if step >= cfg.total_steps:
-            self.log(f"[done] all {cfg.total_steps} steps are in {ckpt}")
+            self.log(f"[resume] {found}: continuing at step {step}")
+        dropped = rundir.trim_records(self.out, step)
+        if any(dropped.values()):
+            self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
+        saved = step
         stage: Stage | None = None
-        history: list[dict[str, Any]] = []
-        evals: list[dict[str, Any]] = []
-        with VerifierPool(cfg.rewards) as pool:
-            if cfg.eval is not None and step == 0:
-                evals.append(self._evaluate(state, 0, pool))
-            end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-            while step < end:
-                index, k = cfg.stage_at(step)
-                if stage is None or stage.index != index:
-                    if stage is not None:  # a new stage: online filtering, fresh statistics
+        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        try:
+            with VerifierPool(cfg.rewards) as pool:
+                if cfg.eval is not None and step == 0:
+                    self._evaluate(state, 0, pool)
+                while step < end and signals.received is None:
+                    index, k = cfg.stage_at(step)
+                    if stage_index is not None and stage_index != index:
+                        # a new stage (also right after a resume at a stage's end):
+                        # online filtering, fresh statistics
                         excluded = excluded_after(cfg, excluded, tracker)
                         tracker.reset()
-                    stage = self._stage(index, excluded)
-                state, row = self._step(state, stage, step, k, pool, tracker)
-                history.append(row)
-                with open(self.out / METRICS, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                self.log(_format(row))
-                step += 1
-                end_of_stage = cfg.stage_at(step)[0] != index
-                if cfg.eval is not None and (step % cfg.eval.every == 0 or step == end):
-                    evals.append(self._evaluate(state, step, pool))
-                if step % cfg.checkpoint_every == 0 or end_of_stage or step == end:
-                    jax.block_until_ready(state)
-                    self._save(state, step, stage, tracker)
-        summary = {
-            "steps": step,
-            "optimizer_steps": int(state.step),
-            "skipped_updates": int(state.skipped),
-            "entropy_coef": float(state.entropy.coef),
-            "last": history[-1] if history else None,
-            "evals": [{"step": e["step"], "accuracy": e["accuracy"]} for e in evals],
-        }
-        if cfg.export_hf and step == cfg.total_steps and jax.process_index() == 0:
-            import jax.numpy as jnp
-            from flax import nnx
-
-            from magic_jax.convert import save_hf
-
-            out = self.out / "hf_final"
-            if out.exists():
-                shutil.rmtree(out)
-            save_hf(nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(cfg.export_dtype))
-            self.tokenizer.save_pretrained(out)
-            summary["hf_export"] = str(out)
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+                    stage_index = index
+                    if stage is None or stage.index != index:
+                        stage = self._stage(index, excluded)
+                    state, row = self._step(state, stage, step, k, pool, tracker)
+                    with open(self.out / METRICS, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    self.log(_format(row))
+                    step += 1
+                    rundir.kill_point("step", step)
+                    end_of_stage = cfg.stage_at(step)[0] != index
+                    if cfg.eval is not None and (
+                        step % cfg.eval.every == 0 or step == cfg.total_steps
+                    ):
+                        self._evaluate(state, step, pool)
+                    if (
+                        step % cfg.checkpoint_every == 0
+                        or end_of_stage
+                        or step == end
+                        or signals.received is not None
+                    ):
+                        self._save(ckpts, state, step, stage_index, excluded, tracker)
+                        saved = step
+        finally:
+            ckpts.close()
+        summary = rundir.build_summary(
+            self.out,
+            total_steps=cfg.total_steps,
+            optimizer_steps=int(state.step),
+            skipped_updates=int(state.skipped),
+            entropy_coef=float(state.entropy.coef),
+        )
+        if signals.received is not None:
+            name = signal.Signals(signals.received).name
+            summary["stopped_by"] = name
+            self.log(
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
+                f"run the same command to resume"
+            )
+        elif step == cfg.total_steps and cfg.export_hf and jax.process_index() == 0:
+            summary["hf_export"] = str(self._export(state))
+        if jax.process_index() == 0:
+            rundir.write_summary(self.out, summary)
         return summary
 
-    def _trim_metrics(self, step: int) -> None:
-        """Drops the lines of steps after the checkpoint (they are computed again)."""
-        for name, last in ((METRICS, step - 1), (EVALS, step)):
-            path = self.out / name
-            if path.exists():
-                lines = path.read_text().splitlines()
-                keep = [line for line in lines if json.loads(line)["step"] <= last]
-                path.write_text("".join(line + "\n" for line in keep))
+    def _save(self, ckpts, state, step: int, stage: int, excluded, tracker) -> Path:
+        import jax
+
+        jax.block_until_ready(state)
+        meta = {
+            "next_step": step,
+            "stage": stage,
+            "excluded": list(excluded),
+            "tracker": tracker.state_dict(),
+        }
+        return ckpts.save(step, state, meta, self.model.config)
+
+    def _export(self, state: Any) -> Path:
+        """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from magic_jax.convert import save_hf
+
+        out = self.out / "hf_final"
+        if out.exists():
+            shutil.rmtree(out)  # this run's own earlier export
+        save_hf(
+            nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(self.config.export_dtype)
+        )
+        self.tokenizer.save_pretrained(out)
+        return out
 
     def _evaluate(self, state: Any, step: int, pool: Any) -> dict[str, Any]:
         from magic_jax.evaluate import evaluate
@@ -295,19 +306,19 @@ class Trainer:
             pool=pool,
         )
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
-        with open(self.out / EVALS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.log(
+        self._monitor.eval(
+            row,
             f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
             f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
             f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f} "
-            f"({row['t_eval_s']:.1f}s)"
+            f"({row['t_eval_s']:.1f}s)",
         )
         return row
 
     def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
         import jax
 
+        from magic_jax import rundir
         from magic_jax.buffer import pack_rollouts
         from magic_jax.rewards import RewardItem, status_counts
 
@@ -329,6 +340,7 @@ class Trainer:
             text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
             item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
             tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+            rundir.kill_point("rollout", step)
 
         params = stage.driver.engine.load_params(state.params)
         samples, rstats = stage.driver.run(
@@ -360,6 +372,7 @@ class Trainer:
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
         state, m = stage.updater.update(state, buffer, rng)
+        rundir.kill_point("update", step)  # the update is dispatched, not yet done
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
         lengths = np.asarray([s.length for s in samples])
