@@ -22,7 +22,6 @@ SIGTERM stop the loop after the current step with a checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -177,6 +176,7 @@ class Trainer:
             latest_good_checkpoint,
             read_trainer_state,
         )
+        from magic_jax.monitor import Monitor
         from magic_jax.rewards import VerifierPool
         from magic_jax.train_step import init_train_state
 
@@ -200,8 +200,15 @@ class Trainer:
         saved = step
         stage: Stage | None = None
         end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        self._monitor = Monitor(
+            self.out,
+            stage_steps=[s.steps for s in cfg.stages],
+            start_step=step,
+            log=self.log,
+            primary=jax.process_index() == 0,
+        )
         try:
-            with VerifierPool(cfg.rewards) as pool:
+            with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
                     self._evaluate(state, 0, pool)
                 while step < end and signals.received is None:
@@ -215,9 +222,7 @@ class Trainer:
                     if stage is None or stage.index != index:
                         stage = self._stage(index, excluded)
                     state, row = self._step(state, stage, step, k, pool, tracker)
-                    with open(self.out / METRICS, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    self.log(_format(row))
+                    self._monitor.step(row, _format(row))
                     step += 1
                     rundir.kill_point("step", step)
                     end_of_stage = cfg.stage_at(step)[0] != index
