@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
+from magic_jax.checkpoint import latest_good_checkpoint as latest_checkpoint
 from magic_jax.cli import main
 from magic_jax.config import ConfigError, load_config
-from magic_jax.trainer import Trainer, latest_checkpoint
+from magic_jax.trainer import Trainer
 
 # A tiny vocabulary and one-digit answers: a random policy hits the gold answer often
 # enough that groups with mixed rewards (which train) occur in every run.
