@@ -65,6 +65,46 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import os
+
+    # The plan compiles for a TPU slice described by libtpu; this machine's own
+    # accelerator (if any) is not needed, and probing for one only prints warnings.
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from magic_jax.config import load_config
+    from magic_jax.plan import format_plan, plan_run
+    from magic_jax.sharding import MeshConfig
+
+    config = load_config(args.config, args.set or ())
+    mesh = None
+    if args.mesh:
+        try:
+            kw = {k.strip(): int(v) for k, v in (p.split("=") for p in args.mesh.split(","))}
+            mesh = MeshConfig(**kw)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--mesh {args.mesh!r}: {e}") from None
+    stages = None if args.stage is None else [args.stage]
+    if stages and not 0 <= args.stage < len(config.stages):
+        raise ValueError(f"--stage {args.stage}: the config has {len(config.stages)} stage(s)")
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.quiet else None
+    t0 = time.perf_counter()
+    result = plan_run(
+        config,
+        args.topology,
+        mesh_config=mesh,
+        preset=args.preset,
+        stages=stages,
+        search=not args.no_search,
+        log=log,
+    )
+    print(f"magic-jax plan {args.config} --topology {args.topology}")
+    print(format_plan(result))
+    if log:
+        log(f"planned in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
@@ -102,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stop-after", type=int, help="stop after this many steps (resumable)")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="per-device memory and roofline time of each stage on a TPU slice (needs libtpu)",
+    )
+    p.add_argument("config", help="YAML run configuration (see configs/)")
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: the config's mesh)")
+    p.add_argument("--preset", help="model preset when the config's model is not here")
+    p.add_argument("--stage", type=int, help="plan only this stage (index)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
+    p.add_argument("--no-search", action="store_true", help="do not look for a slice that fits")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser(
         "demo", help="the embedded default: a tiny model learns addition with MAGIC on CPU"
