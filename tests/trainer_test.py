@@ -194,7 +194,7 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
          "--set", f"output_dir={files / 'broken_run'}"]
     )  # fmt: skip
     assert code == 2
-    assert "broken.jsonl:0" in capsys.readouterr().err
+    assert "broken.jsonl:1:" in capsys.readouterr().err
 
 
 def test_train_command_with_relative_paths_checkpoints_and_resumes(files, monkeypatch, capsys):
