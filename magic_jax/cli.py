@@ -1,4 +1,4 @@
-"""The ``magic-jax`` command line: training, checkpoint conversion and the pipeline demo."""
+"""The ``magic-jax`` command line: training, evaluation, difficulty, reports, checkpoints."""
 
 from __future__ import annotations
 
@@ -105,6 +105,89 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from magic_jax.eval_job import EvalOptions, parse_n, run_eval
+
+    named, default = parse_n(args.n or ())
+    options = EvalOptions(
+        num_samples=named,
+        default_num_samples=default,
+        max_response_length=args.max_response_length,
+        max_prompt_length=args.max_prompt_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk=args.chunk,
+        limit=args.limit,
+        keep_responses=args.responses,
+        **_engine_options(args),
+    )
+    run_eval(args.model, args.data, args.out, options)
+    print(f"per-problem lines and summary.md in {args.out}")
+    return 0
+
+
+def _estimate_difficulty(args: argparse.Namespace) -> int:
+    from magic_jax.difficulty import DEFAULT_SAMPLES, DifficultyOptions, estimate_difficulty
+    from magic_jax.eval_job import parse_n
+
+    named, default = parse_n(args.samples or ())
+    if default is not None:
+        raise ValueError(f"--samples {default}: give ABILITY=N, e.g. --samples math=16")
+    options = DifficultyOptions(
+        model_name=args.model_name,
+        samples=DEFAULT_SAMPLES | named,
+        max_response_length=args.max_response_length,
+        max_prompt_length=args.max_prompt_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk=args.chunk,
+        **_engine_options(args),
+    )
+    estimate_difficulty(args.model, args.data, args.out, options)
+    print(f"rated rows in {args.out}/rated, filtered rows in {args.out}/filtered")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from magic_jax.report import write_report
+
+    out = write_report(args.runs, args.output, names=args.name)
+    print(f"report: {out}")
+    return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {
+        "tokenizer": args.tokenizer,
+        "param_dtype": args.param_dtype,
+        "mesh": args.mesh,
+        "max_concurrent_decodes": args.max_concurrent_decodes,
+        "decode_steps": args.decode_steps,
+        "workers": args.workers,
+    }
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_response_length: int) -> None:
+    p.add_argument("model", help="Hugging Face dir, magic_jax model, run dir or run checkpoint")
+    p.add_argument("data", nargs="+", help="Parquet / JSON-lines files (or dirs) of verl rows")
+    p.add_argument("--max-response-length", type=int, default=max_response_length)
+    p.add_argument("--max-prompt-length", type=int, default=2048, help="longer prompts skipped")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chunk", type=int, help="prompts per resumable chunk (default 256 // n; fixes the seeds)"
+    )
+    p.add_argument("--tokenizer", help="tokenizer dir (default: the model's)")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.add_argument("--max-concurrent-decodes", type=int, default=64, help="decode slots")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps per host trip")
+    p.add_argument("--workers", type=int, help="verifier processes (default: one per CPU)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
@@ -165,6 +248,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
+    p = sub.add_parser(
+        "eval", help="avg@n and pass@k of a model on data sets (resumable per-problem output)"
+    )
+    _add_sampling_args(p, 32768)
+    p.add_argument(
+        "--n",
+        action="append",
+        metavar="[SET=]N",
+        help="samples per problem, per data set (file stem) or for all: --n aime24=32 --n 4 "
+        "(default 32 for math sets, 4 for code)",
+    )
+    p.add_argument("--limit", type=int, help="only the first LIMIT problems of each set")
+    p.add_argument("--responses", action="store_true", help="write response texts too")
+    p.add_argument("--out", default="eval_out", help="output directory (resumed if present)")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "estimate-difficulty",
+        help="N samples per prompt -> extra_info.model_difficulty, filtered rows, histogram",
+    )
+    _add_sampling_args(p, 32768)
+    p.add_argument(
+        "--samples",
+        action="append",
+        metavar="ABILITY=N",
+        help="N per ability (default math=16, code=8)",
+    )
+    p.add_argument("--model-name", help="key under model_difficulty (default: model dir name)")
+    p.add_argument("--out", required=True, help="output directory (resumed if present)")
+    p.set_defaults(func=_estimate_difficulty)
+
+    p = sub.add_parser("report", help="curves of one or more runs: PNGs and one HTML page")
+    p.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, eval.jsonl)")
+    p.add_argument("-o", "--output", default="report.html", help="HTML page; PNGs beside it")
+    p.add_argument(
+        "--name", action="append", help="legend name of each run, in order (default: dir name)"
+    )
+    p.set_defaults(func=_report)
     return parser
 
 
