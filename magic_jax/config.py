@@ -421,6 +421,11 @@ def load_config(
             raise ConfigError(f"{path}: cannot read the config: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of options, got a "
+                f"{type(loaded).__name__}"
+            )
         raw = loaded
     raw = copy.deepcopy(dict(raw or {}))
     for o in overrides:
