@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -23,11 +24,26 @@ def _mesh_arg(text: str | None):
         raise SystemExit(f"--mesh {text!r}: {e}") from e
 
 
+def _check_new_dir(path: str, option: str) -> None:
+    """Refuses, before any work, an output directory that exists or lies under a file."""
+    from pathlib import Path
+
+    p = Path(path).absolute()
+    if p.exists():
+        raise FileExistsError(f"{option} {p}: exists; refusing to overwrite it")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {p}: {parent} is a file, not a directory")
+            break
+
+
 def _convert(args: argparse.Namespace) -> int:
     from magic_jax.checkpoint import save_model
     from magic_jax.convert import load_hf
     from magic_jax.model import count_params
 
+    _check_new_dir(args.out, "out")
     t0 = time.perf_counter()
     model = load_hf(args.hf_dir, dtype=args.dtype, mesh=_mesh_arg(args.mesh))
     out = save_model(model, args.out)
@@ -39,13 +55,21 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from magic_jax.checkpoint import load_model
+    from pathlib import Path
+
+    from magic_jax.checkpoint import CHECKPOINTS, latest_good_checkpoint, load_model
     from magic_jax.convert import save_hf
 
     t0 = time.perf_counter()
-    model = load_model(args.ckpt, mesh=_mesh_arg(args.mesh))
+    ckpt = Path(args.ckpt)
+    if (ckpt / CHECKPOINTS).is_dir():  # a run directory: its newest good checkpoint
+        found = latest_good_checkpoint(ckpt, log=lambda s: print(s, file=sys.stderr))
+        if found is None:
+            raise FileNotFoundError(f"{ckpt}: the run has no checkpoint yet")
+        ckpt = found
+    model = load_model(ckpt, mesh=_mesh_arg(args.mesh))
     out = save_hf(model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"exported {args.ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
+    print(f"exported {ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -58,11 +82,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from magic_jax.config import load_config
+    from magic_jax.rundir import STOP_EXIT_CODES
     from magic_jax.trainer import Trainer
 
+    if args.stop_after is not None and args.stop_after <= 0:
+        raise ValueError(f"--stop-after {args.stop_after}: must be a positive number of steps")
     config = load_config(args.config, args.set or ())
-    Trainer(config).run(stop_after=args.stop_after)
-    return 0
+    summary = Trainer(config).run(stop_after=args.stop_after)
+    stopped = summary.get("stopped_by")
+    return 0 if stopped is None else STOP_EXIT_CODES[getattr(signal, stopped)]
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -208,14 +236,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face checkpoint dir")
-    p.add_argument("ckpt", help="orbax checkpoint directory written by convert or training")
+    p.add_argument(
+        "ckpt",
+        help="a checkpoint written by convert, a training checkpoint (RUN/checkpoints/step_N), "
+        "or a run directory (its newest good checkpoint)",
+    )
     p.add_argument("out", help="output directory (loadable by transformers)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("train", help="run a MAGIC training config (resumes from its output_dir)")
+    p = sub.add_parser(
+        "train",
+        help="run a MAGIC training config (resumes from its output_dir)",
+        description="Runs a training config; a run directory that has checkpoints resumes "
+        "from the newest good one. SIGINT / SIGTERM stop after the current step with a "
+        "checkpoint (exit status 130 / 143); errors exit with status 2.",
+    )
     p.add_argument("config", help="YAML run configuration (see configs/)")
     p.add_argument(
         "--set",
@@ -223,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override an option, e.g. --set loss.eps_high=0.28 --set stages.0.steps=10",
     )
-    p.add_argument("--stop-after", type=int, help="stop after this many steps (resumable)")
+    p.add_argument(
+        "--stop-after", type=int, help="stop after this many steps in all (resumable; >= 1)"
+    )
     p.set_defaults(func=_train)
 
     p = sub.add_parser(
@@ -300,9 +340,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (CheckpointError, DataError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (CheckpointError, DataError, ValueError, OSError) as e:
+        # one line naming what is wrong; OSError covers unwritable or misplaced outputs
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"magic-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
