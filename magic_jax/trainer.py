@@ -77,9 +77,21 @@ class Trainer:
         if cfg.data.offline_filter_model:
             d = cfg.data
             rows = offline_filter(rows, d.offline_filter_model, d.offline_filter_samples)
+        _, kept = encode_prompts(rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length)
+        if len(kept) < len(rows):
+            self.log(
+                f"[data] {len(rows) - len(kept)} of {len(rows)} prompts are longer than "
+                f"data.max_prompt_length ({cfg.data.max_prompt_length} tokens) and are left out"
+            )
+            if not kept:
+                raise ConfigError(
+                    f"data.max_prompt_length: all {len(rows)} prompts are longer than "
+                    f"{cfg.data.max_prompt_length} tokens"
+                )
+            rows = [rows[i] for i in kept]
         self.rows = rows
         self.log(
-            f"[data] {n_read} prompts read, {len(rows)} after offline filtering; "
+            f"[data] {n_read} prompts read, {len(rows)} after filtering; "
             f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
         )
         self._params = params
