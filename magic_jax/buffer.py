@@ -21,6 +21,8 @@ class SampleRecord(Protocol):
     prompt_tokens: np.ndarray  # [P_i] int32
     tokens: np.ndarray  # [R_i] int32 response ids, EOS included if any
     logprobs: np.ndarray  # [R_i] float32 behaviour log-prob of each response token
+    # optional: [R_i] float32 log-prob under the top-k / top-p truncated distribution
+    # sampling_logprobs: np.ndarray
     entropies: np.ndarray  # [R_i] float32 full-distribution entropy at each response token
     truncated: bool
     length: int
@@ -50,6 +52,11 @@ class RolloutBuffer:
       advantages: [B] float32 group advantage of the row.
       keep: [B] bool, the row's group survived rejection sampling.
       valid: [B] bool, False for padding rows.
+      sampling_logprobs: [B, R] float32 log-probs under the truncated (top-k /
+        top-p) distribution the tokens were drawn from; None if not recorded.
+      behaviour_logprobs: [B, R] float32 the sampler log-probs the update
+        measures the rollout/trainer mismatch against (set by
+        ``PolicyUpdater.update``; None = ``old_logprobs``).
       group_size: G (static).
     """
 
@@ -65,6 +72,8 @@ class RolloutBuffer:
     advantages: Any
     keep: Any
     valid: Any
+    sampling_logprobs: Any = None
+    behaviour_logprobs: Any = None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=1)
 
     @property
@@ -242,6 +251,7 @@ def pack_rollouts(
     attn = np.zeros((b, p_len + r_len), np.int32)
     resp_mask = np.zeros((b, r_len), np.float32)
     old_logp = np.zeros((b, r_len), np.float32)
+    samp_logp = np.zeros((b, r_len), np.float32)
     ents = np.zeros((b, r_len), np.float32)
     rew = np.zeros((b,), np.float32)
     trunc = np.zeros((b,), bool)
@@ -265,6 +275,7 @@ def pack_rollouts(
             attn[row, p_len : p_len + k] = 1
             resp_mask[row, :k] = 1.0
             old_logp[row, :k] = np.asarray(s.logprobs[:k], np.float32)
+            samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
             ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
             rew[row] = rewards[i]
             trunc[row] = bool(s.truncated)
@@ -294,5 +305,6 @@ def pack_rollouts(
         advantages=np.asarray(adv_NG, np.float32).reshape(b),
         keep=np.repeat(keep_N, g) & valid,
         valid=valid,
+        sampling_logprobs=samp_logp,
         group_size=g,
     )

@@ -52,15 +52,16 @@ class Stage:
 
 
 def update_config(config: TrainConfig, index: int) -> Any:
-    """The ``UpdateConfig`` of stage ``index`` (its D_T; the run's loss and optimizer)."""
+    """The ``UpdateConfig`` of stage ``index``: its D_T and KL weight, the run's other options."""
     from magic_jax.train_step import UpdateConfig
 
     st = config.stages[index]
     return UpdateConfig(
         mini_batch_groups=st.mini_batch_groups,
+        mini_batch_split=config.mini_batch_split,
         micro_batch_size=config.micro_batch_size,
         num_reuse=config.num_reuse,
-        loss=config.loss,
+        loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,
         optimizer=config.optimizer,
     )

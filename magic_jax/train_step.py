@@ -260,6 +260,7 @@ def loss_and_grads(
             num_seqs=num_seqs,
             nominal_seqs=nominal,
             ref_logp_BT=ref_logp_BR,
+            behaviour_logp_BT=mb.behaviour_logprobs,
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -371,6 +372,7 @@ class PolicyUpdater:
             None if mesh is None else NamedSharding(mesh, PartitionSpec(_BATCH_AXES))
         )
         self._jitted = None
+        self._logprobs = None
 
     def init_state(self, params: Any) -> TrainState:
         """See ``init_train_state``."""
@@ -409,6 +411,40 @@ class PolicyUpdater:
             batch = jax.device_put(batch, self.batch_sharding)
         return self._jitted(state, batch, jnp.float32(alpha), ref_params)
 
+    def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
+        """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
+
+        Computed D_T groups at a time (the training mini-batch shape, so memory
+        stays that of one optimizer step's forward pass); no gradients.
+        """
+        if self._logprobs is None:
+            lcfg = self.config.loss
+            self._logprobs = jax.jit(
+                lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0]
+            )
+        d_t, n = self.config.mini_batch_groups, buffer.num_groups
+        out = np.zeros(buffer.response_mask.shape, np.float32)
+        for start in range(0, n, d_t):
+            groups = np.minimum(np.arange(start, start + d_t), n - 1)
+            batch = buffer.take_groups(groups)
+            if self.batch_sharding is not None:
+                batch = jax.device_put(batch, self.batch_sharding)
+            logp = np.asarray(self._logprobs(params, batch))
+            take = min(d_t, n - start) * buffer.group_size
+            out[start * buffer.group_size : start * buffer.group_size + take] = logp[:take]
+        return out
+
+    def _prepare(self, state: TrainState, buffer: RolloutBuffer) -> RolloutBuffer:
+        """Sets the ratio's denominator and the behaviour log-probs (SPEC item 4, TIS)."""
+        lcfg = self.config.loss
+        behaviour = buffer.old_logprobs
+        if lcfg.behaviour_logprobs == "sampled" and buffer.sampling_logprobs is not None:
+            behaviour = buffer.sampling_logprobs
+        old = behaviour
+        if lcfg.tis_cap is not None:
+            old = self.logprobs(state.params, buffer)  # the trainer's pi_old
+        return dataclasses.replace(buffer, old_logprobs=old, behaviour_logprobs=behaviour)
+
     def update(
         self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array, ref_params: Any = None
     ) -> tuple[TrainState, dict[str, Any]]:
@@ -443,6 +479,7 @@ class PolicyUpdater:
             )
         )
         alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
+        buffer = self._prepare(state, buffer)
         keep_N = buffer.group_keep()
         valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
         kept = np.flatnonzero(keep_N)

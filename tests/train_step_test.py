@@ -474,3 +474,31 @@ def test_split_mini_batches_even_and_fixed_size():
     assert [len(p) for p in split_mini_batches(np.arange(5), 8, 4, "even")] == [3, 2]
     with pytest.raises(ValueError, match="multiple of D_T"):
         split_mini_batches(np.arange(3), 6, 4, "even")
+
+
+def test_update_with_tis_against_the_sampled_distribution(model):
+    """TIS over the truncated behaviour log-probs: the trainer's own pi_old in the ratio."""
+    _, _, buf = _buffer(seed=11)
+    rng = np.random.default_rng(11)
+    # a truncated (top-p) distribution puts more mass on each drawn token than the full one
+    sampled = buf.old_logprobs + rng.uniform(0.0, 1.0, buf.old_logprobs.shape)
+    buf = dataclasses.replace(buf, sampling_logprobs=sampled.astype(np.float32))
+    graphdef, params = nnx.split(model, nnx.Param)
+    lcfg = dataclasses.replace(L0, tis_cap=1.5, behaviour_logprobs="sampled")
+    updater = PolicyUpdater(graphdef, UpdateConfig(mini_batch_groups=2, loss=lcfg))
+    want, _ = _np_policy(model, buf, 1.0)
+    on = buf.response_mask > 0
+    np.testing.assert_allclose(updater.logprobs(params, buf)[on], want[on], atol=2e-5)
+    mask = buf.loss_mask() > 0
+    state, m = updater.update(updater.init_state(params), buf, jax.random.key(0))
+    assert m["num_sgd_steps"] == 2  # D_R 4 / D_T 2, three groups kept: 2 + 1
+    # the first step's policy is the trainer's pi_old: PPO ratio 1
+    assert float(m["ratio_mean"][0]) == pytest.approx(1.0, abs=1e-5)
+    log_w = want - sampled
+    w = np.minimum(np.exp(log_w), 1.5)
+    # weights are constants of the buffer: their token sums over both mini-batches
+    got = sum(float(x) * n for x, n in zip(m["tis_weight_mean"], m["num_tokens"]))
+    assert got == pytest.approx(w[mask].sum(), rel=1e-4)
+    assert 0 < float(m["sampler_ratio_max"][0]) <= np.exp(log_w[mask]).max() * (1 + 1e-4)
+    assert float(m["sampler_ratio_mean"][0]) < 1  # the sampled tokens were more likely there
+    assert int(state.step) == 2
