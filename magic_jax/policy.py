@@ -64,3 +64,45 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
+
+
+def reference_params(config: Any, params: Any, mesh: Any) -> Any:
+    """The frozen reference policy of the KL term, or None when no stage uses KL.
+
+    Args:
+      config: the run (``TrainConfig``).
+      params: the policy's initial parameters (``nnx.State`` of ``nnx.Param``),
+        before any update or resume.
+      mesh: the training mesh, or None.
+
+    Returns:
+      None when ``kl_beta`` is 0 in every stage (no reference is held and no
+      reference forward runs). Else a copy of ``params`` (the run's initial
+      weights; new buffers, so the updates that donate the policy's never touch
+      it) or the parameters of ``loss.kl_reference``, loaded with the policy's
+      shardings. Either is only read: it is passed to each update beside the
+      train state, never to the optimizer, and never checkpointed.
+
+    Raises:
+      ConfigError: ``loss.kl_reference`` is unusable or does not match the policy.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    if not config.uses_kl:
+        return None
+    path = config.loss.kl_reference
+    if path is None:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    model = load_policy(path, config.param_dtype, mesh, option="loss.kl_reference")
+    _, ref = nnx.split(model, nnx.Param)
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    if jax.tree.structure(ref) != jax.tree.structure(params) or shapes != [
+        x.shape for x in jax.tree.leaves(ref)
+    ]:
+        raise ConfigError(
+            f"loss.kl_reference: {path} does not have the policy's parameter names and shapes"
+        )
+    # the policy's dtypes (fp32 master weights): one compute path for both forwards
+    return jax.tree.map(lambda r, p: r.astype(p.dtype), ref, params)

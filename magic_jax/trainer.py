@@ -33,8 +33,8 @@ import numpy as np
 
 from magic_jax.config import ConfigError, TrainConfig, to_dict
 from magic_jax.data import AccuracyTracker, encode_prompts, offline_filter, read_rows
-from magic_jax.policy import load_policy, load_tokenizer
-from magic_jax.stages import Stage, build_stage, excluded_after, update_config
+from magic_jax.policy import load_policy, load_tokenizer, reference_params
+from magic_jax.stages import Schedule, Stage, build_stage, excluded_after, update_config
 
 logger = logging.getLogger(__name__)
 
@@ -194,17 +194,28 @@ class Trainer:
 
         cfg = self.config
         self._setup()
+        # the KL reference: the initial weights (copied before any update) or loss.kl_reference
+        self.ref_params = reference_params(cfg, self._params, self.mesh)
+        if self.ref_params is not None:
+            self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
         state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
-        step, stage_index, tracker, excluded = 0, None, AccuracyTracker(), []
+        step, schedule, tracker, excluded = 0, Schedule(), AccuracyTracker(), []
         found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         if found is not None:
             meta = read_trainer_state(found)
             state = ckpts.restore(state, found)
-            step, stage_index = meta["next_step"], meta["stage"]
+            step = meta["next_step"]
             tracker = AccuracyTracker.from_state_dict(meta["tracker"])
             excluded = list(meta["excluded"])
+            if "schedule" in meta:
+                schedule = Schedule.from_state_dict(meta["schedule"])
+            else:  # written before stages could end early: the stage follows from the step
+                schedule = Schedule.from_step(cfg, step)
+                if schedule.index != meta["stage"]:
+                    excluded = excluded_after(cfg, excluded, tracker)
+                    tracker.reset()
             self.log(f"[resume] {found}: continuing at step {step}")
         dropped = rundir.trim_records(self.out, step)
         if any(dropped.values()):
@@ -222,39 +233,42 @@ class Trainer:
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
-                    self._evaluate(state, 0, pool)
-                while step < end and signals.received is None:
-                    index, k = cfg.stage_at(step)
-                    if stage_index is not None and stage_index != index:
-                        # a new stage (also right after a resume at a stage's end):
-                        # online filtering, fresh statistics
+                    self._evaluate(state, 0, pool, schedule)
+                while step < end and not schedule.finished(cfg) and signals.received is None:
+                    if stage is None or stage.index != schedule.index:
+                        stage = self._stage(schedule.index, excluded)
+                    k = schedule.stage_step(step)
+                    state, row = self._step(state, stage, step, k, pool, tracker)
+                    step += 1
+                    ended = schedule.after_step(cfg, step, row["truncated_fraction"])
+                    if ended is not None:
+                        row["stage_end"] = ended
+                    self._monitor.step(row, _format(row))
+                    rundir.kill_point("step", step)
+                    last = ended is not None and schedule.index == len(cfg.stages) - 1
+                    if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
+                        ev = self._evaluate(state, step, pool, None if ended else schedule)
+                        ended = ended or ev.get("stage_end")
+                    if ended is not None:
+                        # the stage switch: online filtering, fresh statistics (checkpointed)
+                        self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
+                        schedule.advance(step, ended)
                         excluded = excluded_after(cfg, excluded, tracker)
                         tracker.reset()
-                    stage_index = index
-                    if stage is None or stage.index != index:
-                        stage = self._stage(index, excluded)
-                    state, row = self._step(state, stage, step, k, pool, tracker)
-                    self._monitor.step(row, _format(row))
-                    step += 1
-                    rundir.kill_point("step", step)
-                    end_of_stage = cfg.stage_at(step)[0] != index
-                    if cfg.eval is not None and (
-                        step % cfg.eval.every == 0 or step == cfg.total_steps
-                    ):
-                        self._evaluate(state, step, pool)
                     if (
                         step % cfg.checkpoint_every == 0
-                        or end_of_stage
+                        or ended is not None
                         or step == end
                         or signals.received is not None
                     ):
-                        self._save(ckpts, state, step, stage_index, excluded, tracker)
+                        self._save(ckpts, state, step, schedule, excluded, tracker)
                         saved = step
         finally:
             ckpts.close()
         summary = rundir.build_summary(
             self.out,
-            total_steps=cfg.total_steps,
+            # a run whose last stage ended on an until rule is finished at that step
+            total_steps=step if schedule.finished(cfg) else cfg.total_steps,
             optimizer_steps=int(state.step),
             skipped_updates=int(state.skipped),
             entropy_coef=float(state.entropy.coef),
@@ -266,21 +280,23 @@ class Trainer:
                 f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
                 f"run the same command to resume"
             )
-        elif step == cfg.total_steps and cfg.export_hf and jax.process_index() == 0:
+        elif schedule.finished(cfg) and cfg.export_hf and jax.process_index() == 0:
             summary["hf_export"] = str(self._export(state))
         if jax.process_index() == 0:
             rundir.write_summary(self.out, summary)
         return summary
 
-    def _save(self, ckpts, state, step: int, stage: int, excluded, tracker) -> Path:
+    def _save(self, ckpts, state, step: int, schedule: Schedule, excluded, tracker) -> Path:
         import jax
 
         jax.block_until_ready(state)
         meta = {
             "next_step": step,
-            "stage": stage,
+            "stage": schedule.index,
             "excluded": list(excluded),
             "tracker": tracker.state_dict(),
+            # stage switches (until rules) and the rules' counters, so a resume switches alike
+            "schedule": schedule.state_dict(),
         }
         return ckpts.save(step, state, meta, self.model.config)
 
@@ -300,7 +316,10 @@ class Trainer:
         self.tokenizer.save_pretrained(out)
         return out
 
-    def _evaluate(self, state: Any, step: int, pool: Any) -> dict[str, Any]:
+    def _evaluate(
+        self, state: Any, step: int, pool: Any, schedule: Schedule | None = None
+    ) -> dict[str, Any]:
+        """avg@n on the eval set; with ``schedule``, its until rule sees the result."""
         from magic_jax.evaluate import evaluate
         from magic_jax.rollout import RolloutDriver
 
@@ -323,6 +342,9 @@ class Trainer:
             pool=pool,
         )
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
+        ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
+        if ended is not None:
+            row["stage_end"] = ended
         self._monitor.eval(
             row,
             f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
@@ -337,11 +359,122 @@ class Trainer:
 
         from magic_jax import rundir
         from magic_jax.buffer import pack_rollouts
-        from magic_jax.rewards import RewardItem, status_counts
+        from magic_jax.collect import collect_groups, flatten
+        from magic_jax.rewards import status_counts
 
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
-        rows = stage.batches[k]
+        params = stage.driver.engine.load_params(state.params)
+        waits, rollouts = [], []
+
+        def sample_round(r: int):
+            if r == 0:
+                rows = stage.batches[k]
+            else:
+                rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
+            groups, stats, wait = self._rollout(stage, params, rows, step, r, pool)
+            rollouts.append(stats)
+            waits.append(wait)
+            return groups
+
+        got = collect_groups(
+            sample_round,
+            num_groups=st.prompts_per_step,
+            advantage=cfg.advantage,
+            refill=cfg.rollout.refill,
+            max_rounds=cfg.rollout.refill_max_rounds,
+        )
+        params = None  # the engine's copy of the weights is not needed for the update
+        t1 = time.perf_counter()
+        for g in got.every:
+            tracker.record(g.row.uid, g.rewards)
+        samples, rewards = flatten(got.groups)
+        buffer = pack_rollouts(
+            samples,
+            rewards,
+            group_size=st.group_size,
+            num_groups=st.prompts_per_step,
+            advantage=cfg.advantage,
+            prompt_bucket=min(64, cfg.data.max_prompt_length),
+            response_bucket=min(256, st.max_response_length),
+            pad_id=self.pad_id,
+        )
+        t2 = time.perf_counter()
+        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        rundir.kill_point("update", step)  # the update is dispatched, not yet done
+        jax.block_until_ready(state.params)
+        t3 = time.perf_counter()
+        every = [s for g in got.every for s in g.samples]
+        all_rewards = np.concatenate([g.rewards for g in got.every])
+        lengths = np.asarray([s.length for s in every])
+        truncated = np.asarray([s.truncated for s in every])
+        counts = status_counts([r for g in got.every for r in g.results or ()])
+
+        def mean(key):
+            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
+
+        def first(key):  # the first optimizer step's value: the policy the sampler ran
+            return float(m[key][0]) if key in m and np.size(m[key]) else None
+
+        return state, {
+            "step": step,
+            "stage": stage.index,
+            "stage_step": k,
+            "max_response_length": st.max_response_length,
+            "prompts": len(got.every),
+            "reward": float(all_rewards.mean()),
+            "accuracy_not_truncated": (
+                float(all_rewards[~truncated].mean()) if (~truncated).any() else 0.0
+            ),
+            "truncated_fraction": float(truncated.mean()),
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": int(lengths.max()),
+            "entropy": m["buffer_entropy"],
+            "alpha": m["alpha"],
+            "entropy_coef_next": m["entropy_coef_next"],
+            "kept_group_fraction": m["kept_group_fraction"],
+            "mixed_groups": got.mixed,
+            "refill_rounds": got.rounds,
+            "extra_rollouts": got.extra_rollouts,
+            "sgd_steps": m["num_sgd_steps"],
+            "loss": mean("loss"),
+            "clipfrac_low": mean("clipfrac_low"),
+            "clipfrac_high": mean("clipfrac_high"),
+            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
+            "approx_kl": mean("approx_kl"),
+            "kl_beta": cfg.kl_beta(stage.index),
+            "ref_kl": mean("ref_kl"),
+            "sampler_ratio_mean": first("sampler_ratio_mean"),
+            "sampler_ratio_max": first("sampler_ratio_max"),
+            "sampler_kl": first("sampler_kl"),
+            **(
+                {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
+                if cfg.loss.tis_cap is not None
+                else {}
+            ),
+            "grad_norm": mean("grad_norm"),
+            "skipped_updates": int(state.skipped),
+            "reward_status": counts,
+            "rollout_tokens_per_s": sum(r.tokens for r in rollouts)
+            / max(sum(r.wall_s for r in rollouts), 1e-9),
+            "t_rollout_s": t1 - t0 - sum(waits),
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + sum(waits),
+        }
+
+    def _rollout(self, stage: Stage, params: Any, rows: list, step: int, r: int, pool: Any):
+        """Round r of step ``step``: G responses to each of ``rows``, rewarded as they end.
+
+        Returns:
+          (groups in prompt order, the driver's ``RolloutStats``, seconds spent
+          waiting for the verifiers after decoding ended).
+        """
+        from magic_jax import rundir
+        from magic_jax.collect import Group
+        from magic_jax.rewards import RewardItem
+
+        cfg = self.config
         ids, kept = encode_prompts(
             rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length
         )
@@ -359,77 +492,32 @@ class Trainer:
             tickets[s.prompt_index, s.sample_index] = pool.submit(item)
             rundir.kill_point("rollout", step)
 
-        params = stage.driver.engine.load_params(state.params)
-        samples, rstats = stage.driver.run(
+        samples, stats = stage.driver.run(
             params,
             ids,
-            num_samples=st.group_size,
-            seed=cfg.seed,
+            num_samples=stage.config.group_size,
+            # refill rounds draw other keys than round 0's prompts of the same indices
+            seed=cfg.seed + 7919 * r,
             step=step,
             truncation=cfg.rollout.truncation,
             on_sample=submit,
         )
-        del params
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
-        rewards = np.asarray([r.reward for r in results], np.float32)
-        prompt_of = np.asarray([s.prompt_index for s in samples])
-        for p, row in enumerate(rows):
-            tracker.record(row.uid, rewards[prompt_of == p])
-        buffer = pack_rollouts(
-            samples,
-            rewards,
-            group_size=st.group_size,
-            num_groups=st.prompts_per_step,
-            advantage=cfg.advantage,
-            prompt_bucket=min(64, cfg.data.max_prompt_length),
-            response_bucket=min(256, st.max_response_length),
-            pad_id=self.pad_id,
-        )
-        t2 = time.perf_counter()
-        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-        state, m = stage.updater.update(state, buffer, rng)
-        rundir.kill_point("update", step)  # the update is dispatched, not yet done
-        jax.block_until_ready(state.params)
-        t3 = time.perf_counter()
-        lengths = np.asarray([s.length for s in samples])
-        truncated = np.asarray([s.truncated for s in samples])
-        counts = status_counts(results)
-
-        def mean(key):
-            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
-
-        return state, {
-            "step": step,
-            "stage": stage.index,
-            "stage_step": k,
-            "max_response_length": st.max_response_length,
-            "prompts": len(rows),
-            "reward": float(rewards.mean()),
-            "accuracy_not_truncated": (
-                float(rewards[~truncated].mean()) if (~truncated).any() else 0.0
-            ),
-            "truncated_fraction": float(truncated.mean()),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": int(lengths.max()),
-            "entropy": m["buffer_entropy"],
-            "alpha": m["alpha"],
-            "entropy_coef_next": m["entropy_coef_next"],
-            "kept_group_fraction": m["kept_group_fraction"],
-            "sgd_steps": m["num_sgd_steps"],
-            "loss": mean("loss"),
-            "clipfrac_low": mean("clipfrac_low"),
-            "clipfrac_high": mean("clipfrac_high"),
-            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
-            "approx_kl": mean("approx_kl"),
-            "grad_norm": mean("grad_norm"),
-            "skipped_updates": int(state.skipped),
-            "reward_status": counts,
-            "rollout_tokens_per_s": rstats.tokens / max(rstats.wall_s, 1e-9),
-            "t_rollout_s": t1 - t0,
-            "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1,
-        }
+        wait = time.perf_counter() - t0
+        by_prompt: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            by_prompt.setdefault(s.prompt_index, []).append(i)
+        groups = [
+            Group(
+                rows[p],
+                [samples[i] for i in idx],
+                np.asarray([results[i].reward for i in idx], np.float32),
+                [results[i] for i in idx],
+            )
+            for p, idx in sorted(by_prompt.items())
+        ]
+        return groups, stats, wait
 
 
 def _format(row: dict[str, Any]) -> str:
