@@ -310,6 +310,11 @@ def latest_good_checkpoint(
         where = f"; moved to {_set_aside(Path(output_dir), path)}" if set_aside else ""
         if log is not None and jax.process_index() == 0:
             log(f"[checkpoint] {path} is not usable: {reason}{where}")
+    if set_aside and failed and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        # the other processes must not list the checkpoints before the moves are done
+        multihost_utils.sync_global_devices("magic_jax: bad checkpoints set aside")
     return good
 
 

@@ -23,7 +23,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,20 +186,18 @@ class StopSignals:
     Only the main thread can install handlers; elsewhere this does nothing.
     """
 
-    def __init__(self, log: Callable[[str], None] = print):
+    def __init__(self):
         self.received: int | None = None
-        self._log = log
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the handler may run in the middle of a print to stdout
         if self.received is not None:
-            self._log(f"[stop] {signal.Signals(signum).name} again: stopping now, no checkpoint")
+            _stderr(f"[stop] {name} again: stopping now, without a checkpoint\n")
             os._exit(STOP_EXIT_CODES.get(signal.Signals(signum), 128 + signum))
         self.received = signum
-        self._log(
-            f"[stop] {signal.Signals(signum).name}: stopping after this step with a checkpoint "
-            f"(send it again to stop at once)"
-        )
+        _stderr(f"[stop] {name}: stopping after this step with a checkpoint (again: at once)\n")
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -211,6 +209,11 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
+
+
+def _stderr(text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
 
 def kill_point(name: str, step: int) -> None:
@@ -405,13 +408,20 @@ def finished_summary(out: str | os.PathLike, total_steps: int) -> dict[str, Any]
 
 @contextlib.contextmanager
 def run_directory(
-    path: str | os.PathLike, *, lock: bool = True, what: str = "output_dir"
+    path: str | os.PathLike, *, primary: bool = True, what: str = "output_dir"
 ) -> Iterator[Path]:
-    """Claims ``path`` as a run directory and holds its lock for the ``with`` block."""
-    p = claim_run_dir(path, what=what)
-    if not lock:
-        yield p
+    """Claims ``path`` as a run directory and holds its lock for the ``with`` block.
+
+    Args:
+      path: the run directory.
+      primary: False in the other processes of a multi-host run: they use the
+        directory the primary process claimed and locked.
+      what: how error messages name it.
+    """
+    if not primary:
+        yield Path(path).absolute()
         return
+    p = claim_run_dir(path, what=what)
     with RunLock(p):
         yield p
 

@@ -158,8 +158,8 @@ class Trainer:
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
             raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
-        lock = jax.process_index() == 0
-        with rundir.run_directory(self.out, lock=lock), rundir.StopSignals(self.log) as signals:
+        primary = jax.process_index() == 0
+        with rundir.run_directory(self.out, primary=primary), rundir.StopSignals() as signals:
             raw = to_dict(cfg)
             old = rundir.stored_config(self.out)
             done = max((s for s, _ in step_dirs(self.out)), default=0)
