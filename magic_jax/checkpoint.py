@@ -136,7 +136,8 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
     try:
         if training:
             # A train state holds the optimizer too: read the parameters alone.
-            pure = target.to_pure_dict()
+            # nnx variables are stored as {"value": array}: the template says so too.
+            pure = jax.tree.map(lambda x: {"value": x}, target.to_pure_dict())
             restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), pure)
             with ocp.PyTreeCheckpointer() as ckptr:
                 got = ckptr.restore(
@@ -147,7 +148,12 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
                         partial_restore=True,
                     ),
                 )
-            nnx.replace_by_pure_dict(target, got["params"])
+            values = jax.tree.map(
+                lambda d: d["value"],
+                got["params"],
+                is_leaf=lambda d: isinstance(d, dict) and "value" in d,
+            )
+            nnx.replace_by_pure_dict(target, values)
             state = target
         else:
             with ocp.StandardCheckpointer() as ckptr:
