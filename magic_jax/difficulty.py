@@ -273,7 +273,7 @@ def estimate_difficulty(
     for i, f in enumerate(files):
         parquet = f.suffix == ".parquet"
         rated = []
-        for j, raw in enumerate(_raw_rows(str(f))):
+        for j, (_, raw) in enumerate(_raw_rows(str(f))):
             r = by_key.get(f"{i}:{j}")
             rated.append(
                 raw if r is None else with_difficulty(raw, name, r["correct"], parquet=parquet)
