@@ -32,6 +32,9 @@ setup(
         "psutil>=5.9",
         "pyarrow>=15",
         "pyyaml>=6",
+        "tensorboardX>=2.6",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
     ],
     extras_require={
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
@@ -43,6 +46,7 @@ setup(
             "torch==2.13.0",
             "pyarrow>=15",
             "scipy>=1.11",
+            "tensorboard>=2.16",
         ],
         "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],

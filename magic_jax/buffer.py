@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
@@ -21,6 +21,8 @@ class SampleRecord(Protocol):
     prompt_tokens: np.ndarray  # [P_i] int32
     tokens: np.ndarray  # [R_i] int32 response ids, EOS included if any
     logprobs: np.ndarray  # [R_i] float32 behaviour log-prob of each response token
+    # optional: [R_i] float32 log-prob under the top-k / top-p truncated distribution
+    # sampling_logprobs: np.ndarray
     entropies: np.ndarray  # [R_i] float32 full-distribution entropy at each response token
     truncated: bool
     length: int
@@ -50,6 +52,11 @@ class RolloutBuffer:
       advantages: [B] float32 group advantage of the row.
       keep: [B] bool, the row's group survived rejection sampling.
       valid: [B] bool, False for padding rows.
+      sampling_logprobs: [B, R] float32 log-probs under the truncated (top-k /
+        top-p) distribution the tokens were drawn from; None if not recorded.
+      behaviour_logprobs: [B, R] float32 the sampler log-probs the update
+        measures the rollout/trainer mismatch against (set by
+        ``PolicyUpdater.update``; None = ``old_logprobs``).
       group_size: G (static).
     """
 
@@ -65,6 +72,8 @@ class RolloutBuffer:
     advantages: Any
     keep: Any
     valid: Any
+    sampling_logprobs: Any = None
+    behaviour_logprobs: Any = None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=1)
 
     @property
@@ -110,6 +119,52 @@ class RolloutBuffer:
             live = np.repeat(np.asarray(live_N, bool), g)
             out = dataclasses.replace(out, keep=out.keep & live, valid=out.valid & live)
         return out
+
+
+# How the kept groups of a buffer are cut into mini-batches (see ``split_mini_batches``).
+MiniBatchSplit = Literal["even", "fixed-size"]
+
+
+def split_mini_batches(
+    order_K: np.ndarray, num_groups: int, mini_batch_groups: int, split: MiniBatchSplit
+) -> list[np.ndarray]:
+    """Cuts the kept groups of one pass, in shuffled order, into mini-batches.
+
+    ``"even"`` (the report's ``N_SGD = D_R / D_T * N_reuse``): exactly
+    D_R / D_T mini-batches per pass whatever rejection sampling kept, their
+    sizes equal up to one group (``np.array_split``); when fewer groups than
+    that are kept, one group per mini-batch. Each optimizer step then sees a
+    similar share of the kept data.
+
+    ``"fixed-size"`` (verl's): ceil(kept / D_T) mini-batches of D_T groups; the
+    last holds the remainder, which can be a few groups, yet its token-mean
+    loss weighs as much as a full mini-batch in its optimizer step.
+
+    Args:
+      order_K: [K] indices of the kept groups, in the order of this pass.
+      num_groups: D_R, the buffer's groups (kept or not).
+      mini_batch_groups: D_T.
+      split: ``"even"`` or ``"fixed-size"``.
+
+    Returns:
+      Non-empty arrays of group indices, each at most D_T long, together ``order_K``.
+
+    Raises:
+      ValueError: ``"even"`` with D_R not a multiple of D_T, or an unknown split.
+    """
+    order_K = np.asarray(order_K)
+    k, d_t = len(order_K), mini_batch_groups
+    if k == 0:
+        return []
+    if split == "fixed-size":
+        return [order_K[i : i + d_t] for i in range(0, k, d_t)]
+    if split != "even":
+        raise ValueError(f"mini_batch_split must be 'even' or 'fixed-size', got {split!r}")
+    if num_groups % d_t:
+        raise ValueError(
+            f"mini_batch_split 'even' needs D_R ({num_groups}) to be a multiple of D_T ({d_t})"
+        )
+    return list(np.array_split(order_K, min(num_groups // d_t, k)))
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -196,6 +251,7 @@ def pack_rollouts(
     attn = np.zeros((b, p_len + r_len), np.int32)
     resp_mask = np.zeros((b, r_len), np.float32)
     old_logp = np.zeros((b, r_len), np.float32)
+    samp_logp = np.zeros((b, r_len), np.float32)
     ents = np.zeros((b, r_len), np.float32)
     rew = np.zeros((b,), np.float32)
     trunc = np.zeros((b,), bool)
@@ -219,6 +275,7 @@ def pack_rollouts(
             attn[row, p_len : p_len + k] = 1
             resp_mask[row, :k] = 1.0
             old_logp[row, :k] = np.asarray(s.logprobs[:k], np.float32)
+            samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
             ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
             rew[row] = rewards[i]
             trunc[row] = bool(s.truncated)
@@ -248,5 +305,6 @@ def pack_rollouts(
         advantages=np.asarray(adv_NG, np.float32).reshape(b),
         keep=np.repeat(keep_N, g) & valid,
         valid=valid,
+        sampling_logprobs=samp_logp,
         group_size=g,
     )

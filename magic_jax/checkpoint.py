@@ -1,23 +1,44 @@
-"""Orbax checkpoints of models (and, later, whole train states) with a JSON config beside them."""
+"""Checkpoints: models (orbax + JSON config) and whole train states with manifests and fallback.
+
+Model checkpoints (``save_model`` / ``load_model``) hold parameters and
+``model_config.json``. Train-state checkpoints (``TrainCheckpoints``) live in
+``RUN/checkpoints/step_NNNNNNNN``: orbax's ``CheckpointManager`` writes the
+state (``state/``) and keeps the newest ones; beside it go the loop's own
+state (``trainer.json``), the model config (so ``magic-jax export`` can read
+a training checkpoint) and, last, ``manifest.json``: the size and SHA-256 of
+every file. A checkpoint counts only once its manifest is written and every
+file matches it. On resume the newest checkpoint that verifies is used; a
+checkpoint that does not is named in one log line with the reason and moved
+to ``RUN/checkpoints_bad/`` (never deleted).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import orbax.checkpoint as ocp
-from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from magic_jax.rundir import RunDirError, _write_atomic
 
-from magic_jax.model import ModelConfig, Qwen2, abstract_model
-from magic_jax.sharding import TRAIN_RULES, Rules, model_shardings
+if TYPE_CHECKING:
+    from magic_jax.model import ModelConfig, Qwen2
+    from magic_jax.sharding import Rules
 
 CONFIG_FILE = "model_config.json"
 STATE_DIR = "state"
+CHECKPOINTS = "checkpoints"
+BAD_CHECKPOINTS = "checkpoints_bad"
+TRAINER_STATE = "trainer.json"
+MANIFEST = "manifest.json"
+_STEP_NAME = re.compile(r"^step_(\d+)$")
+
+
+# --------------------------------------------------------------------------- model checkpoints
 
 
 def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
@@ -26,6 +47,10 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
     The directory is written under a temporary name and renamed when complete,
     so an interrupted save never replaces a good checkpoint.
     """
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint")
@@ -44,10 +69,17 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored beside a checkpoint."""
+    from magic_jax.model import ModelConfig
+
     cfg_path = Path(path) / CONFIG_FILE
     if not cfg_path.exists():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; not a magic_jax model checkpoint")
-    raw: dict[str, Any] = json.loads(cfg_path.read_text())
+    try:
+        raw: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: not a JSON model config ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: not a JSON model config (top level is not an object)")
     for key in ("sliding_layers",):
         raw[key] = tuple(raw.get(key) or ())
     if isinstance(raw.get("eos_token_id"), list):
@@ -58,15 +90,38 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{cfg_path}: does not describe a ModelConfig ({e})") from e
 
 
-def load_model(
-    path: str | os.PathLike, mesh: Mesh | None = None, *, rules: Rules = TRAIN_RULES
-) -> Qwen2:
-    """Restores a model saved by ``save_model`` straight into the target shardings."""
+def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None = None) -> Qwen2:
+    """Restores a model saved by ``save_model``, or the policy of a training checkpoint.
+
+    Args:
+      path: a ``save_model`` directory, or ``RUN/checkpoints/step_N`` (its
+        manifest is verified first and only the parameters are read).
+      mesh: place the parameters on this mesh (default: one device).
+      rules: logical-axis rules for ``mesh`` (default: the training rules).
+
+    Raises:
+      FileNotFoundError: ``path`` holds no model config.
+      magic_jax.convert.CheckpointError: a damaged or mismatched checkpoint, in one line.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from magic_jax.convert import CheckpointError
+    from magic_jax.model import abstract_model
+    from magic_jax.sharding import TRAIN_RULES, model_shardings
+
     path = Path(path).absolute()
+    training = (path / TRAINER_STATE).exists()
+    if training:
+        reason = verify_checkpoint(path)
+        if reason is not None:
+            raise CheckpointError(f"{path}: bad checkpoint: {reason}")
     config = read_model_config(path)
     graphdef, abs_state = nnx.split(abstract_model(config))
     if mesh is not None:
-        shardings = model_shardings(abs_state, mesh, rules)
+        shardings = model_shardings(abs_state, mesh, rules or TRAIN_RULES)
     else:
         single = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(
@@ -78,6 +133,305 @@ def load_model(
         shardings,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(path / STATE_DIR, target)
+    try:
+        if training:
+            # A train state holds the optimizer too: read the parameters alone.
+            # nnx variables are stored as {"value": array}: the template says so too.
+            pure = jax.tree.map(lambda x: {"value": x}, target.to_pure_dict())
+            restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), pure)
+            with ocp.PyTreeCheckpointer() as ckptr:
+                got = ckptr.restore(
+                    path / STATE_DIR,
+                    args=ocp.args.PyTreeRestore(
+                        item={"params": pure},
+                        restore_args={"params": restore_args},
+                        partial_restore=True,
+                    ),
+                )
+            values = jax.tree.map(
+                lambda d: d["value"],
+                got["params"],
+                is_leaf=lambda d: isinstance(d, dict) and "value" in d,
+            )
+            nnx.replace_by_pure_dict(target, values)
+            state = target
+        else:
+            with ocp.StandardCheckpointer() as ckptr:
+                state = ckptr.restore(path / STATE_DIR, target)
+    except Exception as e:  # orbax and tensorstore raise many types for damaged files
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {_first_line(e)}") from None
     return nnx.merge(graphdef, state)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def _files(path: Path) -> list[str]:
+    """Every regular file under ``path`` except the manifest, as sorted POSIX paths."""
+    out = []
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            rel = Path(dirpath, name).relative_to(path).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Records the size and SHA-256 of every file of a finished checkpoint in ``manifest.json``."""
+    path = Path(path)
+    files = {rel: {"size": (path / rel).stat().st_size, "sha256": _sha256(path / rel)}
+             for rel in _files(path)}  # fmt: skip
+    manifest = {"format": 1, "files": files}
+    _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """Why a training checkpoint cannot be used (None when it verifies).
+
+    Checks the manifest against every file (presence, size, SHA-256, no file
+    beyond it) and the contents of ``trainer.json``.
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its writing never finished)"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({_first_line(e)})"
+    try:
+        present = set(_files(path))
+        for rel, entry in files.items():
+            if rel not in present:
+                return f"{rel} is missing"
+            size = (path / rel).stat().st_size
+            if size != entry["size"]:
+                return f"{rel} has {size} bytes, the manifest says {entry['size']}"
+            if _sha256(path / rel) != entry["sha256"]:
+                return f"{rel} does not match its checksum"
+        extra = sorted(present - set(files))
+        if extra:
+            return f"{extra[0]} is not in the manifest"
+        read_trainer_state(path)
+    except RunDirError as e:
+        return str(e).removeprefix(f"{path / TRAINER_STATE}: ")
+    except (OSError, KeyError, TypeError) as e:
+        return f"cannot be read ({_first_line(e)})"
+    return None
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The loop state of a training checkpoint, checked field by field.
+
+    Raises:
+      RunDirError: ``trainer.json`` is missing, not JSON, or lacks a field.
+    """
+    file = Path(path) / TRAINER_STATE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{file}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunDirError(f"{file}: not a JSON trainer state ({_first_line(e)})") from None
+    checks: dict[str, Callable[[Any], bool]] = {
+        "next_step": lambda v: isinstance(v, int) and v > 0,
+        "stage": lambda v: isinstance(v, int) and v >= 0,
+        "excluded": lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v),
+        "tracker": lambda v: isinstance(v, dict) and isinstance(v.get("counts"), dict),
+    }
+    if not isinstance(meta, dict):
+        raise RunDirError(f"{file}: not a JSON object")
+    for key, ok in checks.items():
+        if key not in meta:
+            raise RunDirError(f"{file}: missing field {key!r}")
+        if not ok(meta[key]):
+            raise RunDirError(f"{file}: field {key!r} has a bad value {meta[key]!r:.80}")
+    return meta
+
+
+# --------------------------------------------------------------------------- train states
+
+
+def step_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, directory) of every ``checkpoints/step_N`` of a run, oldest first (unverified)."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_good_checkpoint(
+    output_dir: str | os.PathLike,
+    *,
+    log: Callable[[str], None] | None = None,
+    set_aside: bool = False,
+) -> Path | None:
+    """The newest checkpoint of a run directory that verifies (None if there is none).
+
+    Args:
+      output_dir: the run directory.
+      log: gets one line per checkpoint that fails, naming it and why.
+      set_aside: move each failed checkpoint newer than the good one to
+        ``checkpoints_bad/`` (a resumed run then writes those steps anew).
+
+    Raises:
+      RunDirError: some checkpoint holds a manifest (it was completed) but none
+        verifies: resuming from scratch would silently redo finished work.
+    """
+    import jax
+
+    failed: list[tuple[Path, str]] = []
+    good = None
+    for _, path in reversed(step_dirs(output_dir)):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            good = path
+            break
+        failed.append((path, reason))
+    complete = [f"{p.name} ({r})" for p, r in failed if (p / MANIFEST).exists()]
+    if good is None and complete:
+        # Nothing is moved: the same command gives the same answer until someone looks.
+        raise RunDirError(
+            f"{Path(output_dir) / CHECKPOINTS}: no usable checkpoint: " + "; ".join(complete)
+        )
+    for path, reason in failed:
+        where = f"; moved to {_set_aside(Path(output_dir), path)}" if set_aside else ""
+        if log is not None and jax.process_index() == 0:
+            log(f"[checkpoint] {path} is not usable: {reason}{where}")
+    if set_aside and failed and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        # the other processes must not list the checkpoints before the moves are done
+        multihost_utils.sync_global_devices("magic_jax: bad checkpoints set aside")
+    return good
+
+
+def _set_aside(output_dir: Path, path: Path) -> Path:
+    import jax
+
+    dest = output_dir / BAD_CHECKPOINTS / path.name
+    n = 1
+    while dest.exists():
+        dest = output_dir / BAD_CHECKPOINTS / f"{path.name}.{n}"
+        n += 1
+    if jax.process_index() == 0:
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(path, dest)
+    return dest
+
+
+@dataclasses.dataclass
+class _KeepNewest:
+    """Orbax preservation policy: the newest ``n`` checkpoints, and always the newest
+    one with a manifest, so a process killed while a manifest is being written still
+    leaves a verified checkpoint behind."""
+
+    n: int
+    root: Path
+
+    def should_preserve(self, checkpoints, *, context):  # orbax's PreservationPolicy protocol
+        steps = [c.step for c in checkpoints]
+        verified = [s for s in steps if (self.root / f"step_{s:08d}" / MANIFEST).exists()]
+        keep = set(sorted(steps)[-self.n :]) | set(verified[-1:])
+        return [s in keep for s in steps]
+
+
+class TrainCheckpoints:
+    """The train-state checkpoints of one run directory.
+
+    Example:
+      ckpts = TrainCheckpoints(out, keep=2)
+      ckpts.save(step, state, meta, model_config)
+      state = ckpts.restore(abstract_or_live_state, ckpts.root / "step_00000010")
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, *, keep: int):
+        self.out = Path(output_dir).absolute()
+        self.root = self.out / CHECKPOINTS
+        self.keep = keep
+        self._manager = None
+
+    def _mgr(self):
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+
+            options = ocp.CheckpointManagerOptions(
+                step_prefix="step",
+                step_format_fixed_length=8,
+                preservation_policy=_KeepNewest(self.keep, self.root),
+                create=True,
+                cleanup_tmp_directories=True,  # what a killed save left behind
+                enable_async_checkpointing=False,
+            )
+            self._manager = ocp.CheckpointManager(self.root, options=options, item_names=("state",))
+        return self._manager
+
+    def save(
+        self, step: int, state: Any, meta: Mapping[str, Any], model_config: Any = None
+    ) -> Path:
+        """Writes checkpoint ``step``: the state (orbax), ``trainer.json``, the model config,
+        then the manifest that makes it count."""
+        import jax
+        import orbax.checkpoint as ocp
+
+        from magic_jax.rundir import kill_point
+
+        mgr = self._mgr()
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        mgr.wait_until_finished()
+        path = self.root / f"step_{step:08d}"
+        kill_point("checkpoint", step)
+        if jax.process_index() == 0:
+            _write_atomic(path / TRAINER_STATE, json.dumps(dict(meta)))
+            if model_config is not None:
+                cfg = dataclasses.asdict(model_config)
+                _write_atomic(path / CONFIG_FILE, json.dumps(cfg, indent=2))
+            write_manifest(path)
+        return path
+
+    def restore(self, state: Any, path: str | os.PathLike) -> Any:
+        """The train state of checkpoint ``path``, placed like ``state`` (a live or abstract
+        state of this run).
+
+        Raises:
+          RunDirError: the stored state does not fit this run's model and optimizer.
+        """
+        import jax
+        import orbax.checkpoint as ocp
+
+        step = int(_STEP_NAME.match(Path(path).name).group(1))
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        try:
+            got = self._mgr().restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )
+        except Exception as e:  # orbax raises many types for a mismatched tree
+            raise RunDirError(
+                f"{path}: does not fit this run's model and optimizer: {_first_line(e)}"
+            ) from None
+        return got["state"]
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None

@@ -23,14 +23,50 @@ from typing import Any, Literal
 from magic_jax.advantages import AdvantageConfig
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
+from magic_jax.optim import OptimizerConfig
 from magic_jax.rewards.pool import PoolConfig
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import MeshConfig
-from magic_jax.train_step import OptimizerConfig
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the option's path."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UntilConfig:
+    """Rules that end a stage before its step budget (``steps`` stays the cap).
+
+    Either rule set ends the stage when it holds; the switch is logged in the
+    metrics (``stage_end``) and kept in checkpoints, so a resumed run switches
+    at the same step.
+
+    Attributes:
+      truncated_below: end once the truncated fraction of the rollouts stays
+        under this for ``truncated_steps`` consecutive steps (the report moves
+        to a longer context when few responses hit the limit, or the reverse).
+      truncated_steps: k of that rule.
+      eval_patience: end after this many evaluations in a row with no gain in
+        avg@n over the best of the stage so far (needs ``eval``).
+      eval_min_gain: a gain under this does not count.
+    """
+
+    truncated_below: float | None = None
+    truncated_steps: int = 1
+    eval_patience: int | None = None
+    eval_min_gain: float = 0.0
+
+    def __post_init__(self):
+        if self.truncated_below is None and self.eval_patience is None:
+            raise ValueError("set truncated_below or eval_patience (or drop until)")
+        if self.truncated_below is not None and not 0 < self.truncated_below <= 1:
+            raise ValueError(f"truncated_below must be in (0, 1], got {self.truncated_below}")
+        if self.truncated_steps < 1:
+            raise ValueError(f"truncated_steps must be >= 1, got {self.truncated_steps}")
+        if self.eval_patience is not None and self.eval_patience < 1:
+            raise ValueError(f"eval_patience must be >= 1, got {self.eval_patience}")
+        if self.eval_min_gain < 0:
+            raise ValueError(f"eval_min_gain must be >= 0, got {self.eval_min_gain}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +80,9 @@ class StageConfig:
       mini_batch_groups: D_T, prompts per optimizer step (N_SGD = D_R / D_T * N_reuse).
       group_size: G, responses per prompt.
       name: a label for logs.
+      kl_beta: this stage's KL weight; None = ``loss.kl_beta`` (the report's
+        ablation runs one stage with KL and the next without).
+      until: rules that end the stage early (``steps`` is then the cap).
     """
 
     steps: int
@@ -52,6 +91,8 @@ class StageConfig:
     mini_batch_groups: int
     group_size: int
     name: str = ""
+    kl_beta: float | None = None
+    until: UntilConfig | None = None
 
     def __post_init__(self):
         for f in ("steps", "max_response_length", "prompts_per_step", "mini_batch_groups"):
@@ -59,6 +100,8 @@ class StageConfig:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (group advantages), got {self.group_size}")
+        if self.kl_beta is not None and self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
         if self.mini_batch_groups > self.prompts_per_step:
             raise ValueError(
                 f"mini_batch_groups ({self.mini_batch_groups}) exceeds prompts_per_step "
@@ -101,17 +144,26 @@ class RolloutConfig:
       max_concurrent_decodes: decode slots.
       decode_steps: decode steps per host round trip.
       truncation: ``"no_eos"`` (report) or ``"length"`` (reference code).
+      refill: DAPO's dynamic sampling: while fewer than D_R groups have mixed
+        rewards, sample another D_R prompts (up to ``refill_max_rounds`` extra
+        rounds) and train on D_R mixed groups. Off by default, as in the report
+        (rejection sampling without refill).
+      refill_max_rounds: cap of extra rounds per step.
     """
 
     max_concurrent_decodes: int = 64
     decode_steps: int = 64
     truncation: Literal["no_eos", "length"] = "no_eos"
+    refill: bool = False
+    refill_max_rounds: int = 4
 
     def __post_init__(self):
         if self.truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:
             raise ValueError("max_concurrent_decodes and decode_steps must be positive")
+        if self.refill_max_rounds < 1:
+            raise ValueError(f"refill_max_rounds must be >= 1, got {self.refill_max_rounds}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +205,10 @@ class TrainConfig:
         the options of each part (see their classes).
       micro_batch_size: sequences per micro-batch (gradient accumulation).
       num_reuse: N_reuse, passes over each rollout buffer.
+      mini_batch_split: ``"even"`` (the report's N_SGD = D_R / D_T * N_reuse:
+        the kept groups in exactly D_R / D_T mini-batches of equal size) or
+        ``"fixed-size"`` (verl's ceil(kept / D_T) mini-batches of D_T groups,
+        the last one possibly a few groups at full weight).
       param_dtype: ``float32`` master weights (default) or ``bfloat16``.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
@@ -177,6 +233,7 @@ class TrainConfig:
     eval: EvalConfig | None = None
     micro_batch_size: int | None = None
     num_reuse: int = 1
+    mini_batch_split: Literal["even", "fixed-size"] = "even"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     checkpoint_every: int = 50
@@ -198,6 +255,25 @@ class TrainConfig:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
         if self.num_reuse <= 0:
             raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
+        for i, st in enumerate(self.stages):
+            if self.mini_batch_split == "even" and st.prompts_per_step % st.mini_batch_groups:
+                raise ValueError(
+                    f"stages[{i}]: prompts_per_step ({st.prompts_per_step}) must be a multiple "
+                    f"of mini_batch_groups ({st.mini_batch_groups}) with mini_batch_split "
+                    "'even' (or set mini_batch_split: fixed-size)"
+                )
+            if st.until is not None and st.until.eval_patience is not None and self.eval is None:
+                raise ValueError(f"stages[{i}].until.eval_patience needs an eval section")
+
+    def kl_beta(self, stage: int) -> float:
+        """The KL weight of stage ``stage`` (its own, else ``loss.kl_beta``)."""
+        st = self.stages[stage]
+        return self.loss.kl_beta if st.kl_beta is None else st.kl_beta
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether some stage has a KL term (and so the run needs a reference policy)."""
+        return any(self.kl_beta(i) > 0 for i in range(len(self.stages)))
 
     @property
     def total_steps(self) -> int:
@@ -314,7 +390,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{where}: {e}") from None
+        # the whole run's checks name their options' paths themselves
+        raise ConfigError(f"{where}: {e}" if path else str(e)) from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -365,14 +442,20 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node[last] = value
 
 
+# A path option starting with this names a file shipped inside the magic_jax package
+# (the default run's model and data), so the default config runs from any directory.
+PACKAGE_PREFIX = "package:"
+
 # Every option that names a file or directory, as dotted paths into the raw config.
-PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data")
+PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data", "loss.kl_reference")
 
 
 def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
     """Makes the option at ``dotted`` absolute (relative to the working directory)."""
 
     def absolute(p: Any) -> Any:
+        if isinstance(p, str) and p.startswith(PACKAGE_PREFIX):
+            return str(Path(__file__).resolve().parent / p[len(PACKAGE_PREFIX) :])
         if isinstance(p, (str, os.PathLike)) and str(p):
             return os.path.abspath(os.path.expanduser(os.fspath(p)))
         return p
@@ -397,7 +480,8 @@ def load_config(
     Every path option (``model``, ``tokenizer``, ``output_dir``, ``data.train``,
     ``eval.data``) is resolved once, here, to an absolute path: a relative one
     is taken relative to the working directory, as paths typed on a command
-    line are (orbax and the worker processes need absolute paths).
+    line are (orbax and the worker processes need absolute paths); one that
+    starts with ``package:`` relative to the installed ``magic_jax`` package.
 
     Raises:
       ConfigError: an unreadable file or a bad option (named by its path).
@@ -414,6 +498,11 @@ def load_config(
             raise ConfigError(f"{path}: cannot read the config: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of options, got a "
+                f"{type(loaded).__name__}"
+            )
         raw = loaded
     raw = copy.deepcopy(dict(raw or {}))
     for o in overrides:

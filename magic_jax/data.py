@@ -6,8 +6,8 @@ chat messages), ``ability`` (``"math"`` or ``"code"``), ``reward_model``
 string) and ``extra_info`` (a dict; in the public training set
 ``extra_info.model_difficulty`` maps a model name to its correct answers out
 of 16, also as JSON). Files are Parquet (``.parquet``) or JSON lines
-(``.jsonl``); a bad row raises ``DataError`` naming the file, the row and the
-field.
+(``.jsonl``); a bad row raises ``DataError`` naming the file, the line (1-based,
+``file:line``; ``file: row N`` in Parquet) and the field.
 
 Batches come from a ``grain.MapDataset`` with random access: the prompts of
 training step k are ``dataset[k]``, so a resumed run picks up exactly where it
@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from magic_jax.rewards.types import ABILITIES
 
 # Special tokens of the DeepSeek-R1-Distill chat format.
 R1_BOS = "<｜begin▁of▁sentence｜>"
@@ -129,6 +131,11 @@ def parse_row(row: Mapping[str, Any], where: str, default_uid: str) -> PromptRow
     ability = _field(row, "ability", where)
     if not isinstance(ability, str) or not ability:
         raise DataError(f"{where}: field 'ability' must be a non-empty string")
+    if ability.strip().lower() not in ABILITIES:
+        # every reward of such a row would be an error: refuse it before training
+        raise DataError(
+            f"{where}: ability {ability!r} has no verifier (expected one of {', '.join(ABILITIES)})"
+        )
     reward_model = _field(row, "reward_model", where)
     reward_model = _maybe_json(reward_model, "reward_model", where)
     if not isinstance(reward_model, Mapping) or reward_model.get("ground_truth") is None:
@@ -152,22 +159,34 @@ def parse_row(row: Mapping[str, Any], where: str, default_uid: str) -> PromptRow
     )
 
 
-def _raw_rows(path: str) -> list[dict[str, Any]]:
+def _raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(``file:line`` or ``file:row N``, raw row) for every row of one file (1-based)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            table = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable Parquet file: {e}") from None
+        return [(f"{path}: row {n + 1}", row) for n, row in enumerate(table)]
     if path.endswith((".jsonl", ".json")):
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f):
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (closed below; lines decoded one by one)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read it: {e.strerror}") from None
+        with f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{n}: not a JSON line: {e}") from None
         return rows
@@ -206,8 +225,11 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
     seen: dict[str, str] = {}
     for path in files:
         stem = os.path.splitext(os.path.basename(path))[0]
-        for n, raw in enumerate(_raw_rows(path)):
-            where = f"{path}:{n}"
+        raws = _raw_rows(path)
+        if not raws:
+            raise DataError(f"{path}: holds no rows")
+        # the default uid counts rows from 0 (stable across versions); messages give lines
+        for n, (where, raw) in enumerate(raws):
             row = parse_row(raw, where, default_uid=f"{stem}:{n}")
             if row.uid in seen:
                 raise DataError(f"{where}: uid {row.uid!r} repeats {seen[row.uid]}")
@@ -278,15 +300,35 @@ def encode_prompts(
 # --------------------------------------------------------------------------- filtering
 
 
-def offline_filter(rows: Iterable[PromptRow], model: str, num_samples: int) -> list[PromptRow]:
-    """Drops prompts the base model solved 0 or all of ``num_samples`` times (SPEC item 10).
+def offline_filter(
+    rows: Iterable[PromptRow],
+    model: str,
+    num_samples: int | Mapping[str, int],
+    *,
+    keep_unrated: bool = True,
+) -> list[PromptRow]:
+    """Drops prompts the base model solved 0 or all of N times (SPEC item 10).
 
-    Rows without a difficulty entry for ``model`` are kept.
+    Args:
+      rows: the prompts.
+      model: the key in ``extra_info.model_difficulty``.
+      num_samples: N, or N per ``ability`` (e.g. ``{"math": 16, "code": 8}``).
+      keep_unrated: keep rows without an entry for ``model`` (default) or drop them.
+
+    Raises:
+      DataError: a rated row whose ability has no N in ``num_samples``.
     """
     out = []
     for row in rows:
         d = row.difficulty(model)
-        if d is None or 0 < d < num_samples:
+        if d is None:
+            if keep_unrated:
+                out.append(row)
+            continue
+        n = num_samples if isinstance(num_samples, int) else num_samples.get(row.ability)
+        if n is None:
+            raise DataError(f"{row.uid}: no N for ability {row.ability!r} in {dict(num_samples)}")
+        if 0 < d < n:
             out.append(row)
     return out
 

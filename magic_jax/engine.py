@@ -514,7 +514,13 @@ class Engine:
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
-        self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
+        if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
+            # A mesh of compile-only devices (magic_jax.plan) holds no data: shapes only.
+            self._eos_E = jax.ShapeDtypeStruct(
+                eos_E.shape, eos_E.dtype, sharding=self._sharding((), ())
+            )
+        else:
+            self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
 
     @property
     def eos_array(self) -> jax.Array:

@@ -1,15 +1,22 @@
-"""avg@n evaluation: n sampled responses per problem, scored with the training reward.
+"""Evaluation: n sampled responses per problem scored by the verifiers; avg@n and pass@k.
 
 The report's protocol (SPEC item 13): temperature 1, top-p 1, n samples per
-problem, accuracy averaged over all of them (avg@n); pass@n is reported too.
-Responses come from the same continuous-batching engine as training, rewards
-from the verifier pool (or in-process when no pool is given).
+problem, accuracy averaged over all of them (avg@n), with pass@k for k = 1, 2,
+4, ..., n from the unbiased estimator. Responses come from the same
+continuous-batching engine as training, rewards from the verifier pool (or in
+process when no pool is given). The trainer's in-run evaluation
+(``evaluate``) and the ``magic-jax eval`` command (``magic_jax.eval_job``)
+both score problems with ``score_problems`` and tabulate with ``summarize``,
+so they report the same numbers for the same inputs.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +25,247 @@ from magic_jax.data import PromptRow, encode_prompts
 
 # Evaluation draws its samples from its own stream, apart from training steps.
 EVAL_SEED_OFFSET = 1_000_003
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: ``1 - C(n-c, k) / C(n, k)``.
+
+    Computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which never forms the
+    binomials (they overflow floats from n of about 1000).
+
+    Raises:
+      ValueError: unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def k_values(n: int) -> list[int]:
+    """The k of the pass@k table: 1, 2, 4, ... below n, then n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return [*ks, n]
+
+
+def eval_seed(seed: int, chunk: int = 0) -> int:
+    """The sampling seed of chunk ``chunk`` of an evaluation (chunk 0: the trainer's)."""
+    return seed + EVAL_SEED_OFFSET + chunk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProblemResult:
+    """The n scored samples of one problem.
+
+    Attributes:
+      index: the problem's position in its data set.
+      uid / data_source: from the row.
+      rewards / statuses / lengths / truncated: per sample, in sample order
+        (reward in {0, 1}, ``RewardStatus`` value, response tokens, no EOS
+        within the limit).
+      responses: the decoded responses, when kept.
+    """
+
+    index: int
+    uid: str
+    data_source: str
+    rewards: tuple[float, ...]
+    statuses: tuple[str, ...]
+    lengths: tuple[int, ...]
+    truncated: tuple[bool, ...]
+    responses: tuple[str, ...] | None = None
+
+    @property
+    def correct(self) -> int:
+        return int(sum(r > 0 for r in self.rewards))
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON line of the per-problem output."""
+        samples = [
+            {"reward": r, "status": s, "length": n, "truncated": t}
+            for r, s, n, t in zip(self.rewards, self.statuses, self.lengths, self.truncated)
+        ]
+        if self.responses is not None:
+            for s, text in zip(samples, self.responses):
+                s["response"] = text
+        return {
+            "index": self.index,
+            "uid": self.uid,
+            "data_source": self.data_source,
+            "n": len(self.rewards),
+            "correct": self.correct,
+            "samples": samples,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ProblemResult:
+        s = d["samples"]
+        texts = tuple(x["response"] for x in s) if s and "response" in s[0] else None
+        return cls(
+            index=int(d["index"]),
+            uid=d["uid"],
+            data_source=d["data_source"],
+            rewards=tuple(float(x["reward"]) for x in s),
+            statuses=tuple(x["status"] for x in s),
+            lengths=tuple(int(x["length"]) for x in s),
+            truncated=tuple(bool(x["truncated"]) for x in s),
+            responses=texts,
+        )
+
+
+def score_problems(
+    driver: Any,
+    params: Any,
+    rows: Sequence[PromptRow],
+    prompts: Sequence[np.ndarray],
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    seed: int,
+    step: int = 0,
+    indices: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    pool: Any = None,
+    keep_responses: bool = False,
+) -> list[ProblemResult]:
+    """Samples ``num_samples`` responses per prompt and verifies them.
+
+    Each finished response goes to the pool at once, while the others still
+    decode. Sample j of prompt p draws with ``fold_in(seed, step, p, j, t)``.
+
+    Args:
+      driver: a ``RolloutDriver`` (its engine's sampling settings apply).
+      params: parameters in the engine's layout.
+      rows: the problems; ``prompts`` their token ids ([P_i] int32 each).
+      tokenizer: decodes responses (``decode(ids, skip_special_tokens=True)``).
+      num_samples: n.
+      seed / step: sampling keys.
+      indices: each row's position in its data set (default 0, 1, ...).
+      max_new_tokens: response limit (default: the engine's).
+      pool: a ``VerifierPool``; None verifies in this process.
+      keep_responses: keep the decoded texts in the results.
+
+    Returns:
+      One ``ProblemResult`` per row, in order.
+    """
+    from magic_jax.rewards import RewardItem, compute_reward
+
+    if indices is None:
+        indices = range(len(rows))
+    texts: dict[tuple[int, int], str] = {}
+    pending: dict[tuple[int, int], Any] = {}
+
+    def submit(s):
+        text = tokenizer.decode(s.tokens, skip_special_tokens=True)
+        texts[s.prompt_index, s.sample_index] = text
+        item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
+        key = s.prompt_index, s.sample_index
+        pending[key] = pool.submit(item) if pool is not None else compute_reward(item)
+
+    samples, _ = driver.run(
+        params,
+        list(prompts),
+        num_samples=num_samples,
+        seed=seed,
+        step=step,
+        max_new_tokens=max_new_tokens,
+        on_sample=submit,
+    )
+    keys = [(s.prompt_index, s.sample_index) for s in samples]
+    for s, key in zip(samples, keys):
+        if key not in pending:  # a driver that does not hand samples out early
+            submit(s)
+    if pool is not None:
+        results = pool.collect([pending[k] for k in keys])
+    else:
+        results = [pending[k] for k in keys]
+    out = []
+    for p, row in enumerate(rows):
+        mine = [i for i, k in enumerate(keys) if k[0] == p]
+        out.append(
+            ProblemResult(
+                index=int(indices[p]),
+                uid=row.uid,
+                data_source=row.data_source,
+                rewards=tuple(float(results[i].reward) for i in mine),
+                statuses=tuple(results[i].status.value for i in mine),
+                lengths=tuple(int(samples[i].length) for i in mine),
+                truncated=tuple(bool(samples[i].truncated) for i in mine),
+                responses=tuple(texts[keys[i]] for i in mine) if keep_responses else None,
+            )
+        )
+    return out
+
+
+def summarize(problems: Sequence[ProblemResult]) -> dict[str, Any]:
+    """The summary table of one data set.
+
+    Args:
+      problems: scored problems, all with the same n (> 0).
+
+    Returns:
+      ``problems``, ``num_samples`` (n), ``accuracy`` (avg@n, the mean reward
+      over all samples), ``accuracy_stderr`` (standard error over problems),
+      ``pass_at_k`` (``{k: unbiased pass@k averaged over problems}`` for k in
+      ``k_values(n)``), ``response_length_mean``, ``response_length_max``,
+      ``truncated_fraction`` and ``reward_status`` (samples per status).
+
+    Raises:
+      ValueError: no problems, or problems with different n.
+    """
+    from magic_jax.rewards import RewardStatus
+
+    if not problems:
+        raise ValueError("summarize: no problems")
+    ns = {len(p.rewards) for p in problems}
+    if len(ns) != 1 or 0 in ns:
+        raise ValueError(f"summarize: every problem needs the same n > 0, got {sorted(ns)}")
+    (n,) = ns
+    reward_PN = np.asarray([p.rewards for p in problems], np.float64)
+    lengths = np.asarray([p.lengths for p in problems], np.float64)
+    per_problem = reward_PN.mean(axis=1)
+    stderr = per_problem.std(ddof=1) / np.sqrt(len(problems)) if len(problems) > 1 else 0.0
+    counts = collections.Counter(s for p in problems for s in p.statuses)
+    status = {s.value: counts.pop(s.value, 0) for s in RewardStatus}
+    status.update(counts)
+    return {
+        "problems": len(problems),
+        "num_samples": n,
+        "accuracy": float(reward_PN.mean()),
+        "accuracy_stderr": float(stderr),
+        "pass_at_k": {
+            str(k): float(np.mean([pass_at_k(n, p.correct, k) for p in problems]))
+            for k in k_values(n)
+        },
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "truncated_fraction": float(np.mean([p.truncated for p in problems])),
+        "reward_status": status,
+    }
+
+
+def format_summary(name: str, table: Mapping[str, Any]) -> str:
+    """A data set's summary as aligned text lines."""
+    n = table["num_samples"]
+    statuses = ", ".join(f"{k} {v}" for k, v in table["reward_status"].items() if v)
+    skipped = table.get("skipped_long_prompts", 0)
+    lines = [
+        f"{name}: {table['problems']} problems, n = {n}"
+        + (f" ({skipped} skipped: prompt too long)" if skipped else ""),
+        f"  avg@{n:<8} {table['accuracy']:.4f} +- {table['accuracy_stderr']:.4f}",
+    ]
+    lines += [f"  pass@{k:<7} {v:.4f}" for k, v in table["pass_at_k"].items()]
+    lines += [
+        f"  length     mean {table['response_length_mean']:.1f}, "
+        f"max {table['response_length_max']} tokens",
+        f"  truncated  {100 * table['truncated_fraction']:.2f}%",
+        f"  statuses   {statuses}",
+    ]
+    return "\n".join(lines)
 
 
 def evaluate(
@@ -33,7 +281,7 @@ def evaluate(
     step: int = 0,
     pool: Any = None,
 ) -> dict[str, Any]:
-    """Samples ``num_samples`` responses per row and scores them.
+    """The trainer's in-run evaluation: every row scored in one batch, then ``summarize``.
 
     Args:
       driver: a ``RolloutDriver`` (its engine's sampling settings apply).
@@ -44,49 +292,150 @@ def evaluate(
       num_samples: n of avg@n.
       max_prompt_length: longer prompts are left out (and counted).
       max_new_tokens: response limit (default: the engine's).
-      seed / step: sampling keys (offset from the training stream).
+      seed / step: sampling keys (``eval_seed(seed)``, apart from training's).
       pool: a ``VerifierPool``; None verifies in this process (main thread).
 
     Returns:
-      ``accuracy`` (avg@n), ``pass_at_n``, ``by_source`` (avg@n per
-      ``data_source``), ``truncated_fraction``, ``response_length_mean``,
-      ``problems``, ``skipped_long_prompts``, ``num_samples``, ``reward_status``.
+      ``summarize``'s table plus ``pass_at_n``, ``by_source`` (avg@n per
+      ``data_source``) and ``skipped_long_prompts``.
     """
-    from magic_jax.rewards import RewardItem, compute_reward, status_counts
-
-    n_in = len(rows)
     ids, kept = encode_prompts(rows, tokenizer, max_prompt_length=max_prompt_length)
-    rows = [rows[i] for i in kept]
-    if not rows:
+    if not kept:
         raise ValueError("evaluate: no problem fits max_prompt_length")
-    samples, _ = driver.run(
+    problems = score_problems(
+        driver,
         params,
+        [rows[i] for i in kept],
         ids,
+        tokenizer,
         num_samples=num_samples,
-        seed=seed + EVAL_SEED_OFFSET,
+        seed=eval_seed(seed),
         step=step,
+        indices=kept,
         max_new_tokens=max_new_tokens,
+        pool=pool,
     )
-    items = [
-        RewardItem.from_row(
-            rows[s.prompt_index].as_verl_row(),
-            tokenizer.decode(s.tokens, skip_special_tokens=True),
-        )
-        for s in samples
-    ]
-    results = pool.map(items) if pool is not None else [compute_reward(i) for i in items]
-    reward = np.asarray([r.reward for r in results], np.float32).reshape(len(rows), num_samples)
+    table = summarize(problems)
     by_source: dict[str, list[float]] = collections.defaultdict(list)
-    for row, r in zip(rows, reward):
-        by_source[row.data_source].extend(r.tolist())
+    for p in problems:
+        by_source[p.data_source].extend(p.rewards)
     return {
-        "accuracy": float(reward.mean()),
-        "pass_at_n": float((reward.max(axis=1) > 0).mean()),
+        **table,
+        "pass_at_n": table["pass_at_k"][str(num_samples)],
         "by_source": {k: float(np.mean(v)) for k, v in sorted(by_source.items())},
-        "truncated_fraction": float(np.mean([s.truncated for s in samples])),
-        "response_length_mean": float(np.mean([s.length for s in samples])),
-        "problems": len(rows),
-        "skipped_long_prompts": n_in - len(rows),
-        "num_samples": num_samples,
-        "reward_status": status_counts(results),
+        "skipped_long_prompts": len(rows) - len(kept),
     }
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model to sample from, with where it came from.
+
+    Attributes:
+      model: the ``Qwen2`` module.
+      tokenizer_dir: where its tokenizer is (None: not known; pass one).
+      source: ``"hf"``, ``"orbax"`` (a ``save_model`` directory) or ``"run"``
+        (a training checkpoint).
+      checkpoint: the directory the weights were read from.
+      step: the training step of a run checkpoint (None otherwise).
+    """
+
+    model: Any
+    tokenizer_dir: str | None
+    source: str
+    checkpoint: str
+    step: int | None = None
+
+
+def resolve_model(path: str | os.PathLike) -> tuple[str, Path]:
+    """What ``path`` names, without loading it: ``(source, checkpoint directory)``.
+
+    ``source`` is ``"hf"`` (``config.json``), ``"orbax"`` (a ``save_model``
+    directory), or ``"run"``: a training checkpoint ``RUN/checkpoints/step_N``,
+    or a run directory, which names its newest checkpoint that verifies.
+
+    Raises:
+      FileNotFoundError: ``path`` is none of these, or a run has no usable checkpoint.
+    """
+    from magic_jax.checkpoint import CONFIG_FILE, TRAINER_STATE, latest_good_checkpoint
+
+    p = Path(path).absolute()
+    if not p.is_dir():
+        raise FileNotFoundError(f"model: {p} is not a directory")
+    if (p / "config.json").exists():
+        return "hf", p
+    if (p / TRAINER_STATE).exists():
+        return "run", p
+    if (p / CONFIG_FILE).exists():
+        return "orbax", p
+    if (p / "config.yaml").exists() or (p / "checkpoints").is_dir():
+        ckpt = latest_good_checkpoint(p)
+        if ckpt is None:
+            raise FileNotFoundError(f"model: the run directory {p} has no usable checkpoint yet")
+        return "run", ckpt
+    raise FileNotFoundError(
+        f"model: {p} holds no Hugging Face checkpoint (config.json), no magic_jax model "
+        f"({CONFIG_FILE}) and is not a training run directory"
+    )
+
+
+def load_model_any(
+    path: str | os.PathLike, *, dtype: str = "float32", mesh: Any = None
+) -> LoadedModel:
+    """Loads a Hugging Face directory, a magic_jax model, or a run's (newest) checkpoint.
+
+    Args:
+      path: see ``resolve_model``.
+      dtype: parameter dtype of a Hugging Face checkpoint.
+      mesh: place the parameters on this mesh (default: one device).
+    """
+    from magic_jax.checkpoint import load_model, read_trainer_state
+    from magic_jax.policy import load_policy
+
+    source, ckpt = resolve_model(path)
+    if source == "hf":
+        return LoadedModel(load_policy(ckpt, dtype, mesh), str(ckpt), source, str(ckpt))
+    model = load_model(ckpt, mesh=mesh)
+    if source == "orbax":
+        tok = str(ckpt) if (ckpt / "tokenizer.json").exists() else None
+        return LoadedModel(model, tok, source, str(ckpt))
+    step = read_trainer_state(ckpt)["next_step"]
+    run_config = ckpt.parent.parent / "config.yaml"
+    tok = None
+    if run_config.exists():
+        import yaml
+
+        cfg = yaml.safe_load(run_config.read_text()) or {}
+        tok = cfg.get("tokenizer") or cfg.get("model")
+    return LoadedModel(model, tok, source, str(ckpt), step)
+
+
+def make_driver(
+    model: Any,
+    *,
+    max_prompt_length: int,
+    max_response_length: int,
+    sampling: Any,
+    max_concurrent_decodes: int,
+    decode_steps: int,
+    mesh: Any = None,
+) -> Any:
+    """A ``RolloutDriver`` over a fresh engine with these shapes and sampling."""
+    from magic_jax.engine import Engine, EngineConfig
+    from magic_jax.rollout import RolloutDriver
+
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_concurrent_decodes=max_concurrent_decodes,
+            max_prefill_length=max_prompt_length,
+            max_decode_length=max_response_length,
+            decode_steps=decode_steps,
+            sampling=sampling,
+        ),
+        mesh=mesh,
+    )
+    return RolloutDriver(engine)

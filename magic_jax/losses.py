@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,17 @@ class LossConfig:
       dual_clip: optional c > 1; for A < 0 the surrogate is bounded below by c * A.
       kl_beta: weight of the token-level k3 KL to a frozen reference policy; 0 = no
         KL and no reference forward pass at all.
+      kl_reference: the reference policy's checkpoint directory (Hugging Face or
+        magic_jax); None = the run's initial weights.
+      behaviour_logprobs: the sampler log-probs the ratio divides by: ``"full"``,
+        the temperature-scaled full distribution (what the trainer recomputes;
+        default), or ``"sampled"``, the top-k / top-p truncated distribution the
+        tokens were actually drawn from.
+      tis_cap: truncated importance sampling (TIS) for a sampler whose numerics
+        or truncation differ from the trainer's: the clip ratio is taken against
+        the trainer's own log-probs before the update, and each token's
+        surrogate is weighted by ``min(pi_trainer / pi_behaviour, tis_cap)``.
+        None = off (the ratio is against the behaviour log-probs directly).
       aggregation: see ``Aggregation``.
       temperature: sampling temperature; training logits are divided by it too.
       logit_chunk: sequence positions per chunk of the log-prob/entropy projection.
@@ -48,6 +60,9 @@ class LossConfig:
     eps_high: float = 0.2
     dual_clip: float | None = None
     kl_beta: float = 0.0
+    kl_reference: str | None = None
+    behaviour_logprobs: Literal["full", "sampled"] = "full"
+    tis_cap: float | None = None
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     temperature: float = 1.0
     logit_chunk: int = 1024
@@ -67,6 +82,13 @@ class LossConfig:
             raise ValueError(f"LossConfig.dual_clip must be > 1 or None, got {self.dual_clip}")
         if self.kl_beta < 0:
             raise ValueError(f"LossConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        if self.behaviour_logprobs not in ("full", "sampled"):
+            raise ValueError(
+                "LossConfig.behaviour_logprobs must be 'full' or 'sampled', got "
+                f"{self.behaviour_logprobs!r}"
+            )
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ValueError(f"LossConfig.tis_cap must be >= 1 or None, got {self.tis_cap}")
         if self.temperature <= 0:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
         if self.logit_chunk <= 0:
@@ -75,7 +97,7 @@ class LossConfig:
 
 # Metrics that combine across micro-batches by max; all others are already divided by
 # the global token count and combine by sum.
-MAX_METRICS = ("ratio_max",)
+MAX_METRICS = ("ratio_max", "sampler_ratio_max")
 
 
 def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array) -> jax.Array:
@@ -143,12 +165,16 @@ def policy_loss(
     num_seqs: jax.Array | float | None = None,
     nominal_seqs: jax.Array | float | None = None,
     ref_logp_BT: jax.Array | None = None,
+    behaviour_logp_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MAGIC loss of SPEC eq. 3.1 on one (micro-)batch.
 
     ``L = agg[-(min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + alpha H) + beta k3]``
     with ``rho = exp(logp - old_logp)``; with dual-clip, for A < 0 the surrogate is
-    ``max(min(...), c A)``. With the default global token mean, summing this loss over
+    ``max(min(...), c A)``. With ``config.tis_cap`` (TIS), ``old_logp`` is the
+    trainer's own log-prob before the update and each token's surrogate is
+    multiplied by the constant ``w = min(exp(old_logp - behaviour_logp), tis_cap)``.
+    With the default global token mean, summing this loss over
     the micro-batches of a mini-batch gives the mini-batch loss exactly.
 
     Args:
@@ -163,16 +189,26 @@ def policy_loss(
       num_seqs: sequences of the whole mini-batch that have tokens (SEQ_MEAN_*).
       nominal_seqs: nominal sequences per mini-batch (MICRO_TOKEN_MEAN).
       ref_logp_BT: [B, T] reference-policy log-probs; required iff ``config.kl_beta > 0``.
+      behaviour_logp_BT: [B, T] the sampler's log-probs; default ``old_logp_BT``.
+        Required with ``config.tis_cap``.
 
     Returns:
       (loss, metrics). Metrics other than those in ``MAX_METRICS`` are token sums
       divided by ``num_tokens``, so they add up across micro-batches to mini-batch
       token means: ``pg_loss``, ``clipfrac_low``, ``clipfrac_high``,
       ``clipfrac_dual``, ``ratio_mean``, ``entropy``, ``approx_kl`` (k3 to the
-      behaviour policy), ``ref_kl`` (k3 to the reference, when on); ``ratio_max``.
+      behaviour policy), ``ref_kl`` (k3 to the reference, when on),
+      ``sampler_ratio_mean`` and ``sampler_kl`` (pi_theta / pi_behaviour and its
+      k3, the rollout/trainer mismatch at the first step of a buffer),
+      ``tis_weight_mean`` and ``tis_capped`` (with TIS); ``ratio_max``,
+      ``sampler_ratio_max``.
     """
     if config.kl_beta > 0 and ref_logp_BT is None:
         raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
+    if config.tis_cap is not None and behaviour_logp_BT is None:
+        raise ValueError("LossConfig.tis_cap needs behaviour_logp_BT")
+    if behaviour_logp_BT is None:
+        behaviour_logp_BT = old_logp_BT
     m_BT = jnp.asarray(mask_BT, jnp.float32)
     on_BT = m_BT > 0
     # Masked positions hold padding; zero their log-ratio so exp cannot overflow into NaN grads.
@@ -185,6 +221,14 @@ def policy_loss(
     if config.dual_clip is not None:
         dual_BT = (a_BT < 0) & (ratio_BT > config.dual_clip)
         surr_BT = jnp.where(a_BT < 0, jnp.maximum(surr_BT, config.dual_clip * a_BT), surr_BT)
+    # rollout/trainer mismatch, pi_theta / pi_behaviour (pi_theta is the trainer's pi_old
+    # at the first optimizer step of a buffer)
+    log_s_BT = jnp.where(on_BT, logp_BT - behaviour_logp_BT, 0.0)
+    weight_BT = None
+    if config.tis_cap is not None:
+        log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
+        weight_BT = jnp.minimum(jnp.exp(log_w_BT), config.tis_cap)
+        surr_BT = surr_BT * weight_BT
     term_BT = -surr_BT - alpha * entropy_BT
     ref_kl_BT = None
     if config.kl_beta > 0:
@@ -212,7 +256,15 @@ def policy_loss(
         "entropy": tmean(entropy_BT),
         "approx_kl": tmean(ratio_BT - 1.0 - log_ratio_BT),
         "ratio_max": jax.lax.stop_gradient(jnp.max(jnp.where(on_BT, ratio_BT, 0.0))),
+        "sampler_ratio_mean": tmean(jnp.exp(log_s_BT)),
+        "sampler_ratio_max": jax.lax.stop_gradient(
+            jnp.max(jnp.where(on_BT, jnp.exp(log_s_BT), 0.0))
+        ),
+        "sampler_kl": tmean(jnp.exp(log_s_BT) - 1.0 - log_s_BT),
     }
+    if weight_BT is not None:
+        metrics["tis_weight_mean"] = tmean(weight_BT)
+        metrics["tis_capped"] = tmean(jnp.exp(log_w_BT) > config.tis_cap)
     if ref_kl_BT is not None:
         metrics["ref_kl"] = tmean(ref_kl_BT)
     return loss, metrics

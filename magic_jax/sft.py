@@ -9,7 +9,7 @@ donated step per batch; AdamW with global-norm clipping and a linear warm-up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,8 +26,12 @@ class SFTConfig:
     """Optimiser of the warm-up.
 
     Attributes:
-      learning_rate: peak learning rate (after warm-up; constant afterwards).
+      learning_rate: peak learning rate (after warm-up; constant afterwards,
+        unless ``decay_steps`` is set).
       warmup_steps: linear warm-up from 0.
+      decay_steps: if set, a cosine decay over this many steps after warm-up,
+        to ``final_fraction`` of the peak (then constant).
+      final_fraction: the decay's end, as a fraction of ``learning_rate``.
       weight_decay: AdamW decoupled weight decay.
       max_grad_norm: global-norm clip (None: off).
       logit_chunk: sequence positions per chunk of the output projection.
@@ -35,6 +39,8 @@ class SFTConfig:
 
     learning_rate: float = 2e-3
     warmup_steps: int = 20
+    decay_steps: int | None = None
+    final_fraction: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     logit_chunk: int = 256
@@ -122,7 +128,13 @@ class SFTTrainer:
 
     def __init__(self, graphdef: nnx.GraphDef, params: Any, config: SFTConfig):
         self.graphdef, self.config = graphdef, config
-        schedule = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_steps, 1))
+        warmup = max(config.warmup_steps, 1)
+        schedule = optax.linear_schedule(0.0, config.learning_rate, warmup)
+        if config.decay_steps:
+            decay = optax.cosine_decay_schedule(
+                config.learning_rate, config.decay_steps, alpha=config.final_fraction
+            )
+            schedule = optax.join_schedules([schedule, decay], [warmup])
         tx = optax.adamw(schedule, weight_decay=config.weight_decay)
         if config.max_grad_norm is not None:
             tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), tx)
@@ -147,3 +159,56 @@ class SFTTrainer:
         """One optimizer step; returns its metrics as floats."""
         self._state, metrics = self._step(self._state, batch)
         return {k: float(v) for k, v in metrics.items()}
+
+
+def train_sft(
+    sft: SFTTrainer,
+    make_batch: Callable[[int], dict[str, np.ndarray]],
+    *,
+    steps: int | None = None,
+    seconds: float | None = None,
+    evaluate: Callable[[Any, int], float | dict[str, float]] | None = None,
+    eval_every: int = 100,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Runs SFT steps until ``steps`` or ``seconds`` (wall, evaluations excluded) run out.
+
+    Args:
+      sft: the trainer (its parameters advance in place).
+      make_batch: step index -> a ``pack_sft`` batch.
+      steps / seconds: budgets; at least one must be given; the first reached ends.
+      evaluate: (params, step) -> held-out accuracy (or a dict of figures with
+        ``accuracy``), called every ``eval_every`` steps and at the end.
+      log: progress lines.
+
+    Returns:
+      ``steps``, ``train_s`` (wall seconds of training steps), ``loss`` (last),
+      ``evals`` (a list of {step, train_s, accuracy, ...}).
+    """
+    import time
+
+    if steps is None and seconds is None:
+        raise ValueError("train_sft: give steps or seconds")
+    step, train_s, loss, evals = 0, 0.0, float("nan"), []
+
+    def run_eval():
+        got = evaluate(sft.params, step)
+        got = got if isinstance(got, dict) else {"accuracy": got}
+        evals.append({"step": step, "train_s": train_s, **got})
+        extra = "".join(f"  {k} {v:.3f}" for k, v in got.items() if k != "accuracy")
+        log(
+            f"[sft step {step}] loss {loss:.4f}  held-out {got['accuracy']:.3f}{extra}  "
+            f"({train_s:.0f}s training)"
+        )
+
+    while (steps is None or step < steps) and (seconds is None or train_s < seconds):
+        batch = make_batch(step)
+        t0 = time.perf_counter()
+        loss = sft.step(batch)["loss"]
+        train_s += time.perf_counter() - t0
+        step += 1
+        if evaluate is not None and step % eval_every == 0:
+            run_eval()
+    if evaluate is not None and (not evals or evals[-1]["step"] != step):
+        run_eval()
+    return {"steps": step, "train_s": train_s, "loss": loss, "evals": evals}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import jax
@@ -14,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from magic_jax.buffer import RolloutBuffer
+from magic_jax.buffer import MiniBatchSplit, RolloutBuffer, split_mini_batches
 from magic_jax.entropy import (
     EntropyControlConfig,
     EntropyControlState,
@@ -25,6 +24,7 @@ from magic_jax.entropy import (
     update_entropy_control,
 )
 from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
+from magic_jax.optim import OptimizerConfig, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -33,62 +33,20 @@ _BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """AdamW with global-norm clipping (the reference code's optimiser).
-
-    Attributes:
-      learning_rate: constant learning rate.
-      b1, b2, eps: Adam moments and epsilon.
-      weight_decay: decoupled weight decay (applied to every parameter, as torch AdamW).
-      max_grad_norm: clip the global gradient norm to this; None = no clipping.
-    """
-
-    learning_rate: float = 1e-6
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self):
-        if self.learning_rate <= 0:
-            raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(
-                    f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}"
-                )
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(
-                f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
-            )
-
-
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    """optax chain: optional global-norm clip, then AdamW."""
-    adamw = optax.adamw(
-        config.learning_rate,
-        b1=config.b1,
-        b2=config.b2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-    )
-    if config.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class UpdateConfig:
     """How a rollout buffer becomes optimizer steps (SPEC item 7).
 
-    N_SGD = ceil(kept groups / mini_batch_groups) * num_reuse; with D_R = D_T and
-    num_reuse = 1 this is one on-policy step.
+    N_SGD = D_R / D_T * N_reuse (``mini_batch_split="even"``, the report's) or
+    ceil(kept groups / D_T) * N_reuse (``"fixed-size"``, verl's), see
+    ``buffer.split_mini_batches``; with D_R = D_T and num_reuse = 1 both are one
+    on-policy step.
 
     Attributes:
-      mini_batch_groups: D_T, prompts (groups) per optimizer step.
+      mini_batch_groups: D_T, prompts (groups) per optimizer step (the most a
+        mini-batch holds; its static shape).
+      mini_batch_split: how the kept groups are cut into mini-batches:
+        ``"even"``, D_R / D_T mini-batches of equal size (+-1 group), or
+        ``"fixed-size"``, mini-batches of D_T groups with a smaller last one.
       micro_batch_size: sequences per micro-batch (gradient accumulation inside
         jit); None = the whole mini-batch at once. Must divide D_T * G.
       num_reuse: N_reuse, passes over the buffer.
@@ -98,6 +56,7 @@ class UpdateConfig:
     """
 
     mini_batch_groups: int
+    mini_batch_split: MiniBatchSplit = "even"
     micro_batch_size: int | None = None
     num_reuse: int = 1
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -108,6 +67,11 @@ class UpdateConfig:
         if self.mini_batch_groups <= 0:
             raise ValueError(
                 f"UpdateConfig.mini_batch_groups must be > 0, got {self.mini_batch_groups}"
+            )
+        if self.mini_batch_split not in ("even", "fixed-size"):
+            raise ValueError(
+                "UpdateConfig.mini_batch_split must be 'even' or 'fixed-size', got "
+                f"{self.mini_batch_split!r}"
             )
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ValueError(
@@ -128,7 +92,11 @@ class TrainState:
       step: int32 optimizer steps applied.
       skipped: int32 updates skipped for a non-finite loss or gradient.
       entropy: adaptive entropy controller state (c_k).
-      ref_params: frozen reference policy for the KL term; None when kl_beta = 0.
+
+    The frozen reference policy of the KL term is not part of it: it never
+    changes, so it is passed to each step beside the state, never donated,
+    never given to the optimizer and never checkpointed (it is rebuilt from
+    the run's initial weights or ``loss.kl_reference``).
     """
 
     params: Any
@@ -136,24 +104,18 @@ class TrainState:
     step: jax.Array
     skipped: jax.Array
     entropy: EntropyControlState
-    ref_params: Any = None
 
 
-def init_train_state(
-    params: Any, config: UpdateConfig, ref_params: Any = None, *, mesh: Mesh | None = None
-) -> TrainState:
+def init_train_state(params: Any, config: UpdateConfig, *, mesh: Mesh | None = None) -> TrainState:
     """A fresh train state; optimizer state is created next to (sharded like) the params.
 
     Args:
       params: ``nnx.state(model, nnx.Param)``, possibly sharded.
       config: update options (optimizer, controller).
-      ref_params: reference-policy parameters, needed iff ``config.loss.kl_beta > 0``.
       mesh: the mesh the params live on (default: the mesh of sharded params, if
         any); scalars (step, counters, controller, Adam's count) are replicated
         over it so every leaf shares the device set.
     """
-    if config.loss.kl_beta > 0 and ref_params is None:
-        raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params")
     low = {str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32}
     if low:
         log.warning("parameters stored as %s: a 1e-6 learning rate may not move them", low)
@@ -164,7 +126,6 @@ def init_train_state(
         step=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
         entropy=init_entropy_control(config.entropy),
-        ref_params=None if config.loss.kl_beta == 0 else ref_params,
     )
     if mesh is None:
         mesh = next(
@@ -274,6 +235,8 @@ def loss_and_grads(
       (loss, grads, metrics); grads have the structure of ``params``.
     """
     lcfg = config.loss
+    if lcfg.kl_beta > 0 and ref_params is None:
+        raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
     mask_BR = batch.loss_mask()
     num_tokens = mask_BR.sum()
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
@@ -297,6 +260,7 @@ def loss_and_grads(
             num_seqs=num_seqs,
             nominal_seqs=nominal,
             ref_logp_BT=ref_logp_BR,
+            behaviour_logp_BT=mb.behaviour_logprobs,
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -324,6 +288,7 @@ def train_step(
     *,
     graphdef: nnx.GraphDef,
     config: UpdateConfig,
+    ref_params: Any = None,
     batch_sharding: NamedSharding | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
@@ -337,6 +302,7 @@ def train_step(
       alpha: entropy-bonus coefficient alpha_k of this training step.
       graphdef: the policy's ``nnx.GraphDef``.
       config: update options.
+      ref_params: the frozen reference policy, needed iff ``config.loss.kl_beta > 0``.
       batch_sharding: sharding of the batch rows (None when unsharded).
 
     Returns:
@@ -350,7 +316,7 @@ def train_step(
         alpha,
         graphdef=graphdef,
         config=config,
-        ref_params=state.ref_params,
+        ref_params=ref_params,
         batch_sharding=batch_sharding,
     )
     num_tokens = batch.loss_mask().sum()
@@ -406,21 +372,23 @@ class PolicyUpdater:
             None if mesh is None else NamedSharding(mesh, PartitionSpec(_BATCH_AXES))
         )
         self._jitted = None
+        self._logprobs = None
 
-    def init_state(self, params: Any, ref_params: Any = None) -> TrainState:
+    def init_state(self, params: Any) -> TrainState:
         """See ``init_train_state``."""
-        return init_train_state(params, self.config, ref_params, mesh=self.mesh)
+        return init_train_state(params, self.config, mesh=self.mesh)
 
     def _compile(self, state: TrainState):
         shardings = None if self.mesh is None else _on_mesh(state, self.mesh)
 
-        def step(state, batch, alpha):
+        def step(state, batch, alpha, ref_params):
             new_state, metrics = train_step(
                 state,
                 batch,
                 alpha,
                 graphdef=self.graphdef,
                 config=self.config,
+                ref_params=ref_params,
                 batch_sharding=self.batch_sharding,
             )
             if shardings is not None:
@@ -431,30 +399,69 @@ class PolicyUpdater:
         return jax.jit(step, donate_argnums=0)
 
     def train_step(
-        self, state: TrainState, batch: RolloutBuffer, alpha: float
+        self, state: TrainState, batch: RolloutBuffer, alpha: float, ref_params: Any = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One jitted optimizer step (``state`` is donated: do not reuse it)."""
+        """One jitted optimizer step (``state`` is donated: do not reuse it; the
+        reference ``ref_params`` is only read)."""
+        if self.config.loss.kl_beta == 0:
+            ref_params = None  # no reference forward, nothing to transfer
         if self._jitted is None:
             self._jitted = self._compile(state)
         if self.batch_sharding is not None:
             batch = jax.device_put(batch, self.batch_sharding)
-        return self._jitted(state, batch, jnp.float32(alpha))
+        return self._jitted(state, batch, jnp.float32(alpha), ref_params)
+
+    def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
+        """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
+
+        Computed D_T groups at a time (the training mini-batch shape, so memory
+        stays that of one optimizer step's forward pass); no gradients.
+        """
+        if self._logprobs is None:
+            lcfg = self.config.loss
+            self._logprobs = jax.jit(
+                lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0]
+            )
+        d_t, n = self.config.mini_batch_groups, buffer.num_groups
+        out = np.zeros(buffer.response_mask.shape, np.float32)
+        for start in range(0, n, d_t):
+            groups = np.minimum(np.arange(start, start + d_t), n - 1)
+            batch = buffer.take_groups(groups)
+            if self.batch_sharding is not None:
+                batch = jax.device_put(batch, self.batch_sharding)
+            logp = np.asarray(self._logprobs(params, batch))
+            take = min(d_t, n - start) * buffer.group_size
+            out[start * buffer.group_size : start * buffer.group_size + take] = logp[:take]
+        return out
+
+    def _prepare(self, state: TrainState, buffer: RolloutBuffer) -> RolloutBuffer:
+        """Sets the ratio's denominator and the behaviour log-probs (SPEC item 4, TIS)."""
+        lcfg = self.config.loss
+        behaviour = buffer.old_logprobs
+        if lcfg.behaviour_logprobs == "sampled" and buffer.sampling_logprobs is not None:
+            behaviour = buffer.sampling_logprobs
+        old = behaviour
+        if lcfg.tis_cap is not None:
+            old = self.logprobs(state.params, buffer)  # the trainer's pi_old
+        return dataclasses.replace(buffer, old_logprobs=old, behaviour_logprobs=behaviour)
 
     def update(
-        self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array
+        self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array, ref_params: Any = None
     ) -> tuple[TrainState, dict[str, Any]]:
         """All optimizer steps of one training step over its rollout buffer.
 
         Measures e_k over the response tokens of every valid row of the buffer
         (before rejection sampling), sets alpha_k = c_k * 1{e_k <= target} for every
-        step, runs ``num_reuse`` shuffled passes of ceil(kept / D_T) mini-batches
-        (none when no group is kept: the step is skipped), then advances the
-        controller to c_{k+1} (also when no group was kept).
+        step, runs ``num_reuse`` shuffled passes over the kept groups, cut into
+        mini-batches by ``split_mini_batches`` (none when no group is kept: the
+        step is skipped), then advances the controller to c_{k+1} (also when no
+        group was kept).
 
         Args:
           state: the train state (donated).
-          buffer: the step's ``RolloutBuffer`` (numpy or jax arrays).
+          buffer: the step's ``RolloutBuffer`` (numpy or jax arrays) of D_R groups.
           rng: key for shuffling groups into mini-batches.
+          ref_params: the frozen reference policy (KL on), else None.
 
         Returns:
           (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
@@ -472,21 +479,21 @@ class PolicyUpdater:
             )
         )
         alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
+        buffer = self._prepare(state, buffer)
         keep_N = buffer.group_keep()
         valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
         kept = np.flatnonzero(keep_N)
         d_t = cfg.mini_batch_groups
-        n_mb = math.ceil(len(kept) / d_t)
         steps = []
-        for _ in range(cfg.num_reuse if n_mb else 0):
+        for _ in range(cfg.num_reuse if len(kept) else 0):
             rng, sub = jax.random.split(rng)
             order = kept[np.asarray(jax.random.permutation(sub, len(kept)))]
-            for j in range(n_mb):
-                groups = order[j * d_t : (j + 1) * d_t]
-                live = np.ones(d_t, bool)
-                live[len(groups) :] = False
+            for groups in split_mini_batches(order, buffer.num_groups, d_t, cfg.mini_batch_split):
+                # pad to D_T groups (one static shape); padding rows count for nothing
+                live = np.arange(d_t) < len(groups)
                 groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
-                state, m = self.train_step(state, buffer.take_groups(groups, live), alpha)
+                batch = buffer.take_groups(groups, live)
+                state, m = self.train_step(state, batch, alpha, ref_params)
                 steps.append(m)
         new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
         shardings = jax.tree.map(lambda x: x.sharding, state.entropy)

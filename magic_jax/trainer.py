@@ -10,20 +10,19 @@ train state (weights, optimizer, entropy controller, step) carries across them,
 and at each new stage the prompts solved every time in the previous one are
 dropped (online filtering).
 
-Checkpoints hold the whole train state (orbax) plus the loop's own state
-(``trainer.json``: next step, per-prompt accuracy of the stage, the filtered
-prompt set); they are written under a temporary name and renamed when
-complete. A run started in a directory that has checkpoints resumes from the
-newest, and because step k's prompts and sampling keys are functions of k
-alone, the resumed run computes what the uninterrupted one would have.
+Checkpoints (``magic_jax.checkpoint``) hold the whole train state plus the
+loop's own state (``trainer.json``: next step, stage, per-prompt accuracy of the
+stage, the filtered prompt set) and a manifest of checksums. A run started in a
+directory that has checkpoints resumes from the newest one that verifies, and
+because step k's prompts and sampling keys are functions of k alone, the
+resumed run computes what the uninterrupted one would have. The run directory
+is claimed and locked for the run's life (``magic_jax.rundir``); SIGINT and
+SIGTERM stop the loop after the current step with a checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -33,88 +32,14 @@ from typing import Any
 import numpy as np
 
 from magic_jax.config import ConfigError, TrainConfig, to_dict
-from magic_jax.data import (
-    AccuracyTracker,
-    PromptRow,
-    encode_prompts,
-    offline_filter,
-    online_filter,
-    prompt_batches,
-    read_rows,
-)
+from magic_jax.data import AccuracyTracker, encode_prompts, offline_filter, read_rows
+from magic_jax.policy import load_policy, load_tokenizer, reference_params
+from magic_jax.stages import Schedule, Stage, build_stage, excluded_after, update_config
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
-TRAINER_STATE = "trainer.json"
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of a run directory (None if there is none)."""
-    root = Path(output_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    done = sorted(
-        p for p in root.iterdir() if p.name.startswith("step_") and (p / TRAINER_STATE).exists()
-    )
-    return done[-1] if done else None
-
-
-def _load_policy(path: str, dtype: str, mesh: Any):
-    import jax.numpy as jnp
-
-    from magic_jax.checkpoint import CONFIG_FILE, load_model
-    from magic_jax.convert import load_hf
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"model: {path} is not a directory")
-    if (p / CONFIG_FILE).exists():
-        return load_model(p, mesh=mesh)
-    if (p / "config.json").exists():
-        return load_hf(p, dtype=jnp.dtype(dtype), mesh=mesh)
-    raise ConfigError(
-        f"model: {path} holds neither a Hugging Face checkpoint (config.json) nor a "
-        f"magic_jax checkpoint ({CONFIG_FILE})"
-    )
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """A Hugging Face tokenizer from a local directory.
-
-    A directory whose ``tokenizer_config.json`` names the generic fast class
-    (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as custom tokenizers
-    are saved) is read as exactly its ``tokenizer.json``: ``AutoTokenizer``
-    would pick the model type's tokenizer class instead (``Qwen2Tokenizer``
-    beside a Qwen2 ``config.json``) and rebuild its pre-tokenizer.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    cfg_path = Path(path) / "tokenizer_config.json"
-    try:
-        cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
-        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
-
-
-@dataclasses.dataclass
-class _Stage:
-    index: int
-    rows: list[PromptRow]
-    excluded: list[str]
-    batches: Any
-    engine: Any
-    driver: Any
-    updater: Any
 
 
 class Trainer:
@@ -141,7 +66,7 @@ class Trainer:
         if cfg.mesh is not None:
             maybe_initialize_distributed()
         self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
-        self.model = _load_policy(cfg.model, cfg.param_dtype, self.mesh)
+        self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -152,9 +77,21 @@ class Trainer:
         if cfg.data.offline_filter_model:
             d = cfg.data
             rows = offline_filter(rows, d.offline_filter_model, d.offline_filter_samples)
+        _, kept = encode_prompts(rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length)
+        if len(kept) < len(rows):
+            self.log(
+                f"[data] {len(rows) - len(kept)} of {len(rows)} prompts are longer than "
+                f"data.max_prompt_length ({cfg.data.max_prompt_length} tokens) and are left out"
+            )
+            if not kept:
+                raise ConfigError(
+                    f"data.max_prompt_length: all {len(rows)} prompts are longer than "
+                    f"{cfg.data.max_prompt_length} tokens"
+                )
+            rows = [rows[i] for i in kept]
         self.rows = rows
         self.log(
-            f"[data] {n_read} prompts read, {len(rows)} after offline filtering; "
+            f"[data] {n_read} prompts read, {len(rows)} after filtering; "
             f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
         )
         self._params = params
@@ -176,178 +113,213 @@ class Trainer:
             mesh=self.mesh,
         )
 
-    def _make_stage(self, index: int, excluded: list[str]) -> _Stage:
-        from magic_jax.rollout import RolloutDriver
-        from magic_jax.train_step import PolicyUpdater
-
-        cfg, st = self.config, self.config.stages[index]
-        rows = online_filter(self.rows, set(excluded))
-        batches = prompt_batches(rows, st.prompts_per_step, seed=cfg.seed + 1000 * index)
-        engine = self._engine(st.max_response_length)
-        updater = PolicyUpdater(self.graphdef, self._update_config(index), mesh=self.mesh)
-        self.log(
-            f"[stage {index}{' ' + st.name if st.name else ''}] T {st.max_response_length}, "
-            f"D_R {st.prompts_per_step}, D_T {st.mini_batch_groups}, G {st.group_size}, "
-            f"{st.steps} steps; {len(rows)} prompts ({len(excluded)} dropped by online filtering)"
+    def _stage(self, index: int, excluded: list[str]) -> Stage:
+        stage = build_stage(
+            self.config,
+            index,
+            self.rows,
+            excluded,
+            graphdef=self.graphdef,
+            mesh=self.mesh,
+            make_engine=self._engine,
         )
-        return _Stage(index, rows, list(excluded), batches, engine, RolloutDriver(engine), updater)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save(self, state: Any, step: int, stage: _Stage, tracker: AccuracyTracker) -> Path:
-        import jax
-        import orbax.checkpoint as ocp
-
-        root = self.out / CHECKPOINTS
-        final = _step_dir(root, step)
-        tmp = final.with_name(final.name + ".partial")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / "state", state)
-            ckptr.wait_until_finished()
-        if jax.process_index() == 0:
-            meta = {
-                "next_step": step,
-                "stage": stage.index,
-                "excluded": stage.excluded,
-                "tracker": tracker.state_dict(),
-            }
-            (tmp / TRAINER_STATE).write_text(json.dumps(meta))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            old = sorted(p for p in root.iterdir() if p.name.startswith("step_"))
-            for p in old[: -self.config.keep_checkpoints]:
-                if not p.name.endswith(".partial"):
-                    shutil.rmtree(p)
-        return final
-
-    def _restore(self, state: Any, path: Path) -> tuple[Any, dict[str, Any]]:
-        import jax
-        import orbax.checkpoint as ocp
-
-        try:
-            meta = json.loads((path / TRAINER_STATE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path / TRAINER_STATE}: unreadable trainer state: {e}") from None
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
-        try:
-            with ocp.StandardCheckpointer() as ckptr:
-                restored = ckptr.restore(path / "state", target)
-        except Exception as e:  # orbax raises many types for a mismatched tree
-            raise ConfigError(
-                f"{path}: the checkpoint does not match this run's model and optimizer: {e}"
-            ) from None
-        return restored, meta
+        self.log(stage.describe())
+        return stage
 
     # ------------------------------------------------------------------ the loop
 
     def run(self, *, stop_after: int | None = None) -> dict[str, Any]:
         """Trains to the end of the last stage; returns a summary (also in ``summary.json``).
 
+        The output directory is claimed (``rundir.claim_run_dir``) and locked
+        for the run. A run that finished all its steps before says so and
+        changes nothing. A resumed run checks its config against the stored one
+        (``rundir.check_resume_config``) and continues from the newest
+        checkpoint that verifies.
+
         Args:
           stop_after: stop (with a checkpoint) once this global step count is
             reached, e.g. to split a run into jobs; the next ``run`` resumes.
+
+        Returns:
+          The summary, built from the run directory's records;
+          ``summary["stopped_by"]`` names the signal that stopped the run early.
+
+        Raises:
+          ConfigError: a bad ``stop_after`` or a config or data problem.
+          RunDirError: the directory is not usable (not ours, locked, a changed
+            config, no usable checkpoint).
         """
         import jax
-        import yaml
 
+        from magic_jax import rundir
+        from magic_jax.checkpoint import step_dirs
+
+        cfg = self.config
+        if stop_after is not None and stop_after <= 0:
+            raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
+        primary = jax.process_index() == 0
+        with rundir.run_directory(self.out, primary=primary), rundir.StopSignals() as signals:
+            raw = to_dict(cfg)
+            old = rundir.stored_config(self.out)
+            done = max((s for s, _ in step_dirs(self.out)), default=0)
+            if old is not None and done > 0:
+                for change in rundir.check_resume_config(old, raw, done):
+                    self.log(f"[resume] changed {change}")
+            finished = rundir.finished_summary(self.out, cfg.total_steps)
+            if finished is not None:
+                self.log(
+                    f"[done] {self.out} has finished all {cfg.total_steps} steps; nothing to do "
+                    f"(use a new output_dir for a new run)"
+                )
+                return finished
+            if jax.process_index() == 0:
+                rundir.write_config(self.out, raw)
+            return self._run(stop_after, signals)
+
+    def _run(self, stop_after: int | None, signals: Any) -> dict[str, Any]:
+        import signal
+
+        import jax
+
+        from magic_jax import rundir
+        from magic_jax.checkpoint import (
+            TrainCheckpoints,
+            latest_good_checkpoint,
+            read_trainer_state,
+        )
+        from magic_jax.monitor import Monitor
         from magic_jax.rewards import VerifierPool
         from magic_jax.train_step import init_train_state
 
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
         self._setup()
-        state = init_train_state(self._params, self._update_config(0), mesh=self.mesh)
+        # the KL reference: the initial weights (copied before any update) or loss.kl_reference
+        self.ref_params = reference_params(cfg, self._params, self.mesh)
+        if self.ref_params is not None:
+            self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
+        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
-        step, tracker, excluded = 0, AccuracyTracker(), []
-        ckpt = latest_checkpoint(self.out)
-        if ckpt is not None:
-            state, meta = self._restore(state, ckpt)
-            step = int(meta["next_step"])
+        step, schedule, tracker, excluded = 0, Schedule(), AccuracyTracker(), []
+        found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
+        ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
+        if found is not None:
+            meta = read_trainer_state(found)
+            state = ckpts.restore(state, found)
+            step = meta["next_step"]
             tracker = AccuracyTracker.from_state_dict(meta["tracker"])
             excluded = list(meta["excluded"])
-            self.log(f"[resume] {ckpt}: continuing at step {step}")
-            self._trim_metrics(step)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if step >= cfg.total_steps:
-            self.log(f"[done] all {cfg.total_steps} steps are in {ckpt}")
-        stage: _Stage | None = None
-        history: list[dict[str, Any]] = []
-        evals: list[dict[str, Any]] = []
-        with VerifierPool(cfg.rewards) as pool:
-            if cfg.eval is not None and step == 0:
-                evals.append(self._evaluate(state, 0, pool))
-            end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-            while step < end:
-                index, k = cfg.stage_at(step)
-                if stage is None or stage.index != index:
-                    if stage is not None:  # a new stage: online filtering, fresh statistics
-                        if cfg.data.online_filter:
-                            excluded = sorted(set(excluded) | tracker.solved())
+            if "schedule" in meta:
+                schedule = Schedule.from_state_dict(meta["schedule"])
+            else:  # written before stages could end early: the stage follows from the step
+                schedule = Schedule.from_step(cfg, step)
+                if schedule.index != meta["stage"]:
+                    excluded = excluded_after(cfg, excluded, tracker)
+                    tracker.reset()
+            self.log(f"[resume] {found}: continuing at step {step}")
+        dropped = rundir.trim_records(self.out, step)
+        if any(dropped.values()):
+            self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
+        saved = step
+        stage: Stage | None = None
+        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        self._monitor = Monitor(
+            self.out,
+            stage_steps=[s.steps for s in cfg.stages],
+            start_step=step,
+            log=self.log,
+            primary=jax.process_index() == 0,
+        )
+        try:
+            with self._monitor, VerifierPool(cfg.rewards) as pool:
+                if cfg.eval is not None and step == 0:
+                    self._evaluate(state, 0, pool, schedule)
+                while step < end and not schedule.finished(cfg) and signals.received is None:
+                    if stage is None or stage.index != schedule.index:
+                        stage = self._stage(schedule.index, excluded)
+                    k = schedule.stage_step(step)
+                    state, row = self._step(state, stage, step, k, pool, tracker)
+                    step += 1
+                    ended = schedule.after_step(cfg, step, row["truncated_fraction"])
+                    if ended is not None:
+                        row["stage_end"] = ended
+                    self._monitor.step(row, _format(row))
+                    rundir.kill_point("step", step)
+                    last = ended is not None and schedule.index == len(cfg.stages) - 1
+                    if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
+                        ev = self._evaluate(state, step, pool, None if ended else schedule)
+                        ended = ended or ev.get("stage_end")
+                    if ended is not None:
+                        # the stage switch: online filtering, fresh statistics (checkpointed)
+                        self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
+                        schedule.advance(step, ended)
+                        excluded = excluded_after(cfg, excluded, tracker)
                         tracker.reset()
-                    stage = self._make_stage(index, excluded)
-                state, row = self._step(state, stage, step, k, pool, tracker)
-                history.append(row)
-                with open(self.out / METRICS, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                self.log(_format(row))
-                step += 1
-                end_of_stage = cfg.stage_at(step)[0] != index
-                if cfg.eval is not None and (step % cfg.eval.every == 0 or step == end):
-                    evals.append(self._evaluate(state, step, pool))
-                if step % cfg.checkpoint_every == 0 or end_of_stage or step == end:
-                    jax.block_until_ready(state)
-                    self._save(state, step, stage, tracker)
-        summary = {
-            "steps": step,
-            "optimizer_steps": int(state.step),
-            "skipped_updates": int(state.skipped),
-            "entropy_coef": float(state.entropy.coef),
-            "last": history[-1] if history else None,
-            "evals": [{"step": e["step"], "accuracy": e["accuracy"]} for e in evals],
-        }
-        if cfg.export_hf and step == cfg.total_steps and jax.process_index() == 0:
-            import jax.numpy as jnp
-            from flax import nnx
-
-            from magic_jax.convert import save_hf
-
-            out = self.out / "hf_final"
-            if out.exists():
-                shutil.rmtree(out)
-            save_hf(nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(cfg.export_dtype))
-            self.tokenizer.save_pretrained(out)
-            summary["hf_export"] = str(out)
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+                    if (
+                        step % cfg.checkpoint_every == 0
+                        or ended is not None
+                        or step == end
+                        or signals.received is not None
+                    ):
+                        self._save(ckpts, state, step, schedule, excluded, tracker)
+                        saved = step
+        finally:
+            ckpts.close()
+        summary = rundir.build_summary(
+            self.out,
+            # a run whose last stage ended on an until rule is finished at that step
+            total_steps=step if schedule.finished(cfg) else cfg.total_steps,
+            optimizer_steps=int(state.step),
+            skipped_updates=int(state.skipped),
+            entropy_coef=float(state.entropy.coef),
+        )
+        if signals.received is not None:
+            name = signal.Signals(signals.received).name
+            summary["stopped_by"] = name
+            self.log(
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
+                f"run the same command to resume"
+            )
+        elif schedule.finished(cfg) and cfg.export_hf and jax.process_index() == 0:
+            summary["hf_export"] = str(self._export(state))
+        if jax.process_index() == 0:
+            rundir.write_summary(self.out, summary)
         return summary
 
-    def _update_config(self, index: int):
-        from magic_jax.train_step import UpdateConfig
+    def _save(self, ckpts, state, step: int, schedule: Schedule, excluded, tracker) -> Path:
+        import jax
 
-        cfg, st = self.config, self.config.stages[index]
-        return UpdateConfig(
-            mini_batch_groups=st.mini_batch_groups,
-            micro_batch_size=cfg.micro_batch_size,
-            num_reuse=cfg.num_reuse,
-            loss=cfg.loss,
-            entropy=cfg.entropy,
-            optimizer=cfg.optimizer,
+        jax.block_until_ready(state)
+        meta = {
+            "next_step": step,
+            "stage": schedule.index,
+            "excluded": list(excluded),
+            "tracker": tracker.state_dict(),
+            # stage switches (until rules) and the rules' counters, so a resume switches alike
+            "schedule": schedule.state_dict(),
+        }
+        return ckpts.save(step, state, meta, self.model.config)
+
+    def _export(self, state: Any) -> Path:
+        """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from magic_jax.convert import save_hf
+
+        out = self.out / "hf_final"
+        if out.exists():
+            shutil.rmtree(out)  # this run's own earlier export
+        save_hf(
+            nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(self.config.export_dtype)
         )
+        self.tokenizer.save_pretrained(out)
+        return out
 
-    def _trim_metrics(self, step: int) -> None:
-        """Drops the lines of steps after the checkpoint (they are computed again)."""
-        for name, last in ((METRICS, step - 1), (EVALS, step)):
-            path = self.out / name
-            if path.exists():
-                lines = path.read_text().splitlines()
-                keep = [line for line in lines if json.loads(line)["step"] <= last]
-                path.write_text("".join(line + "\n" for line in keep))
-
-    def _evaluate(self, state: Any, step: int, pool: Any) -> dict[str, Any]:
+    def _evaluate(
+        self, state: Any, step: int, pool: Any, schedule: Schedule | None = None
+    ) -> dict[str, Any]:
+        """avg@n on the eval set; with ``schedule``, its until rule sees the result."""
         from magic_jax.evaluate import evaluate
         from magic_jax.rollout import RolloutDriver
 
@@ -370,25 +342,139 @@ class Trainer:
             pool=pool,
         )
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
-        with open(self.out / EVALS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.log(
+        ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
+        if ended is not None:
+            row["stage_end"] = ended
+        self._monitor.eval(
+            row,
             f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
             f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
             f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f} "
-            f"({row['t_eval_s']:.1f}s)"
+            f"({row['t_eval_s']:.1f}s)",
         )
         return row
 
-    def _step(self, state, stage: _Stage, step: int, k: int, pool, tracker):
+    def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
         import jax
 
+        from magic_jax import rundir
         from magic_jax.buffer import pack_rollouts
-        from magic_jax.rewards import RewardItem, status_counts
+        from magic_jax.collect import collect_groups, flatten
+        from magic_jax.rewards import status_counts
 
-        cfg, st = self.config, self.config.stages[stage.index]
+        cfg, st = self.config, stage.config
         t0 = time.perf_counter()
-        rows = stage.batches[k]
+        params = stage.driver.engine.load_params(state.params)
+        waits, rollouts = [], []
+
+        def sample_round(r: int):
+            if r == 0:
+                rows = stage.batches[k]
+            else:
+                rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
+            groups, stats, wait = self._rollout(stage, params, rows, step, r, pool)
+            rollouts.append(stats)
+            waits.append(wait)
+            return groups
+
+        got = collect_groups(
+            sample_round,
+            num_groups=st.prompts_per_step,
+            advantage=cfg.advantage,
+            refill=cfg.rollout.refill,
+            max_rounds=cfg.rollout.refill_max_rounds,
+        )
+        params = None  # the engine's copy of the weights is not needed for the update
+        t1 = time.perf_counter()
+        for g in got.every:
+            tracker.record(g.row.uid, g.rewards)
+        samples, rewards = flatten(got.groups)
+        buffer = pack_rollouts(
+            samples,
+            rewards,
+            group_size=st.group_size,
+            num_groups=st.prompts_per_step,
+            advantage=cfg.advantage,
+            prompt_bucket=min(64, cfg.data.max_prompt_length),
+            response_bucket=min(256, st.max_response_length),
+            pad_id=self.pad_id,
+        )
+        t2 = time.perf_counter()
+        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        rundir.kill_point("update", step)  # the update is dispatched, not yet done
+        jax.block_until_ready(state.params)
+        t3 = time.perf_counter()
+        every = [s for g in got.every for s in g.samples]
+        all_rewards = np.concatenate([g.rewards for g in got.every])
+        lengths = np.asarray([s.length for s in every])
+        truncated = np.asarray([s.truncated for s in every])
+        counts = status_counts([r for g in got.every for r in g.results or ()])
+
+        def mean(key):
+            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
+
+        def first(key):  # the first optimizer step's value: the policy the sampler ran
+            return float(m[key][0]) if key in m and np.size(m[key]) else None
+
+        return state, {
+            "step": step,
+            "stage": stage.index,
+            "stage_step": k,
+            "max_response_length": st.max_response_length,
+            "prompts": len(got.every),
+            "reward": float(all_rewards.mean()),
+            "accuracy_not_truncated": (
+                float(all_rewards[~truncated].mean()) if (~truncated).any() else 0.0
+            ),
+            "truncated_fraction": float(truncated.mean()),
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": int(lengths.max()),
+            "entropy": m["buffer_entropy"],
+            "alpha": m["alpha"],
+            "entropy_coef_next": m["entropy_coef_next"],
+            "kept_group_fraction": m["kept_group_fraction"],
+            "mixed_groups": got.mixed,
+            "refill_rounds": got.rounds,
+            "extra_rollouts": got.extra_rollouts,
+            "sgd_steps": m["num_sgd_steps"],
+            "loss": mean("loss"),
+            "clipfrac_low": mean("clipfrac_low"),
+            "clipfrac_high": mean("clipfrac_high"),
+            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
+            "approx_kl": mean("approx_kl"),
+            "kl_beta": cfg.kl_beta(stage.index),
+            "ref_kl": mean("ref_kl"),
+            "sampler_ratio_mean": first("sampler_ratio_mean"),
+            "sampler_ratio_max": first("sampler_ratio_max"),
+            "sampler_kl": first("sampler_kl"),
+            **(
+                {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
+                if cfg.loss.tis_cap is not None
+                else {}
+            ),
+            "grad_norm": mean("grad_norm"),
+            "skipped_updates": int(state.skipped),
+            "reward_status": counts,
+            "rollout_tokens_per_s": sum(r.tokens for r in rollouts)
+            / max(sum(r.wall_s for r in rollouts), 1e-9),
+            "t_rollout_s": t1 - t0 - sum(waits),
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + sum(waits),
+        }
+
+    def _rollout(self, stage: Stage, params: Any, rows: list, step: int, r: int, pool: Any):
+        """Round r of step ``step``: G responses to each of ``rows``, rewarded as they end.
+
+        Returns:
+          (groups in prompt order, the driver's ``RolloutStats``, seconds spent
+          waiting for the verifiers after decoding ended).
+        """
+        from magic_jax import rundir
+        from magic_jax.collect import Group
+        from magic_jax.rewards import RewardItem
+
+        cfg = self.config
         ids, kept = encode_prompts(
             rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length
         )
@@ -404,77 +490,34 @@ class Trainer:
             text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
             item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
             tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+            rundir.kill_point("rollout", step)
 
-        params = stage.engine.load_params(state.params)
-        samples, rstats = stage.driver.run(
+        samples, stats = stage.driver.run(
             params,
             ids,
-            num_samples=st.group_size,
-            seed=cfg.seed,
+            num_samples=stage.config.group_size,
+            # refill rounds draw other keys than round 0's prompts of the same indices
+            seed=cfg.seed + 7919 * r,
             step=step,
             truncation=cfg.rollout.truncation,
             on_sample=submit,
         )
-        del params
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
-        rewards = np.asarray([r.reward for r in results], np.float32)
-        prompt_of = np.asarray([s.prompt_index for s in samples])
-        for p, row in enumerate(rows):
-            tracker.record(row.uid, rewards[prompt_of == p])
-        buffer = pack_rollouts(
-            samples,
-            rewards,
-            group_size=st.group_size,
-            num_groups=st.prompts_per_step,
-            advantage=cfg.advantage,
-            prompt_bucket=64,
-            response_bucket=min(256, st.max_response_length),
-            pad_id=self.pad_id,
-        )
-        t2 = time.perf_counter()
-        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-        state, m = stage.updater.update(state, buffer, rng)
-        jax.block_until_ready(state.params)
-        t3 = time.perf_counter()
-        lengths = np.asarray([s.length for s in samples])
-        truncated = np.asarray([s.truncated for s in samples])
-        counts = status_counts(results)
-
-        def mean(key):
-            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
-
-        return state, {
-            "step": step,
-            "stage": stage.index,
-            "stage_step": k,
-            "max_response_length": st.max_response_length,
-            "prompts": len(rows),
-            "reward": float(rewards.mean()),
-            "accuracy_not_truncated": (
-                float(rewards[~truncated].mean()) if (~truncated).any() else 0.0
-            ),
-            "truncated_fraction": float(truncated.mean()),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": int(lengths.max()),
-            "entropy": m["buffer_entropy"],
-            "alpha": m["alpha"],
-            "entropy_coef_next": m["entropy_coef_next"],
-            "kept_group_fraction": m["kept_group_fraction"],
-            "sgd_steps": m["num_sgd_steps"],
-            "loss": mean("loss"),
-            "clipfrac_low": mean("clipfrac_low"),
-            "clipfrac_high": mean("clipfrac_high"),
-            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
-            "approx_kl": mean("approx_kl"),
-            "grad_norm": mean("grad_norm"),
-            "skipped_updates": int(state.skipped),
-            "reward_status": counts,
-            "rollout_tokens_per_s": rstats.tokens / max(rstats.wall_s, 1e-9),
-            "t_rollout_s": t1 - t0,
-            "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1,
-        }
+        wait = time.perf_counter() - t0
+        by_prompt: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            by_prompt.setdefault(s.prompt_index, []).append(i)
+        groups = [
+            Group(
+                rows[p],
+                [samples[i] for i in idx],
+                np.asarray([results[i].reward for i in idx], np.float32),
+                [results[i] for i in idx],
+            )
+            for p, idx in sorted(by_prompt.items())
+        ]
+        return groups, stats, wait
 
 
 def _format(row: dict[str, Any]) -> str:

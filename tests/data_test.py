@@ -81,7 +81,7 @@ def test_bad_row_is_named_with_file_row_and_field(tmp_path, change, message):
     path = _jsonl(tmp_path / "d.jsonl", [_row(0), _row(1, **change)])
     with pytest.raises(DataError, match=message) as e:
         read_rows(path)
-    assert f"{path}:1" in str(e.value)
+    assert f"{path}:2:" in str(e.value)  # the file's second line, counted from 1
 
 
 def test_file_level_errors(tmp_path):
@@ -94,7 +94,7 @@ def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match="not a readable Parquet file"):
         read_rows(tmp_path / "bad.parquet")
     (tmp_path / "bad.jsonl").write_text(json.dumps(_row(0)) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"bad.jsonl:1: not a JSON line"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON line"):
         read_rows(tmp_path / "bad.jsonl")
     _jsonl(tmp_path / "dup.jsonl", [_row(4), _row(4)])
     with pytest.raises(DataError, match="uid 'train-math:4' repeats"):
@@ -103,6 +103,26 @@ def test_file_level_errors(tmp_path):
     empty.mkdir()
     with pytest.raises(DataError, match="no .parquet or .jsonl files"):
         read_rows(empty)
+
+
+def test_line_numbers_non_utf8_empty_files_and_abilities_without_verifier(tmp_path):
+    # blank lines count: the error names the file's own line number
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(json.dumps(_row(0)) + "\n\n\n" + json.dumps(_row(1, prompt=[])) + "\n")
+    with pytest.raises(DataError, match=r"gaps.jsonl:4: field 'prompt'"):
+        read_rows(path)
+    raw = tmp_path / "latin1.jsonl"
+    raw.write_bytes(json.dumps(_row(0)).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        read_rows(raw)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty.jsonl: holds no rows"):
+        read_rows(tmp_path / "empty.jsonl")
+    # a row whose ability has no verifier would score every response as an error
+    _jsonl(tmp_path / "phys.jsonl", [_row(0), _row(1, ability="physics")])
+    with pytest.raises(DataError, match=r"phys.jsonl:2: ability 'physics' has no verifier"):
+        read_rows(tmp_path / "phys.jsonl")
+    assert len(read_rows(_jsonl(tmp_path / "ok.jsonl", [_row(0, ability="Math")]))) == 1
 
 
 def test_render_r1_matches_the_released_format():

@@ -65,7 +65,9 @@ def _ref_weights(mask, mode):
     return mask / n_tok * n_seq / NOMINAL
 
 
-def _run(cfg, logp, old, adv, mask, ent, ref, alpha, rows=slice(None), counts_from=None):
+def _run(
+    cfg, logp, old, adv, mask, ent, ref, alpha, rows=slice(None), counts_from=None, behaviour=None
+):
     counts_from = mask if counts_from is None else counts_from
     num_tokens = counts_from.sum()
     num_seqs = (counts_from.sum(1) > 0).sum()
@@ -83,6 +85,7 @@ def _run(cfg, logp, old, adv, mask, ent, ref, alpha, rows=slice(None), counts_fr
             num_seqs=num_seqs,
             nominal_seqs=NOMINAL,
             ref_logp_BT=jnp.asarray(ref[rows], jnp.float32) if cfg.kl_beta else None,
+            behaviour_logp_BT=None if behaviour is None else jnp.asarray(behaviour[rows]),
         )
 
     (loss, metrics), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
@@ -112,6 +115,38 @@ def test_loss_and_grads_match_numpy(clip, mode):
     np.testing.assert_allclose(loss, (term * w).sum(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(g_logp, dlogp * w, rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(g_ent, dent * w, rtol=1e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("cap", [1.5, 4.0])
+def test_truncated_importance_weights_match_numpy(cap):
+    """TIS: the surrogate of each token times min(pi_old / pi_behaviour, cap), a constant."""
+    logp, old, adv, mask, ent, ref = _inputs(4)
+    rng = np.random.default_rng(4)
+    behaviour = old - rng.uniform(-1.0, 1.0, old.shape)  # sampler numerics / truncation
+    cfg = LossConfig(eps_high=0.28, tis_cap=cap)
+    loss, m, (g_logp, _) = _run(cfg, logp, old, adv, mask, ent, ref, 0.0, behaviour=behaviour)
+    plain = LossConfig(eps_high=0.28)
+    term, dlogp, _ = _ref_terms(logp, old, adv, mask, ent, ref, 0.0, plain)
+    w_tis = np.minimum(np.exp(old - behaviour), cap)
+    w = _ref_weights(mask, "token-mean")
+    np.testing.assert_allclose(loss, (term * w_tis * w).sum(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g_logp, dlogp * w_tis * w, rtol=1e-5, atol=1e-8)
+    on = mask > 0
+    np.testing.assert_allclose(float(m["tis_weight_mean"]), w_tis[on].mean(), rtol=1e-5)
+    capped = (np.exp(old - behaviour) > cap)[on].mean()
+    np.testing.assert_allclose(float(m["tis_capped"]), capped, rtol=1e-6)
+    assert (0 < capped < 1) if cap == 1.5 else True
+    # rollout/trainer mismatch: pi_theta / pi_behaviour
+    s_ratio = np.exp(logp - behaviour)[on]
+    np.testing.assert_allclose(float(m["sampler_ratio_mean"]), s_ratio.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["sampler_ratio_max"]), s_ratio.max(), rtol=1e-5)
+    k3 = s_ratio - 1 - np.log(s_ratio)
+    np.testing.assert_allclose(float(m["sampler_kl"]), k3.mean(), rtol=1e-4)
+    # without TIS the behaviour log-probs are the ratio's: the mismatch is the PPO ratio
+    _, m0, _ = _run(plain, logp, old, adv, mask, ent, ref, 0.0)
+    assert float(m0["sampler_ratio_mean"]) == pytest.approx(float(m0["ratio_mean"]))
+    with pytest.raises(ValueError, match="behaviour_logp_BT"):
+        _run(cfg, logp, old, adv, mask, ent, ref, 0.0)
 
 
 def test_dual_clip_bounds_negative_advantage_loss():

@@ -19,6 +19,34 @@ def test_worked_solution_carries_column_by_column():
     assert addition.worked_solution(95, 7) == "5+7=12\n9+0+1=10\n</think>\n\\boxed{102}"
 
 
+def test_quick_solution_guesses_digits():
+    rng = np.random.default_rng(0)
+    texts = [addition.quick_solution(23, 589, rng) for _ in range(200)]
+    assert all(t.startswith("</think>\n\\boxed{") and len(t) == len("</think>\n\\boxed{123}")
+               for t in texts)  # fmt: skip
+    guesses = [int(t[len("</think>\n\\boxed{") : -1]) for t in texts]
+    assert min(guesses) >= 100 and max(guesses) <= 999 and len(set(guesses)) > 100
+    assert math_reward(f"</think>\n\\boxed{{{612}}}", "612").reward == 1.0
+
+
+def test_supervised_styles_mix_in_the_set_proportion():
+    task = addition.AdditionTask(worked_share=0.3)
+    rng = np.random.default_rng(0)
+    styles = [task.sft_response(12, 79, rng).startswith("</think>") for _ in range(4000)]
+    assert abs(np.mean(styles) - 0.7) < 0.03
+    with pytest.raises(ValueError, match="worked_share"):
+        addition.AdditionTask(worked_share=1.5)
+
+
+def test_problems_are_distinct_and_exclude_a_held_out_set():
+    held = addition.verl_rows(200, seed=1)
+    held_set = {addition.row_problem(r) for r in held}
+    assert len(held_set) == 200
+    task = addition.AdditionTask(min_digits=1, max_digits=1)  # only 100 problems exist
+    got = task.problems(60, np.random.default_rng(0), exclude=[(1, 2), (3, 4)])
+    assert len(set(got)) == 60 and (1, 2) not in got and (3, 4) not in got
+
+
 def test_solutions_score_and_tokenize_exactly():
     tok = addition.tokenizer()
     rng = np.random.default_rng(0)
@@ -33,7 +61,10 @@ def test_solutions_score_and_tokenize_exactly():
         ids = tok.encode(sol, add_special_tokens=False)
         assert tok.unk_token_id not in ids and tok.decode(ids) == sol
         lengths.append(len(ids) + 1)  # + EOS
-    assert min(lengths) >= 20 and max(lengths) <= 64
+        quick = tok.encode(addition.quick_solution(a, b, rng), add_special_tokens=False)
+        assert 12 <= len(quick) + 1 <= 16
+    # the worked style grows with the columns: stage 1's T = 44 cuts the longest
+    assert min(lengths) >= 25 and max(lengths) <= 60 and np.mean(np.array(lengths) > 44) > 0.3
 
 
 def test_verl_rows_parse_and_are_reproducible():
@@ -156,7 +187,7 @@ def test_saved_task_tokenizer_loads_back_exactly(tmp_path):
     """Beside a Qwen2 config.json, AutoTokenizer would substitute Qwen2's own class."""
     import json
 
-    from magic_jax.trainer import load_tokenizer
+    from magic_jax.policy import load_tokenizer
 
     tok = addition.tokenizer()
     tok.save_pretrained(tmp_path)

@@ -15,9 +15,9 @@ from magic_jax.buffer import pack_rollouts
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.optim import OptimizerConfig
 from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh, shard_model
 from magic_jax.train_step import (
-    OptimizerConfig,
     PolicyUpdater,
     TrainState,
     UpdateConfig,
@@ -334,12 +334,9 @@ def test_kl_to_reference_policy_matches_numpy(model):
     cfg = UpdateConfig(mini_batch_groups=4, loss=lcfg)
     graphdef, params = nnx.split(model, nnx.Param)
     _, ref_params = nnx.split(ref_model, nnx.Param)
-    state = init_train_state(params, cfg, ref_params)
     loss, _, m = jax.jit(
-        lambda s, b: loss_and_grads(
-            s.params, b, 0.0, graphdef=graphdef, config=cfg, ref_params=s.ref_params
-        )
-    )(state, buf)
+        lambda p, r, b: loss_and_grads(p, b, 0.0, graphdef=graphdef, config=cfg, ref_params=r)
+    )(params, ref_params, buf)
     mask = buf.loss_mask() > 0
     log_r = (ref_logp - logp)[mask]
     k3 = np.exp(log_r) - log_r - 1
@@ -348,7 +345,7 @@ def test_kl_to_reference_policy_matches_numpy(model):
     np.testing.assert_allclose(float(m["ref_kl"]), k3.mean(), rtol=1e-4)
     np.testing.assert_allclose(float(loss), (-adv + 0.1 * k3).mean(), rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="ref_params"):
-        init_train_state(params, cfg)
+        loss_and_grads(params, buf, 0.0, graphdef=graphdef, config=cfg)
 
 
 @pytest.mark.slow
@@ -408,6 +405,7 @@ def test_update_runs_n_sgd_steps_and_advances_controller(model, tmp_path):
     ent = EntropyControlConfig(target=5.0, delta=0.01)  # buffer entropy ~1 < target
     cfg = UpdateConfig(
         mini_batch_groups=3,
+        mini_batch_split="fixed-size",
         num_reuse=2,
         micro_batch_size=4,
         entropy=ent,
@@ -447,3 +445,60 @@ def test_update_runs_n_sgd_steps_and_advances_controller(model, tmp_path):
     assert float(restored.entropy.coef) == pytest.approx(0.03) and int(restored.step) == 8
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_split_mini_batches_even_and_fixed_size():
+    """The report's D_R / D_T equal mini-batches vs verl's ceil(kept / D_T)."""
+    from magic_jax.buffer import split_mini_batches
+
+    rng = np.random.default_rng(0)
+    for d_r, d_t in ((8, 2), (12, 4), (16, 16), (256, 128)):
+        for k in range(d_r + 1):
+            order = rng.permutation(d_r)[:k]
+            even = split_mini_batches(order, d_r, d_t, "even")
+            fixed = split_mini_batches(order, d_r, d_t, "fixed-size")
+            for parts in (even, fixed):
+                assert all(0 < len(p) <= d_t for p in parts)
+                np.testing.assert_array_equal(np.concatenate(parts or [order]), order)
+            assert len(fixed) == -(-k // d_t)
+            assert len(even) == min(d_r // d_t, k)
+            if even:
+                sizes = [len(p) for p in even]
+                assert max(sizes) - min(sizes) <= 1
+    # 7 kept of D_R 12, D_T 4: three steps of 3/2/2 groups, not 4 + 3 (verl's)
+    order = np.arange(7)
+    assert [len(p) for p in split_mini_batches(order, 12, 4, "even")] == [3, 2, 2]
+    assert [len(p) for p in split_mini_batches(order, 12, 4, "fixed-size")] == [4, 3]
+    # 5 kept of D_R 8, D_T 4: verl's last step trains on one group at full weight
+    assert [len(p) for p in split_mini_batches(np.arange(5), 8, 4, "fixed-size")] == [4, 1]
+    assert [len(p) for p in split_mini_batches(np.arange(5), 8, 4, "even")] == [3, 2]
+    with pytest.raises(ValueError, match="multiple of D_T"):
+        split_mini_batches(np.arange(3), 6, 4, "even")
+
+
+def test_update_with_tis_against_the_sampled_distribution(model):
+    """TIS over the truncated behaviour log-probs: the trainer's own pi_old in the ratio."""
+    _, _, buf = _buffer(seed=11)
+    rng = np.random.default_rng(11)
+    # a truncated (top-p) distribution puts more mass on each drawn token than the full one
+    sampled = buf.old_logprobs + rng.uniform(0.0, 1.0, buf.old_logprobs.shape)
+    buf = dataclasses.replace(buf, sampling_logprobs=sampled.astype(np.float32))
+    graphdef, params = nnx.split(model, nnx.Param)
+    lcfg = dataclasses.replace(L0, tis_cap=1.5, behaviour_logprobs="sampled")
+    updater = PolicyUpdater(graphdef, UpdateConfig(mini_batch_groups=2, loss=lcfg))
+    want, _ = _np_policy(model, buf, 1.0)
+    on = buf.response_mask > 0
+    np.testing.assert_allclose(updater.logprobs(params, buf)[on], want[on], atol=2e-5)
+    mask = buf.loss_mask() > 0
+    state, m = updater.update(updater.init_state(params), buf, jax.random.key(0))
+    assert m["num_sgd_steps"] == 2  # D_R 4 / D_T 2, three groups kept: 2 + 1
+    # the first step's policy is the trainer's pi_old: PPO ratio 1
+    assert float(m["ratio_mean"][0]) == pytest.approx(1.0, abs=1e-5)
+    log_w = want - sampled
+    w = np.minimum(np.exp(log_w), 1.5)
+    # weights are constants of the buffer: their token sums over both mini-batches
+    got = sum(float(x) * n for x, n in zip(m["tis_weight_mean"], m["num_tokens"]))
+    assert got == pytest.approx(w[mask].sum(), rel=1e-4)
+    assert 0 < float(m["sampler_ratio_max"][0]) <= np.exp(log_w[mask]).max() * (1 + 1e-4)
+    assert float(m["sampler_ratio_mean"][0]) < 1  # the sampled tokens were more likely there
+    assert int(state.step) == 2

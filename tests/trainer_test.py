@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
+from magic_jax.checkpoint import latest_good_checkpoint as latest_checkpoint
 from magic_jax.cli import main
 from magic_jax.config import ConfigError, load_config
-from magic_jax.trainer import Trainer, latest_checkpoint
+from magic_jax.trainer import Trainer
 
 # A tiny vocabulary and one-digit answers: a random policy hits the gold answer often
 # enough that groups with mixed rewards (which train) occur in every run.
@@ -148,17 +149,21 @@ def test_resume_reproduces_the_uninterrupted_run(files, straight):
 
 def test_online_filter_drops_prompts_solved_in_the_previous_stage(files, tmp_path):
     from magic_jax.data import AccuracyTracker, read_rows
-    from magic_jax.trainer import Trainer as T
+    from magic_jax.stages import excluded_after
 
     cfg = _config(files, tmp_path / "x")
-    trainer = T(cfg, log=lambda s: None)
-    trainer._setup()
     rows = read_rows(files / "train.jsonl")
     tracker = AccuracyTracker()
     tracker.record(rows[0].uid, [1, 1, 1, 1])
     tracker.record(rows[1].uid, [1, 0, 1, 1])
-    stage = trainer._make_stage(1, sorted(tracker.solved()))
+    assert excluded_after(cfg, ["other:9"], tracker) == sorted(["other:9", rows[0].uid])
+    trainer = Trainer(cfg, log=lambda s: None)
+    trainer._setup()
+    stage = trainer._stage(1, excluded_after(cfg, [], tracker))
     assert [r.uid for r in stage.rows] == [r.uid for r in rows[1:]]
+    assert stage.config.max_response_length == 5 and stage.updater.config.mini_batch_groups == 4
+    off = _config(files, tmp_path / "x", "data.online_filter=false")
+    assert excluded_after(off, ["other:9"], tracker) == ["other:9"]
 
 
 def test_config_errors_name_the_option(files):
@@ -189,7 +194,7 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
          "--set", f"output_dir={files / 'broken_run'}"]
     )  # fmt: skip
     assert code == 2
-    assert "broken.jsonl:0" in capsys.readouterr().err
+    assert "broken.jsonl:1:" in capsys.readouterr().err
 
 
 def test_train_command_with_relative_paths_checkpoints_and_resumes(files, monkeypatch, capsys):

@@ -26,6 +26,8 @@ from magic_jax.rewards.sandbox import SandboxConfig
 from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
 
 logger = logging.getLogger(__name__)
+# Worker warnings already logged by this process (across pools and recycled workers).
+_logged_notes: set[str] = set()
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -148,6 +150,10 @@ class VerifierPool:
         self._drain = True
         self._broken: str | None = None
         self._start_failures = 0
+        # Isolation warnings of the workers' start-up wait for the first code item:
+        # a math-only run never runs a sandbox, so they would not matter there.
+        self._held_notes: list[str] = []
+        self._code_seen = False
         self._stats: collections.Counter[str] = collections.Counter()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -415,6 +421,9 @@ class VerifierPool:
             if not w.ready or w.ticket is not None or not self._queue:
                 continue
             ticket, item, deadline = self._queue.popleft()
+            if not self._code_seen and resolve_ability(item) == "code":
+                self._code_seen = True
+                self._log_notes(self._held_notes)
             try:
                 w.conn.send(("item", ticket, item))
             except OSError:
@@ -435,13 +444,25 @@ class VerifierPool:
             if msg[0] == "ready":
                 w.ready = True
                 self._start_failures = 0
+                if self._code_seen:
+                    self._log_notes(msg[2])
+                else:
+                    self._held_notes += [m for m in msg[2] if m not in self._held_notes]
             elif msg[0] == "result" and msg[1] == w.ticket:
+                self._log_notes(msg[3])
                 self._finish(w.ticket, msg[2])
                 w.ticket = None
                 w.items += 1
                 if w.items >= self.config.max_items_per_worker:
                     self._stats["workers_recycled"] += 1
                     self._replace(w, kill=False)
+
+    @staticmethod
+    def _log_notes(messages: Iterable[str]) -> None:
+        for m in messages:
+            if m not in _logged_notes:
+                _logged_notes.add(m)
+                logger.warning("verifier: %s", m)
 
     def _on_death(self, w: _Worker) -> None:
         # Caller holds the lock.

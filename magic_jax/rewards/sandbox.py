@@ -186,13 +186,15 @@ def _plan(config_key: tuple[Any, ...]) -> _Plan:
         fallback = shutil.which("python3", path=_ENV["PATH"])
         if fallback and _python_usable(fallback, uid, gid):
             _warn_once(
-                f"uid {uid} cannot run {python} (its directory is not readable); "
+                # No uid in the text: every worker has its own, and the pool
+                # logs each distinct message once.
+                f"the sandbox uid cannot run {python} (its directory is not readable); "
                 f"sandboxed programs run with {fallback}"
             )
             python = fallback
         else:
             _warn_once(
-                f"uid {uid} cannot read the Python installation at {python}; sandboxed "
+                f"the sandbox uid cannot read the Python installation at {python}; sandboxed "
                 "programs can import only the preloaded modules"
             )
     unshare = shutil.which("unshare")

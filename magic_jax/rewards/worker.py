@@ -27,8 +27,33 @@ def _reap_orphans() -> None:
         pass
 
 
+class _Notes(logging.Handler):
+    """Collects the verifiers' warnings; they go to the pool with the next message.
+
+    Every worker (and every replacement of a recycled one) probes the same
+    machine and would print the same isolation warnings again; the pool logs
+    each message once per process, and only once it matters (see
+    ``VerifierPool``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def drain(self) -> list[str]:
+        out, self.messages = self.messages, []
+        return out
+
+
 def serve(conn: Connection) -> None:
     """Runs the worker protocol on ``conn`` until told to stop or the pool goes away."""
+    notes = _Notes()
+    rewards_log = logging.getLogger("magic_jax.rewards")
+    rewards_log.addHandler(notes)
+    rewards_log.propagate = False
     kind, math_config, sandbox_config, memory_mb = conn.recv()
     if kind != "init":
         raise RuntimeError(f"expected an init message, got {kind!r}")
@@ -43,7 +68,7 @@ def serve(conn: Connection) -> None:
     # LaTeX grammar, and the sandbox probes its isolation once per uid.
     math_reward("\\boxed{1}", "1", config=math_config)
     isolation_plan(sandbox_config)
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), notes.drain()))
     while True:
         try:
             msg = conn.recv()
@@ -55,14 +80,14 @@ def serve(conn: Connection) -> None:
         result = compute_reward(item, math_config=math_config, sandbox_config=sandbox_config)
         _reap_orphans()
         try:
-            conn.send(("result", ticket, result))
+            conn.send(("result", ticket, result, notes.drain()))
         except (BrokenPipeError, OSError):
             return
 
 
 def main(argv: list[str]) -> None:
     """Entry point: ``argv`` is ``[prog, socket fd, parent pid, slot]``."""
-    fd, parent, slot = int(argv[1]), int(argv[2]), int(argv[3])
+    fd, parent = int(argv[1]), int(argv[2])  # argv[3], the slot, names the process in ps
     libc = ctypes.CDLL(None)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -71,10 +96,6 @@ def main(argv: list[str]) -> None:
     # The pool stops workers itself; a terminal's Ctrl-C must not kill them mid-item.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if slot:
-        # Every worker probes the same machine: one copy of each isolation
-        # warning (from slot 0) is enough.
-        logging.getLogger("magic_jax.rewards.sandbox").setLevel(logging.ERROR)
     serve(Connection(fd))
 
 

@@ -1,24 +1,40 @@
-"""Multi-digit addition with a worked, column-by-column chain of thought.
+"""Multi-digit addition in two solution styles: a long worked one and a short one that guesses.
 
-The embedded default task. A prompt is ``"{a}+{b}"`` (2 to 5 digit operands);
-the worked solution writes one line per column, right to left, with the carry
-it takes in (``7+9=16``, ``4+8+1=13``; a missing digit is 0), then closes the
-reasoning and boxes the sum::
+The embedded default task. A prompt is ``"{a}+{b}"`` (2 to 5 digit operands).
+Its supervised data mixes two ways of answering, as distilled long-CoT data
+mixes careful and hurried solutions:
 
-    <think>
-    3+9=12
-    2+5+1=8
-    </think>
-    \\boxed{812}
+- the **worked** style writes one line per column, right to left, with the
+  carry it takes in (``7+9=16``, ``4+8+1=13``; a missing digit is 0), then
+  closes the reasoning and boxes the sum; it is long (about 8 tokens per
+  column, 27 to 52 tokens in all) and always right::
 
-so responses run from about 25 to 60 tokens and the reward is the report's
-math reward (Math-Verify on the text after ``</think>``). Rows come out in the
-verl format, so the task goes through exactly the path real data takes.
+      <think>
+      3+9=12
+      2+5+1=8
+      </think>
+      \\boxed{812}
+
+- the **quick** style closes the reasoning at once and boxes a guess: as
+  many random digits as the longer operand has (``</think>\\n\\boxed{407}``
+  for 23 + 589); it is short (12 to 16 tokens) and almost never right.
+
+Each supervised example picks its style at random (``worked_share``), not
+by problem, so more supervised training converges to that mixture and no
+further: its accuracy at temperature 1 plateaus near ``worked_share`` times
+the worked style's accuracy. The verified reward
+separates the styles at the first response token, where they diverge, so RL
+can learn to prefer the worked style. The worked style's length grows with
+the number of columns, so a short first-stage T truncates it on the longest
+problems. The reward is the report's math reward (Math-Verify on the text
+after ``</think>``); rows come out in the verl format, so the task goes
+through exactly the path real data takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -29,21 +45,26 @@ CHARS = "0123456789+=\n\\{}boxed"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdditionTask:
-    """Operand sizes of the task.
+    """Operand sizes and the style mixture of the supervised data.
 
     Attributes:
       min_digits / max_digits: each operand has a uniformly drawn number of
         digits in this range (no leading zeros).
+      worked_share: probability that a supervised example uses the worked
+        style (else the quick one).
     """
 
     min_digits: int = 2
     max_digits: int = 5
+    worked_share: float = 0.3
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(
                 f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}"
             )
+        if not 0.0 <= self.worked_share <= 1.0:
+            raise ValueError(f"worked_share must be in [0, 1], got {self.worked_share}")
 
     def sample(self, rng: np.random.Generator) -> tuple[int, int]:
         """One problem (a, b)."""
@@ -55,6 +76,25 @@ class AdditionTask:
 
         return operand(), operand()
 
+    def problems(
+        self, n: int, rng: np.random.Generator, exclude: Iterable[tuple[int, int]] = ()
+    ) -> list[tuple[int, int]]:
+        """``n`` distinct problems, none of them in ``exclude``."""
+        seen = set(exclude)
+        out = []
+        while len(out) < n:
+            p = self.sample(rng)
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+        return out
+
+    def sft_response(self, a: int, b: int, rng: np.random.Generator) -> str:
+        """A supervised target: the worked style with probability ``worked_share``."""
+        if rng.random() < self.worked_share:
+            return worked_solution(a, b)
+        return quick_solution(a, b, rng)
+
 
 def prompt(a: int, b: int) -> str:
     """The user message of a problem."""
@@ -62,7 +102,7 @@ def prompt(a: int, b: int) -> str:
 
 
 def worked_solution(a: int, b: int) -> str:
-    """The reasoning (after ``<think>\\n``) and the answer, as the SFT target."""
+    """The worked style: the reasoning (after ``<think>\\n``) and the answer."""
     da, db = str(a)[::-1], str(b)[::-1]
     lines, carry = [], 0
     for i in range(max(len(da), len(db))):
@@ -74,22 +114,33 @@ def worked_solution(a: int, b: int) -> str:
     return "\n".join(lines) + "\n</think>\n\\boxed{" + str(a + b) + "}"
 
 
+def quick_solution(a: int, b: int, rng: np.random.Generator) -> str:
+    """The quick style: no reasoning, a guess of the longer operand's length boxed."""
+    n = max(len(str(a)), len(str(b)))
+    guess = int(rng.integers(10 ** (n - 1), 10**n))
+    return "</think>\n\\boxed{" + str(guess) + "}"
+
+
 def verl_rows(
-    n: int, seed: int, task: AdditionTask | None = None, *, source: str = "addition"
+    n: int,
+    seed: int,
+    task: AdditionTask | None = None,
+    *,
+    source: str = "addition",
+    exclude: Iterable[tuple[int, int]] = (),
 ) -> list[dict[str, Any]]:
-    """``n`` problems as verl rows (``ability`` math, the sum as ground truth).
+    """``n`` distinct problems as verl rows (``ability`` math, the sum as ground truth).
 
     Args:
       n: number of rows.
       seed: problems are drawn from ``np.random.default_rng(seed)``.
       task: operand sizes.
       source: the rows' ``data_source`` (``extra_info.index`` numbers them).
+      exclude: problems (a, b) never to emit, e.g. a held-out set.
     """
     task = task or AdditionTask()
-    rng = np.random.default_rng(seed)
     rows = []
-    for i in range(n):
-        a, b = task.sample(rng)
+    for i, (a, b) in enumerate(task.problems(n, np.random.default_rng(seed), exclude)):
         rows.append(
             {
                 "data_source": source,
@@ -100,6 +151,11 @@ def verl_rows(
             }
         )
     return rows
+
+
+def row_problem(row: dict[str, Any]) -> tuple[int, int]:
+    """(a, b) of a row written by ``verl_rows``."""
+    return int(row["extra_info"]["a"]), int(row["extra_info"]["b"])
 
 
 def tokenizer():

@@ -1,0 +1,121 @@
+"""One step's rollout groups: rejection sampling, optionally with DAPO's refill rounds.
+
+Rejection sampling (SPEC item 2) keeps the groups whose rewards are mixed
+(some advantage non-zero). Without refill, as in the report, the step trains on
+what is left of its D_R groups. With refill (DAPO's dynamic sampling), the step
+samples further rounds of D_R prompts while fewer than D_R mixed groups are in
+hand, up to a cap of rounds, and trains on D_R mixed groups when it found them.
+The buffer always holds exactly D_R groups (unmixed ones fill the places no
+mixed group took, and are dropped by the keep mask as usual), so every jitted
+shape stays the same whatever the rounds found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from magic_jax.advantages import AdvantageConfig, group_advantages, group_keep_mask
+
+
+@dataclasses.dataclass
+class Group:
+    """The G responses to one prompt and their rewards.
+
+    Attributes:
+      row: the prompt (a ``PromptRow``; anything for tests).
+      samples: G sample records (``rollout.Sample`` or duck-typed alike).
+      rewards: [G] float32.
+      results: the verifier results (for status counts), or None.
+    """
+
+    row: Any
+    samples: list[Any]
+    rewards: np.ndarray
+    results: list[Any] | None = None
+
+    @property
+    def truncated(self) -> np.ndarray:
+        return np.asarray([bool(s.truncated) for s in self.samples])
+
+
+@dataclasses.dataclass
+class Collected:
+    """What a step's rollouts produced.
+
+    Attributes:
+      groups: the D_R (or fewer) groups the buffer is packed from, mixed ones first.
+      every: every group sampled in the step, in order (metrics, online filtering).
+      rounds: refill rounds run beyond the first (0 without refill).
+      extra_rollouts: responses sampled in those rounds.
+      mixed: mixed-reward groups found over all rounds.
+    """
+
+    groups: list[Group]
+    every: list[Group]
+    rounds: int
+    extra_rollouts: int
+    mixed: int
+
+
+def mixed_groups(groups: Sequence[Group], advantage: AdvantageConfig) -> np.ndarray:
+    """[N] bool: the groups rejection sampling keeps (some non-zero advantage)."""
+    if not groups:
+        return np.zeros(0, bool)
+    sizes = {len(g.samples) for g in groups}
+    if len(sizes) == 1:
+        r = np.stack([g.rewards for g in groups])
+        t = np.stack([g.truncated for g in groups])
+        adv = group_advantages(r, t, mask=advantage.mask, eps=advantage.eps, ddof=advantage.ddof)
+        return np.asarray(group_keep_mask(adv))
+    return np.concatenate([mixed_groups([g], advantage) for g in groups])
+
+
+def collect_groups(
+    sample_round: Callable[[int], list[Group]],
+    *,
+    num_groups: int,
+    advantage: AdvantageConfig,
+    refill: bool = False,
+    max_rounds: int = 0,
+) -> Collected:
+    """Samples round 0, then (with ``refill``) more rounds until D_R groups are mixed.
+
+    Args:
+      sample_round: round r -> its groups (round 0 is the step's own D_R prompts;
+        later rounds are further prompts, a function of the step and r).
+      num_groups: D_R.
+      advantage: the advantage options (they decide which groups are mixed).
+      refill: sample further rounds while fewer than D_R groups are mixed.
+      max_rounds: the cap of rounds beyond the first.
+
+    Returns:
+      The groups to pack (at most D_R: the first D_R mixed ones in sampling
+      order, then unmixed ones of the earliest rounds) and the step's counts.
+    """
+    every = list(sample_round(0))
+    mixed = list(mixed_groups(every, advantage))
+    rounds = extra = 0
+    while refill and sum(mixed) < num_groups and rounds < max_rounds:
+        rounds += 1
+        more = list(sample_round(rounds))
+        extra += sum(len(g.samples) for g in more)
+        every += more
+        mixed += list(mixed_groups(more, advantage))
+    if not refill:
+        return Collected(every[:num_groups], every, 0, 0, int(sum(mixed)))
+    keep = [g for g, m in zip(every, mixed) if m][:num_groups]
+    rest = [g for g, m in zip(every, mixed) if not m][: num_groups - len(keep)]
+    return Collected(keep + rest, every, rounds, extra, int(sum(mixed)))
+
+
+def flatten(groups: Sequence[Group]) -> tuple[list[Any], np.ndarray]:
+    """The samples of ``groups`` renumbered so group i is prompt i, and their rewards."""
+    samples, rewards = [], []
+    for i, g in enumerate(groups):
+        samples += [dataclasses.replace(s, prompt_index=i) for s in g.samples]
+        rewards.append(np.asarray(g.rewards, np.float32))
+    return samples, np.concatenate(rewards) if rewards else np.zeros(0, np.float32)

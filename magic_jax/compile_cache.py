@@ -1,0 +1,90 @@
+"""JAX's persistent compilation cache for command-line runs, and a count of compile time.
+
+A second run with the same shapes (the same config on the same machine)
+reads every executable from the cache instead of compiling it again. The
+cache directory is ``$MAGIC_JAX_COMPILATION_CACHE``, else JAX's own
+``$JAX_COMPILATION_CACHE_DIR``, else ``~/.cache/magic-jax/jax``; set
+``MAGIC_JAX_COMPILATION_CACHE=off`` to disable it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+ENV = "MAGIC_JAX_COMPILATION_CACHE"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileClock:
+    """Seconds spent in XLA compilation (or reading the cache) and executables compiled.
+
+    ``seconds`` counts the backend step of every ``jit`` compilation, which
+    includes a persistent-cache read; ``cache_hits`` counts the executables
+    that came from the cache.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.compiles = 0
+        self.cache_hits = 0
+        self._lock = threading.Lock()
+
+    def _on_duration(self, event: str, duration: float, **_) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            with self._lock:
+                self.seconds += duration
+                self.compiles += 1
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == _CACHE_HIT_EVENT:
+            with self._lock:
+                self.cache_hits += 1
+
+    def summary(self) -> str:
+        return (
+            f"{self.seconds:.1f}s compiling ({self.compiles} executables, "
+            f"{self.cache_hits} from the persistent cache)"
+        )
+
+
+CLOCK = CompileClock()
+_installed = False
+
+
+def cache_dir() -> Path | None:
+    """The cache directory the environment asks for (None: disabled)."""
+    value = os.environ.get(ENV) or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if value and value.lower() in ("off", "0", "none", "false"):
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "magic-jax" / "jax"
+
+
+def enable() -> Path | None:
+    """Turns on the persistent cache for every compilation of this process.
+
+    Every executable is cached, however fast it compiled: the default run
+    compiles dozens of small ones, and the point is that a repeated run
+    compiles nothing. Also starts ``CLOCK``. Returns the directory (None when
+    disabled or not writable).
+    """
+    global _installed
+    import jax
+
+    if not _installed:
+        jax.monitoring.register_event_duration_secs_listener(CLOCK._on_duration)
+        jax.monitoring.register_event_listener(CLOCK._on_event)
+        _installed = True
+    path = cache_dir()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # a read-only home: run without the cache
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

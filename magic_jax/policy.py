@@ -1,0 +1,108 @@
+"""Loading a run's policy and tokenizer from a Hugging Face or magic_jax checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from magic_jax.config import ConfigError
+
+
+def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str = "model") -> Any:
+    """A ``Qwen2`` model from a checkpoint directory, placed on ``mesh`` (or one device).
+
+    Args:
+      path: a Hugging Face checkpoint (``config.json`` + safetensors) or a
+        magic_jax orbax checkpoint (``model_config.json`` + ``state/``).
+      dtype: parameter dtype of a Hugging Face checkpoint (``float32`` / ``bfloat16``);
+        an orbax checkpoint keeps its stored dtype.
+      mesh: the training mesh (parameters are sharded with the training rules), or None.
+      option: the config option that named ``path``, for error messages.
+
+    Raises:
+      ConfigError: ``path`` is not a directory or holds neither kind of checkpoint.
+    """
+    import jax.numpy as jnp
+
+    from magic_jax.checkpoint import CONFIG_FILE, load_model
+    from magic_jax.convert import load_hf
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{option}: {path} is not a directory")
+    if (p / CONFIG_FILE).exists():
+        return load_model(p, mesh=mesh)
+    if (p / "config.json").exists():
+        return load_hf(p, dtype=jnp.dtype(dtype), mesh=mesh)
+    raise ConfigError(
+        f"{option}: {path} holds neither a Hugging Face checkpoint (config.json) nor a "
+        f"magic_jax checkpoint ({CONFIG_FILE})"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """A Hugging Face tokenizer from a local directory.
+
+    A directory whose ``tokenizer_config.json`` names the generic fast class
+    (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as custom tokenizers
+    are saved) is read as exactly its ``tokenizer.json``: ``AutoTokenizer``
+    would pick the model type's tokenizer class instead (``Qwen2Tokenizer``
+    beside a Qwen2 ``config.json``) and rebuild its pre-tokenizer.
+
+    Raises:
+      ConfigError: no tokenizer can be read from ``path``.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = Path(path) / "tokenizer_config.json"
+    try:
+        cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
+        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
+
+
+def reference_params(config: Any, params: Any, mesh: Any) -> Any:
+    """The frozen reference policy of the KL term, or None when no stage uses KL.
+
+    Args:
+      config: the run (``TrainConfig``).
+      params: the policy's initial parameters (``nnx.State`` of ``nnx.Param``),
+        before any update or resume.
+      mesh: the training mesh, or None.
+
+    Returns:
+      None when ``kl_beta`` is 0 in every stage (no reference is held and no
+      reference forward runs). Else a copy of ``params`` (the run's initial
+      weights; new buffers, so the updates that donate the policy's never touch
+      it) or the parameters of ``loss.kl_reference``, loaded with the policy's
+      shardings. Either is only read: it is passed to each update beside the
+      train state, never to the optimizer, and never checkpointed.
+
+    Raises:
+      ConfigError: ``loss.kl_reference`` is unusable or does not match the policy.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    if not config.uses_kl:
+        return None
+    path = config.loss.kl_reference
+    if path is None:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    model = load_policy(path, config.param_dtype, mesh, option="loss.kl_reference")
+    _, ref = nnx.split(model, nnx.Param)
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    if jax.tree.structure(ref) != jax.tree.structure(params) or shapes != [
+        x.shape for x in jax.tree.leaves(ref)
+    ]:
+        raise ConfigError(
+            f"loss.kl_reference: {path} does not have the policy's parameter names and shapes"
+        )
+    # the policy's dtypes (fp32 master weights): one compute path for both forwards
+    return jax.tree.map(lambda r, p: r.astype(p.dtype), ref, params)

@@ -1,0 +1,468 @@
+"""Run directories: ownership marker, one-run lock, stop signals, resume config check, summary.
+
+A run directory belongs to this project once it holds the marker file
+``.magic-jax-run``: ``claim_run_dir`` creates a new directory with the marker
+and refuses a non-empty directory without it, so a mistyped path never mixes
+(or later deletes) someone else's files. ``RunLock`` lets one process at a
+time run in a directory (an ``flock`` on ``.lock``, released by the kernel when
+the holder dies, so a lock left by a killed run is never stale). ``StopSignals``
+turns SIGINT / SIGTERM into a flag the training loop reads at its next safe
+point. ``check_resume_config`` says which options of a resumed run may change.
+Summaries are built from the run directory's records, never from a process's
+memory, so a run split over several processes reports its whole history.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+MARKER = ".magic-jax-run"
+LOCK = ".lock"
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+EVALS = "eval.jsonl"
+
+# Exit status of a run stopped by a signal: the shell convention 128 + signal number.
+STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+# Test hook: ``MAGIC_JAX_KILL_AT=point:step`` makes the process SIGKILL itself when the
+# named point of that step is reached, so tests can interrupt a run at a known place.
+KILL_AT_ENV = "MAGIC_JAX_KILL_AT"
+
+
+class RunDirError(ValueError):
+    """A run directory (or something in it) that cannot be used; the message names it."""
+
+
+# --------------------------------------------------------------------------- marker
+
+
+def claim_run_dir(path: str | os.PathLike, *, what: str = "output directory") -> Path:
+    """Makes ``path`` a run directory of this project, or refuses in one line.
+
+    A missing directory is created (with its parents) and marked; an empty one
+    is marked; a directory that already holds the marker is accepted as is.
+    A non-empty directory without the marker is refused: it holds files this
+    project did not write, and a run must never mix with or remove them.
+
+    Args:
+      path: the directory.
+      what: how error messages name it (``"output_dir"``, ``"--workdir"``).
+
+    Returns:
+      The directory, absolute.
+
+    Raises:
+      RunDirError: ``path`` is a file or lies under one, cannot be created or
+        written, or is a non-empty directory without the marker.
+    """
+    p = Path(path).absolute()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunDirError(f"{what} {p}: exists and is not a directory") from None
+    except NotADirectoryError:
+        raise RunDirError(f"{what} {p}: a parent of it is a file, not a directory") from None
+    except OSError as e:
+        raise RunDirError(f"{what} {p}: cannot create it: {e.strerror or e}") from None
+    marker = p / MARKER
+    if marker.exists():
+        return p
+    try:
+        entries = sorted(os.listdir(p))
+    except OSError as e:
+        raise RunDirError(f"{what} {p}: cannot list it: {e.strerror or e}") from None
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise RunDirError(
+            f"{what} {p}: not empty ({shown}) and not a magic-jax run directory (no {MARKER}); "
+            f"choose a new or empty directory"
+        )
+    try:
+        _write_atomic(marker, json.dumps({"created": _now(), "host": socket.gethostname()}) + "\n")
+    except OSError as e:
+        raise RunDirError(f"{what} {p}: cannot write to it: {e.strerror or e}") from None
+    return p
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- lock
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the life of this process.
+
+    The lock is an ``flock`` on ``DIR/.lock``, whose text names the holder
+    (pid, host, start time). The kernel drops an ``flock`` when its process
+    ends however it ends, so a killed run never leaves a lock that blocks the
+    next one.
+
+    Example:
+      with RunLock(out):
+          ...  # only this process runs in ``out``
+
+    Raises (on enter):
+      RunDirError: another live process holds the lock; the message names it.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path) / LOCK
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"{self.path}: cannot create the run lock: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(
+                f"{self.path.parent}: another run is using this directory ({holder})"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            raise RunDirError(f"{self.path}: cannot lock the run directory: {e.strerror}") from None
+        text = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text, 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            # The lock file stays: removing it would let a waiting process lock a file
+            # another one is about to create anew.
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class StopSignals:
+    """SIGINT / SIGTERM set a flag instead of ending the process, while installed.
+
+    The loop reads ``received`` at its safe points (after a step, before the
+    next), writes a checkpoint and returns. A second signal of either kind
+    while the first is pending ends the process at once (exit status 128 +
+    signal), for a user who does not want to wait for the step to finish.
+    Only the main thread can install handlers; elsewhere this does nothing.
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the handler may run in the middle of a print to stdout
+        if self.received is not None:
+            _stderr(f"[stop] {name} again: stopping now, without a checkpoint\n")
+            os._exit(STOP_EXIT_CODES.get(signal.Signals(signum), 128 + signum))
+        self.received = signum
+        _stderr(f"[stop] {name}: stopping after this step with a checkpoint (again: at once)\n")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_EXIT_CODES:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+
+def _stderr(text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
+
+
+def kill_point(name: str, step: int) -> None:
+    """SIGKILLs this process if ``MAGIC_JAX_KILL_AT`` is ``name:step`` (a test hook)."""
+    want = os.environ.get(KILL_AT_ENV)
+    if want and want == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- config on resume
+
+# Options a resumed run may change: they decide how long the run goes on and what
+# it reports, not what the steps already taken computed. ``stages[i].steps`` is
+# checked on its own (stages already finished keep their length).
+MAY_CHANGE = (
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval.every",
+    "export_hf",
+    "export_dtype",
+    "mesh",
+    "rewards.num_workers",
+    "output_dir",
+)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted paths -> leaves; lists of mappings (stages) are indexed ``stages[1].steps``."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out or {prefix: {}}
+    if isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: list(value) if isinstance(value, tuple) else value}
+
+
+def _may_change(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in MAY_CHANGE)
+
+
+def check_resume_config(
+    old: Mapping[str, Any], new: Mapping[str, Any], done_steps: int
+) -> list[str]:
+    """The options that differ between a run's stored config and its new one, if allowed.
+
+    Step budgets, evaluation cadence, checkpointing, export and the mesh may
+    change; the stages already finished keep their step counts (their steps are
+    done), and the stage in progress cannot be shortened below what it has
+    done. Everything else (seed, model, data, batch shapes, the objective,
+    sampling) would make the resumed run a different experiment.
+
+    Args:
+      old: the stored config (``config.yaml``), as plain values.
+      new: the new config, as plain values.
+      done_steps: steps the run has completed (the resume step).
+
+    Returns:
+      ``"path: old -> new"`` for each allowed change (for the log).
+
+    Raises:
+      RunDirError: one line naming every option that may not change.
+    """
+    a, b = _flatten(dict(old)), _flatten(dict(new))
+    old_stages, new_stages = list(old.get("stages") or ()), list(new.get("stages") or ())
+    refused, changed = [], []
+    start = 0
+    for i, st in enumerate(old_stages):
+        end = start + int(st.get("steps", 0))
+        if end <= done_steps and i < len(new_stages) and new_stages[i].get("steps") != st["steps"]:
+            refused.append(f"stages[{i}].steps (stage finished at step {end})")
+        elif start < done_steps < end and i < len(new_stages):
+            if start + int(new_stages[i].get("steps", 0)) < done_steps:
+                refused.append(f"stages[{i}].steps (the stage has done {done_steps - start})")
+        elif i >= len(new_stages) and start < done_steps:
+            refused.append(f"stages[{i}] (removed, but it has run)")
+        start = end
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        desc = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+        step_budget = key.startswith("stages[") and key.endswith("].steps")
+        if _may_change(key) or step_budget:
+            changed.append(desc)
+            continue
+        if key.startswith("stages["):
+            index = int(key[len("stages[") : key.index("]")])
+            first = sum(int(s.get("steps", 0)) for s in old_stages[:index])
+            if index >= len(old_stages) or first >= done_steps:
+                changed.append(desc)  # a stage not yet begun: its plan may change
+                continue
+        refused.append(key)
+    if refused:
+        raise RunDirError(
+            f"the run has done {done_steps} steps with other settings; these may not change on "
+            f"resume: {', '.join(refused)} (use a new output_dir for a new experiment)"
+        )
+    return changed
+
+
+# --------------------------------------------------------------------------- records
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON lines of a record file (``[]`` if absent); a torn last line is skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+    return rows
+
+
+def trim_records(out: str | os.PathLike, next_step: int) -> dict[str, int]:
+    """Drops the record lines a resumed run computes again (and any torn line).
+
+    Steps ``>= next_step`` are dropped from ``metrics.jsonl``; evaluations after
+    ``next_step`` from ``eval.jsonl`` (the evaluation at ``next_step`` itself was
+    written before its checkpoint and is kept, except at step 0, which a run
+    that starts over evaluates again).
+
+    Returns:
+      Lines dropped per file name.
+    """
+    dropped = {}
+    for name, keep in (
+        (METRICS, lambda s: s < next_step),
+        (EVALS, lambda s: s < next_step or (s == next_step and next_step > 0)),
+    ):
+        path = Path(out) / name
+        if not path.exists():
+            continue
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        rows = read_records(path)
+        kept = [r for r in rows if keep(r["step"])]
+        if len(kept) != len(lines):
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+        dropped[name] = len(lines) - len(kept)
+    return dropped
+
+
+def build_summary(out: str | os.PathLike, *, total_steps: int, **fields: Any) -> dict[str, Any]:
+    """A run's summary from its records: every step's metrics and evaluation on disk.
+
+    Args:
+      out: the run directory.
+      total_steps: the run's planned steps (``finished`` when all are recorded).
+      **fields: values of the final train state (optimizer steps, entropy coefficient ...).
+    """
+    metrics = read_records(Path(out) / METRICS)
+    evals = read_records(Path(out) / EVALS)
+    steps = metrics[-1]["step"] + 1 if metrics else 0
+    return {
+        "steps": steps,
+        "finished": steps >= total_steps,
+        **fields,
+        "last": metrics[-1] if metrics else None,
+        "evals": [{"step": e["step"], "accuracy": e.get("accuracy")} for e in evals],
+    }
+
+
+def write_summary(out: str | os.PathLike, summary: Mapping[str, Any]) -> None:
+    """Writes ``summary.json`` whole or not at all."""
+    _write_atomic(Path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
+
+
+def finished_summary(out: str | os.PathLike, total_steps: int) -> dict[str, Any] | None:
+    """The stored summary of a run that finished all ``total_steps``, else None."""
+    path = Path(out) / SUMMARY
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # rebuilt at the end of this run
+    if (
+        isinstance(summary, dict)
+        and summary.get("finished")
+        and summary.get("steps") == total_steps
+    ):
+        return summary
+    return None
+
+
+@contextlib.contextmanager
+def run_directory(
+    path: str | os.PathLike, *, primary: bool = True, what: str = "output_dir"
+) -> Iterator[Path]:
+    """Claims ``path`` as a run directory and holds its lock for the ``with`` block.
+
+    Args:
+      path: the run directory.
+      primary: False in the other processes of a multi-host run: they use the
+        directory the primary process claimed and locked.
+      what: how error messages name it.
+    """
+    if not primary:
+        yield Path(path).absolute()
+        return
+    p = claim_run_dir(path, what=what)
+    with RunLock(p):
+        yield p
+
+
+def stored_config(out: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``config.yaml`` a run directory holds (None if it has none)."""
+    import yaml
+
+    path = Path(out) / CONFIG
+    if not path.exists():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise RunDirError(f"{path}: unreadable stored config: {e}") from None
+    if not isinstance(raw, dict):
+        raise RunDirError(f"{path}: the stored config is not a mapping of options")
+    return raw
+
+
+def write_config(out: str | os.PathLike, raw: Mapping[str, Any]) -> None:
+    """Stores a run's resolved config as ``config.yaml``."""
+    import yaml
+
+    _write_atomic(Path(out) / CONFIG, yaml.safe_dump(dict(raw), sort_keys=False))
+
+
+__all__: Sequence[str] = (
+    "MARKER",
+    "RunDirError",
+    "RunLock",
+    "StopSignals",
+    "build_summary",
+    "check_resume_config",
+    "claim_run_dir",
+    "finished_summary",
+    "kill_point",
+    "read_records",
+    "run_directory",
+    "stored_config",
+    "trim_records",
+    "write_config",
+    "write_summary",
+)

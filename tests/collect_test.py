@@ -1,0 +1,178 @@
+"""Rejection sampling with refill on scripted rewards, and the stage schedule's until rules."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from magic_jax.advantages import AdvantageConfig
+from magic_jax.buffer import pack_rollouts
+from magic_jax.collect import Group, collect_groups, flatten, mixed_groups
+from magic_jax.config import (
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    StageConfig,
+    TrainConfig,
+    UntilConfig,
+    load_config,
+)
+from magic_jax.stages import Schedule
+
+G, D_R = 4, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    entropies: np.ndarray
+    truncated: bool
+    length: int
+
+
+def _group(uid, rewards):
+    samples = [
+        Sample(0, j, np.array([1, 2], np.int32), np.array([3, 4], np.int32),
+               np.full(2, -1.0, np.float32), np.ones(2, np.float32), False, 2)
+        for j in range(G)
+    ]  # fmt: skip
+    return Group(uid, samples, np.asarray(rewards, np.float32))
+
+
+def _script(rounds):
+    """sample_round from a table: round r -> one reward list per prompt; records calls."""
+    calls = []
+
+    def sample_round(r):
+        calls.append(r)
+        return [_group(f"r{r}p{i}", rw) for i, rw in enumerate(rounds[r])]
+
+    return sample_round, calls
+
+
+MIXED, ALL_WRONG, ALL_RIGHT = [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]
+
+
+def test_refill_fills_the_batch_with_mixed_groups():
+    table = [
+        [MIXED, ALL_WRONG, ALL_RIGHT, ALL_WRONG],  # 1 mixed
+        [ALL_WRONG, MIXED, MIXED, ALL_WRONG],  # 3
+        [MIXED, ALL_RIGHT, MIXED, MIXED],  # 6 >= D_R: stop here
+        [MIXED] * 4,
+    ]
+    sample_round, calls = _script(table)
+    got = collect_groups(
+        sample_round, num_groups=D_R, advantage=AdvantageConfig(), refill=True, max_rounds=5
+    )
+    assert calls == [0, 1, 2]
+    assert got.rounds == 2 and got.extra_rollouts == 2 * D_R * G and got.mixed == 6
+    assert [g.row for g in got.groups] == ["r0p0", "r1p1", "r1p2", "r2p0"]
+    assert len(got.every) == 3 * D_R
+    samples, rewards = flatten(got.groups)
+    buf = pack_rollouts(samples, rewards, group_size=G, num_groups=D_R, response_bucket=8)
+    assert buf.num_groups == D_R and buf.group_keep().all()
+
+
+def test_refill_stops_at_the_cap_and_fills_with_unmixed_groups():
+    table = [[ALL_WRONG, MIXED, ALL_RIGHT, ALL_WRONG]] + [[ALL_WRONG] * 4] * 5
+    sample_round, calls = _script(table)
+    got = collect_groups(
+        sample_round, num_groups=D_R, advantage=AdvantageConfig(), refill=True, max_rounds=3
+    )
+    assert calls == [0, 1, 2, 3] and got.rounds == 3 and got.mixed == 1
+    # the one mixed group first, then round 0's others: always D_R groups (static shapes)
+    assert [g.row for g in got.groups] == ["r0p1", "r0p0", "r0p2", "r0p3"]
+    samples, rewards = flatten(got.groups)
+    buf = pack_rollouts(samples, rewards, group_size=G, num_groups=D_R, response_bucket=8)
+    assert buf.group_keep().tolist() == [True, False, False, False]
+
+
+def test_without_refill_the_step_keeps_its_own_groups():
+    sample_round, calls = _script([[ALL_WRONG, MIXED, ALL_RIGHT, ALL_WRONG], [MIXED] * 4])
+    got = collect_groups(sample_round, num_groups=D_R, advantage=AdvantageConfig())
+    assert calls == [0] and got.rounds == 0 and got.extra_rollouts == 0
+    assert [g.row for g in got.groups] == ["r0p0", "r0p1", "r0p2", "r0p3"]
+
+
+def test_mixed_follows_the_truncation_mask():
+    g = _group("x", [1, 0, 0, 0])
+    g.samples[1:] = [dataclasses.replace(s, truncated=True) for s in g.samples[1:]]
+    assert mixed_groups([g], AdvantageConfig()).tolist() == [True]
+    # "before": one untruncated response left, nothing to compare against
+    assert mixed_groups([g], AdvantageConfig(mask="before")).tolist() == [False]
+
+
+def _run_config(**stage0):
+    st = dict(steps=5, max_response_length=8, prompts_per_step=4, mini_batch_groups=2,
+              group_size=4)  # fmt: skip
+    return TrainConfig(
+        model="m",
+        output_dir="o",
+        data=DataConfig(train=("t",)),
+        stages=(StageConfig(**st, **stage0), StageConfig(**st)),
+        eval=EvalConfig(data=("e",)),
+    )
+
+
+def test_schedule_truncation_rule_budget_and_state_round_trip():
+    cfg = _run_config(until=UntilConfig(truncated_below=0.1, truncated_steps=2))
+    s = Schedule()
+    assert s.after_step(cfg, 1, 0.05) is None  # one low step
+    assert s.after_step(cfg, 2, 0.5) is None  # the run of low steps restarts
+    assert s.after_step(cfg, 3, 0.0) is None
+    reason = s.after_step(cfg, 4, 0.09)
+    assert reason is not None and "under 0.1 for 2" in reason
+    s.advance(4, reason)
+    assert s.index == 1 and s.stage_step(4) == 0 and s.switches[0]["step"] == 4
+    back = Schedule.from_state_dict(s.state_dict())
+    assert back == s
+    # stage 1 has no rules: its budget of 5 steps ends it
+    assert [back.after_step(cfg, n, 0.0) for n in range(5, 9)] == [None] * 4
+    assert "budget" in back.after_step(cfg, 9, 0.0)
+    back.advance(9, "budget")
+    assert back.finished(cfg)
+
+
+def test_schedule_eval_rule():
+    cfg = _run_config(until=UntilConfig(eval_patience=2, eval_min_gain=0.01))
+    s = Schedule()
+    assert s.after_eval(cfg, 0.30) is None  # the baseline
+    assert s.after_eval(cfg, 0.35) is None  # a gain
+    assert s.after_eval(cfg, 0.355) is None  # under min gain: 1
+    reason = s.after_eval(cfg, 0.20)  # 2
+    assert reason is not None and "no eval gain for 2" in reason
+    s.advance(7, reason)
+    assert s.best_eval is None and s.evals_without_gain == 0
+    assert s.after_eval(cfg, 0.1) is None  # stage 1 has no eval rule
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stages.0.until={truncated_steps: 2}", r"stages\[0\]\.until: set truncated_below"),
+        ("stages.0.until={truncated_below: 1.5}", r"stages\[0\]\.until: truncated_below must"),
+        ("stages.0.until={eval_patience: 2}", r"stages\[0\]\.until\.eval_patience needs an eval"),
+        ("stages.0.until={eval_patiense: 2}", r"stages\[0\]\.until\.eval_patiense: unknown"),
+        ("stages.1.kl_beta=-1", r"stages\[1\]: kl_beta must be >= 0"),
+        ("rollout.refill=3", r"rollout\.refill: expected true or false"),
+        ("rollout.refill_max_rounds=0", r"rollout: refill_max_rounds must be >= 1"),
+        ("loss.tis_cap=0.5", r"loss: LossConfig\.tis_cap must be >= 1"),
+        ("loss.behaviour_logprobs=top_p", r"loss\.behaviour_logprobs: expected one of"),
+        ("mini_batch_split=half", r"mini_batch_split: expected one of"),
+        ("stages.0.mini_batch_groups=3", r"stages\[0\]: prompts_per_step \(4\) must be a multiple"),
+    ],
+)
+def test_new_options_are_checked_at_load(override, message):
+    raw = {
+        "model": "m",
+        "output_dir": "o",
+        "data": {"train": ["t"]},
+        "stages": [{"steps": 2, "max_response_length": 8, "prompts_per_step": 4,
+                    "mini_batch_groups": 2, "group_size": 4} for _ in range(2)],
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw=raw, overrides=[override])
