@@ -82,6 +82,9 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{cfg_path}: not a JSON model config (top level is not an object)")
     for key in ("sliding_layers",):
         raw[key] = tuple(raw.get(key) or ())
+    # Saved before the layers were stacked: the parameters are stored one layer each,
+    # which the Python-loop model reads as it is.
+    raw.setdefault("scan_layers", False)
     if isinstance(raw.get("eos_token_id"), list):
         raw["eos_token_id"] = tuple(raw["eos_token_id"])
     try:

@@ -229,3 +229,22 @@ def test_streaming_load_peak_memory(tmp_path):
         f"transient host memory {overhead / 2**20:.0f} MB beyond the {got['params'] / 2**20:.0f}"
         f" MB of parameters; bound {(2 * largest) / 2**20 + ALLOWANCE_MB:.0f} MB"
     )
+
+
+def test_orbax_checkpoints_of_both_layouts_load(hf_dir, tmp_path):
+    """A stacked save loads stacked; a checkpoint written before the layers were stacked
+    (per-layer parameters, no ``scan_layers`` in its config) still loads, as the loop model."""
+    from magic_jax.checkpoint import CONFIG_FILE, load_model, save_model
+
+    hf, src = hf_dir
+    want = torch_logits(hf, IDS)
+    stacked = load_model(save_model(load_hf(src), tmp_path / "new"))
+    assert stacked.config.scan_layers
+    old = save_model(load_hf(src, overrides={"scan_layers": False}), tmp_path / "old")
+    raw = json.loads((old / CONFIG_FILE).read_text())
+    del raw["scan_layers"], raw["remat"]
+    (old / CONFIG_FILE).write_text(json.dumps(raw))
+    loop = load_model(old)
+    assert not loop.config.scan_layers
+    for m in (stacked, loop):
+        np.testing.assert_allclose(np.asarray(m(jnp.asarray(IDS))), want, atol=1e-4)

@@ -1,5 +1,7 @@
 """Mesh construction, logical-axis rules, and sharded == unsharded on a forced 8-device CPU mesh."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,17 +51,24 @@ def _specs(model):
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         key = ".".join(str(p) for p in path if not isinstance(p, int) and p != "layers")
-        out.setdefault(key, set()).add(var.get_value().sharding.spec)
+        spec = tuple(var.get_value().sharding.spec)
+        if path[0] == "layers" and not isinstance(path[1], int):
+            # stacked [L, ...] parameters: the layer axis is never split
+            assert spec[0] is None, (key, spec)
+            spec = spec[1:]
+        out.setdefault(key, set()).add(P(*spec))
     return out
 
 
 @pytest.mark.parametrize(
     ("rules", "table"), [(TRAIN_RULES, TRAIN_TABLE), (SAMPLE_RULES, SAMPLE_TABLE)]
 )
-def test_parameters_land_with_the_table_specs(rules, table):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_parameters_land_with_the_table_specs(rules, table, scan_layers):
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
-    model = shard_model(Qwen2(CFG, rngs=nnx.Rngs(0)), mesh, rules)
+    cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
+    model = shard_model(Qwen2(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     specs = _specs(model)
     assert set(specs) == set(table)
     for name, want in table.items():
