@@ -202,8 +202,8 @@ def test_sharded_engine_matches_unsharded(hf_and_model):
     )
     engine = _engine(model, mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), sampling=sampling)
     params = engine.load_params(model)
-    q_kernel = params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    q_kernel = params["layers"]["self_attn"]["q_proj"]["kernel"][...]  # [L, D, N*H]
+    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     got, _ = RolloutDriver(engine).run(params, prompts, num_samples=2, seed=4, max_new_tokens=12)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)

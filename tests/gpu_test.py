@@ -60,8 +60,9 @@ def test_logits_match_transformers_in_bf16(gpu, tmp_path):
             model = load_hf(path, compute_dtype=jnp.bfloat16, overrides={"scan_layers": scan})
             got = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(IDS))
             assert got.devices() == {gpu}
-            # bf16 matmul inputs: ~3 significant digits per product, |logits| ~ 1
-            np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=6e-2, rtol=6e-2)
+            # bf16 matmul inputs, fp32 accumulation; |logits| < 1 here. The same model in
+            # bf16 on the CPU is off by at most 6.6e-3 (three seeds).
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=0)
 
 
 def test_chunked_logprobs_and_entropy(gpu):
@@ -82,8 +83,9 @@ def test_chunked_logprobs_and_entropy(gpu):
         np.testing.assert_allclose(logp, ref_logp, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
         logp16, ent16 = fn(h, w, tgt, "bfloat16")
-        np.testing.assert_allclose(logp16, ref_logp, atol=0.15)
-        np.testing.assert_allclose(ent16, ref_ent, atol=0.15)
+        # bf16 matmul inputs; on the CPU the same case is off by 4.6e-3 / 1.3e-3
+        np.testing.assert_allclose(logp16, ref_logp, atol=2e-2)
+        np.testing.assert_allclose(ent16, ref_ent, atol=1e-2)
 
 
 def _update_inputs():
