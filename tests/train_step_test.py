@@ -279,8 +279,8 @@ def test_sharded_equals_unsharded():
         updater = PolicyUpdater(graphdef, cfg, mesh=mesh)
         state, metrics = updater.train_step(updater.init_state(params), buf, 0.005)
         if mesh is not None:
-            kernel = state.params["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
-            assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+            kernel = state.params["layers"]["mlp"]["gate_proj"]["kernel"][...]  # [L, D, F]
+            assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
             assert len(kernel.sharding.device_set) == 8
         delta = jax.tree.map(lambda a, b: a - b, jax.device_get(state.params), p_init)
         results.append((delta, jax.device_get(metrics)))
