@@ -16,11 +16,13 @@ holds a 512-token sample), so by default one is timed and multiplied by four
 
     .venv/bin/python benchmarks/rollout.py            # both workloads, with peer
     .venv/bin/python benchmarks/rollout.py --quick    # tiny smoke run
+    .venv/bin/python benchmarks/rollout.py --workloads W1 --skip-peer --loop-layers
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -93,6 +95,9 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--cache-bucket", type=int, default=128)
     ap.add_argument("--no-compact", action="store_true")
+    ap.add_argument(
+        "--loop-layers", action="store_true", help="ModelConfig.scan_layers=False (Python loop)"
+    )
     args = ap.parse_args()
 
     if args.quick:
@@ -107,9 +112,11 @@ def main() -> None:
             num_kv_heads=2,
         )  # fmt: skip
         prompt_len, slots = 64, 32
+    cfg = dataclasses.replace(cfg, scan_layers=not args.loop_layers)
     model = Qwen2(cfg, rngs=nnx.Rngs(0))
     print(
-        f"model: {cfg.num_params() / 1e6:.1f}M params, fp32 | jax {jax.__version__} "
+        f"model: {cfg.num_params() / 1e6:.1f}M params, fp32, "
+        f"{'scanned' if cfg.scan_layers else 'loop'} layers | jax {jax.__version__} "
         f"{jax.devices()[0].platform} | cpus {os.cpu_count()} | torch threads {args.threads}"
     )
     rows = []
