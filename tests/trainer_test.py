@@ -100,7 +100,9 @@ def _params(path):
 @pytest.fixture(scope="module")
 def straight(files):
     """An uninterrupted run of both stages."""
-    summary = Trainer(_config(files, "straight"), log=lambda s: None).run()
+    trainer = Trainer(_config(files, "straight"), log=lambda s: None)
+    summary = trainer.run()
+    assert trainer.ref_params is None  # kl_beta 0 in every stage: no reference held
     return files / "straight", summary
 
 
@@ -206,3 +208,68 @@ def test_train_command_with_relative_paths_checkpoints_and_resumes(files, monkey
     assert main([*args, "--stop-after", "2"]) == 0
     assert [r["step"] for r in _metrics(files / "runs" / "rel")] == [0, 1]
     assert "continuing at step 1" in capsys.readouterr().out
+
+
+def test_kl_against_the_frozen_reference_per_stage(files):
+    """kl_beta in stage 0 only; the reference (loss.kl_reference, relative) never changes."""
+    import jax
+    from flax import nnx
+
+    from magic_jax.policy import load_policy
+
+    cfg = _config(files, "kl", "stages.0.kl_beta=0.5", "loss.kl_reference=model", "export_hf=false")
+    assert cfg.loss.kl_reference == str(files / "model")
+    trainer = Trainer(cfg, log=lambda s: None)
+    trainer.run(stop_after=3)
+    rows = _metrics(files / "kl")
+    assert [r["kl_beta"] for r in rows] == [0.5, 0.5, 0.0]
+    # once the policy has moved (an optimizer step before), k3 to the reference is > 0
+    assert sum(r["sgd_steps"] for r in rows[:2]) > 1 and max(r["ref_kl"] for r in rows[:2]) > 0
+    assert rows[2]["ref_kl"] == 0.0  # stage 1: beta 0, no reference forward
+    _, initial = nnx.split(load_policy(files / "model", "float32", None), nnx.Param)
+    for a, b in zip(jax.tree.leaves(trainer.ref_params), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reference_defaults_to_a_copy_of_the_initial_weights(files, tmp_path):
+    import jax.numpy as jnp
+
+    from magic_jax.policy import reference_params
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    assert reference_params(_config(files, tmp_path), params, None) is None
+    ref = reference_params(_config(files, tmp_path, "loss.kl_beta=0.01"), params, None)
+    for k in params:
+        np.testing.assert_array_equal(ref[k], params[k])
+        assert ref[k].unsafe_buffer_pointer() != params[k].unsafe_buffer_pointer()
+    bad = _config(files, tmp_path, "stages.1.kl_beta=0.01", "loss.kl_reference=.")
+    with pytest.raises(ConfigError, match="loss.kl_reference: .* neither a Hugging Face"):
+        reference_params(bad, params, None)
+
+
+def test_until_rule_switch_survives_resume_with_refill(files):
+    """Stage 0 ends on its truncation rule after one step; the resumed run starts stage 1."""
+    args = (
+        "stages.0.until={truncated_below: 1.0, truncated_steps: 1}",
+        "rollout.refill=true",
+        "rollout.refill_max_rounds=1",
+    )
+    cfg = _config(files, "until", *args)
+    Trainer(cfg, log=lambda s: None).run(stop_after=1)
+    meta = json.loads((latest_checkpoint(files / "until") / "trainer.json").read_text())
+    assert meta["schedule"]["index"] == 1 and meta["schedule"]["start"] == 1
+    assert meta["schedule"]["switches"][0]["step"] == 1
+    logs = []
+    summary = Trainer(cfg, log=logs.append).run()
+    rows = _metrics(files / "until")
+    where = [(r["step"], r["stage"], r["stage_step"]) for r in rows]
+    assert where == [(0, 0, 0), (1, 1, 0), (2, 1, 1)]
+    assert "truncated fraction under 1.0 " in rows[0]["stage_end"]
+    assert "budget" in rows[2]["stage_end"] and "stage_end" not in rows[1]
+    assert summary["finished"] and (files / "until" / "hf_final").exists()
+    for r in rows:
+        assert r["refill_rounds"] in (0, 1)
+        assert r["extra_rollouts"] == r["refill_rounds"] * 4 * 8
+        assert r["prompts"] == 4 * (1 + r["refill_rounds"])
+        # a full batch of mixed groups whenever enough were found
+        assert r["kept_group_fraction"] == min(r["mixed_groups"], 4) / 4
