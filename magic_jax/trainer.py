@@ -230,6 +230,7 @@ class Trainer:
             log=self.log,
             primary=jax.process_index() == 0,
         )
+        self.log = self._monitor.write  # the run's other lines print above the progress bar
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
