@@ -80,6 +80,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_data(args: argparse.Namespace) -> int:
+    from magic_jax.tfds_data import prepare_dataset
+
+    t0 = time.perf_counter()
+    out = prepare_dataset(args.rows, args.out)
+    print(f"prepared {out} in {time.perf_counter() - t0:.1f}s (data.train: {args.out})")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from magic_jax.config import load_config
     from magic_jax.rundir import STOP_EXIT_CODES
@@ -326,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", action="append", help="legend name of each run, in order (default: dir name)"
     )
     p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "prepare-data", help="verl rows (Parquet / JSON lines) -> an array_record tfds dataset"
+    )
+    p.add_argument("rows", nargs="+", help="files or directories of verl rows")
+    p.add_argument("--out", required=True, help="new dataset directory (data.train may name it)")
+    p.set_defaults(func=_prepare_data)
     return parser
 
 
