@@ -18,8 +18,9 @@ $(VENV)/.installed: setup.py constraints.txt
 	$(BIN)/pip install -q --no-deps -c constraints.txt "google-jetstream==0.2.2"
 	touch $@
 
+# the README's first command: the embedded default run (configs/default.yaml), report included
 demo: setup
-	$(BIN)/magic-jax demo
+	$(BIN)/magic-jax train
 
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
