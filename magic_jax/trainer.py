@@ -169,7 +169,7 @@ class Trainer:
             finished = rundir.finished_summary(self.out, cfg.total_steps)
             if finished is not None:
                 self.log(
-                    f"[done] {self.out} has finished all {cfg.total_steps} steps; nothing to do "
+                    f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
                     f"(use a new output_dir for a new run)"
                 )
                 return finished
@@ -270,6 +270,7 @@ class Trainer:
             self.out,
             # a run whose last stage ended on an until rule is finished at that step
             total_steps=step if schedule.finished(cfg) else cfg.total_steps,
+            planned_steps=cfg.total_steps,
             optimizer_steps=int(state.step),
             skipped_updates=int(state.skipped),
             entropy_coef=float(state.entropy.coef),

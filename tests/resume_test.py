@@ -110,25 +110,28 @@ def test_stage_boundary_split_equals_the_uninterrupted_run(files, reference):
     assert a["excluded"] == b["excluded"] and a["tracker"] == b["tracker"]
 
 
-def test_resume_at_a_stage_boundary_applies_online_filtering(files):
-    """The checkpoint at a stage's end holds that stage's statistics: a prompt it solved
-    every time is dropped by the next stage, also when the run resumes right there."""
-    from magic_jax.checkpoint import write_manifest
+def test_resume_at_a_stage_boundary_applies_online_filtering(files, monkeypatch):
+    """A prompt solved every time in stage 0 leaves stage 1's prompt set, whether the run
+    goes straight on or resumes from the checkpoint written at stage 0's end."""
+    from magic_jax.data import AccuracyTracker
 
-    out = files / "boundary"
-    cfg = _config(files, out, "stages.0.steps=1", "stages.1.steps=1", "export_hf=false")
-    Trainer(cfg, log=lambda s: None).run(stop_after=1)
-    path = out / "checkpoints" / "step_00000001"
-    meta = json.loads((path / TRAINER_STATE).read_text())
-    solved = "sums:5"
-    meta["tracker"]["counts"][solved] = [8.0, 8.0]
-    (path / TRAINER_STATE).write_text(json.dumps(meta))
-    write_manifest(path)
-    logs = []
-    Trainer(cfg, log=logs.append).run()
-    assert any("[stage 1" in line and "1 dropped by online filtering" in line for line in logs)
-    final = json.loads((out / "checkpoints" / "step_00000002" / TRAINER_STATE).read_text())
-    assert final["excluded"] == [solved] and final["stage"] == 1
+    # a random tiny policy solves nothing every time: let the first prompt count as solved
+    monkeypatch.setattr(AccuracyTracker, "solved", lambda self: set(sorted(self.counts)[:1]))
+    over = ("stages.0.steps=1", "stages.1.steps=1", "export_hf=false")
+    logs = {}
+    for name, splits in (("straight", [None]), ("at_boundary", [1, None])):
+        cfg = _config(files, files / f"boundary_{name}", *over)
+        logs[name] = []
+        for stop in splits:
+            Trainer(cfg, log=logs[name].append).run(stop_after=stop)
+    assert any("continuing at step 1" in x for x in logs["at_boundary"])
+    for name in logs:
+        out = files / f"boundary_{name}"
+        assert any("[stage 1" in x and "(1 dropped by online filtering)" in x for x in logs[name])
+        meta = json.loads((out / "checkpoints" / "step_00000002" / TRAINER_STATE).read_text())
+        assert len(meta["excluded"]) == 1
+    a, b = (_records(files / f"boundary_{n}")[0] for n in logs)
+    assert a == b and [r["stage"] for r in a] == [0, 1]
 
 
 @pytest.mark.slow
@@ -164,7 +167,7 @@ def test_finished_run_started_again_changes_nothing(files, reference):
     logs = []
     got = Trainer(_cfg(files, reference), log=logs.append).run()
     assert got == json.loads(summary)
-    assert len(logs) == 1 and "has finished all 4 steps; nothing to do" in logs[0]
+    assert len(logs) == 1 and "has finished (4 steps); nothing to do" in logs[0]
     assert files_now() == before  # no export, no summary, no config written again
 
 
