@@ -25,11 +25,9 @@ from magic_jax.entropy import (
 )
 from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
 from magic_jax.optim import OptimizerConfig, make_optimizer
+from magic_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger(__name__)
-
-# Rows of a batch split over these mesh axes (as sharding.BATCH_AXES).
-_BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,13 +144,13 @@ def init_train_state(params: Any, config: UpdateConfig, *, mesh: Mesh | None = N
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
     """Each leaf's sharding if it already lives on ``mesh``, else replicated over it."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    repl = replicated(mesh)
 
     def one(x):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, NamedSharding) and sh.mesh == mesh:
             return sh
-        return replicated
+        return repl
 
     return jax.tree.map(one, tree)
 
@@ -368,9 +366,7 @@ class PolicyUpdater:
         self.graphdef = graphdef
         self.config = config
         self.mesh = mesh
-        self.batch_sharding = (
-            None if mesh is None else NamedSharding(mesh, PartitionSpec(_BATCH_AXES))
-        )
+        self.batch_sharding = None if mesh is None else batch_sharding(mesh)
         self._jitted = None
         self._logprobs = None
 
@@ -419,9 +415,7 @@ class PolicyUpdater:
         """
         if self._logprobs is None:
             lcfg = self.config.loss
-            self._logprobs = jax.jit(
-                lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0]
-            )
+            self._logprobs = jax.jit(lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0])
         d_t, n = self.config.mini_batch_groups, buffer.num_groups
         out = np.zeros(buffer.response_mask.shape, np.float32)
         for start in range(0, n, d_t):
