@@ -190,6 +190,14 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
     monkeypatch.chdir(files)
     assert main(["train", str(files / "run.yaml"), "--set", "stages.0.steps=0"]) == 2
     assert "steps must be positive" in capsys.readouterr().err
+    for option, message in (
+        ("stages.0.until={eval_patience: 2}", "stages[0].until.eval_patience needs an eval"),
+        ("loss.kl_reference=no/such/dir", "loss.kl_reference: "),
+        ("rollout.refill_max_rounds=0", "rollout: refill_max_rounds must be >= 1"),
+    ):
+        assert main(["train", str(files / "run.yaml"), "--set", option]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     (files / "broken.jsonl").write_text('{"prompt": []}\n')
     code = main(
         ["train", str(files / "run.yaml"), "--set", f"data.train=[{files / 'broken.jsonl'}]",
