@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from magic_jax.advantages import count_loss_tokens
 from magic_jax.buffer import MiniBatchSplit, RolloutBuffer, split_mini_batches
 from magic_jax.entropy import (
     EntropyControlConfig,
@@ -236,7 +237,7 @@ def loss_and_grads(
     if lcfg.kl_beta > 0 and ref_params is None:
         raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
     mask_BR = batch.loss_mask()
-    num_tokens = mask_BR.sum()
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
     nominal = float(batch.num_rows)
 
@@ -317,7 +318,7 @@ def train_step(
         ref_params=ref_params,
         batch_sharding=batch_sharding,
     )
-    num_tokens = batch.loss_mask().sum()
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
     finite = jnp.isfinite(loss) & jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
     )
