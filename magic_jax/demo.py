@@ -319,6 +319,39 @@ def check_task(config: Any) -> None:
             )
 
 
+def overview_figure(run_dir: str | Path, png: str | Path) -> Path:
+    """One PNG of a run's MAGIC dynamics: entropy with its target and alpha, held-out
+    accuracy, response length with the limit T, truncated fraction (stages marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from magic_jax import report
+
+    runs = [report.load_run(run_dir)]
+    fig = Figure(figsize=(11, 6.4), dpi=100)
+    axes = fig.subplots(2, 2).ravel()
+    panels = {stem: (title, ylabel, plot) for stem, title, ylabel, plot in report.PANELS}
+    for ax, stem in zip(axes, ("entropy", "eval", "length", "truncated")):
+        title, ylabel, plot = panels[stem]
+        plot(ax, runs)
+        if stem == "entropy":  # alpha_k on its own scale
+            twin = ax.twinx()
+            x, y = runs[0].series("alpha")
+            twin.plot(x, y, color="tab:red", linewidth=1.0, alpha=0.7)
+            twin.set_ylabel("alpha_k", color="tab:red")
+            title = "Token entropy, target (dashed) and alpha_k (red)"
+        report.mark_stages(ax, runs)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    return Path(png)
+
+
 def _first_last_eval(output_dir: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
     path = output_dir / "eval.jsonl"
     if not path.exists():
@@ -356,6 +389,7 @@ def run_default(
 
         try:
             summary["report"] = str(write_report([out], out / "report.html"))
+            overview_figure(out, out / "overview.png")
         except ImportError as e:  # matplotlib missing: the run itself is complete
             log(f"[report] not written: {e}")
     from magic_jax import compile_cache
@@ -366,7 +400,9 @@ def run_default(
     elif summary.get("stopped_by") is None:
         timing.write_text(json.dumps({"wall_s": wall}) + "\n")
     summary["wall_s"] = wall
-    summary["compile_s"] = compile_cache.CLOCK.seconds
+    clock = compile_cache.CLOCK
+    summary.update(compile_s=clock.compile_seconds, compiled=clock.compiled,
+                   cache_read_s=clock.read_seconds, cache_hits=clock.cache_hits)  # fmt: skip
     ends = _first_last_eval(out)
     if ends is not None:
         first, last = ends
