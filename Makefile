@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow lint format bench ci clean constraints
+.PHONY: setup demo test test-slow test-tpu lint format bench ci clean constraints
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,19 @@ test: setup
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
+# `magic-jax plan` compiles for TPU slices here through libtpu; jax[tpu] lives in its own
+# venv so that .venv stays the CPU build.
+TPU_VENV ?= .venv-tpu
+
+$(TPU_VENV)/.installed: setup.py constraints.txt
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -q -c constraints.txt -e ".[tpu]" pytest
+	touch $@
+
+test-tpu: $(TPU_VENV)/.installed
+	$(TPU_VENV)/bin/pytest -q tests/plan_test.py $(PYTEST_ARGS)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -45,7 +58,7 @@ bench: setup
 ci: lint test test-slow
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) build *.egg-info .pytest_cache .ruff_cache
 
 constraints: setup
 	(echo "# Versions CI installs (pip install -c constraints.txt). Regenerate with: make constraints"; \
