@@ -100,7 +100,7 @@ def test_stage_boundary_split_equals_the_uninterrupted_run(files, reference):
     meta = json.loads(
         (files / "split" / "checkpoints" / "step_00000002" / TRAINER_STATE).read_text()
     )
-    assert meta["stage"] == 0 and meta["next_step"] == 2
+    assert meta["next_step"] == 2 and meta["stage"] == 1  # the switch to stage 1 is saved
     logs = []
     Trainer(cfg, log=logs.append).run()
     assert any("continuing at step 2" in line for line in logs)
