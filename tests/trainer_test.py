@@ -118,6 +118,11 @@ def test_run_goes_through_both_stages(straight):
                     "clipfrac_low", "clipfrac_high", "approx_kl", "truncated_fraction",
                     "t_rollout_s", "t_update_s", "t_other_s"):  # fmt: skip
             assert np.isfinite(r[key]), key
+    # the rollout/trainer mismatch, measured at each step's first optimizer step: the
+    # engine's fp32 decode and the trainer's forward give the same log-probs here
+    trained = [r for r in rows if r["sgd_steps"] > 0]
+    assert trained and all(abs(r["sampler_ratio_mean"] - 1) < 1e-3 for r in trained)
+    assert all(0 <= r["sampler_kl"] < 1e-5 for r in trained)
     # entropy above a target of 5 nats never happens with 20 tokens: c_k grows by delta
     assert [r["alpha"] for r in rows] == pytest.approx([0.0, 0.01, 0.02, 0.03])
     assert summary["entropy_coef"] == pytest.approx(0.04)
@@ -261,6 +266,7 @@ def test_until_rule_switch_survives_resume_with_refill(files):
         "stages.0.until={truncated_below: 1.0, truncated_steps: 1}",
         "rollout.refill=true",
         "rollout.refill_max_rounds=1",
+        "loss.tis_cap=2",
     )
     cfg = _config(files, "until", *args)
     Trainer(cfg, log=lambda s: None).run(stop_after=1)
@@ -281,3 +287,5 @@ def test_until_rule_switch_survives_resume_with_refill(files):
         assert r["prompts"] == 4 * (1 + r["refill_rounds"])
         # a full batch of mixed groups whenever enough were found
         assert r["kept_group_fraction"] == min(r["mixed_groups"], 4) / 4
+        # TIS: the trainer's pi_old over the sampler's: ~1 in fp32, never above the cap
+        assert r["sgd_steps"] == 0 or 0.99 < r["tis_weight_mean"] < 1.01
