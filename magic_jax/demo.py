@@ -65,8 +65,8 @@ class BuildConfig:
     """
 
     seed: int = 0
-    worked_steps: int = 2000
-    mixture_steps: int = 400
+    worked_steps: int = 1600
+    mixture_steps: int = 1000
     batch: int = 32
     learning_rate: float = 2e-3
     worked_share: float = 0.3
@@ -77,8 +77,12 @@ class BuildConfig:
     eval_problems: int = 128
 
 
-def _examples(task, tok, rng: np.random.Generator, n: int, exclude: set):
-    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, none held out."""
+def _examples(task, tok, rng: np.random.Generator, n: int, n_worked: int, exclude: set):
+    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, none held out.
+
+    The first ``n_worked`` problems get worked solutions, the rest quick ones
+    (problems are random, so the order says nothing).
+    """
     from magic_jax.data import render_r1
     from magic_jax.tasks import addition
 
@@ -89,7 +93,11 @@ def _examples(task, tok, rng: np.random.Generator, n: int, exclude: set):
             continue
         msgs = [{"role": "user", "content": addition.prompt(a, b)}]
         p = tok.encode(render_r1(msgs), add_special_tokens=False)
-        r = tok.encode(task.sft_response(a, b, rng), add_special_tokens=False)
+        if len(prompts) < n_worked:
+            text = addition.worked_solution(a, b)
+        else:
+            text = addition.quick_solution(a, b, rng)
+        r = tok.encode(text, add_special_tokens=False)
         prompts.append(np.asarray(p, np.int32))
         responses.append(np.asarray([*r, tok.eos_token_id], np.int32))
     return prompts, responses
@@ -206,12 +214,14 @@ def build_default(
         SFTConfig(learning_rate=config.learning_rate, decay_steps=total - 20),
     )
     rng = np.random.default_rng(config.seed + 3)
-    worked_only = dataclasses.replace(task, worked_share=1.0)
     length = 80  # the longest prompt (16) and worked response (60 with EOS), rounded up
 
     def make_batch(step):
-        t = worked_only if step < config.worked_steps else task
-        p, r = _examples(t, tok, rng, config.batch, held)
+        if step < config.worked_steps:
+            n_worked = config.batch
+        else:
+            n_worked = task.worked_in_batch(step - config.worked_steps, config.batch)
+        p, r = _examples(task, tok, rng, config.batch, n_worked, held)
         return pack_sft(p, r, length=length, pad_id=tok.pad_token_id)
 
     evaluate = make_evaluator(
@@ -452,8 +462,8 @@ def compare_sft(
     sft = SFTTrainer(graphdef, params, SFTConfig(learning_rate=learning_rate))
     rng = np.random.default_rng(seed + 7)
 
-    def make_batch(_):
-        p, r = _examples(task, tok, rng, batch, held)
+    def make_batch(step):
+        p, r = _examples(task, tok, rng, batch, task.worked_in_batch(step, batch), held)
         return pack_sft(p, r, length=80, pad_id=tok.pad_token_id)
 
     evaluate = make_evaluator(model, tok, rows, num_samples=num_samples, seed=seed)
