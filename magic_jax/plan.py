@@ -408,6 +408,11 @@ def plan_stage(
             f"data x fsdp = {n_rows} devices"
         )
     micro = min(ucfg.micro_batch_size or rows, rows)
+    if micro % n_rows:
+        raise PlanError(
+            f"micro_batch_size: a micro-batch of {micro} rows does not split over "
+            f"data x fsdp = {n_rows} devices"
+        )
     params = shard_bytes(t["state"].params)
     batch = _batch(config, index, rows, mesh)
     out = StagePlan(
