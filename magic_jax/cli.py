@@ -173,7 +173,11 @@ def _plan(args: argparse.Namespace) -> int:
         search=not args.no_search,
         log=log,
     )
-    print(f"magic-jax plan {args.config} --topology {args.topology}")
+    shown = [args.config, "--topology", args.topology]
+    shown += ["--mesh", args.mesh] if args.mesh else []
+    shown += ["--stage", str(args.stage)] if args.stage is not None else []
+    shown += [a for kv in args.set or () for a in ("--set", kv)]
+    print("magic-jax plan " + " ".join(shown))
     print(format_plan(result))
     if log:
         log(f"planned in {time.perf_counter() - t0:.0f}s")
