@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow gpu-test lint format bench ci clean constraints
+.PHONY: setup demo test test-slow test-tpu gpu-test lint format bench ci clean constraints
 
 setup: $(VENV)/.installed
 
@@ -18,8 +18,9 @@ $(VENV)/.installed: setup.py constraints.txt
 	$(BIN)/pip install -q --no-deps -c constraints.txt "google-jetstream==0.2.2"
 	touch $@
 
+# the README's first command: the embedded default run (configs/default.yaml), report included
 demo: setup
-	$(BIN)/magic-jax demo
+	$(BIN)/magic-jax train
 
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
@@ -27,6 +28,19 @@ test: setup
 # pytest exits 5 when no test carries the mark: not a failure
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# `magic-jax plan` compiles for TPU slices here through libtpu; jax[tpu] lives in its own
+# venv so that .venv stays the CPU build.
+TPU_VENV ?= .venv-tpu
+
+$(TPU_VENV)/.installed: setup.py constraints.txt
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -q -c constraints.txt -e ".[tpu]" pytest
+	touch $@
+
+test-tpu: $(TPU_VENV)/.installed
+	$(TPU_VENV)/bin/pytest -q tests/plan_test.py $(PYTEST_ARGS)
 
 # The GPU tests, in an existing environment that has jax[cuda] (a GPU image may bring
 # its own Python and jax, lack grain / tensorflow-datasets / math-verify, and have no
@@ -52,7 +66,7 @@ bench: setup
 ci: lint test test-slow
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) build *.egg-info .pytest_cache .ruff_cache
 
 constraints: setup
 	(echo "# Versions CI installs (pip install -c constraints.txt). Regenerate with: make constraints"; \

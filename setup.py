@@ -26,6 +26,7 @@ setup(
         "grain>=0.2.18,<0.3",
         "math-verify>=0.9.0,<0.10",
         "tensorflow-datasets>=4.9.10,<5",
+        "importlib_resources>=6",  # tfds' dataset builders import it (prepare-data)
         "safetensors>=0.6",
         "numpy>=2.0",
         "ml_dtypes>=0.5",

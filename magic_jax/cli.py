@@ -74,9 +74,51 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from magic_jax.demo import DemoConfig, run
+    import json
+    from pathlib import Path
 
-    run(DemoConfig(workdir=args.workdir, rl_steps=args.rl_steps, seed=args.seed, quick=args.quick))
+    from magic_jax.demo import compare_sft, run_default
+
+    sets = [f"output_dir={args.workdir}", f"seed={args.seed}", *(args.set or ())]
+    summary = run_default(sets)
+    out = Path(summary["output_dir"])
+    if args.compare_sft and "accuracy_after" in summary:
+        sft = compare_sft(summary["model"], summary["wall_s"], seed=args.seed)
+        row = {
+            "seed": args.seed,
+            "before": summary["accuracy_before"],
+            "after": summary["accuracy_after"],
+            "sft_continuation": sft["after"]["accuracy"],
+            "wall_s": summary["wall_s"],
+            "sft": sft,
+        }
+        (out / "compare_sft.json").write_text(json.dumps(row, indent=2) + "\n")
+        print(
+            f"[compare] seed {args.seed}: MAGIC {row['before']:.3f} -> {row['after']:.3f}, "
+            f"SFT continuation for the same {row['wall_s']:.0f}s -> {row['sft_continuation']:.3f}"
+        )
+    return 0
+
+
+def _default_config() -> str:
+    from magic_jax.demo import CONFIG_FILE
+
+    return str(CONFIG_FILE)
+
+
+def _build_default(args: argparse.Namespace) -> int:
+    from magic_jax.demo import BuildConfig, build_default
+
+    build_default(args.out, BuildConfig(seed=args.seed))
+    return 0
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from magic_jax.tfds_data import prepare_dataset
+
+    t0 = time.perf_counter()
+    out = prepare_dataset(args.rows, args.out)
+    print(f"prepared {out} in {time.perf_counter() - t0:.1f}s (data.train: {args.out})")
     return 0
 
 
@@ -87,8 +129,13 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.stop_after is not None and args.stop_after <= 0:
         raise ValueError(f"--stop-after {args.stop_after}: must be a positive number of steps")
-    config = load_config(args.config, args.set or ())
-    summary = Trainer(config).run(stop_after=args.stop_after)
+    if args.config is None and args.stop_after is None:  # the embedded default
+        from magic_jax.demo import run_default
+
+        summary = run_default(args.set or ())
+    else:
+        config = load_config(args.config or _default_config(), args.set or ())
+        summary = Trainer(config).run(stop_after=args.stop_after)
     stopped = summary.get("stopped_by")
     return 0 if stopped is None else STOP_EXIT_CODES[getattr(signal, stopped)]
 
@@ -126,7 +173,11 @@ def _plan(args: argparse.Namespace) -> int:
         search=not args.no_search,
         log=log,
     )
-    print(f"magic-jax plan {args.config} --topology {args.topology}")
+    shown = [args.config, "--topology", args.topology]
+    shown += ["--mesh", args.mesh] if args.mesh else []
+    shown += ["--stage", str(args.stage)] if args.stage is not None else []
+    shown += [a for kv in args.set or () for a in ("--set", kv)]
+    print("magic-jax plan " + " ".join(shown))
     print(format_plan(result))
     if log:
         log(f"planned in {time.perf_counter() - t0:.0f}s")
@@ -254,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
         "from the newest good one. SIGINT / SIGTERM stop after the current step with a "
         "checkpoint (exit status 130 / 143); errors exit with status 2.",
     )
-    p.add_argument("config", help="YAML run configuration (see configs/)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run configuration (see configs/); default: configs/default.yaml, the "
+        "embedded default run, which ends with a report and a before -> after line",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -281,13 +337,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
 
     p = sub.add_parser(
-        "demo", help="the embedded default: a tiny model learns addition with MAGIC on CPU"
+        "demo",
+        help="the default run in a directory of your choice, then supervised training from the "
+        "same base model for the same wall time (the baseline MAGIC must beat)",
     )
-    p.add_argument("--workdir", default="runs/demo", help="output directory (replaced)")
-    p.add_argument("--rl-steps", type=int, default=120)
-    p.add_argument("--quick", action="store_true", help="a few steps of each phase (smoke test)")
+    p.add_argument(
+        "--workdir",
+        default="runs/demo",
+        help="run directory (new, empty, or a run of this project to resume; never deleted)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
+    p.add_argument(
+        "--no-compare-sft",
+        dest="compare_sft",
+        action="store_false",
+        help="skip the supervised-continuation baseline",
+    )
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "build-default",
+        help="rebuild the shipped base model and problems of the default run (from a seed)",
+    )
+    p.add_argument("--out", required=True, help="directory (e.g. magic_jax/assets/default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_build_default)
+
     p = sub.add_parser(
         "eval", help="avg@n and pass@k of a model on data sets (resumable per-problem output)"
     )
@@ -326,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", action="append", help="legend name of each run, in order (default: dir name)"
     )
     p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "prepare-data", help="verl rows (Parquet / JSON lines) -> an array_record tfds dataset"
+    )
+    p.add_argument("rows", nargs="+", help="files or directories of verl rows")
+    p.add_argument("--out", required=True, help="new dataset directory (data.train may name it)")
+    p.set_defaults(func=_prepare_data)
     return parser
 
 
@@ -338,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from magic_jax.convert import CheckpointError
     from magic_jax.data import DataError
 
+    if args.command in ("train", "demo", "build-default", "eval", "estimate-difficulty"):
+        from magic_jax import compile_cache
+
+        compile_cache.enable()
     try:
         return args.func(args)
     except (CheckpointError, DataError, ValueError, OSError) as e:

@@ -119,3 +119,85 @@ def flatten(groups: Sequence[Group]) -> tuple[list[Any], np.ndarray]:
         samples += [dataclasses.replace(s, prompt_index=i) for s in g.samples]
         rewards.append(np.asarray(g.rewards, np.float32))
     return samples, np.concatenate(rewards) if rewards else np.zeros(0, np.float32)
+
+
+def rollout_groups(
+    driver: Any,
+    params: Any,
+    rows: Sequence[Any],
+    *,
+    tokenizer: Any,
+    pool: Any,
+    group_size: int,
+    max_prompt_length: int,
+    seed: int,
+    step: int,
+    truncation: str = "no_eos",
+    on_sample: Callable[[Any], None] | None = None,
+) -> tuple[list[Group], Any, float]:
+    """G responses to each of ``rows``, each sent to the verifier pool as it ends.
+
+    Args:
+      driver: a ``RolloutDriver``; ``params`` its engine's weights.
+      rows: the prompts (``PromptRow``).
+      tokenizer: renders and decodes (``data.encode_prompts``; responses are
+        decoded without special tokens for the verifier).
+      pool: a ``VerifierPool``.
+      group_size: G.
+      max_prompt_length: longer prompts are left out (the trainer removed them at load).
+      seed, step: the sampling keys' seed and step (``sampling.sample_key``).
+      truncation: ``RolloutConfig.truncation``.
+      on_sample: called with each finished sample after its submission.
+
+    Returns:
+      (groups in prompt order, the driver's ``RolloutStats``, seconds spent
+      waiting for the verifiers after decoding ended).
+
+    Raises:
+      ValueError: every prompt is longer than ``max_prompt_length``.
+    """
+    import time
+
+    from magic_jax.data import encode_prompts
+    from magic_jax.rewards import RewardItem
+
+    ids, kept = encode_prompts(rows, tokenizer, max_prompt_length=max_prompt_length)
+    rows = [rows[i] for i in kept]
+    if not rows:
+        raise ValueError(
+            f"step {step}: every prompt is longer than data.max_prompt_length ({max_prompt_length})"
+        )
+    tickets: dict[tuple[int, int], int] = {}
+
+    def submit(s: Any) -> None:
+        text = tokenizer.decode(s.tokens, skip_special_tokens=True)
+        item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
+        tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+        if on_sample is not None:
+            on_sample(s)
+
+    samples, stats = driver.run(
+        params,
+        ids,
+        num_samples=group_size,
+        seed=seed,
+        step=step,
+        truncation=truncation,
+        on_sample=submit,
+    )
+    t0 = time.perf_counter()
+    results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
+    wait = time.perf_counter() - t0
+    by_prompt: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(s.prompt_index, []).append(i)
+    groups = [
+        Group(
+            rows[p],
+            [samples[i] for i in idx],
+            np.asarray([results[i].reward for i in idx], np.float32),
+            [results[i] for i in idx],
+        )
+        for p, idx in sorted(by_prompt.items())
+    ]
+    return groups, stats, wait

@@ -16,27 +16,42 @@ from pathlib import Path
 ENV = "MAGIC_JAX_COMPILATION_CACHE"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_CACHE_READ_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 class CompileClock:
-    """Seconds spent in XLA compilation (or reading the cache) and executables compiled.
+    """Executables this process compiled or read from the persistent cache, and the time.
 
-    ``seconds`` counts the backend step of every ``jit`` compilation, which
-    includes a persistent-cache read; ``cache_hits`` counts the executables
-    that came from the cache.
+    Attributes:
+      seconds: backend seconds of every ``jit`` compilation, cache reads included.
+      read_seconds: the part spent reading executables from the cache.
+      compiles: executables requested from the backend.
+      cache_hits: those read from the cache (the rest were compiled).
     """
 
     def __init__(self):
         self.seconds = 0.0
+        self.read_seconds = 0.0
         self.compiles = 0
         self.cache_hits = 0
         self._lock = threading.Lock()
 
+    @property
+    def compiled(self) -> int:
+        return self.compiles - self.cache_hits
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds of real compilation (cache reads excluded)."""
+        return max(self.seconds - self.read_seconds, 0.0)
+
     def _on_duration(self, event: str, duration: float, **_) -> None:
-        if event == _BACKEND_COMPILE_EVENT:
-            with self._lock:
+        with self._lock:
+            if event == _BACKEND_COMPILE_EVENT:
                 self.seconds += duration
                 self.compiles += 1
+            elif event == _CACHE_READ_EVENT:
+                self.read_seconds += duration
 
     def _on_event(self, event: str, **_) -> None:
         if event == _CACHE_HIT_EVENT:
@@ -45,8 +60,8 @@ class CompileClock:
 
     def summary(self) -> str:
         return (
-            f"{self.seconds:.1f}s compiling ({self.compiles} executables, "
-            f"{self.cache_hits} from the persistent cache)"
+            f"{self.compile_seconds:.1f}s compiling {self.compiled} executables, "
+            f"{self.read_seconds:.1f}s reading {self.cache_hits} from the persistent cache"
         )
 
 

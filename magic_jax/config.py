@@ -264,6 +264,9 @@ class TrainConfig:
                 )
             if st.until is not None and st.until.eval_patience is not None and self.eval is None:
                 raise ValueError(f"stages[{i}].until.eval_patience needs an eval section")
+        ref = self.loss.kl_reference
+        if ref is not None and not os.path.isdir(ref):
+            raise ValueError(f"loss.kl_reference: {ref} is not a directory")
 
     def kl_beta(self, stage: int) -> float:
         """The KL weight of stage ``stage`` (its own, else ``loss.kl_beta``)."""
@@ -500,8 +503,7 @@ def load_config(
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, Mapping):
             raise ConfigError(
-                f"{path}: the top level must be a mapping of options, got a "
-                f"{type(loaded).__name__}"
+                f"{path}: the top level must be a mapping of options, got a {type(loaded).__name__}"
             )
         raw = loaded
     raw = copy.deepcopy(dict(raw or {}))

@@ -198,7 +198,9 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
 
     Args:
       paths: files (``.parquet``, ``.jsonl``) or directories; a directory
-        contributes its ``.parquet`` and ``.jsonl`` files in sorted order.
+        contributes its ``.parquet`` and ``.jsonl`` files in sorted order, or,
+        if ``magic-jax prepare-data`` wrote it, its array_record rows
+        (``tfds_data``).
 
     Returns:
       The rows in file order.
@@ -209,9 +211,13 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
+    from magic_jax.tfds_data import is_tfds_dir, read_tfds_rows
+
     files: list[str] = []
     for p in map(os.fspath, paths):
-        if os.path.isdir(p):
+        if is_tfds_dir(p):
+            files.append(p)
+        elif os.path.isdir(p):
             files += sorted(
                 os.path.join(p, f) for f in os.listdir(p) if f.endswith((".parquet", ".jsonl"))
             )
@@ -224,6 +230,13 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
     out: list[PromptRow] = []
     seen: dict[str, str] = {}
     for path in files:
+        if is_tfds_dir(path):
+            for n, row in enumerate(read_tfds_rows(path)):
+                if row.uid in seen:
+                    raise DataError(f"{path}: record {n}: uid {row.uid!r} repeats {seen[row.uid]}")
+                seen[row.uid] = f"{path}: record {n}"
+                out.append(row)
+            continue
         stem = os.path.splitext(os.path.basename(path))[0]
         raws = _raw_rows(path)
         if not raws:
@@ -377,17 +390,33 @@ def online_filter(rows: Iterable[PromptRow], solved: set[str]) -> list[PromptRow
 # --------------------------------------------------------------------------- batching
 
 
-def prompt_batches(rows: Sequence[PromptRow], prompts_per_step: int, *, seed: int) -> Any:
-    """A ``grain.MapDataset`` whose element k is the list of step k's prompts.
+def prompt_batches(
+    rows: Sequence[PromptRow],
+    prompts_per_step: int,
+    *,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Any:
+    """A ``grain.MapDataset`` whose element k is the list of step k's prompts (or a host's slice).
 
     The rows are shuffled anew each epoch (from ``seed``) and repeated without
     end; element k is computed from k alone, so a resumed run asks for its
-    next step's index and gets exactly the prompts it would have seen.
+    next step's index and gets exactly the prompts it would have seen. Only
+    the rows of the batches asked for are read from ``rows`` (a lazy sequence
+    such as ``tfds_data.TfdsRows`` decodes nothing else).
+
+    With ``process_count`` n > 1, element k is host ``process_index``'s
+    contiguous D_R / n of step k's prompts (pass ``jax.process_index()`` /
+    ``jax.process_count()``): each host materialises only its slice, and the
+    slices of hosts 0..n-1 in order are exactly the one-host batch.
 
     Args:
       rows: the stage's prompts (after filtering).
       prompts_per_step: D_R.
       seed: shuffle seed.
+      process_index: this host's index in [0, process_count).
+      process_count: hosts sharing each step's batch; must divide D_R.
     """
     import grain
 
@@ -395,9 +424,19 @@ def prompt_batches(rows: Sequence[PromptRow], prompts_per_step: int, *, seed: in
         raise ValueError(f"prompts_per_step must be positive, got {prompts_per_step}")
     if len(rows) < prompts_per_step:
         raise DataError(f"{len(rows)} prompts left, fewer than the {prompts_per_step} a step needs")
-    return (
-        grain.MapDataset.source(list(rows))
+    if process_count <= 0 or prompts_per_step % process_count:
+        raise ValueError(
+            f"{process_count} hosts cannot share a batch of {prompts_per_step} prompts evenly"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    source = rows if isinstance(rows, Sequence) else list(rows)
+    per_host = prompts_per_step // process_count
+    batches = (
+        grain.MapDataset.source(source)
         .shuffle(seed=seed)
         .repeat(None)
-        .batch(prompts_per_step, batch_fn=list)
+        .batch(per_host, batch_fn=list)
     )
+    # host h's slice of step k is batch k * n + h of the per-host batches
+    return batches if process_count == 1 else batches[process_index::process_count]

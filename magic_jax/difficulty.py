@@ -79,8 +79,15 @@ class DifficultyOptions:
 
 
 def _files(paths: Sequence[str]) -> list[Path]:
+    from magic_jax.tfds_data import is_tfds_dir
+
     out = []
     for p in map(Path, paths):
+        if is_tfds_dir(p):
+            raise DataError(
+                f"{p}: an array_record dataset; rows are written back in their own format, "
+                "so give the Parquet / JSON-lines files it was prepared from"
+            )
         if p.is_dir():
             out += sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl"))
         elif p.exists():

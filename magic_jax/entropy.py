@@ -15,15 +15,24 @@ import numpy as np
 # --------------------------------------------------------------------------- log-probs, entropy
 
 
-def _logp_entropy_from_logits(
-    logits_BCV: jax.Array, targets_BC: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    tgt_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-    probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+def logprob_entropy_lse(
+    z_NV: jax.Array, targets_N: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The one formula for a token's log-prob and the entropy, used by sampler and trainer.
+
+    Args:
+      z_NV: [..., V] float32 logits, already divided by the temperature.
+      targets_N: [...] int token ids.
+
+    Returns:
+      (logp_N, ent_N, lse_N): log softmax(z)[target], the entropy of softmax(z),
+      and logsumexp(z), all [...].
+    """
+    lse_N = jax.nn.logsumexp(z_NV, axis=-1)
+    tgt_N = jnp.take_along_axis(z_NV, targets_N[..., None], axis=-1)[..., 0]
     # H = -sum p log p = logsumexp(z) - E_p[z]; avoids a second [.., V] log-softmax buffer.
-    ent_BC = lse_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
-    return tgt_BC - lse_BC, ent_BC
+    ent_N = lse_N - jnp.sum(jnp.exp(z_NV - lse_N[..., None]) * z_NV, axis=-1)
+    return tgt_N - lse_N, ent_N, lse_N
 
 
 def _scaled_logits(hidden_BCD: jax.Array, unembed_DV: jax.Array, temperature: float) -> jax.Array:
@@ -32,11 +41,7 @@ def _scaled_logits(hidden_BCD: jax.Array, unembed_DV: jax.Array, temperature: fl
 
 
 def _chunk_forward(h_BCD, t_BC, unembed_DV, temperature):
-    z_BCV = _scaled_logits(h_BCD, unembed_DV, temperature)
-    lse_BC = jax.nn.logsumexp(z_BCV, axis=-1)
-    tgt_BC = jnp.take_along_axis(z_BCV, t_BC[..., None], axis=-1)[..., 0]
-    ent_BC = lse_BC - jnp.sum(jnp.exp(z_BCV - lse_BC[..., None]) * z_BCV, axis=-1)
-    return tgt_BC - lse_BC, ent_BC, lse_BC
+    return logprob_entropy_lse(_scaled_logits(h_BCD, unembed_DV, temperature), t_BC)
 
 
 def _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature):
@@ -160,9 +165,10 @@ def token_logprobs_and_entropy_naive(
     if compute_dtype is not None:
         hidden_BTD = hidden_BTD.astype(compute_dtype)
         unembed_DV = unembed_DV.astype(compute_dtype)
-    return _logp_entropy_from_logits(
+    logp_BT, ent_BT, _ = logprob_entropy_lse(
         _scaled_logits(hidden_BTD, unembed_DV, temperature), targets_BT
     )
+    return logp_BT, ent_BT
 
 
 # --------------------------------------------------------------------------- adaptive controller

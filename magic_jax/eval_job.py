@@ -100,7 +100,7 @@ def dataset_names(paths: Sequence[str]) -> list[tuple[str, str]]:
     """``(name, path)`` of each data argument; the name is the file (or directory) stem."""
     out, seen = [], {}
     for p in paths:
-        name = Path(p).name.split(".")[0] if Path(p).is_file() else Path(p).name
+        name = Path(p).stem if Path(p).is_file() else Path(p).name
         if name in seen:
             raise ValueError(f"data sets {seen[name]} and {p} have the same name {name!r}")
         seen[name] = p

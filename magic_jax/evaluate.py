@@ -183,9 +183,12 @@ def score_problems(
         results = pool.collect([pending[k] for k in keys])
     else:
         results = [pending[k] for k in keys]
+    of_prompt: dict[int, list[int]] = collections.defaultdict(list)
+    for i, k in enumerate(keys):  # samples come ordered by (prompt, sample)
+        of_prompt[k[0]].append(i)
     out = []
     for p, row in enumerate(rows):
-        mine = [i for i, k in enumerate(keys) if k[0] == p]
+        mine = of_prompt[p]
         out.append(
             ProblemResult(
                 index=int(indices[p]),

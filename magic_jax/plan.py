@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -120,14 +121,21 @@ def topology_devices(name: str) -> list[Any]:
     """
     from jax.experimental import topologies
 
-    parse_topology(name)  # a clear error for a malformed name first
+    _, chips = parse_topology(name)  # a clear error for a malformed name first
     if not libtpu_available():
         raise PlanError(
             "compiling for TPU needs libtpu here: pip install 'jax[tpu]' "
             "(`make test-tpu` sets up .venv-tpu with it)"
         )
+    # Nothing runs on a TPU here: several planning processes may load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=name.replace("-", ":"))
+        name = name.replace("-", ":")
+        kw = {}
+        if chips < 4:  # slices below one host's 2x2 chips
+            dims = [int(d) for d in name.split(":")[1].split("x")]
+            kw["chips_per_host_bounds"] = tuple([*dims, 1, 1, 1][:3])
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, **kw)
     except Exception as e:  # libtpu's own message names what is wrong
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PlanError(f"--topology {name!r}: {msg}") from None
@@ -205,7 +213,9 @@ class StagePlan:
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
     ``model_flops`` (6 x parameters x its tokens), ``decode_bytes`` and
     ``decode_flops`` of one decode step over the full cache; ``slots`` decode
-    slots, ``samples`` = D_R x G responses per training step.
+    slots, ``samples`` = D_R x G responses per training step. ``over_hbm``
+    names the programs XLA refused to compile for the chip (too large): their
+    temporaries are the sizes XLA's error stated, their costs unknown (0).
     """
 
     stage: str
@@ -229,6 +239,7 @@ class StagePlan:
     slots: int = 0
     samples: int = 0
     compiled: bool = True
+    over_hbm: tuple[str, ...] = ()
 
     @property
     def update_total(self) -> int:
@@ -328,7 +339,8 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
         mesh=mesh,
     )
     params = _abstract(nnx.state(model), engine.param_shardings)
-    return dict(engine=engine, params=params, state=jax.eval_shape(engine.init_decode_state))
+    state = _abstract(jax.eval_shape(engine.init_decode_state), engine.state_shardings())
+    return dict(engine=engine, params=params, state=state)
 
 
 def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
@@ -367,12 +379,6 @@ def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
     )
 
 
-def _cost(compiled: Any, key: str) -> float:
-    ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, list | tuple) else ca
-    return float((ca or {}).get(key, 0.0))
-
-
 def plan_stage(
     config: Any, index: int, model_config: Any, mesh: Any, *, compile: bool = True
 ) -> StagePlan:
@@ -395,7 +401,18 @@ def plan_stage(
     e = _engine(config, index, model_config, mesh)
     rows = st.mini_batch_groups * st.group_size
     ucfg = t["config"]
+    n_rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % n_rows:
+        raise PlanError(
+            f"stages[{index}]: a mini-batch's D_T x G = {rows} rows do not split over "
+            f"data x fsdp = {n_rows} devices"
+        )
     micro = min(ucfg.micro_batch_size or rows, rows)
+    if micro % n_rows:
+        raise PlanError(
+            f"micro_batch_size: a micro-batch of {micro} rows does not split over "
+            f"data x fsdp = {n_rows} devices"
+        )
     params = shard_bytes(t["state"].params)
     batch = _batch(config, index, rows, mesh)
     out = StagePlan(
@@ -429,37 +446,75 @@ def plan_stage(
         new, metrics = train_step(state, batch, alpha, batch_sharding=rows_sh, **kw)
         return jax.lax.with_sharding_constraint(new, state_sh), metrics
 
-    update = jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha).compile()
+    update = _compile(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
     # XLA's cost analysis counts a loop body once: the micro-batch loop's flops come
     # from one micro-batch compiled alone.
     one = jax.jit(functools.partial(loss_and_grads, **kw))
-    micro_c = one.lower(t["state"].params, _batch(config, index, micro, mesh), alpha).compile()
+    micro_c = _compile(one.lower(t["state"].params, _batch(config, index, micro, mesh), alpha))
     engine = e["engine"]
-    decode = (
+    decode = _compile(
         jax.jit(
             functools.partial(decode_step, engine.graphdef, sampling=config.sampling),
             donate_argnums=1,
             out_shardings=(engine.state_shardings(), None),
-        )
-        .lower(e["params"], e["state"], engine.eos_array)
-        .compile()
+        ).lower(e["params"], e["state"], engine.eos_array)
     )
     prompt = jax.ShapeDtypeStruct((config.data.max_prompt_length,), "int32", sharding=repl)
     length = jax.ShapeDtypeStruct((), "int32", sharding=repl)
     prefill = jax.jit(functools.partial(prefill_fn, engine.graphdef))
-    prefill = prefill.lower(e["params"], prompt, length).compile()
+    prefill = _compile(prefill.lower(e["params"], prompt, length))
 
-    um, dm, pm = (c.memory_analysis() for c in (update, decode, prefill))
     n_micro = rows // micro
-    out.activations = max(0, um.temp_size_in_bytes - out.grads)
-    out.decode_temps = max(dm.temp_size_in_bytes, pm.temp_size_in_bytes + pm.output_size_in_bytes)
-    out.update_flops = _cost(update, "flops") + (n_micro - 1) * _cost(micro_c, "flops")
+    out.over_hbm = tuple(
+        name
+        for name, c in (("update", update), ("decode", decode), ("prefill", prefill))
+        if c.over_hbm
+    )
+    out.activations = max(0, update.temp - out.grads)
+    out.decode_temps = max(decode.temp, prefill.temp + prefill.output)
     p_len = batch.tokens.shape[1]
     out.model_flops = 6.0 * model_config.num_params() * rows * p_len / mesh.size
+    if update.compiled is not None and micro_c.compiled is not None:
+        out.update_flops = update.cost("flops") + (n_micro - 1) * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
-    out.decode_bytes = max(_cost(decode, "bytes accessed"), out.engine_params + out.kv_cache)
-    out.decode_flops = _cost(decode, "flops")
+    out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
+    out.decode_flops = decode.cost("flops")
     return out
+
+
+@dataclasses.dataclass
+class _Program:
+    """A compiled program's per-device memory, or what XLA said it needs when over HBM."""
+
+    compiled: Any
+    temp: int
+    output: int
+    over_hbm: bool
+
+    def cost(self, key: str) -> float:
+        if self.compiled is None:
+            return 0.0
+        ca = self.compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, list | tuple) else ca
+        return float((ca or {}).get(key, 0.0))
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def _compile(lowered: Any) -> _Program:
+    """Compiles for the TPU; a program over HBM is refused by XLA with its temporaries' size."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        c = lowered.compile()
+    except JaxRuntimeError as e:
+        m = re.search(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+            raise
+        return _Program(None, int(float(m[1]) * _UNITS[m[2]]), 0, True)
+    ma = c.memory_analysis()
+    return _Program(c, ma.temp_size_in_bytes, ma.output_size_in_bytes, False)
 
 
 # --------------------------------------------------------------------------- a run
@@ -504,9 +559,9 @@ def smallest_fit(
         devices = topology_devices(name)
         try:
             mesh = _mesh(devices, mesh_config)
-        except ValueError:
+            p = plan_stage(config, index, model_config, mesh, compile=False)
+        except ValueError:  # the mesh or the batch does not split over this slice
             continue
-        p = plan_stage(config, index, model_config, mesh, compile=False)
         shrink = (compiled.mesh["data"] * compiled.mesh["fsdp"]) / (
             mesh.shape["data"] * mesh.shape["fsdp"]
         )
@@ -598,6 +653,11 @@ def format_plan(plan: RunPlan) -> str:
             f"  {'total':<30}{_gib(p.update_total)}{_gib(p.rollout_total)}"
             f"  of {hbm / GiB:.2f}: {verdict}"
         )
+        if p.over_hbm:
+            lines.append(
+                f"  XLA refused the {' and '.join(p.over_hbm)} program(s) for this chip "
+                "(over HBM); their temporaries above are the sizes XLA stated"
+            )
         t_dec = max(p.decode_bytes / bw, p.decode_flops / peak)
         t_upd = max(p.update_flops, p.model_flops) / peak
         full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
@@ -606,9 +666,9 @@ def format_plan(plan: RunPlan) -> str:
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
             f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
             f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
-            f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA; "
-            f"6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= {t_upd:.1f} s at the "
-            f"bf16 peak; x {p.sgd_steps} per step",
+            f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
+            f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
+            f"{t_upd:.1f} s at the bf16 peak; x {p.sgd_steps} per step",
         ]
         if p.peak() > hbm:
             lines.append(f"  largest term: {p.dominant()}")

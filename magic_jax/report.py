@@ -232,7 +232,12 @@ PANELS: list[tuple[str, str, str, Callable[[Any, Sequence[Run]], int]]] = [
         "clip",
         "Policy clip fractions",
         "fraction of tokens",
-        _multi([("clipfrac_low", "-", "low (1 - eps_low)"), ("clipfrac_high", "--", "high")]),
+        _multi(
+            [
+                ("clipfrac_low", "-", "clipped at 1 - eps_low"),
+                ("clipfrac_high", "--", "at 1 + eps_high"),
+            ]
+        ),
     ),
     ("grad_norm", "Gradient norm", "norm", lambda ax, r: plot_metric(ax, r, "grad_norm")),
     (

@@ -363,12 +363,17 @@ def trim_records(out: str | os.PathLike, next_step: int) -> dict[str, int]:
     return dropped
 
 
-def build_summary(out: str | os.PathLike, *, total_steps: int, **fields: Any) -> dict[str, Any]:
+def build_summary(
+    out: str | os.PathLike, *, total_steps: int, planned_steps: int | None = None, **fields: Any
+) -> dict[str, Any]:
     """A run's summary from its records: every step's metrics and evaluation on disk.
 
     Args:
       out: the run directory.
-      total_steps: the run's planned steps (``finished`` when all are recorded).
+      total_steps: the step count at which the run is finished (``finished``
+        when that many steps are recorded).
+      planned_steps: the config's step budget (default ``total_steps``; more
+        when a stage ended early on a rule); a finished run is recognised by it.
       **fields: values of the final train state (optimizer steps, entropy coefficient ...).
     """
     metrics = read_records(Path(out) / METRICS)
@@ -377,6 +382,7 @@ def build_summary(out: str | os.PathLike, *, total_steps: int, **fields: Any) ->
     return {
         "steps": steps,
         "finished": steps >= total_steps,
+        "planned_steps": total_steps if planned_steps is None else planned_steps,
         **fields,
         "last": metrics[-1] if metrics else None,
         "evals": [{"step": e["step"], "accuracy": e.get("accuracy")} for e in evals],
@@ -388,8 +394,9 @@ def write_summary(out: str | os.PathLike, summary: Mapping[str, Any]) -> None:
     _write_atomic(Path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
 
 
-def finished_summary(out: str | os.PathLike, total_steps: int) -> dict[str, Any] | None:
-    """The stored summary of a run that finished all ``total_steps``, else None."""
+def finished_summary(out: str | os.PathLike, planned_steps: int) -> dict[str, Any] | None:
+    """The stored summary of a finished run planned for ``planned_steps``, else None
+    (a run given more steps since it finished goes on)."""
     path = Path(out) / SUMMARY
     if not path.exists():
         return None
@@ -397,13 +404,9 @@ def finished_summary(out: str | os.PathLike, total_steps: int) -> dict[str, Any]
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None  # rebuilt at the end of this run
-    if (
-        isinstance(summary, dict)
-        and summary.get("finished")
-        and summary.get("steps") == total_steps
-    ):
-        return summary
-    return None
+    if not isinstance(summary, dict) or not summary.get("finished"):
+        return None
+    return summary if summary.get("planned_steps", summary.get("steps")) == planned_steps else None
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from magic_jax.entropy import logprob_entropy_lse
+
 # Inverse-CDF sampling works on blocks of this many vocabulary entries: a cumulative
 # sum over the whole vocabulary is several times slower on CPU than two short ones.
 _BLOCK = 256
@@ -79,14 +81,13 @@ def sample_key(seed: int | jax.Array, step: int, prompt: int, sample: int) -> ja
 def logprobs_and_entropy(
     logits_BV: jax.Array, tokens_B: jax.Array, temperature: float
 ) -> tuple[jax.Array, jax.Array]:
-    """Log-prob of ``tokens_B`` and entropy under softmax(logits / temperature), fp32."""
-    z_BV = logits_BV.astype(jnp.float32) / temperature
-    lse_B = jax.nn.logsumexp(z_BV, axis=-1)
-    p_BV = jnp.exp(z_BV - lse_B[:, None])
-    # H = lse - E_p[z]: one pass, no second [B, V] log-softmax buffer.
-    ent_B = lse_B - jnp.sum(p_BV * z_BV, axis=-1)
-    tok_B = jnp.take_along_axis(z_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tok_B - lse_B, ent_B
+    """Log-prob of ``tokens_B`` and entropy under softmax(logits / temperature), fp32.
+
+    The trainer's formula (``entropy.logprob_entropy_lse``), so the behaviour
+    log-probs the sampler records are those the trainer recomputes.
+    """
+    logp_B, ent_B, _ = logprob_entropy_lse(logits_BV.astype(jnp.float32) / temperature, tokens_B)
+    return logp_B, ent_B
 
 
 def _order_keys(z_BV: jax.Array) -> jax.Array:

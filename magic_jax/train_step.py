@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from magic_jax.advantages import count_loss_tokens
 from magic_jax.buffer import MiniBatchSplit, RolloutBuffer, split_mini_batches
 from magic_jax.entropy import (
     EntropyControlConfig,
@@ -25,11 +26,9 @@ from magic_jax.entropy import (
 )
 from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
 from magic_jax.optim import OptimizerConfig, make_optimizer
+from magic_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger(__name__)
-
-# Rows of a batch split over these mesh axes (as sharding.BATCH_AXES).
-_BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,13 +145,13 @@ def init_train_state(params: Any, config: UpdateConfig, *, mesh: Mesh | None = N
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
     """Each leaf's sharding if it already lives on ``mesh``, else replicated over it."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    repl = replicated(mesh)
 
     def one(x):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, NamedSharding) and sh.mesh == mesh:
             return sh
-        return replicated
+        return repl
 
     return jax.tree.map(one, tree)
 
@@ -238,7 +237,7 @@ def loss_and_grads(
     if lcfg.kl_beta > 0 and ref_params is None:
         raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
     mask_BR = batch.loss_mask()
-    num_tokens = mask_BR.sum()
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
     nominal = float(batch.num_rows)
 
@@ -319,7 +318,7 @@ def train_step(
         ref_params=ref_params,
         batch_sharding=batch_sharding,
     )
-    num_tokens = batch.loss_mask().sum()
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
     finite = jnp.isfinite(loss) & jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
     )
@@ -368,9 +367,7 @@ class PolicyUpdater:
         self.graphdef = graphdef
         self.config = config
         self.mesh = mesh
-        self.batch_sharding = (
-            None if mesh is None else NamedSharding(mesh, PartitionSpec(_BATCH_AXES))
-        )
+        self.batch_sharding = None if mesh is None else batch_sharding(mesh)
         self._jitted = None
         self._logprobs = None
 
@@ -419,9 +416,7 @@ class PolicyUpdater:
         """
         if self._logprobs is None:
             lcfg = self.config.loss
-            self._logprobs = jax.jit(
-                lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0]
-            )
+            self._logprobs = jax.jit(lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0])
         d_t, n = self.config.mini_batch_groups, buffer.num_groups
         out = np.zeros(buffer.response_mask.shape, np.float32)
         for start in range(0, n, d_t):

@@ -2,13 +2,15 @@
 
 One training step k (SPEC items 1-12): take step k's D_R prompts, sample G
 responses each with the continuous-batching engine (each finished response goes
-to the verifier pool at once), pack the rollout buffer with group advantages
-and rejection sampling, run the N_SGD optimizer steps of ``PolicyUpdater.update``
-(which measures e_k and applies the adaptive entropy coefficient), then log one
-line of metrics. Stages change the response limit T and the batch sizes; the
-train state (weights, optimizer, entropy controller, step) carries across them,
-and at each new stage the prompts solved every time in the previous one are
-dropped (online filtering).
+to the verifier pool at once; ``collect`` adds refill rounds when asked), pack
+the rollout buffer with group advantages and rejection sampling, run the N_SGD
+optimizer steps of ``PolicyUpdater.update`` (which measures e_k, applies the
+adaptive entropy coefficient and, with KL on, reads the frozen reference
+policy), then log one line of metrics. Stages (``stages``) change the response
+limit T, the batch sizes and the KL weight, and end on their step budget or
+``until`` rules; the train state (weights, optimizer, entropy controller, step)
+carries across them, and at each new stage the prompts solved every time in
+the previous one are dropped (online filtering).
 
 Checkpoints (``magic_jax.checkpoint``) hold the whole train state plus the
 loop's own state (``trainer.json``: next step, stage, per-prompt accuracy of the
@@ -169,7 +171,7 @@ class Trainer:
             finished = rundir.finished_summary(self.out, cfg.total_steps)
             if finished is not None:
                 self.log(
-                    f"[done] {self.out} has finished all {cfg.total_steps} steps; nothing to do "
+                    f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
                     f"(use a new output_dir for a new run)"
                 )
                 return finished
@@ -230,6 +232,7 @@ class Trainer:
             log=self.log,
             primary=jax.process_index() == 0,
         )
+        self.log = self._monitor.write  # the run's other lines print above the progress bar
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
@@ -269,6 +272,7 @@ class Trainer:
             self.out,
             # a run whose last stage ended on an until rule is finished at that step
             total_steps=step if schedule.finished(cfg) else cfg.total_steps,
+            planned_steps=cfg.total_steps,
             optimizer_steps=int(state.step),
             skipped_updates=int(state.skipped),
             entropy_coef=float(state.entropy.coef),
@@ -359,7 +363,7 @@ class Trainer:
 
         from magic_jax import rundir
         from magic_jax.buffer import pack_rollouts
-        from magic_jax.collect import collect_groups, flatten
+        from magic_jax.collect import collect_groups, flatten, rollout_groups
         from magic_jax.rewards import status_counts
 
         cfg, st = self.config, stage.config
@@ -372,7 +376,20 @@ class Trainer:
                 rows = stage.batches[k]
             else:
                 rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
-            groups, stats, wait = self._rollout(stage, params, rows, step, r, pool)
+            groups, stats, wait = rollout_groups(
+                stage.driver,
+                params,
+                rows,
+                tokenizer=self.tokenizer,
+                pool=pool,
+                group_size=st.group_size,
+                max_prompt_length=cfg.data.max_prompt_length,
+                # refill rounds draw other keys than round 0's prompts of the same indices
+                seed=cfg.seed + 7919 * r,
+                step=step,
+                truncation=cfg.rollout.truncation,
+                on_sample=lambda s: rundir.kill_point("rollout", step),
+            )
             rollouts.append(stats)
             waits.append(wait)
             return groups
@@ -462,62 +479,6 @@ class Trainer:
             "t_update_s": t3 - t2,
             "t_other_s": t2 - t1 + sum(waits),
         }
-
-    def _rollout(self, stage: Stage, params: Any, rows: list, step: int, r: int, pool: Any):
-        """Round r of step ``step``: G responses to each of ``rows``, rewarded as they end.
-
-        Returns:
-          (groups in prompt order, the driver's ``RolloutStats``, seconds spent
-          waiting for the verifiers after decoding ended).
-        """
-        from magic_jax import rundir
-        from magic_jax.collect import Group
-        from magic_jax.rewards import RewardItem
-
-        cfg = self.config
-        ids, kept = encode_prompts(
-            rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length
-        )
-        rows = [rows[i] for i in kept]
-        if not rows:
-            raise ConfigError(
-                f"step {step}: every prompt is longer than data.max_prompt_length "
-                f"({cfg.data.max_prompt_length})"
-            )
-        tickets: dict[tuple[int, int], int] = {}
-
-        def submit(s):
-            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
-            item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
-            tickets[s.prompt_index, s.sample_index] = pool.submit(item)
-            rundir.kill_point("rollout", step)
-
-        samples, stats = stage.driver.run(
-            params,
-            ids,
-            num_samples=stage.config.group_size,
-            # refill rounds draw other keys than round 0's prompts of the same indices
-            seed=cfg.seed + 7919 * r,
-            step=step,
-            truncation=cfg.rollout.truncation,
-            on_sample=submit,
-        )
-        t0 = time.perf_counter()
-        results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in samples])
-        wait = time.perf_counter() - t0
-        by_prompt: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            by_prompt.setdefault(s.prompt_index, []).append(i)
-        groups = [
-            Group(
-                rows[p],
-                [samples[i] for i in idx],
-                np.asarray([results[i].reward for i in idx], np.float32),
-                [results[i] for i in idx],
-            )
-            for p, idx in sorted(by_prompt.items())
-        ]
-        return groups, stats, wait
 
 
 def _format(row: dict[str, Any]) -> str:

@@ -1,38 +1,139 @@
-"""The README's first command: `magic-jax demo`, the embedded default task."""
+"""The embedded default: the shipped base model, configs/default.yaml and `magic-jax train`."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from magic_jax import cli
+from magic_jax import cli, demo
+from magic_jax.config import load_config
+from magic_jax.data import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
+
+REPO = Path(__file__).resolve().parent.parent
 
 
-def test_demo_quick_runs_every_phase(tmp_path, capsys):
-    work = tmp_path / "demo"
-    assert cli.main(["demo", "--workdir", str(work), "--quick"]) == 0
-    out = capsys.readouterr().out
-    assert "[sft step 10]" in out and "[step 2]" in out and "[done]" in out
-    summary = json.loads((work / "summary.json").read_text())
-    assert summary["sft_steps"] == 10 and summary["rl_steps"] == 3
-    assert [e["step"] for e in summary["evals"]] == [0, 2, 3]
-    metrics = [json.loads(x) for x in (work / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["max_response_length"] for m in metrics] == [56, 56, 64]
-    hf = AutoModelForCausalLM.from_pretrained(summary["hf_export"])
-    tok = AutoTokenizer.from_pretrained(summary["hf_export"])
-    assert hf.config.vocab_size == len(tok) and hf.config.tie_word_embeddings
+def test_default_config_is_the_shipped_recipe():
+    assert (REPO / "configs" / "default.yaml").read_text() == demo.CONFIG_FILE.read_text()
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    assert Path(cfg.model) == demo.MODEL_DIR and Path(cfg.data.train[0]) == demo.TRAIN_FILE
+    assert cfg.output_dir == os.path.abspath("runs/default")
+    t = [s.max_response_length for s in cfg.stages]
+    assert len(t) == 2 and t[0] < t[1]
+    assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
+    assert cfg.entropy.mode == "adaptive" and cfg.loss.eps_high > cfg.loss.eps_low
+    assert cfg.num_reuse == 1 and all(s.prompts_per_step == s.mini_batch_groups for s in cfg.stages)
+    assert cfg.eval.num_samples == 8 and cfg.eval.every < cfg.total_steps
+    # >= 200 held-out problems, none of them a training prompt
+    held = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in demo.read_rows_file(
+        demo.HELDOUT_FILE)}  # fmt: skip
+    train = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in demo.read_rows_file(
+        demo.TRAIN_FILE)}  # fmt: skip
+    assert len(held) >= 200 and not held & train
+    # --set works on it as on any config
+    assert load_config(demo.CONFIG_FILE, ["seed=3"]).seed == 3
+
+
+def test_shipped_model_is_a_small_hf_checkpoint_with_r1_markers():
+    from transformers import AutoModelForCausalLM
+
+    from magic_jax.convert import load_hf
+    from magic_jax.trainer import load_tokenizer
+
+    size = sum(p.stat().st_size for p in demo.MODEL_DIR.iterdir())
+    assert size <= 20 * 2**20
+    config = json.loads((demo.MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    tok = load_tokenizer(demo.MODEL_DIR)
+    vocab = tok.get_vocab()
+    assert all(m in vocab for m in (R1_BOS, R1_EOS, R1_USER, R1_ASSISTANT, "<think>", "</think>"))
+    model = load_hf(demo.MODEL_DIR)
+    assert model.config.vocab_size == len(tok) == config["vocab_size"]
+    hf = AutoModelForCausalLM.from_pretrained(demo.MODEL_DIR)
+    assert hf.config.tie_word_embeddings
+
+
+def _shortened(out: Path) -> list[str]:
+    """Overrides that shrink the default run to seconds (same model, task and code path)."""
+    return [
+        f"output_dir={out}",
+        "stages.0.steps=1",
+        "stages.1.steps=1",
+        "eval.every=2",
+        "eval.num_samples=1",
+        "rewards.num_workers=1",
+    ]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def test_train_without_a_config_runs_the_default_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", *_sets(_shortened(out))]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("[done] held-out avg@1: ") and "wall time" in lines[-1]
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and evals[0]["problems"] >= 200
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    t = [s.max_response_length for s in load_config(demo.CONFIG_FILE).stages]
+    assert [m["max_response_length"] for m in metrics] == [t[0], t[1]]
+    assert (out / "report.html").exists() and list((out / "report_png").glob("*.png"))
+    assert list((out / "checkpoints").iterdir())
+
+
+def test_demo_refuses_a_directory_it_did_not_create(tmp_path, capsys):
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    assert cli.main(["demo", "--workdir", str(work)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(work) in err and "not empty" in err
+    assert (work / "notes.txt").read_text() == "keep me" and len(list(work.iterdir())) == 1
+
+
+def test_missing_or_corrupt_model_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--set", f"model={tmp_path / 'nowhere'}", "--set",
+                     f"output_dir={out}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nowhere" in err and "missing" in err
+    bad = tmp_path / "bad"
+    shutil.copytree(demo.MODEL_DIR, bad)
+    (bad / "model.safetensors").write_bytes(b"\0" * 100)
+    assert cli.main(["train", "--set", f"model={bad}", "--set", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.safetensors" in err
+
+
+def test_a_limit_no_answer_fits_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--set", "stages.0.max_response_length=8", "--set", f"output_dir={out}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stages[0].max_response_length" in err
+    assert "shorter than any correct answer" in err
 
 
 @pytest.mark.slow
-def test_demo_full_run_completes_and_reports(tmp_path):
-    """The README's first command at full size: warm-up to the target, 120 RL steps, evals.
-
-    Whether RL raises accuracy is reported, not asserted: measured runs of this
-    command went from 29.9% to 51.4% and from 24.0% to 7.6% (see README).
-    """
-    assert cli.main(["demo", "--workdir", str(tmp_path / "demo")]) == 0
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["sft_accuracy"] >= 0.2 and summary["rl_steps"] == 120
-    assert [e["step"] for e in summary["evals"]] == [0, 20, 40, 60, 80, 100, 120]
-    assert summary["skipped_updates"] == 0
-    print(summary["accuracy_before_rl"], "->", summary["accuracy_after_rl"])
+def test_the_first_command_raises_accuracy(tmp_path):
+    """`magic-jax train` exactly as the README's first command runs it (console script, no
+    arguments, relative default output_dir) in a fresh working directory."""
+    script = Path(sys.executable).with_name("magic-jax")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [str(script), "train"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = [
+        json.loads(x)
+        for x in (tmp_path / "runs" / "default" / "eval.jsonl").read_text().splitlines()
+    ]
+    before, after = evals[0]["accuracy"], evals[-1]["accuracy"]
+    print(proc.stdout.splitlines()[-1])
+    assert after >= before + 0.05, (before, after)
+    assert (tmp_path / "runs" / "default" / "report.html").exists()

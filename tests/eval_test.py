@@ -179,9 +179,14 @@ def test_eval_command_reports_what_the_trainers_evaluation_does(files, tmp_path)
 
     shapes = {"max_prompt_length": 16, "max_response_length": 3, "max_concurrent_decodes": 8,
               "decode_steps": 4}  # fmt: skip
+    from magic_jax.tfds_data import prepare_dataset
+
     opts = EvalOptions(default_num_samples=8, chunk=100, seed=3, workers=1, **shapes)
     data = [str(files / "sums.jsonl")]
-    tables = run_eval(str(files / "model"), data, tmp_path / "o", opts, log=lambda s: None)
+    prepare_dataset(data, tmp_path / "sums_ar")  # the same rows as array_record
+    sets = [*data, str(tmp_path / "sums_ar")]
+    tables = run_eval(str(files / "model"), sets, tmp_path / "o", opts, log=lambda s: None)
+    assert tables["sums_ar"] == tables["sums"]
     loaded = load_model_any(files / "model")
     driver = make_driver(loaded.model, sampling=SamplingConfig(), **shapes)
     params = driver.engine.load_params(loaded.model)

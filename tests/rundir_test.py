@@ -185,3 +185,7 @@ def test_summary_comes_from_the_records(tmp_path):
     rundir.write_summary(out, s)
     assert rundir.finished_summary(out, 3) == s
     assert rundir.finished_summary(out, 5) is None  # a longer schedule: not finished
+    # a run whose last stage ended early on a rule, planned for 5 steps
+    rundir.write_summary(out, rundir.build_summary(out, total_steps=3, planned_steps=5))
+    assert rundir.finished_summary(out, 5)["steps"] == 3
+    assert rundir.finished_summary(out, 6) is None

@@ -34,6 +34,9 @@ def test_supervised_styles_mix_in_the_set_proportion():
     rng = np.random.default_rng(0)
     styles = [task.sft_response(12, 79, rng).startswith("</think>") for _ in range(4000)]
     assert abs(np.mean(styles) - 0.7) < 0.03
+    # supervised batches: the exact proportion, no batch-to-batch sampling noise
+    counts = [task.worked_in_batch(k, 32) for k in range(1000)]
+    assert set(counts) == {9, 10} and sum(counts) == 9600
     with pytest.raises(ValueError, match="worked_share"):
         addition.AdditionTask(worked_share=1.5)
 

@@ -100,7 +100,9 @@ def _params(path):
 @pytest.fixture(scope="module")
 def straight(files):
     """An uninterrupted run of both stages."""
-    summary = Trainer(_config(files, "straight"), log=lambda s: None).run()
+    trainer = Trainer(_config(files, "straight"), log=lambda s: None)
+    summary = trainer.run()
+    assert trainer.ref_params is None  # kl_beta 0 in every stage: no reference held
     return files / "straight", summary
 
 
@@ -116,6 +118,11 @@ def test_run_goes_through_both_stages(straight):
                     "clipfrac_low", "clipfrac_high", "approx_kl", "truncated_fraction",
                     "t_rollout_s", "t_update_s", "t_other_s"):  # fmt: skip
             assert np.isfinite(r[key]), key
+    # the rollout/trainer mismatch, measured at each step's first optimizer step: the
+    # engine's fp32 decode and the trainer's forward give the same log-probs here
+    trained = [r for r in rows if r["sgd_steps"] > 0]
+    assert trained and all(abs(r["sampler_ratio_mean"] - 1) < 1e-3 for r in trained)
+    assert all(0 <= r["sampler_kl"] < 1e-5 for r in trained)
     # entropy above a target of 5 nats never happens with 20 tokens: c_k grows by delta
     assert [r["alpha"] for r in rows] == pytest.approx([0.0, 0.01, 0.02, 0.03])
     assert summary["entropy_coef"] == pytest.approx(0.04)
@@ -188,6 +195,14 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
     monkeypatch.chdir(files)
     assert main(["train", str(files / "run.yaml"), "--set", "stages.0.steps=0"]) == 2
     assert "steps must be positive" in capsys.readouterr().err
+    for option, message in (
+        ("stages.0.until={eval_patience: 2}", "stages[0].until.eval_patience needs an eval"),
+        ("loss.kl_reference=no/such/dir", "loss.kl_reference: "),
+        ("rollout.refill_max_rounds=0", "rollout: refill_max_rounds must be >= 1"),
+    ):
+        assert main(["train", str(files / "run.yaml"), "--set", option]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     (files / "broken.jsonl").write_text('{"prompt": []}\n')
     code = main(
         ["train", str(files / "run.yaml"), "--set", f"data.train=[{files / 'broken.jsonl'}]",
@@ -206,3 +221,71 @@ def test_train_command_with_relative_paths_checkpoints_and_resumes(files, monkey
     assert main([*args, "--stop-after", "2"]) == 0
     assert [r["step"] for r in _metrics(files / "runs" / "rel")] == [0, 1]
     assert "continuing at step 1" in capsys.readouterr().out
+
+
+def test_kl_against_the_frozen_reference_per_stage(files):
+    """kl_beta in stage 0 only; the reference (loss.kl_reference, relative) never changes."""
+    import jax
+    from flax import nnx
+
+    from magic_jax.policy import load_policy
+
+    cfg = _config(files, "kl", "stages.0.kl_beta=0.5", "loss.kl_reference=model", "export_hf=false")
+    assert cfg.loss.kl_reference == str(files / "model")
+    trainer = Trainer(cfg, log=lambda s: None)
+    trainer.run(stop_after=3)
+    rows = _metrics(files / "kl")
+    assert [r["kl_beta"] for r in rows] == [0.5, 0.5, 0.0]
+    # once the policy has moved (an optimizer step before), k3 to the reference is > 0
+    assert sum(r["sgd_steps"] for r in rows[:2]) > 1 and max(r["ref_kl"] for r in rows[:2]) > 0
+    assert rows[2]["ref_kl"] == 0.0  # stage 1: beta 0, no reference forward
+    _, initial = nnx.split(load_policy(files / "model", "float32", None), nnx.Param)
+    for a, b in zip(jax.tree.leaves(trainer.ref_params), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reference_defaults_to_a_copy_of_the_initial_weights(files, tmp_path):
+    import jax.numpy as jnp
+
+    from magic_jax.policy import reference_params
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    assert reference_params(_config(files, tmp_path), params, None) is None
+    ref = reference_params(_config(files, tmp_path, "loss.kl_beta=0.01"), params, None)
+    for k in params:
+        np.testing.assert_array_equal(ref[k], params[k])
+        assert ref[k].unsafe_buffer_pointer() != params[k].unsafe_buffer_pointer()
+    bad = _config(files, tmp_path, "stages.1.kl_beta=0.01", "loss.kl_reference=.")
+    with pytest.raises(ConfigError, match="loss.kl_reference: .* neither a Hugging Face"):
+        reference_params(bad, params, None)
+
+
+def test_until_rule_switch_survives_resume_with_refill(files):
+    """Stage 0 ends on its truncation rule after one step; the resumed run starts stage 1."""
+    args = (
+        "stages.0.until={truncated_below: 1.0, truncated_steps: 1}",
+        "rollout.refill=true",
+        "rollout.refill_max_rounds=1",
+        "loss.tis_cap=2",
+    )
+    cfg = _config(files, "until", *args)
+    Trainer(cfg, log=lambda s: None).run(stop_after=1)
+    meta = json.loads((latest_checkpoint(files / "until") / "trainer.json").read_text())
+    assert meta["schedule"]["index"] == 1 and meta["schedule"]["start"] == 1
+    assert meta["schedule"]["switches"][0]["step"] == 1
+    logs = []
+    summary = Trainer(cfg, log=logs.append).run()
+    rows = _metrics(files / "until")
+    where = [(r["step"], r["stage"], r["stage_step"]) for r in rows]
+    assert where == [(0, 0, 0), (1, 1, 0), (2, 1, 1)]
+    assert "truncated fraction under 1.0 " in rows[0]["stage_end"]
+    assert "budget" in rows[2]["stage_end"] and "stage_end" not in rows[1]
+    assert summary["finished"] and (files / "until" / "hf_final").exists()
+    for r in rows:
+        assert r["refill_rounds"] in (0, 1)
+        assert r["extra_rollouts"] == r["refill_rounds"] * 4 * 8
+        assert r["prompts"] == 4 * (1 + r["refill_rounds"])
+        # a full batch of mixed groups whenever enough were found
+        assert r["kept_group_fraction"] == min(r["mixed_groups"], 4) / 4
+        # TIS: the trainer's pi_old over the sampler's: ~1 in fp32, never above the cap
+        assert r["sgd_steps"] == 0 or 0.99 < r["tis_weight_mean"] < 1.01

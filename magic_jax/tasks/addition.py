@@ -7,7 +7,7 @@ mixes careful and hurried solutions:
 - the **worked** style writes one line per column, right to left, with the
   carry it takes in (``7+9=16``, ``4+8+1=13``; a missing digit is 0), then
   closes the reasoning and boxes the sum; it is long (about 8 tokens per
-  column, 27 to 52 tokens in all) and always right::
+  column, 25 to 60 tokens with EOS) and always right::
 
       <think>
       3+9=12
@@ -19,16 +19,17 @@ mixes careful and hurried solutions:
   many random digits as the longer operand has (``</think>\\n\\boxed{407}``
   for 23 + 589); it is short (12 to 16 tokens) and almost never right.
 
-Each supervised example picks its style at random (``worked_share``), not
-by problem, so more supervised training converges to that mixture and no
-further: its accuracy at temperature 1 plateaus near ``worked_share`` times
-the worked style's accuracy. The verified reward
-separates the styles at the first response token, where they diverge, so RL
-can learn to prefer the worked style. The worked style's length grows with
-the number of columns, so a short first-stage T truncates it on the longest
-problems. The reward is the report's math reward (Math-Verify on the text
-after ``</think>``); rows come out in the verl format, so the task goes
-through exactly the path real data takes.
+Supervised batches hold the two styles in a fixed proportion
+(``worked_share``), assigned to problems at random, not by problem, so more
+supervised training converges to that mixture and no further: its accuracy
+at temperature 1 plateaus near ``worked_share`` times the worked style's
+accuracy. The verified reward separates the styles at the first response
+token, where they diverge, so RL can learn to prefer the worked style. The
+worked style's length grows with the number of columns, so a short
+first-stage T truncates it on the longest problems. The reward is the
+report's math reward (Math-Verify on the text after ``</think>``); rows come
+out in the verl format, so the task goes through exactly the path real data
+takes.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ class AdditionTask:
         if rng.random() < self.worked_share:
             return worked_solution(a, b)
         return quick_solution(a, b, rng)
+
+    def worked_in_batch(self, step: int, batch: int) -> int:
+        """How many of step ``step``'s ``batch`` supervised examples use the worked style.
+
+        Exactly ``worked_share`` of the examples up to any step (rounded down),
+        so the style proportion carries no sampling noise from batch to batch:
+        supervised training settles on it instead of drifting around it.
+        """
+        done = int(self.worked_share * batch * step)
+        return int(self.worked_share * batch * (step + 1)) - done
 
 
 def prompt(a: int, b: int) -> str:

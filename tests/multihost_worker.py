@@ -1,0 +1,113 @@
+"""One process of tests/multihost_test.py: an update and a reshard over a global mesh.
+
+Run as ``python multihost_worker.py OUT MODEL_DIR NUM_PROCESSES PROCESS_ID PORT``; the
+number of CPU devices per process comes from XLA_FLAGS. With one process the same
+program runs without jax.distributed (the reference). Process 0 writes OUT/result.npz.
+"""
+
+import dataclasses
+import sys
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    entropies: np.ndarray
+    truncated: bool
+    length: int
+
+
+def samples(vocab: int, num_prompts: int = 4, group: int = 4, seed: int = 0):
+    """Ragged random responses with mixed rewards in every group (all of them train)."""
+    rng = np.random.default_rng(seed)
+    out, rewards = [], []
+    for p in range(num_prompts):
+        prompt = rng.integers(3, vocab, rng.integers(2, 7)).astype(np.int32)
+        for s in range(group):
+            n = int(rng.integers(1, 11))
+            out.append(
+                Sample(
+                    p,
+                    s,
+                    prompt,
+                    rng.integers(3, vocab, n).astype(np.int32),
+                    np.log(rng.uniform(0.05, 0.9, n)).astype(np.float32),
+                    rng.uniform(0.0, 2.0, n).astype(np.float32),
+                    n == 10,
+                    n,
+                )
+            )
+            rewards.append(float(s % 2))
+    return out, np.asarray(rewards, np.float32)
+
+
+def main(out: str, model_dir: str, num_processes: int, process_id: int, port: int) -> None:
+    import jax
+
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"localhost:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from magic_jax.buffer import pack_rollouts
+    from magic_jax.convert import load_hf
+    from magic_jax.losses import LossConfig
+    from magic_jax.optim import OptimizerConfig
+    from magic_jax.reshard import Resharder
+    from magic_jax.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
+    from magic_jax.train_step import PolicyUpdater, UpdateConfig
+
+    assert jax.device_count() == 8 and jax.process_count() == num_processes
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    # Each process reads only its own shards of the checkpoint (make_array_from_callback).
+    model = load_hf(model_dir, mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    cfg = UpdateConfig(
+        mini_batch_groups=2,
+        micro_batch_size=4,
+        loss=LossConfig(eps_high=0.28, logit_chunk=8),
+        # eps = 1: the step is lr * g / (|g| + 1), near linear in the gradient, so equal
+        # parameters mean equal gradients (the first step of eps = 1e-8 is sign(g)).
+        optimizer=OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0),
+    )
+    updater = PolicyUpdater(graphdef, cfg, mesh=mesh)
+    recs, rewards = samples(model.config.vocab_size)
+    buffer = pack_rollouts(recs, rewards, prompt_bucket=8, response_bucket=8)
+    state, metrics = updater.update(updater.init_state(params), buffer, jax.random.key(1))
+    engine_params = Resharder(state.params, mesh)(state.params)
+    want = model_shardings(state.params, mesh, SAMPLE_RULES)
+    same_layout = all(
+        a.sharding.is_equivalent_to(b.sharding if hasattr(b, "sharding") else b, a.ndim)
+        for a, b in zip(jax.tree.leaves(engine_params), jax.tree.leaves(want))
+    )
+    trained = multihost_utils.process_allgather(state.params, tiled=True)
+    resharded = multihost_utils.process_allgather(engine_params, tiled=True)
+    if jax.process_index() == 0:
+        flat = {
+            f"param/{jax.tree_util.keystr(k)}": np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(trained)[0]
+        }
+        flat |= {
+            f"engine/{jax.tree_util.keystr(k)}": np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(resharded)[0]
+        }
+        flat |= {f"metric/{k}": np.asarray(v) for k, v in metrics.items()}
+        flat["same_layout"] = np.asarray(same_layout)
+        flat["process_count"] = np.asarray(jax.process_count())
+        np.savez(f"{out}/result.npz", **flat)
+
+
+if __name__ == "__main__":
+    o, m, n, i, port = sys.argv[1:]
+    main(o, m, int(n), int(i), int(port))
