@@ -293,9 +293,11 @@ def check_resume_config(
     starts = [sum(int(s.get("steps", 0)) for s in old_stages[:i]) for i in range(len(old_stages))]
 
     def begun(i: int) -> bool:
+        if i >= len(old_stages):
+            return False  # an added stage
         if current_stage is not None:
             return i <= current_stage
-        return i < len(old_stages) and starts[i] < done_steps
+        return starts[i] < done_steps
 
     def finished(i: int) -> bool:
         if current_stage is not None:

@@ -165,6 +165,10 @@ def test_resume_config_places_stages_by_the_checkpoint_when_known():
         rundir.check_resume_config(_cfg(), _cfg(**{"stages.1.group_size": 4}), 3, 1)
     with pytest.raises(RunDirError, match=r"stages\[0\]\.steps \(the stage has finished\)"):
         rundir.check_resume_config(_cfg(), _cfg(**{"stages.0.steps": 2}), 3, 1)
+    # a run whose last stage ended (stage index 2 of 2) may be given another stage
+    more = _cfg()
+    more["stages"].append({"steps": 3, "max_response_length": 32, "prompts_per_step": 4})
+    assert rundir.check_resume_config(_cfg(), more, 8, 2)
     # by step counts alone, stage 1 would not have begun at step 3
     check_stage = rundir.check_resume_config(_cfg(), _cfg(**{"stages.1.group_size": 4}), 3)
     assert check_stage == ["stages[1].group_size: 2 -> 4"]
