@@ -5,9 +5,10 @@
 (``magic_jax.tasks.addition``), shipped inside the package as a Hugging Face
 checkpoint (``magic_jax/assets/default/model``) with its training and
 held-out problems. ``magic-jax build-default`` rebuilds those files from a
-fixed seed: supervised training from scratch on a mixture of a long worked
-solution style and a short guessing style, run until held-out accuracy stops
-improving (the supervised plateau). ``compare_sft`` continues supervised
+fixed seed: supervised training from scratch, first on a long worked
+solution style, then on its mixture with a short guessing style, each phase
+long enough that held-out accuracy has stopped improving (the supervised
+plateau). ``compare_sft`` continues supervised
 training from the shipped model for a given wall time: the baseline a MAGIC
 run must beat.
 """
@@ -39,7 +40,7 @@ MODEL = dict(
     tie_word_embeddings=True,
     rope_theta=1e4,
 )
-MAX_PROMPT = 24  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
+MAX_PROMPT = 16  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
 MAX_RESPONSE = 64  # tokens: the longest worked solution (5 columns) is 60 with EOS
 
 

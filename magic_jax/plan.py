@@ -278,7 +278,13 @@ def _mesh(devices: Sequence[Any], mesh_config: Any):
 
     shape = mesh_config.resolve(len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=list(devices))
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=list(devices))
+    except NotImplementedError:  # an axis that is no product of physical axes (4 on 8x8)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:

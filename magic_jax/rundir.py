@@ -260,7 +260,10 @@ def _may_change(path: str) -> bool:
 
 
 def check_resume_config(
-    old: Mapping[str, Any], new: Mapping[str, Any], done_steps: int
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    done_steps: int,
+    current_stage: int | None = None,
 ) -> list[str]:
     """The options that differ between a run's stored config and its new one, if allowed.
 
@@ -268,12 +271,16 @@ def check_resume_config(
     change; the stages already finished keep their step counts (their steps are
     done), and the stage in progress cannot be shortened below what it has
     done. Everything else (seed, model, data, batch shapes, the objective,
-    sampling) would make the resumed run a different experiment.
+    sampling) would make the resumed run a different experiment; a stage not
+    yet begun may still be reshaped.
 
     Args:
       old: the stored config (``config.yaml``), as plain values.
       new: the new config, as plain values.
       done_steps: steps the run has completed (the resume step).
+      current_stage: the stage the run resumes in, from its checkpoint; without
+        it, stages are placed by their step counts (a stage that ended early on
+        a rule moves every later stage earlier, so pass it when known).
 
     Returns:
       ``"path: old -> new"`` for each allowed change (for the log).
@@ -283,18 +290,30 @@ def check_resume_config(
     """
     a, b = _flatten(dict(old)), _flatten(dict(new))
     old_stages, new_stages = list(old.get("stages") or ()), list(new.get("stages") or ())
+    starts = [sum(int(s.get("steps", 0)) for s in old_stages[:i]) for i in range(len(old_stages))]
+
+    def begun(i: int) -> bool:
+        if i >= len(old_stages):
+            return False  # an added stage
+        if current_stage is not None:
+            return i <= current_stage
+        return starts[i] < done_steps
+
+    def finished(i: int) -> bool:
+        if current_stage is not None:
+            return i < current_stage
+        return starts[i] + int(old_stages[i].get("steps", 0)) <= done_steps
+
     refused, changed = [], []
-    start = 0
     for i, st in enumerate(old_stages):
-        end = start + int(st.get("steps", 0))
-        if end <= done_steps and i < len(new_stages) and new_stages[i].get("steps") != st["steps"]:
-            refused.append(f"stages[{i}].steps (stage finished at step {end})")
-        elif start < done_steps < end and i < len(new_stages):
-            if start + int(new_stages[i].get("steps", 0)) < done_steps:
-                refused.append(f"stages[{i}].steps (the stage has done {done_steps - start})")
-        elif i >= len(new_stages) and start < done_steps:
-            refused.append(f"stages[{i}] (removed, but it has run)")
-        start = end
+        if i >= len(new_stages):
+            if begun(i):
+                refused.append(f"stages[{i}] (removed, but it has run)")
+        elif finished(i):
+            if new_stages[i].get("steps") != st.get("steps"):
+                refused.append(f"stages[{i}].steps (the stage has finished)")
+        elif begun(i) and starts[i] + int(new_stages[i].get("steps", 0)) < done_steps:
+            refused.append(f"stages[{i}].steps (the stage has done {done_steps - starts[i]})")
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
             continue
@@ -303,12 +322,9 @@ def check_resume_config(
         if _may_change(key) or step_budget:
             changed.append(desc)
             continue
-        if key.startswith("stages["):
-            index = int(key[len("stages[") : key.index("]")])
-            first = sum(int(s.get("steps", 0)) for s in old_stages[:index])
-            if index >= len(old_stages) or first >= done_steps:
-                changed.append(desc)  # a stage not yet begun: its plan may change
-                continue
+        if key.startswith("stages[") and not begun(int(key[len("stages[") : key.index("]")])):
+            changed.append(desc)  # a stage not yet begun: its plan may change
+            continue
         refused.append(key)
     if refused:
         raise RunDirError(

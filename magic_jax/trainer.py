@@ -24,6 +24,7 @@ SIGTERM stop the loop after the current step with a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -155,7 +156,7 @@ class Trainer:
         import jax
 
         from magic_jax import rundir
-        from magic_jax.checkpoint import step_dirs
+        from magic_jax.checkpoint import read_trainer_state, step_dirs
 
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
@@ -164,9 +165,14 @@ class Trainer:
         with rundir.run_directory(self.out, primary=primary), rundir.StopSignals() as signals:
             raw = to_dict(cfg)
             old = rundir.stored_config(self.out)
-            done = max((s for s, _ in step_dirs(self.out)), default=0)
+            newest = step_dirs(self.out)[-1:]
+            done, current = 0, None
+            if newest:
+                done = newest[0][0]
+                with contextlib.suppress(rundir.RunDirError):  # judged again before restoring
+                    current = read_trainer_state(newest[0][1])["stage"]
             if old is not None and done > 0:
-                for change in rundir.check_resume_config(old, raw, done):
+                for change in rundir.check_resume_config(old, raw, done, current):
                     self.log(f"[resume] changed {change}")
             finished = rundir.finished_summary(self.out, cfg.total_steps)
             if finished is not None:

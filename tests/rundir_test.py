@@ -148,7 +148,7 @@ def check(old, new, done):
         ({"model": "/other"}, 2, "model"),
         ({"data.train": ["/x.jsonl"]}, 2, "data.train"),
         ({"stages.0.group_size": 8}, 2, "stages[0].group_size"),
-        ({"stages.0.steps": 5}, 4, "stages[0].steps (stage finished at step 4)"),
+        ({"stages.0.steps": 5}, 4, "stages[0].steps (the stage has finished)"),
         ({"stages.1.steps": 1}, 6, "stages[1].steps (the stage has done 2)"),
         ({"eval.num_samples": 8}, 2, "eval.num_samples"),
     ],
@@ -157,6 +157,21 @@ def test_resume_config_refuses_what_changes_the_experiment(change, done, named):
     with pytest.raises(RunDirError) as e:
         check(_cfg(), _cfg(**change), done)
     assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_config_places_stages_by_the_checkpoint_when_known():
+    # stage 0 ended early on a rule at step 2: at step 3 the run is in stage 1
+    with pytest.raises(RunDirError, match=r"stages\[1\]\.group_size"):
+        rundir.check_resume_config(_cfg(), _cfg(**{"stages.1.group_size": 4}), 3, 1)
+    with pytest.raises(RunDirError, match=r"stages\[0\]\.steps \(the stage has finished\)"):
+        rundir.check_resume_config(_cfg(), _cfg(**{"stages.0.steps": 2}), 3, 1)
+    # a run whose last stage ended (stage index 2 of 2) may be given another stage
+    more = _cfg()
+    more["stages"].append({"steps": 3, "max_response_length": 32, "prompts_per_step": 4})
+    assert rundir.check_resume_config(_cfg(), more, 8, 2)
+    # by step counts alone, stage 1 would not have begun at step 3
+    check_stage = rundir.check_resume_config(_cfg(), _cfg(**{"stages.1.group_size": 4}), 3)
+    assert check_stage == ["stages[1].group_size: 2 -> 4"]
 
 
 def test_trim_records_drops_repeated_steps_and_torn_lines(tmp_path):
