@@ -117,8 +117,12 @@ class DataConfig:
       train: files or directories of verl rows (``.parquet`` / ``.jsonl``).
       max_prompt_length: longer prompts are dropped (counted in the log).
       offline_filter_model: with ``offline_filter_samples``, drop prompts this
-        model solved 0 or N of N times (``extra_info.model_difficulty``).
-      offline_filter_samples: N of the difficulty table (16 math, 8 code).
+        model solved 0 or N of N times (``extra_info.model_difficulty``, as
+        ``magic-jax estimate-difficulty`` writes it).
+      offline_filter_samples: N of the difficulty table per ``ability``
+        (``{math: 16, code: 8}``, the report's), or one N for every ability.
+      offline_filter_keep_unrated: keep (default) or drop prompts that have no
+        entry for ``offline_filter_model``.
       online_filter: at each new stage, drop prompts whose accuracy in the
         previous stage was 1 (SPEC item 10).
     """
@@ -126,12 +130,20 @@ class DataConfig:
     train: tuple[str, ...]
     max_prompt_length: int = 1024
     offline_filter_model: str | None = None
-    offline_filter_samples: int = 16
+    offline_filter_samples: int | dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"math": 16, "code": 8}
+    )
+    offline_filter_keep_unrated: bool = True
     online_filter: bool = True
 
     def __post_init__(self):
         if not self.train:
             raise ValueError("train must name at least one file or directory")
+        n = self.offline_filter_samples
+        for ability, v in n.items() if isinstance(n, dict) else [("", n)]:
+            if v <= 0:
+                where = f"[{ability}]" if ability else ""
+                raise ValueError(f"offline_filter_samples{where} must be positive, got {v}")
         if self.max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
 
@@ -298,6 +310,16 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _same_kind(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is the container kind ``tp`` takes (mapping or list)."""
+    origin = typing.get_origin(tp)
+    if isinstance(value, Mapping):
+        return origin is dict or dataclasses.is_dataclass(tp)
+    if isinstance(value, list | tuple):
+        return origin is tuple
+    return False
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -307,12 +329,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return None
             raise ConfigError(f"{path}: must not be null")
         options = [a for a in args if a is not type(None)]
-        errors = []
+        errors, same_kind = [], []
         for option in options:
             try:
                 return _convert(option, value, path)
             except ConfigError as e:
                 errors.append(str(e))
+                if _same_kind(option, value):
+                    same_kind.append(str(e))
+        if len(same_kind) == 1:  # a mapping given where a mapping fits: its own error
+            raise ConfigError(same_kind[0])
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of "
                           f"{[_type_name(o) for o in options]}")  # fmt: skip
     if value is None:
@@ -327,6 +353,14 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 raise ConfigError(f"{path}: expected a list, got {value!r}")
         item = args[0] if args else Any
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_tp, value_tp = args if args else (Any, Any)
+        return {
+            _convert(key_tp, k, f"{path}.{k}"): _convert(value_tp, v, f"{path}.{k}")
+            for k, v in value.items()
+        }
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
@@ -405,6 +439,8 @@ def to_dict(obj: Any) -> Any:
         return obj.value
     if isinstance(obj, tuple | list):
         return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
 

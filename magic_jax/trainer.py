@@ -79,7 +79,12 @@ class Trainer:
         n_read = len(rows)
         if cfg.data.offline_filter_model:
             d = cfg.data
-            rows = offline_filter(rows, d.offline_filter_model, d.offline_filter_samples)
+            rows = offline_filter(
+                rows,
+                d.offline_filter_model,
+                d.offline_filter_samples,
+                keep_unrated=d.offline_filter_keep_unrated,
+            )
         _, kept = encode_prompts(rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length)
         if len(kept) < len(rows):
             self.log(

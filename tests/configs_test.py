@@ -41,3 +41,34 @@ def test_recipe_loads_with_the_released_schedule(name):
     assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
     assert (cfg.entropy.mode, cfg.entropy.target, cfg.entropy.delta) == ("adaptive", 0.2, 0.005)
     assert cfg.num_reuse == 1 and cfg.advantage.mask == "none"
+    if cfg.data.offline_filter_model:  # the report's N: 16 samples per math prompt, 8 per code
+        assert cfg.data.offline_filter_samples == {"math": 16, "code": 8}
+
+
+def test_offline_filter_options_reach_the_filter(tmp_path):
+    from magic_jax.config import ConfigError
+    from magic_jax.data import offline_filter, parse_row
+
+    cfg = load_config(CONFIGS / "skywork-or1-7b.yaml", ["data.offline_filter_keep_unrated=false"])
+    assert cfg.data.offline_filter_keep_unrated is False
+    one_n = load_config(CONFIGS / "skywork-or1-7b.yaml", ["data.offline_filter_samples=8"])
+    assert one_n.data.offline_filter_samples == 8
+    with pytest.raises(ConfigError, match=r"data\.offline_filter_samples\.code: expected an int"):
+        load_config(CONFIGS / "skywork-or1-7b.yaml", ["data.offline_filter_samples={code: x}"])
+    with pytest.raises(ConfigError, match=r"offline_filter_samples\[math\] must be positive"):
+        load_config(CONFIGS / "skywork-or1-7b.yaml", ["data.offline_filter_samples={math: 0}"])
+
+    def row(ability, solved):
+        extra = {} if solved is None else {"model_difficulty": {"m": solved}}
+        raw = {
+            "prompt": [{"role": "user", "content": "q"}],
+            "ability": ability,
+            "reward_model": {"ground_truth": "1", "style": "rule"},
+            "extra_info": extra,
+        }
+        return parse_row(raw, "t", f"{ability}{solved}")
+
+    rows = [row("math", 8), row("math", 16), row("code", 8), row("code", 4), row("math", None)]
+    d = cfg.data
+    kept = offline_filter(rows, "m", d.offline_filter_samples, keep_unrated=False)
+    assert [r.uid for r in kept] == ["math8", "code4"]  # 8/8 of code is solved every time
