@@ -298,19 +298,15 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     from magic_jax.model import abstract_model
     from magic_jax.sharding import TRAIN_RULES, model_shardings
     from magic_jax.stages import update_config
-    from magic_jax.train_step import TrainState, make_optimizer
+    from magic_jax.train_step import TrainState, make_optimizer, opt_state_shardings
 
     ucfg = update_config(config, index)
     graphdef, params = nnx.split(abstract_model(model_config), nnx.Param)
     params = _abstract(params, model_shardings(params, mesh, TRAIN_RULES))
     repl = NamedSharding(mesh, PartitionSpec())
     tx = make_optimizer(ucfg.optimizer)
-    # The optimizer state lands where jit(tx.init) puts it, as in init_train_state;
-    # constants (Adam's count) come back on one device and are then replicated.
-    init_sh = jax.jit(tx.init).lower(params).compile().output_shardings
-    opt_sh = jax.tree.map(
-        lambda sh: sh if isinstance(sh, NamedSharding) and sh.mesh == mesh else repl, init_sh
-    )
+    # placed as init_train_state places it: moments like their parameters
+    opt_sh = opt_state_shardings(tx, params, mesh)
     scalars = jax.eval_shape(lambda: init_entropy_control(ucfg.entropy))
     state = TrainState(
         params=params,

@@ -119,13 +119,6 @@ def init_train_state(params: Any, config: UpdateConfig, *, mesh: Mesh | None = N
     if low:
         log.warning("parameters stored as %s: a 1e-6 learning rate may not move them", low)
     tx = make_optimizer(config.optimizer)
-    state = TrainState(
-        params=params,
-        opt_state=jax.jit(tx.init)(params),
-        step=jnp.zeros((), jnp.int32),
-        skipped=jnp.zeros((), jnp.int32),
-        entropy=init_entropy_control(config.entropy),
-    )
     if mesh is None:
         mesh = next(
             (
@@ -135,12 +128,53 @@ def init_train_state(params: Any, config: UpdateConfig, *, mesh: Mesh | None = N
             ),
             None,
         )
+    init = jax.jit(tx.init)
+    if mesh is not None:
+        init = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))
+    state = TrainState(
+        params=params,
+        opt_state=init(params),
+        step=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+        entropy=init_entropy_control(config.entropy),
+    )
     if mesh is not None:
         return jax.device_put(state, _on_mesh(state, mesh))
     # Commit every leaf to the params' device: a mix of committed and uncommitted
     # inputs would compile the step a second time once its outputs come back committed.
     device = next(iter(jax.tree.leaves(params)[0].devices()))
     return jax.device_put(state, jax.sharding.SingleDeviceSharding(device))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """Shardings of ``tx.init(params)``: moments like their parameters, the rest replicated.
+
+    Without them ``jit(tx.init)`` leaves Adam's moments (zeros, no sharded input
+    to follow) replicated on every device: two full fp32 copies of the model
+    per device.
+
+    Args:
+      tx: the optimizer.
+      params: the parameters (arrays or ``ShapeDtypeStruct``s) placed on ``mesh``.
+      mesh: the mesh.
+    """
+    repl = replicated(mesh)
+    param_sh = jax.tree.map(
+        lambda x: (
+            x.sharding
+            if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+            else repl
+        ),
+        params,
+    )
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, params),
+        param_sh,
+        transform_non_params=lambda _: repl,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:

@@ -121,11 +121,6 @@ def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
 
 
 @needs_libtpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="init_train_state's jit(tx.init) replicates Adam's moments over the mesh "
-    "instead of sharding them like the parameters",
-)
 def test_optimizer_state_is_sharded_like_the_parameters(tmp_path):
     from magic_jax.model import ModelConfig
     from magic_jax.plan import plan_stage

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
@@ -277,7 +278,13 @@ def test_sharded_equals_unsharded():
         graphdef, params = nnx.split(m, nnx.Param)
         p_init = jax.device_get(params)
         updater = PolicyUpdater(graphdef, cfg, mesh=mesh)
-        state, metrics = updater.train_step(updater.init_state(params), buf, 0.005)
+        state0 = updater.init_state(params)
+        if mesh is not None:  # Adam's moments are sharded like their parameters
+            specs = [x.sharding.spec for x in jax.tree.leaves(params)]
+            for name in ("mu", "nu"):
+                moments = optax.tree_utils.tree_get(state0.opt_state, name)
+                assert [x.sharding.spec for x in jax.tree.leaves(moments)] == specs, name
+        state, metrics = updater.train_step(state0, buf, 0.005)
         if mesh is not None:
             kernel = state.params["layers"]["mlp"]["gate_proj"]["kernel"][...]  # [L, D, F]
             assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
