@@ -193,8 +193,14 @@ class Monitor:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
+            # tensorboardX names event files by the second: a resume within the same
+            # second would reopen (and truncate) the previous file; the suffix keeps
+            # names distinct and in creation order, which is how TensorBoard reads them
             self._writer = SummaryWriter(
-                logdir=str(self.out), purge_step=start_step or None, flush_secs=10
+                logdir=str(self.out),
+                purge_step=start_step or None,
+                flush_secs=10,
+                filename_suffix=f".{time.time_ns()}",
             )
         self._progress = Progress(
             sum(self.stage_steps), desc="train", unit="step", initial=start_step, log=log, bar=bar
