@@ -449,10 +449,16 @@ def plan_stage(
         return jax.lax.with_sharding_constraint(new, state_sh), metrics
 
     update = _compile(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
-    # XLA's cost analysis counts a loop body once: the micro-batch loop's flops come
-    # from one micro-batch compiled alone.
-    one = jax.jit(functools.partial(loss_and_grads, **kw))
-    micro_c = _compile(one.lower(t["state"].params, _batch(config, index, micro, mesh), alpha))
+    # XLA's cost analysis counts a loop body once, the micro-batch loop's and the
+    # scanned layers' alike: the flops come from one micro-batch compiled alone with
+    # its layers unrolled (the memory figures above are the scanned program's).
+    flat = _train_state(config, index, dataclasses.replace(model_config, scan_layers=False), mesh)
+    one = jax.jit(
+        functools.partial(
+            loss_and_grads, graphdef=flat["graphdef"], config=ucfg, ref_params=flat["ref"]
+        )
+    )
+    micro_c = _compile(one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha))
     engine = e["engine"]
     decode = _compile(
         jax.jit(
@@ -477,7 +483,8 @@ def plan_stage(
     p_len = batch.tokens.shape[1]
     out.model_flops = 6.0 * model_config.num_params() * rows * p_len / mesh.size
     if update.compiled is not None and micro_c.compiled is not None:
-        out.update_flops = update.cost("flops") + (n_micro - 1) * micro_c.cost("flops")
+        # the optimizer's few flops per parameter are left out
+        out.update_flops = n_micro * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
     out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
     out.decode_flops = decode.cost("flops")

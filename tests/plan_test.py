@@ -144,8 +144,10 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     plan = plan_run(config, "v5e:2x2")
     (p,) = plan.stages
     assert p.mesh == {"data": 1, "fsdp": 2, "tensor": 2} and plan.devices == 4
-    assert p.activations > 0 and p.decode_temps > 0
-    # XLA counts the micro-batch loop's body once; the plan adds the other micro-batches:
+    # (XLA's temporaries of this 2-layer scanned update are below its gradient bytes,
+    # so its activations may show as 0)
+    assert p.grads == p.params > 0 and p.activations >= 0 and p.decode_temps > 0
+    # XLA counts a loop's body once; the plan counts every micro-batch and every layer:
     # the total is of the order of 6 x parameters x tokens (plus attention and the logits).
     assert p.model_flops <= p.update_flops < 6 * p.model_flops
     assert p.decode_bytes >= p.engine_params + p.kv_cache and p.decode_flops > 0
