@@ -15,8 +15,6 @@ from magic_jax.cli import main
 from magic_jax.data import DataError, offline_filter, parse_row, read_rows
 from magic_jax.difficulty import with_difficulty
 
-CHARS = "0123+= "
-
 
 def _row(i, a, b, **extra):
     return {
@@ -30,22 +28,10 @@ def _row(i, a, b, **extra):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import make_char_tokenizer, make_hf_model, save_hf_model
+    from magic_jax.testing import save_sums_model
 
     root = tmp_path_factory.mktemp("difficulty")
-    tok = make_char_tokenizer(chars=CHARS)
-    hf = make_hf_model(
-        seed=1,
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    save_hf_model(hf, root / "model")
-    tok.save_pretrained(root / "model")
+    save_sums_model(root / "model", seed=1)
     rng = np.random.default_rng(1)
     pairs = [tuple(int(x) for x in rng.integers(0, 2, 2)) for _ in range(10)]
     rows = [_row(i, a, b) for i, (a, b) in enumerate(pairs[:6])]

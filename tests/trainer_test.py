@@ -12,29 +12,15 @@ from magic_jax.cli import main
 from magic_jax.config import ConfigError, load_config
 from magic_jax.trainer import Trainer
 
-# A tiny vocabulary and one-digit answers: a random policy hits the gold answer often
-# enough that groups with mixed rewards (which train) occur in every run.
-CHARS = "0123+= "
+# The model is a tiny one over one-digit sums (magic_jax.testing.save_sums_model).
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import make_char_tokenizer, make_hf_model, save_hf_model
+    from magic_jax.testing import save_sums_model
 
     root = tmp_path_factory.mktemp("trainer")
-    tok = make_char_tokenizer(chars=CHARS)
-    hf = make_hf_model(
-        seed=0,
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    save_hf_model(hf, root / "model")
-    tok.save_pretrained(root / "model")
+    save_sums_model(root / "model", seed=0)
     rng = np.random.default_rng(0)
     rows = []
     for i in range(12):
