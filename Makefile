@@ -63,7 +63,7 @@ bench: setup
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/verify.py
 
-ci: lint test test-slow
+ci: lint test test-slow test-tpu
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) build *.egg-info .pytest_cache .ruff_cache
