@@ -1,6 +1,7 @@
 """JetStream adapter: requests served by JetStream's orchestrator Driver equal our greedy output."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -57,7 +58,20 @@ async def _serve(driver, prompt, max_tokens):
     return out
 
 
-def test_driver_serves_our_greedy_tokens(setup):
+def test_driver_serves_our_greedy_tokens(setup, monkeypatch):
+    from jetstream.core import orchestrator
+
+    # JetStream's threads SIGKILL the whole process on an exception (a server's choice):
+    # record them instead, so that a failure fails this test and not the test run.
+    errors, stopping = [], []
+
+    def run(thread):
+        try:
+            threading.Thread.run(thread)
+        except Exception as e:
+            errors.append((bool(stopping), f"{thread.name}: {e!r}"))
+
+    monkeypatch.setattr(orchestrator.JetThread, "run", run)
     engine, params = setup
     # JetStream prepends BOS to every prompt; four requests share two slots.
     ours, _ = RolloutDriver(engine).run(params, [np.array([BOS, *p]) for p in PROMPTS])
@@ -74,7 +88,10 @@ def test_driver_serves_our_greedy_tokens(setup):
 
         got = asyncio.run(main())
     finally:
+        stopping.append(True)
         driver.stop()
+    # an error while serving fails; one while JetStream tears its threads down is its own
+    assert [e for during_stop, e in errors if not during_stop] == []
     assert got == want
     assert any(len(g) == 10 for g in got)
 
