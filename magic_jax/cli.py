@@ -10,20 +10,6 @@ import time
 from collections.abc import Sequence
 
 
-def _mesh_arg(text: str | None):
-    """Parses ``data=1,fsdp=-1,tensor=2`` into a mesh (None: a single device)."""
-    if not text:
-        return None
-    from magic_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
-
-    maybe_initialize_distributed()  # a no-op on one host
-    try:
-        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
-        return make_mesh(MeshConfig(**kw))
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"--mesh {text!r}: {e}") from e
-
-
 def _check_new_dir(path: str, option: str) -> None:
     """Refuses, before any work, an output directory that exists or lies under a file."""
     from pathlib import Path
@@ -42,10 +28,11 @@ def _convert(args: argparse.Namespace) -> int:
     from magic_jax.checkpoint import save_model
     from magic_jax.convert import load_hf
     from magic_jax.model import count_params
+    from magic_jax.sharding import mesh_from_text
 
     _check_new_dir(args.out, "out")
     t0 = time.perf_counter()
-    model = load_hf(args.hf_dir, dtype=args.dtype, mesh=_mesh_arg(args.mesh))
+    model = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh_from_text(args.mesh))
     out = save_model(model, args.out)
     print(
         f"converted {args.hf_dir} -> {out}: {count_params(model):,} parameters "
@@ -59,6 +46,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from magic_jax.checkpoint import CHECKPOINTS, latest_good_checkpoint, load_model
     from magic_jax.convert import save_hf
+    from magic_jax.sharding import mesh_from_text
 
     t0 = time.perf_counter()
     ckpt = Path(args.ckpt)
@@ -67,7 +55,7 @@ def _export(args: argparse.Namespace) -> int:
         if found is None:
             raise FileNotFoundError(f"{ckpt}: the run has no checkpoint yet")
         ckpt = found
-    model = load_model(ckpt, mesh=_mesh_arg(args.mesh))
+    model = load_model(ckpt, mesh=mesh_from_text(args.mesh))
     out = save_hf(model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"exported {ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
     return 0

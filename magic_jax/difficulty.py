@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from magic_jax.data import DataError, PromptRow, encode_prompts, offline_filter, read_rows
-from magic_jax.eval_job import ChunkLog, check_protocol, mesh_from
+from magic_jax.eval_job import ChunkLog, check_protocol
 from magic_jax.evaluate import eval_seed
 
 # The report's N per ability.
@@ -202,7 +202,9 @@ def estimate_difficulty(
                     f"{f}:{j}: ability {row.ability!r} has no N; pass --samples {row.ability}=N"
                 )
             items.append((f"{i}:{j}", row))
-    mesh = mesh_from(options.mesh)
+    from magic_jax.sharding import mesh_from_text
+
+    mesh = mesh_from_text(options.mesh)
     loaded = load_model_any(model, dtype=options.param_dtype, mesh=mesh)
     groups = sorted({options.samples[r.ability] for _, r in items}, reverse=True)
     chunk = {n: options.chunk or math.ceil(CHUNK_SAMPLES / n) for n in groups}

@@ -210,8 +210,9 @@ def run_eval(
         raise ValueError(f"--n names {sorted(unknown)}, not among the data sets")
     sampling = SamplingConfig(temperature=options.temperature, top_p=options.top_p)
     from magic_jax.evaluate import load_model_any, make_driver, score_problems
+    from magic_jax.sharding import mesh_from_text
 
-    mesh = mesh_from(options.mesh)
+    mesh = mesh_from_text(options.mesh)
     loaded = load_model_any(model, dtype=options.param_dtype, mesh=mesh)
     protocol = {
         "model": str(Path(model).absolute()),
@@ -298,20 +299,6 @@ def run_eval(
     for name, table in tables.items():
         log(format_summary(name, table))
     return tables
-
-
-def mesh_from(text: str | None) -> Any:
-    """A mesh from ``data=1,fsdp=-1,tensor=2`` (None or empty: one device)."""
-    if not text:
-        return None
-    from magic_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
-
-    maybe_initialize_distributed()  # a no-op on one host
-    try:
-        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
-        return make_mesh(MeshConfig(**kw))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"--mesh {text!r}: {e}") from None
 
 
 def summary_markdown(tables: Mapping[str, Mapping[str, Any]], protocol: Mapping[str, Any]) -> str:

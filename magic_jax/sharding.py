@@ -226,3 +226,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def mesh_from_text(text: str | None) -> Mesh | None:
+    """The mesh of a ``--mesh`` option, ``data=1,fsdp=-1,tensor=2`` (None or empty: one device).
+
+    Starts ``jax.distributed`` first on a multi-host job.
+
+    Raises:
+      ValueError: a malformed option, named with its text.
+    """
+    if not text:
+        return None
+    maybe_initialize_distributed()  # a no-op on one host
+    try:
+        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
+        return make_mesh(MeshConfig(**kw))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--mesh {text!r}: {e}") from None
