@@ -125,3 +125,23 @@ def save_sums_model(path: str | os.PathLike, seed: int = 0) -> Path:
     out = save_hf_model(hf, path)
     tok.save_pretrained(out)
     return out
+
+
+def sums_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` verl rows asking one-digit sums ``a+b=`` (a, b in {0, 1}) with their gold answers."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in rng.integers(0, 2, 2))
+        rows.append(
+            {
+                "data_source": "sums",
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+                "extra_info": {"index": i},
+            }
+        )
+    return rows

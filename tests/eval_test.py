@@ -19,23 +19,11 @@ AIME = ["tests/data/aime24.parquet", "tests/data/aime25.parquet"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import save_sums_model
+    from magic_jax.testing import save_sums_model, sums_rows
 
     root = tmp_path_factory.mktemp("eval")
     save_sums_model(root / "model", seed=0)
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(6):
-        a, b = (int(x) for x in rng.integers(0, 2, 2))
-        rows.append(
-            {
-                "data_source": "sums",
-                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                "ability": "math",
-                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-                "extra_info": {"index": i},
-            }
-        )
+    rows = sums_rows(6, seed=0)
     (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
