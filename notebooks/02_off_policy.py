@@ -1,0 +1,59 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02. On-policy vs off-policy updates (N_SGD = 1 vs 4)
+#
+# The report: N_SGD = (D_R / D_T) x N_reuse optimizer steps per rollout batch. Off-policy
+# updates (N_SGD > 1) make the entropy collapse faster and the model test worse, whether
+# N_SGD grows through more mini-batches (D_T < D_R) or through reuse (N_reuse > 1).
+#
+# Arms: N_SGD 1 (D_R = D_T = 16 groups, the default); N_SGD 4 by mini-batches (D_T = 4);
+# N_SGD 4 by reuse (D_T = 16, N_reuse = 4).
+#
+# Every run is an ordinary `magic-jax train` run of the embedded default
+# (`configs/default.yaml`, 15 + 15 steps here) made by `magic_jax.ablations`; this notebook
+# only reads the committed summaries in `results/runs/` (and trains whatever is missing
+# first). Set `MAGIC_JAX_NOTEBOOK_STEPS=1` for a smoke run of the whole notebook with one
+# step per stage (its results go to `results/budget-1/`).
+
+# %%
+from magic_jax import ablation_report, ablations
+
+ABLATION = "off_policy"
+results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
+runs = ablations.load_arm_runs(ABLATION, results)
+print(f"results: {results}")
+print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
+
+# %% [markdown]
+# Entropy (log scale; dashed: each adaptive arm's target), the entropy coefficient alpha,
+# held-out avg@2, response length, truncated fraction and rollout reward against steps: the
+# line is the mean over seeds, the band their minimum to maximum.
+
+# %%
+fig = ablation_report.ablation_figure(ABLATION, runs)
+fig
+
+# %% [markdown]
+# Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
+# checked one by one (a difference counts when it is more than twice its standard error), and
+# one command per arm to re-run it.
+
+# %%
+print(ablation_report.describe(ABLATION, runs))
+
+# %% [markdown]
+# ## What the committed runs show
+#
+# RESULTS

@@ -1,0 +1,188 @@
+"""The ablation runner, its verdicts and figures, the committed summaries, and the notebooks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from magic_jax import ablation_report as ar
+from magic_jax import ablations
+from magic_jax.config import load_config
+from magic_jax.report import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+COMMITTED = ROOT / "notebooks" / "results"
+
+
+def _all_arms():
+    seen = {}
+    for ab in ablations.ABLATIONS.values():
+        for arm in ab.arms:
+            seen.setdefault(arm.key, (ab.key, arm))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("ablation,arm", _all_arms(), ids=lambda x: getattr(x, "key", x))
+def test_every_arm_is_a_valid_default_run_of_equal_length(ablation, arm, tmp_path):
+    cfg = load_config(
+        ablations.train_config(),
+        [*ablations.overrides_for(arm, 1), f"output_dir={tmp_path}"],
+    )
+    assert cfg.total_steps == 2 * ablations.STAGE_STEPS
+    assert cfg.seed == 1 and cfg.export_hf is False
+    small = load_config(
+        ablations.train_config(),
+        [*ablations.overrides_for(arm, 0, budget=1), f"output_dir={tmp_path}"],
+    )
+    assert small.total_steps == 2
+
+
+def test_arms_change_what_they_claim(tmp_path):
+    def cfg(key):
+        arm = next(a for _, a in _all_arms() if a.key == key)
+        return load_config(
+            ablations.train_config(), [*ablations.overrides_for(arm, 0), f"output_dir={tmp_path}"]
+        )
+
+    base = cfg("baseline")
+    assert base.sampling.temperature == 1.0 and base.num_reuse == 1
+    assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6
+    assert cfg("nsgd4-minibatch").stages[0].mini_batch_groups == 4
+    assert cfg("nsgd4-reuse").num_reuse == 4
+    assert cfg("ent-fixed-0.1").entropy.mode == "fixed"
+    assert cfg("kl-1e-3").kl_beta(0) == 0.0 and cfg("kl-1e-3").kl_beta(1) == 1e-3
+    single = cfg("single-T64")
+    assert [s.max_response_length for s in single.stages] == [64]
+    assert [s.max_response_length for s in base.stages] == [44, 64]
+
+
+def test_plan_runs_is_seed_major_and_runs_the_shared_baseline_once():
+    runs = ablations.plan_runs()
+    keys = [(arm.key, seed) for _, arm, seed in runs]
+    assert len(keys) == len(set(keys))
+    assert sum(1 for k in keys if k[0] == "baseline") == 3
+    seeds = [seed for _, _, seed in runs]
+    assert seeds == sorted(seeds)
+    one = ablations.plan_runs(["kl"], budget=1)
+    assert [(a.key, s) for _, a, s in one] == [("baseline", 0), ("kl-1e-3", 0)]
+    with pytest.raises(KeyError, match="no ablation 'nope'"):
+        ablations.plan_runs(["nope"])
+    with pytest.raises(KeyError, match="no arm 'nope'"):
+        ablations.plan_runs(["kl"], arms=["nope"])
+
+
+def test_step_budget_and_results_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(ablations.STEPS_ENV, "two")
+    with pytest.raises(ValueError, match="MAGIC_JAX_NOTEBOOK_STEPS='two'"):
+        ablations.step_budget()
+    monkeypatch.setenv(ablations.STEPS_ENV, "2")
+    monkeypatch.delenv(ablations.RESULTS_ENV, raising=False)
+    monkeypatch.chdir(ROOT / "notebooks")
+    assert ablations.results_dir() == COMMITTED.resolve() / "budget-2"
+    monkeypatch.setenv(ablations.RESULTS_ENV, str(tmp_path))
+    assert ablations.results_dir() == tmp_path.resolve()
+
+
+@pytest.mark.parametrize(
+    "sign,ref,arm,want",
+    [
+        (-1, [1.0, 1.1, 0.9], [0.5, 0.6, 0.4], "reproduced"),
+        (+1, [1.0, 1.1, 0.9], [0.5, 0.6, 0.4], "not reproduced"),
+        (-1, [1.0, 0.2, 0.6], [0.5, 0.9, 0.1], "inconclusive"),
+        (-1, [1.0], [0.5], "inconclusive"),
+        (0, [0.90, 0.91, 0.92], [0.905, 0.915, 0.91], "reproduced"),
+        (0, [0.90, 0.91, 0.92], [0.70, 0.71, 0.72], "not reproduced"),
+    ],
+)
+def test_judge(sign, ref, arm, want):
+    e = ar.judge(ar.Check("final accuracy", "a", "b", sign, tolerance=0.02), ref, arm)
+    assert e.verdict == want
+    assert e.diff == pytest.approx(sum(arm) / len(arm) - sum(ref) / len(ref))
+
+
+def _fake_run(d: Path, arm, seed: int, entropy: float, acc: float) -> None:
+    d.mkdir(parents=True)
+    rows = [
+        {"step": s, "stage": 0 if s < 3 else 1, "entropy": entropy / (1 + s), "alpha": 0.0,
+         "reward": acc, "truncated_fraction": 0.1, "response_length_mean": 30.0,
+         "prompts": 16, "grad_norm": 1.0}
+        for s in range(6)
+    ]  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evs = [{"step": s, "accuracy": acc * s / 6 + 0.3, "num_samples": 2} for s in (0, 3, 6)]
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evs))
+    cfg = {"entropy": {"mode": "adaptive", "target": 0.1}, "stages": [{"group_size": 8}]}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "run.json").write_text(json.dumps({"arm": arm.key, "seed": seed}))
+
+
+def test_figures_table_and_verdicts_from_summaries(tmp_path):
+    ab = ablations.ABLATIONS["temperature"]
+    base, cold = ab.arms
+    for seed in ab.seeds:
+        _fake_run(ablations.summary_dir(tmp_path, base, seed), base, seed, 0.4 + 0.01 * seed, 0.9)
+        _fake_run(ablations.summary_dir(tmp_path, cold, seed), cold, seed, 0.1 + 0.01 * seed, 0.5)
+    runs = ablations.load_arm_runs("temperature", tmp_path)
+    assert [len(v) for v in runs.values()] == [3, 3]
+    effs = ar.effects("temperature", runs)
+    assert [e.verdict for e in effs] == ["reproduced", "reproduced"]
+    text = ar.describe("temperature", runs)
+    assert "verdict: reproduced" in text and "--arm temp-0.6" in text
+    out = ar.write_figures(tmp_path, tmp_path / "figures", ["temperature"])
+    assert (out / "temperature.png").stat().st_size > 10_000
+    table = (out / "summary.md").read_text()
+    assert "| temperature |" in table and "| 3/3 |" in table
+    assert "| kl |" in table and "| 3/0 |" in table  # the shared baseline, no KL arm yet
+
+
+def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
+    bad = ablations.Arm("bad", "bad", ("sampling.temperature=banana",))
+    with pytest.raises(RuntimeError, match=r"x/bad seed 0: magic-jax train exited 2 \(log "):
+        ablations.run_one("x", bad, 0, tmp_path)
+    assert not ablations.is_done(tmp_path, bad, 0)
+    assert "sampling.temperature" in (tmp_path / "raw" / "bad" / "seed0.log").read_text()
+
+
+def _committed():
+    runs = sorted(COMMITTED.glob("runs/*/seed*/run.json"))
+    return [pytest.param(p, id=f"{p.parent.parent.name}-{p.parent.name}") for p in runs]
+
+
+@pytest.mark.parametrize("record", _committed())
+def test_committed_summaries_match_the_current_arms(record):
+    rec = json.loads(record.read_text())
+    arm = next(a for _, a in _all_arms() if a.key == rec["arm"])
+    assert record.parent == ablations.summary_dir(COMMITTED, arm, rec["seed"])
+    assert rec["step_budget"] is None
+    assert rec["overrides"] == ablations.overrides_for(arm, rec["seed"])
+    assert rec["command"].startswith("magic-jax train configs/default.yaml --set ")
+    run = load_run(record.parent)
+    assert [m["step"] for m in run.metrics] == list(range(2 * ablations.STAGE_STEPS))
+    assert run.evals[-1]["step"] == 2 * ablations.STAGE_STEPS
+
+
+def test_every_ablation_has_a_notebook_that_names_it():
+    assert [p.name.split("_", 1)[1][:-3] for p in NOTEBOOKS] == list(ablations.ABLATIONS)
+    for p in NOTEBOOKS:
+        text = p.read_text()
+        assert f'ABLATION = "{p.stem.split("_", 1)[1]}"' in text
+        assert "RESULTS" not in text.split("## What the committed runs show")[1][:40], p
+
+
+@pytest.mark.slow
+def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
+    env = dict(os.environ, MPLBACKEND="Agg", **{ablations.STEPS_ENV: "1"})
+    env[ablations.RESULTS_ENV] = str(tmp_path)
+    for nb in NOTEBOOKS:
+        proc = subprocess.run(
+            [sys.executable, nb.name], cwd=nb.parent, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, f"{nb.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert "verdict: " in proc.stdout, nb.name
+    done = sorted(p.parent.parent.name for p in tmp_path.glob("runs/*/seed0/run.json"))
+    assert done == sorted({a.key for _, a in _all_arms()})
