@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-tpu gpu-test lint format bench ci clean constraints
+.PHONY: setup demo test test-slow test-tpu gpu-test lint format bench ci clean constraints ablations
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,12 @@ GPU_PYTHON ?= python3
 gpu-test:
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	JAX_PLATFORMS=cuda,cpu $(GPU_PYTHON) -m pytest -q -m gpu tests/gpu_test.py $(PYTEST_ARGS)
+
+# The runs behind notebooks/: every missing (ablation arm, seed), resumable, about 1.5 min per
+# run on 2 cores; then notebooks/figures/ (one PNG per ablation and summary.md).
+ablations: setup
+	$(BIN)/python -m magic_jax.ablations run
+	$(BIN)/python -m magic_jax.ablations figures
 
 lint: setup
 	$(BIN)/ruff check .

@@ -54,7 +54,7 @@ setup(
         # google-jetstream itself goes in with --no-deps (see README): its pinned
         # dependencies pull TensorFlow and an old jax.
         "jetstream": ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"],
-        "notebooks": ["jupyter", "matplotlib", "pyarrow"],
+        "notebooks": ["jupyter", "jupytext", "matplotlib"],
     },
     entry_points={"console_scripts": ["magic-jax=magic_jax.cli:main"]},
 )

@@ -143,9 +143,9 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     ),
     "entropy_control": (
         Check("late entropy", "baseline", "ent-fixed-0.005", -1),
-        Check("late entropy", "baseline", "ent-fixed-0.1", +1),
+        Check("late entropy", "baseline", "ent-fixed-0.5", +1),
         Check("late |entropy - target|", "ent-fixed-0.005", "ent-adaptive-uncapped", -1),
-        Check("late |entropy - target|", "ent-fixed-0.1", "ent-adaptive-uncapped", -1),
+        Check("late |entropy - target|", "ent-fixed-0.5", "ent-adaptive-uncapped", -1),
     ),
     "adv_mask": (
         Check("stage-1 truncated fraction", "baseline", "mask-before", +1),

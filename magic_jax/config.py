@@ -187,16 +187,25 @@ class EvalConfig:
       every: steps between evaluations (also before the first and after the last).
       num_samples: n of avg@n.
       max_response_length: response limit; default the longest stage T.
+      temperature / top_p: the evaluation's sampling, the report's protocol (1 and 1) by
+        default whatever the rollouts use, so that runs with different rollout
+        temperatures are measured alike.
     """
 
     data: tuple[str, ...]
     every: int = 50
     num_samples: int = 4
     max_response_length: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def __post_init__(self):
         if not self.data:
             raise ValueError("data must name at least one file or directory")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"temperature must be > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
+            )
         if self.every <= 0 or self.num_samples <= 0:
             raise ValueError("every and num_samples must be positive")
 

@@ -25,6 +25,7 @@ SIGTERM stop the loop after the current step with a checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import time
@@ -104,8 +105,8 @@ class Trainer:
         )
         self._params = params
 
-    def _engine(self, max_response_length: int):
-        """A decode engine with the run's slots and sampling, for one response limit."""
+    def _engine(self, max_response_length: int, sampling: Any = None):
+        """A decode engine with the run's slots and sampling (or ``sampling``), for one limit."""
         from magic_jax.engine import Engine, EngineConfig
 
         cfg = self.config
@@ -116,7 +117,7 @@ class Trainer:
                 max_prefill_length=cfg.data.max_prompt_length,
                 max_decode_length=max_response_length,
                 decode_steps=cfg.rollout.decode_steps,
-                sampling=cfg.sampling,
+                sampling=cfg.sampling if sampling is None else sampling,
             ),
             mesh=self.mesh,
         )
@@ -342,7 +343,10 @@ class Trainer:
         if self._eval_driver is None:
             self._eval_rows = read_rows(ev.data)
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
-            self._eval_driver = RolloutDriver(self._engine(limit))
+            sampling = dataclasses.replace(
+                cfg.sampling, temperature=ev.temperature, top_p=ev.top_p, top_k=0, greedy=False
+            )
+            self._eval_driver = RolloutDriver(self._engine(limit, sampling))
         t0 = time.perf_counter()
         driver = self._eval_driver
         row = evaluate(

@@ -54,7 +54,7 @@ def test_arms_change_what_they_claim(tmp_path):
     assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6
     assert cfg("nsgd4-minibatch").stages[0].mini_batch_groups == 4
     assert cfg("nsgd4-reuse").num_reuse == 4
-    assert cfg("ent-fixed-0.1").entropy.mode == "fixed"
+    assert cfg("ent-fixed-0.5").entropy.mode == "fixed"
     assert cfg("kl-1e-3").kl_beta(0) == 0.0 and cfg("kl-1e-3").kl_beta(1) == 1e-3
     single = cfg("single-T64")
     assert [s.max_response_length for s in single.stages] == [64]

@@ -263,3 +263,16 @@ def test_until_rule_switch_survives_resume_with_refill(files):
         assert r["kept_group_fraction"] == min(r["mixed_groups"], 4) / 4
         # TIS: the trainer's pi_old over the sampler's: ~1 in fp32, never above the cap
         assert r["sgd_steps"] == 0 or 0.99 < r["tis_weight_mean"] < 1.01
+
+
+def test_evaluation_samples_at_its_own_temperature(files, tmp_path):
+    # rollouts at 0.5; the evaluation at the report's protocol (1.0) unless eval.temperature says
+    evals = "eval={data: [train.jsonl], every: 1, num_samples: 1, max_response_length: 5}"
+    temp = ("sampling.temperature=0.5", "loss.temperature=0.5", evals)
+    trainer = Trainer(_config(files, tmp_path / "t", *temp), log=lambda s: None)
+    trainer.run(stop_after=1)
+    assert trainer._engine(5).config.sampling.temperature == 0.5
+    assert trainer._eval_driver.engine.config.sampling.temperature == 1.0
+    assert _config(files, tmp_path / "u", *temp, "eval.temperature=0.7").eval.temperature == 0.7
+    with pytest.raises(ConfigError, match="eval.*temperature must be > 0"):
+        _config(files, tmp_path / "bad", evals, "eval.temperature=0")
