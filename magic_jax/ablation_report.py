@@ -405,8 +405,9 @@ def describe(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
     runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
     ab = ablations.ABLATIONS[ablation]
     labels = {a.key: a.label for a in ab.arms}
-    names = ["final accuracy", "mean entropy"]
-    names += [c.outcome for c in CHECKS[ablation] if c.outcome not in names]
+    names = list(
+        dict.fromkeys(["final accuracy", "mean entropy", *(c.outcome for c in CHECKS[ablation])])
+    )
     effs = effects(ablation, runs)
     lines = [
         f"{ab.title}. Report: {ab.claim}",
