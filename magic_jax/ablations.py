@@ -117,6 +117,9 @@ class Ablation:
         return [a.key for a in self.arms]
 
 
+# N_SGD = D_R / D_T = 16 / 4 = 4 optimizer steps per rollout batch, by mini-batches.
+_NSGD4 = ("stages.0.mini_batch_groups=4", "stages.1.mini_batch_groups=4")
+
 BASELINE = Arm(
     "baseline",
     "default: T=1.0, N_SGD=1, adaptive (target 0.1), eps_high 0.28, mask none, KL 0",
@@ -144,11 +147,7 @@ ABLATIONS: dict[str, Ablation] = {
             "Off-policy updates (N_SGD > 1) collapse entropy faster and test worse.",
             (
                 Arm("baseline", "N_SGD 1 (D_T = D_R = 16)"),
-                Arm(
-                    "nsgd4-minibatch",
-                    "N_SGD 4 by mini-batches (D_T 4)",
-                    ("stages.0.mini_batch_groups=4", "stages.1.mini_batch_groups=4"),
-                ),
+                Arm("nsgd4-minibatch", "N_SGD 4 by mini-batches (D_T 4)", _NSGD4),
                 Arm("nsgd4-reuse", "N_SGD 4 by reuse (N_reuse 4)", ("num_reuse=4",)),
             ),
         ),
@@ -158,7 +157,7 @@ ABLATIONS: dict[str, Ablation] = {
             "Fixed coefficients collapse (small) or explode (large) the entropy; "
             "adaptive control holds it near the target.",
             (
-                Arm("baseline", "adaptive, target 0.1 (max coef 0.02)"),
+                Arm("baseline", "default adaptive: delta 0.002, max coef 0.02"),
                 Arm(
                     "ent-fixed-0.005",
                     "fixed 0.005",
@@ -170,9 +169,17 @@ ABLATIONS: dict[str, Ablation] = {
                     ("entropy.mode=fixed", "entropy.init_coef=0.5", "entropy.max_coef=null"),
                 ),
                 Arm(
-                    "ent-adaptive-uncapped",
-                    "adaptive, target 0.1, no cap",
-                    ("entropy.max_coef=null",),
+                    "ent-fixed-5",
+                    "fixed 5",
+                    ("entropy.mode=fixed", "entropy.init_coef=5.0", "entropy.max_coef=null"),
+                ),
+                # The default's controller needs 10 steps to reach 0.02, a coefficient too
+                # small to move the entropy here (fixed 0.005 and 0.5 bracket it); this one
+                # can reach the coefficients that do within the run.
+                Arm(
+                    "ent-adaptive-fast",
+                    "adaptive: delta 0.05, no cap",
+                    ("entropy.delta=0.05", "entropy.max_coef=null"),
                 ),
             ),
         ),
@@ -190,12 +197,14 @@ ABLATIONS: dict[str, Ablation] = {
         ),
         Ablation(
             "clip_higher",
-            "Clip-higher eps_high 0.2 / 0.25 / 0.28",
+            "Clip-higher eps_high 0.2 / 0.25 / 0.28, off-policy (N_SGD 4 by mini-batches)",
             "A higher eps_high slows the entropy collapse; too high is unstable.",
+            # On-policy (N_SGD 1) the ratio is 1 at the only optimizer step and no clip binds:
+            # eps_high cannot matter there, so the arms use the off-policy ablation's D_T 4.
             (
-                Arm("clip-0.2", "eps_high 0.2", ("loss.eps_high=0.2",)),
-                Arm("clip-0.25", "eps_high 0.25", ("loss.eps_high=0.25",)),
-                Arm("baseline", "eps_high 0.28"),
+                Arm("clip-0.2-nsgd4", "eps_high 0.2", (*_NSGD4, "loss.eps_high=0.2")),
+                Arm("clip-0.25-nsgd4", "eps_high 0.25", (*_NSGD4, "loss.eps_high=0.25")),
+                Arm("nsgd4-minibatch", "eps_high 0.28"),
             ),
         ),
         Ablation(
@@ -478,7 +487,7 @@ def _status(results: Path) -> None:
         wall = ""
         if done:
             rec = json.loads((summary_dir(results, arm, seed) / "run.json").read_text())
-            wall = f" ({rec['wall_s']:.0f}s)"
+            wall = f" ({rec.get('steps_and_evals_s') or 0:.0f}s of steps and evaluations)"
         print(f"{'done' if done else 'todo'}  {ab:16s} {arm.key:24s} seed {seed}{wall}")
 
 
