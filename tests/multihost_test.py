@@ -93,6 +93,11 @@ def test_update_and_reshard_on_two_hosts_equal_one_host(model_dir, tmp_path):
     assert float(ref["metric/grad_norm"][0]) > 0 and int(ref["metric/num_sgd_steps"]) == 2
     for k in (f for f in ref.files if f.split("/")[0] in ("param", "engine", "metric")):
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # magic_jax.distributed's host-side agreements, with unequal lists on the two hosts
+    assert list(got["ragged_sizes"]) == [1, 1, 2] and list(ref["ragged_sizes"]) == [1]
+    assert list(got["ragged"]) == [0, 0, 0, 2] and list(ref["ragged"]) == [0]
+    assert list(got["strings"]) == ["", "p0", "é", "p1"] and list(ref["strings"]) == ["", "p0"]
+    assert int(got["max_int"]) == 7 and int(got["on_primary"]) == 11
     # The engine's copy holds exactly the trained weights.
     for k in (f for f in got.files if f.startswith("param/")):
         np.testing.assert_array_equal(got["engine/" + k.removeprefix("param/")], got[k])
@@ -138,6 +143,8 @@ def train_files(tmp_path_factory):
         "checkpoint_every": 1,
         "keep_checkpoints": 2,
         "export_dtype": "float32",
+        # before the first step (first job) and after the last (second job)
+        "eval": {"data": [str(root / "train.jsonl")], "every": 2, "num_samples": 2},
     }
     (root / "run.yaml").write_text(yaml.safe_dump(raw))
     return root
@@ -186,6 +193,8 @@ def test_train_on_two_hosts_with_a_resume_equals_one_host(train_files, tmp_path)
 
     from safetensors.numpy import load_file
 
+    from magic_jax import rundir
+
     env = dict(os.environ, MAGIC_JAX_COMPILATION_CACHE=str(tmp_path / "jax_cache"),
                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")  # fmt: skip
     one, two = tmp_path / "one", tmp_path / "two"
@@ -201,6 +210,9 @@ def test_train_on_two_hosts_with_a_resume_equals_one_host(train_files, tmp_path)
     assert [r["step"] for r in got] == [0, 1]
     assert want[0]["sgd_steps"] > 0 and want[0]["reward_status"]["correct"] > 0
     _close(got, want, "metrics")
+    evals = [rundir.read_records(o / "eval.jsonl") for o in (two, one)]
+    assert [r["step"] for r in evals[1]] == [0, 2]
+    _close(*([{k: v for k, v in r.items() if k != "t_eval_s"} for r in e] for e in evals), "eval")
     s_got, s_want = (json.loads((o / "summary.json").read_text()) for o in (two, one))
     for s in (s_got, s_want):
         s.pop("hf_export")
