@@ -20,6 +20,11 @@ because step k's prompts and sampling keys are functions of k alone, the
 resumed run computes what the uninterrupted one would have. The run directory
 is claimed and locked for the run's life (``magic_jax.rundir``); SIGINT and
 SIGTERM stop the loop after the current step with a checkpoint.
+
+Multi-host (``mesh`` set, under ``jax.distributed``): every process runs this
+same loop (``magic_jax.distributed`` says what they agree on and how); process
+0 alone owns the run directory and writes records, all take part in
+checkpoints and the export.
 """
 
 from __future__ import annotations
