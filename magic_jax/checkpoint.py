@@ -293,14 +293,14 @@ def latest_good_checkpoint(
       output_dir: the run directory.
       log: gets one line per checkpoint that fails, naming it and why.
       set_aside: move each failed checkpoint newer than the good one to
-        ``checkpoints_bad/`` (a resumed run then writes those steps anew).
+        ``checkpoints_bad/`` (a resumed run then writes those steps anew). In a
+        multi-host run only process 0 may do this (the trainer asks it alone
+        and tells the others its choice: ``distributed.on_primary``).
 
     Raises:
       RunDirError: some checkpoint holds a manifest (it was completed) but none
         verifies: resuming from scratch would silently redo finished work.
     """
-    import jax
-
     failed: list[tuple[Path, str]] = []
     good = None
     for _, path in reversed(step_dirs(output_dir)):
@@ -317,27 +317,24 @@ def latest_good_checkpoint(
         )
     for path, reason in failed:
         where = f"; moved to {_set_aside(Path(output_dir), path)}" if set_aside else ""
-        if log is not None and jax.process_index() == 0:
+        if log is not None:
             log(f"[checkpoint] {path} is not usable: {reason}{where}")
-    if set_aside and failed and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        # the other processes must not list the checkpoints before the moves are done
-        multihost_utils.sync_global_devices("magic_jax: bad checkpoints set aside")
     return good
 
 
-def _set_aside(output_dir: Path, path: Path) -> Path:
-    import jax
+def step_path(output_dir: str | os.PathLike, step: int) -> Path:
+    """The directory of checkpoint ``step`` of a run (``checkpoints/step_NNNNNNNN``)."""
+    return Path(output_dir) / CHECKPOINTS / f"step_{step:08d}"
 
+
+def _set_aside(output_dir: Path, path: Path) -> Path:
     dest = output_dir / BAD_CHECKPOINTS / path.name
     n = 1
     while dest.exists():
         dest = output_dir / BAD_CHECKPOINTS / f"{path.name}.{n}"
         n += 1
-    if jax.process_index() == 0:
-        dest.parent.mkdir(exist_ok=True)
-        os.replace(path, dest)
+    dest.parent.mkdir(exist_ok=True)
+    os.replace(path, dest)
     return dest
 
 

@@ -134,6 +134,7 @@ def rollout_groups(
     step: int,
     truncation: str = "no_eos",
     on_sample: Callable[[Any], None] | None = None,
+    per_host: bool = False,
 ) -> tuple[list[Group], Any, float]:
     """G responses to each of ``rows``, each sent to the verifier pool as it ends.
 
@@ -148,6 +149,16 @@ def rollout_groups(
       seed, step: the sampling keys' seed and step (``sampling.sample_key``).
       truncation: ``RolloutConfig.truncation``.
       on_sample: called with each finished sample after its submission.
+      per_host: ``rows`` is this process's slice of the step's prompts in a
+        multi-host run (``data.prompt_batches`` with the process index); see below.
+
+    With ``per_host``, every process learns the whole step's prompts (their
+    token ids and uids, gathered in process order, which is the one-host
+    order), so all of them run the same decode programs on the same global
+    batch; each process sends only the samples of its own prompts to its own
+    verifier pool, and the rewards are then gathered, so every process returns
+    the same groups as one host would. The groups of other hosts' prompts
+    carry a ``RemotePrompt`` (their uid) as ``row``.
 
     Returns:
       (groups in prompt order, the driver's ``RolloutStats``, seconds spent
@@ -167,6 +178,11 @@ def rollout_groups(
         raise ValueError(
             f"step {step}: every prompt is longer than data.max_prompt_length ({max_prompt_length})"
         )
+    if per_host:
+        return _rollout_groups_per_host(
+            driver, params, rows, ids, tokenizer=tokenizer, pool=pool, group_size=group_size,
+            seed=seed, step=step, truncation=truncation, on_sample=on_sample,
+        )  # fmt: skip
     tickets: dict[tuple[int, int], int] = {}
 
     def submit(s: Any) -> None:
@@ -197,6 +213,74 @@ def rollout_groups(
             [samples[i] for i in idx],
             np.asarray([results[i].reward for i in idx], np.float32),
             [results[i] for i in idx],
+        )
+        for p, idx in sorted(by_prompt.items())
+    ]
+    return groups, stats, wait
+
+
+@dataclasses.dataclass(frozen=True)
+class RemotePrompt:
+    """A prompt another host read: only its uid is known here (online filtering's key)."""
+
+    uid: str
+
+
+def _rollout_groups_per_host(
+    driver, params, rows, ids, *, tokenizer, pool, group_size, seed, step, truncation, on_sample
+) -> tuple[list[Group], Any, float]:
+    """``rollout_groups`` of one process of a multi-host run (``per_host``)."""
+    import time
+
+    import jax
+
+    from magic_jax import distributed
+    from magic_jax.rewards import RewardItem, RewardResult, RewardStatus
+
+    # Hosts hold contiguous slices: this host's prompt i is the step's prompt first + i.
+    counts = [int(c[0]) for c in distributed.allgather_ragged([[len(ids)]], np.int32)]
+    first = sum(counts[: jax.process_index()])
+    all_ids = distributed.allgather_ragged(ids, np.int32)
+    uids = distributed.allgather_strings([r.uid for r in rows])
+    mine = range(first, first + len(rows))
+    tickets: dict[tuple[int, int], int] = {}
+
+    def submit(s: Any) -> None:
+        if s.prompt_index in mine:  # the other hosts score theirs
+            text = tokenizer.decode(s.tokens, skip_special_tokens=True)
+            item = RewardItem.from_row(rows[s.prompt_index - first].as_verl_row(), text)
+            tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+        if on_sample is not None:
+            on_sample(s)
+
+    samples, stats = driver.run(
+        params, all_ids, num_samples=group_size, seed=seed, step=step, truncation=truncation,
+        on_sample=submit,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    local = [s for s in samples if s.prompt_index in mine]
+    results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in local])
+    wait = time.perf_counter() - t0
+    # Samples come in (prompt, sample) order and the hosts' prompts are contiguous, so
+    # the statuses gathered in process order line up with ``samples``. A reward is
+    # a function of its status; the verifier's detail stays on the host that scored it.
+    statuses = list(RewardStatus)
+    codes = np.asarray([statuses.index(r.status) for r in results], np.int32)
+    gathered = np.concatenate(distributed.allgather_ragged([codes], np.int32))
+    own = {(s.prompt_index, s.sample_index): r for s, r in zip(local, results)}
+    every = [
+        own.get((s.prompt_index, s.sample_index)) or RewardResult.of(statuses[int(c)])
+        for s, c in zip(samples, gathered)
+    ]
+    by_prompt: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(s.prompt_index, []).append(i)
+    groups = [
+        Group(
+            rows[p - first] if p in mine else RemotePrompt(uids[p]),
+            [samples[i] for i in idx],
+            np.asarray([every[i].reward for i in idx], np.float32),
+            [every[i] for i in idx],
         )
         for p, idx in sorted(by_prompt.items())
     ]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax import sampling as sampling_lib
 from magic_jax.model import KVCache, Qwen2, apply_rope
@@ -473,18 +473,23 @@ def _compiled(
     """The jitted engine functions, shared by every engine with the same model graph,
     shardings and static settings (so a new engine per stage does not recompile)."""
     kw = dict(statics)
+    # What the host reads (sampled tokens, log-probs, step counts; a few KB) comes back
+    # replicated on every device: with several processes, each one then holds all of
+    # it and reads it locally (np.asarray of a slot-sharded output would need devices
+    # of other processes), and every process makes the same scheduling decisions.
+    host = None if shardings is None else NamedSharding(shardings.tokens.mesh, PartitionSpec())
     if name == "prefill":
         return jax.jit(functools.partial(prefill_fn, graphdef))
     if name == "unembed_VD":
         return jax.jit(lambda params: nnx.merge(graphdef, params).unembedding().T)
     if name == "insert":
         fn = functools.partial(insert_fn, sampling=sampling)
-        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None))
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
     if name == "generate":
         fn = functools.partial(decode_step, graphdef, sampling=sampling)
-        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None))
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
     fn = functools.partial(decode_chunk_fn, graphdef, sampling=sampling, **kw)
-    return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, None, None))
+    return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host, host))
 
 
 class Engine:

@@ -29,7 +29,8 @@ class Stage:
       config: the stage's options.
       rows: its prompts (after online filtering).
       excluded: uids dropped by online filtering up to this stage (saved with checkpoints).
-      batches: ``prompt_batches``: element k is stage step k's prompts.
+      batches: ``prompt_batches``: element k is stage step k's prompts (this
+        host's slice of them in a multi-host run).
       refill_batches: with ``rollout.refill``, element ``k * R + r - 1`` is the
         prompts of refill round r of stage step k (R = ``refill_max_rounds``);
         a second order of the same prompts, so every round is a function of
@@ -95,16 +96,20 @@ def build_stage(
       mesh: the training mesh, or None.
       make_engine: response limit T -> a decode engine with the run's slots and sampling.
     """
+    import jax
+
     from magic_jax.rollout import RolloutDriver
     from magic_jax.train_step import PolicyUpdater
 
     st = config.stages[index]
     kept = online_filter(rows, set(excluded))
     seed = config.seed + 1000 * index
-    batches = prompt_batches(kept, st.prompts_per_step, seed=seed)
+    # each host reads its own slice of every step's prompts (collect.rollout_groups gathers)
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = prompt_batches(kept, st.prompts_per_step, seed=seed, **hosts)
     refill = None
     if config.rollout.refill:
-        refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500)
+        refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500, **hosts)
     driver = RolloutDriver(make_engine(st.max_response_length))
     updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)

@@ -20,6 +20,11 @@ because step k's prompts and sampling keys are functions of k alone, the
 resumed run computes what the uninterrupted one would have. The run directory
 is claimed and locked for the run's life (``magic_jax.rundir``); SIGINT and
 SIGTERM stop the loop after the current step with a checkpoint.
+
+Multi-host (``mesh`` set, under ``jax.distributed``): every process runs this
+same loop (``magic_jax.distributed`` says what they agree on and how); process
+0 alone owns the run directory and writes records, all take part in
+checkpoints and the export.
 """
 
 from __future__ import annotations
@@ -64,11 +69,9 @@ class Trainer:
     def _setup(self) -> None:
         from flax import nnx
 
-        from magic_jax.sharding import make_mesh, maybe_initialize_distributed
+        from magic_jax.sharding import make_mesh
 
         cfg = self.config
-        if cfg.mesh is not None:
-            maybe_initialize_distributed()
         self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
         self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
@@ -159,48 +162,62 @@ class Trainer:
           RunDirError: the directory is not usable (not ours, locked, a changed
             config, no usable checkpoint).
         """
-        import jax
-
-        from magic_jax import rundir
-        from magic_jax.checkpoint import read_trainer_state, step_dirs
+        from magic_jax import distributed, rundir
+        from magic_jax.sharding import maybe_initialize_distributed
 
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
             raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
-        primary = jax.process_index() == 0
-        with rundir.run_directory(self.out, primary=primary), rundir.StopSignals() as signals:
-            raw = to_dict(cfg)
-            old = rundir.stored_config(self.out)
-            newest = step_dirs(self.out)[-1:]
-            done, current = 0, None
-            if newest:
-                done = newest[0][0]
-                with contextlib.suppress(rundir.RunDirError):  # judged again before restoring
-                    current = read_trainer_state(newest[0][1])["stage"]
-            if old is not None and done > 0:
-                for change in rundir.check_resume_config(old, raw, done, current):
-                    self.log(f"[resume] changed {change}")
-            finished = rundir.finished_summary(self.out, cfg.total_steps)
-            if finished is not None:
-                self.log(
-                    f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
-                    f"(use a new output_dir for a new run)"
-                )
-                return finished
-            if jax.process_index() == 0:
-                rundir.write_config(self.out, raw)
+        if cfg.mesh is not None:
+            # before anything asks jax for devices or the process index
+            maybe_initialize_distributed()
+        raw = to_dict(cfg)
+        with contextlib.ExitStack() as stack:
+            # Process 0 claims, locks and checks the directory; the others start once it
+            # has (on_primary is a barrier) and never write into it themselves.
+            finished = distributed.on_primary(lambda: self._open_run_dir(stack, raw))
+            if finished:
+                return rundir.finished_summary(self.out, cfg.total_steps) or {}
+            signals = stack.enter_context(rundir.StopSignals())
             return self._run(stop_after, signals)
+
+    def _open_run_dir(self, stack: contextlib.ExitStack, raw: dict[str, Any]) -> int:
+        """Claims and locks the run directory for ``stack``'s life and checks a resume
+        against it; returns 1 when the run has finished before (nothing to do), else 0."""
+        from magic_jax import rundir
+        from magic_jax.checkpoint import read_trainer_state, step_dirs
+
+        cfg = self.config
+        stack.enter_context(rundir.run_directory(self.out))
+        old = rundir.stored_config(self.out)
+        newest = step_dirs(self.out)[-1:]
+        done, current = 0, None
+        if newest:
+            done = newest[0][0]
+            with contextlib.suppress(rundir.RunDirError):  # judged again before restoring
+                current = read_trainer_state(newest[0][1])["stage"]
+        if old is not None and done > 0:
+            for change in rundir.check_resume_config(old, raw, done, current):
+                self.log(f"[resume] changed {change}")
+        finished = rundir.finished_summary(self.out, cfg.total_steps)
+        if finished is not None:
+            self.log(
+                f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
+                f"(use a new output_dir for a new run)"
+            )
+            return 1
+        rundir.write_config(self.out, raw)
+        return 0
 
     def _run(self, stop_after: int | None, signals: Any) -> dict[str, Any]:
         import signal
 
-        import jax
-
-        from magic_jax import rundir
+        from magic_jax import distributed, rundir
         from magic_jax.checkpoint import (
             TrainCheckpoints,
             latest_good_checkpoint,
             read_trainer_state,
+            step_path,
         )
         from magic_jax.monitor import Monitor
         from magic_jax.rewards import VerifierPool
@@ -215,7 +232,16 @@ class Trainer:
         state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
         step, schedule, tracker, excluded = 0, Schedule(), AccuracyTracker(), []
-        found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
+        primary = distributed.is_primary()
+
+        def newest_good() -> int:
+            found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
+            return -1 if found is None else int(found.name.removeprefix("step_"))
+
+        # Process 0 verifies the checksums and sets bad checkpoints aside; every process
+        # then restores the step it chose (orbax restores on all processes at once).
+        chosen = distributed.on_primary(newest_good)
+        found = None if chosen < 0 else step_path(self.out, chosen)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         if found is not None:
             meta = read_trainer_state(found)
@@ -231,7 +257,7 @@ class Trainer:
                     excluded = excluded_after(cfg, excluded, tracker)
                     tracker.reset()
             self.log(f"[resume] {found}: continuing at step {step}")
-        dropped = rundir.trim_records(self.out, step)
+        dropped = rundir.trim_records(self.out, step) if primary else {}
         if any(dropped.values()):
             self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
         saved = step
@@ -242,14 +268,16 @@ class Trainer:
             stage_steps=[s.steps for s in cfg.stages],
             start_step=step,
             log=self.log,
-            primary=jax.process_index() == 0,
+            primary=primary,
         )
         self.log = self._monitor.write  # the run's other lines print above the progress bar
+        # the stop signal every process agrees on (0: none), asked once per step
+        stop = distributed.max_int(signals.received or 0)
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
                     self._evaluate(state, 0, pool, schedule)
-                while step < end and not schedule.finished(cfg) and signals.received is None:
+                while step < end and not schedule.finished(cfg) and not stop:
                     if stage is None or stage.index != schedule.index:
                         stage = self._stage(schedule.index, excluded)
                     k = schedule.stage_step(step)
@@ -260,6 +288,7 @@ class Trainer:
                         row["stage_end"] = ended
                     self._monitor.step(row, _format(row))
                     rundir.kill_point("step", step)
+                    stop = distributed.max_int(signals.received or 0)
                     last = ended is not None and schedule.index == len(cfg.stages) - 1
                     if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
                         ev = self._evaluate(state, step, pool, None if ended else schedule)
@@ -270,12 +299,7 @@ class Trainer:
                         schedule.advance(step, ended)
                         excluded = excluded_after(cfg, excluded, tracker)
                         tracker.reset()
-                    if (
-                        step % cfg.checkpoint_every == 0
-                        or ended is not None
-                        or step == end
-                        or signals.received is not None
-                    ):
+                    if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
                         self._save(ckpts, state, step, schedule, excluded, tracker)
                         saved = step
         finally:
@@ -289,16 +313,17 @@ class Trainer:
             skipped_updates=int(state.skipped),
             entropy_coef=float(state.entropy.coef),
         )
-        if signals.received is not None:
-            name = signal.Signals(signals.received).name
+        if stop:
+            name = signal.Signals(stop).name
             summary["stopped_by"] = name
             self.log(
                 f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
                 f"run the same command to resume"
             )
-        elif schedule.finished(cfg) and cfg.export_hf and jax.process_index() == 0:
+        elif schedule.finished(cfg) and cfg.export_hf:
+            # every process gathers the weights tensor by tensor; process 0 writes them
             summary["hf_export"] = str(self._export(state))
-        if jax.process_index() == 0:
+        if primary:
             rundir.write_summary(self.out, summary)
         return summary
 
@@ -318,18 +343,21 @@ class Trainer:
 
     def _export(self, state: Any) -> Path:
         """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
+        import jax
         import jax.numpy as jnp
         from flax import nnx
 
         from magic_jax.convert import save_hf
 
         out = self.out / "hf_final"
-        if out.exists():
+        primary = jax.process_index() == 0
+        if out.exists() and primary:
             shutil.rmtree(out)  # this run's own earlier export
         save_hf(
             nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(self.config.export_dtype)
         )
-        self.tokenizer.save_pretrained(out)
+        if primary:
+            self.tokenizer.save_pretrained(out)
         return out
 
     def _evaluate(
@@ -404,6 +432,7 @@ class Trainer:
                 step=step,
                 truncation=cfg.rollout.truncation,
                 on_sample=lambda s: rundir.kill_point("rollout", step),
+                per_host=jax.process_count() > 1,
             )
             rollouts.append(stats)
             waits.append(wait)

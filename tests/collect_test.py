@@ -176,3 +176,76 @@ def test_new_options_are_checked_at_load(override, message):
     }  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         load_config(raw=raw, overrides=[override])
+
+
+# --------------------------------------------------------------------------- rollout_groups
+
+
+class _Driver:
+    """Scripted responses: sample j of prompt p is the digit (p + j) % 3; finishes last first."""
+
+    def run(self, params, prompts, *, num_samples, seed, step, truncation, on_sample):
+        out = [
+            Sample(p, j, np.asarray(x, np.int32), np.asarray([(p + j) % 3], np.int32),
+                   np.zeros(1, np.float32), np.zeros(1, np.float32), False, 1)
+            for p, x in enumerate(prompts)
+            for j in range(num_samples)
+        ]  # fmt: skip
+        for s in reversed(out):
+            on_sample(s)
+        return out, "stats"
+
+
+class _Tokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return str(int(tokens[0]))
+
+
+class _Pool:
+    """Rewards 1 where the response is the gold answer ("0" has no answer); keeps what it got."""
+
+    def __init__(self):
+        self.items = []
+
+    def submit(self, item):
+        self.items.append(item)
+        return len(self.items) - 1
+
+    def collect(self, tickets):
+        from magic_jax.rewards import RewardResult, RewardStatus
+
+        def status(item):
+            if item.response == str(item.ground_truth):
+                return RewardStatus.CORRECT
+            return RewardStatus.NO_ANSWER if item.response == "0" else RewardStatus.WRONG
+
+        return [RewardResult.of(status(self.items[t])) for t in tickets]
+
+
+def test_rollout_groups_per_host_in_one_process_equals_the_plain_path():
+    """The multi-host path (gathers, own-prompt scoring, gathered verdicts) with one host:
+    the same groups, every sample scored once. tests/multihost_test.py runs it on two."""
+    from magic_jax.collect import rollout_groups
+    from magic_jax.data import parse_row
+    from magic_jax.testing import sums_rows
+
+    rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(sums_rows(5, seed=1))]
+    got = {}
+    for per_host in (False, True):
+        pool = _Pool()
+        groups, stats, _ = rollout_groups(
+            _Driver(), None, rows, tokenizer=_Tokenizer(), pool=pool, group_size=3,
+            max_prompt_length=64, seed=0, step=0, per_host=per_host,
+        )  # fmt: skip
+        assert stats == "stats" and len(pool.items) == 15
+        got[per_host] = [
+            (g.row.uid, [int(s.tokens[0]) for s in g.samples], g.rewards.tolist(),
+             [r.status for r in g.results])
+            for g in groups
+        ]  # fmt: skip
+    assert got[True] == got[False]
+    assert [uid for uid, *_ in got[True]] == [r.uid for r in rows]
+    assert 0 < sum(sum(r) for _, _, r, _ in got[True]) < 15  # some right, some wrong

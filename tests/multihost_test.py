@@ -93,6 +93,177 @@ def test_update_and_reshard_on_two_hosts_equal_one_host(model_dir, tmp_path):
     assert float(ref["metric/grad_norm"][0]) > 0 and int(ref["metric/num_sgd_steps"]) == 2
     for k in (f for f in ref.files if f.split("/")[0] in ("param", "engine", "metric")):
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # magic_jax.distributed's host-side agreements, with unequal lists on the two hosts
+    assert list(got["ragged_sizes"]) == [1, 1, 2] and list(ref["ragged_sizes"]) == [1]
+    assert list(got["ragged"]) == [0, 0, 0, 2] and list(ref["ragged"]) == [0]
+    assert list(got["strings"]) == ["", "p0", "é", "p1"] and list(ref["strings"]) == ["", "p0"]
+    assert int(got["max_int"]) == 7 and int(got["on_primary"]) == 11
     # The engine's copy holds exactly the trained weights.
     for k in (f for f in got.files if f.startswith("param/")):
         np.testing.assert_array_equal(got["engine/" + k.removeprefix("param/")], got[k])
+
+
+# --------------------------------------------------------------------------- magic-jax train
+
+
+@pytest.fixture(scope="module")
+def train_files(tmp_path_factory):
+    """The tiny sums run of the trainer tests on a (fsdp 4, tensor 2) mesh: 2 steps."""
+    import json
+
+    import yaml
+
+    from magic_jax.testing import save_sums_model, sums_rows
+
+    root = tmp_path_factory.mktemp("mh_train")
+    save_sums_model(root / "model", seed=0)
+    rows = sums_rows(12, seed=0)
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {
+        "model": str(root / "model"),
+        "data": {"train": [str(root / "train.jsonl")], "max_prompt_length": 16},
+        "stages": [
+            {
+                "steps": 2,
+                "max_response_length": 3,
+                "prompts_per_step": 4,
+                "mini_batch_groups": 2,
+                "group_size": 8,
+            }
+        ],
+        "mesh": {"fsdp": 4, "tensor": 2},
+        # all 32 samples of a step decode at once: fewer decode programs to compile
+        "rollout": {"max_concurrent_decodes": 32, "decode_steps": 8},
+        # Adam's eps 1e-4 (not 1e-8): the k_proj biases' gradient is zero up to rounding
+        # (softmax ignores a per-query constant), and Adam would turn that noise, summed
+        # in another order by a cross-process all-reduce, into lr-sized steps.
+        "optimizer": {"learning_rate": 1e-2, "eps": 1e-4},
+        "entropy": {"target": 5.0, "delta": 0.01},
+        "rewards": {"num_workers": 1},
+        "checkpoint_every": 1,
+        "keep_checkpoints": 2,
+        "export_dtype": "float32",
+    }
+    (root / "run.yaml").write_text(yaml.safe_dump(raw))
+    return root
+
+
+def _train(root, out, n, port, *more):
+    """argv_of for ``launch``: process i of ``magic-jax train`` over n processes."""
+
+    def argv(i):
+        env = [f"MAGIC_JAX_COORDINATOR=localhost:{port}", f"MAGIC_JAX_NUM_PROCESSES={n}",
+               f"MAGIC_JAX_PROCESS_ID={i}"] if n > 1 else []  # fmt: skip
+        return ["env", *env, sys.executable, "-m", "magic_jax.cli", "train",
+                str(root / "run.yaml"), "--set", f"output_dir={out}", *more]  # fmt: skip
+
+    return argv
+
+
+def _records(out):
+    from magic_jax import rundir
+
+    return [
+        {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_tokens_per_s"}
+        for r in rundir.read_records(out / "metrics.jsonl")
+    ]
+
+
+def _close(got, want, where):
+    """Equal records: integers, strings and counts exactly, floats to rtol 1e-5."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for k in want:
+            _close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=where)
+    else:
+        assert got == want, where
+
+
+def _stopped_by_sigterm_to_process_1(argv_of, env, tmp_path) -> list[str]:
+    """Starts 2 processes x 4 devices, sends SIGTERM to process 1 once its first step has
+    begun, and returns both logs; both must exit with 143 (stopped by SIGTERM)."""
+    import signal
+    import time
+
+    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    logs = [tmp_path / f"stop-{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for i, log in enumerate(logs):
+            with open(log, "w") as f:
+                procs.append(
+                    subprocess.Popen(
+                        argv_of(i), env=env, stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent
+                    )
+                )
+        deadline = time.monotonic() + 300
+        # "[stage 0]" is printed with the stop handlers installed, just before step 0,
+        # whose first compilations take seconds: the signal lands inside step 0.
+        while "[stage 0]" not in logs[1].read_text():
+            assert time.monotonic() < deadline and procs[1].poll() is None, logs[1].read_text()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [log.read_text() for log in logs]
+    assert codes == [143, 143], "\n".join(o[-3000:] for o in outs)
+    return outs
+
+
+@pytest.mark.slow
+def test_train_on_two_hosts_with_a_resume_equals_one_host(train_files, tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    env = dict(os.environ, MAGIC_JAX_COMPILATION_CACHE=str(tmp_path / "jax_cache"),
+               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(_train(train_files, one, 1, 0), 1, 8, env=env)
+    # Two processes; SIGTERM to process 1 alone during step 0: both stop after step 0
+    # with a checkpoint (each writes its shards), then a second two-process job resumes.
+    first = _stopped_by_sigterm_to_process_1(_train(train_files, two, 2, free_port()), env,
+                                             tmp_path)  # fmt: skip
+    assert [r["step"] for r in _records(two)] == [0]
+    assert "[step 0]" in first[0]
+    for out in first:
+        assert "[stop] SIGTERM: stopped at step 1 (checkpoint at step 1)" in out, out[-2000:]
+    second = launch(_train(train_files, two, 2, free_port()), 2, 4, env=env)
+    for out in second:  # both processes restored the step process 0 chose
+        assert "continuing at step 1" in out, out[-2000:]
+    got, want = _records(two), _records(one)
+    assert [r["step"] for r in got] == [0, 1]
+    assert want[0]["sgd_steps"] > 0 and want[0]["reward_status"]["correct"] > 0
+    _close(got, want, "metrics")
+    s_got, s_want = (json.loads((o / "summary.json").read_text()) for o in (two, one))
+    for s in (s_got, s_want):
+        s.pop("hf_export")
+        s["last"] = {k: v for k, v in s["last"].items() if k in want[-1]}
+    _close(s_got, s_want, "summary")
+    w_got = load_file(str(two / "hf_final" / "model.safetensors"))
+    w_want = load_file(str(one / "hf_final" / "model.safetensors"))
+    w_init = load_file(str(train_files / "model" / "model.safetensors"))
+    assert sorted(w_got) == sorted(w_want) == sorted(w_init)
+    # What training changed agrees to 1e-5 of the largest change (all-reduces across
+    # processes sum in another order than within one: the last bits differ).
+    scale = max(float(np.abs(w_want[k] - w_init[k]).max()) for k in w_init)
+    assert scale > 1e-3
+    for k in w_want:
+        np.testing.assert_allclose(
+            w_got[k] - w_init[k], w_want[k] - w_init[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k
+        )
+    # each process wrote its own shards of each checkpoint (orbax's OCDBT per process)
+    for step in (1, 2):
+        state = two / "checkpoints" / f"step_{step:08d}" / "state"
+        assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()

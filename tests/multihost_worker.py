@@ -60,6 +60,7 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     from flax import nnx
     from jax.experimental import multihost_utils
 
+    from magic_jax import distributed
     from magic_jax.buffer import pack_rollouts
     from magic_jax.convert import load_hf
     from magic_jax.losses import LossConfig
@@ -91,6 +92,14 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
         a.sharding.is_equivalent_to(b.sharding if hasattr(b, "sharding") else b, a.ndim)
         for a, b in zip(jax.tree.leaves(engine_params), jax.tree.leaves(want))
     )
+    # Host-side agreement (magic_jax.distributed): ragged lists of unequal lengths.
+    me = jax.process_index()
+    ragged = distributed.allgather_ragged(
+        [np.arange(i + 1, dtype=np.int32) * (me + 1) for i in range(me + 1)], np.int32
+    )
+    strings = distributed.allgather_strings(["é" * me, f"p{me}"])
+    largest = distributed.max_int(me * 7)
+    chosen = distributed.on_primary(lambda: 11 + me)  # process 0's answer on all
     trained = multihost_utils.process_allgather(state.params, tiled=True)
     resharded = multihost_utils.process_allgather(engine_params, tiled=True)
     if jax.process_index() == 0:
@@ -105,6 +114,11 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
         flat |= {f"metric/{k}": np.asarray(v) for k, v in metrics.items()}
         flat["same_layout"] = np.asarray(same_layout)
         flat["process_count"] = np.asarray(jax.process_count())
+        flat["ragged"] = np.concatenate(ragged)
+        flat["ragged_sizes"] = np.asarray([len(a) for a in ragged])
+        flat["strings"] = np.asarray(strings)
+        flat["max_int"] = np.asarray(largest)
+        flat["on_primary"] = np.asarray(chosen)
         np.savez(f"{out}/result.npz", **flat)
 
 
