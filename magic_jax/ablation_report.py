@@ -144,8 +144,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "entropy_control": (
         Check("late entropy", "ent-fixed-0.5", "ent-fixed-0.005", -1),
         Check("late entropy", "ent-fixed-0.5", "ent-fixed-5", +1),
-        Check("late |entropy - target|", "ent-fixed-0.005", "ent-adaptive-fast", -1),
-        Check("late |entropy - target|", "ent-fixed-5", "ent-adaptive-fast", -1),
+        Check("late |entropy - target|", "ent-fixed-0.005", "ent-adaptive-0.2", -1),
+        Check("late |entropy - target|", "ent-fixed-5", "ent-adaptive-0.2", -1),
     ),
     "adv_mask": (
         Check("stage-1 truncated fraction", "baseline", "mask-before", +1),
