@@ -374,6 +374,13 @@ def summary_rows(results: Any = None) -> list[list[str]]:
     return rows
 
 
+def summary_table(results: Any = None) -> str:
+    """The Markdown table of ``summary_rows`` (``notebooks/README.md`` holds it verbatim)."""
+    header = ["ablation", "report's claim", "arms", "seeds per arm", "effects (mean diff +- se)",
+              "verdict"]  # fmt: skip
+    return format_table(header, summary_rows(results))
+
+
 def write_figures(
     results: str | os.PathLike, out: str | os.PathLike, names: Sequence[str] | None = None
 ) -> Path:
@@ -386,15 +393,7 @@ def write_figures(
             continue
         fig = ablation_figure(key, runs)
         fig.savefig(out / f"{key}.png")
-    header = [
-        "ablation",
-        "report's claim",
-        "arms",
-        "seeds per arm",
-        "effects (mean diff +- se)",
-        "verdict",
-    ]
-    (out / "summary.md").write_text(format_table(header, summary_rows(results)) + "\n")
+    (out / "summary.md").write_text(summary_table(results) + "\n")
     return out
 
 

@@ -166,6 +166,14 @@ def test_committed_summaries_match_the_current_arms(record):
     assert run.evals[-1]["step"] == 2 * ablations.STAGE_STEPS
 
 
+def test_the_notebooks_readme_holds_the_table_of_the_committed_runs():
+    readme = (ROOT / "notebooks" / "README.md").read_text()
+    assert ar.summary_table(COMMITTED) in readme
+    for key in ablations.ABLATIONS:
+        assert f"](figures/{key}.png)" in readme
+        assert (ROOT / "notebooks" / "figures" / f"{key}.png").exists()
+
+
 def test_every_ablation_has_a_notebook_that_names_it():
     assert [p.name.split("_", 1)[1][:-3] for p in NOTEBOOKS] == list(ablations.ABLATIONS)
     for p in NOTEBOOKS:
