@@ -172,6 +172,9 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         # from the KL arm's own KL over stage 2
         Check("stage-2 KL drift", None, "kl-1e-3", -1),
         Check("final accuracy", "baseline", "kl-1e-3", -1),
+        Check("stage-2 KL to reference", "kl-1e-3", "kl-0.1", -1),
+        Check("stage-2 KL drift", None, "kl-0.1", -1),
+        Check("final accuracy", "baseline", "kl-0.1", -1),
     ),
     "multi_stage": (
         Check("final accuracy", "single-T64", "baseline", 0, tolerance=0.02),

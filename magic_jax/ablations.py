@@ -216,6 +216,8 @@ ABLATIONS: dict[str, Ablation] = {
             (
                 Arm("baseline", "beta 0"),
                 Arm("kl-1e-3", "beta 1e-3 in stage 2", ("stages.1.kl_beta=0.001",)),
+                # 100 times the report's beta: does the pull show at all at this scale?
+                Arm("kl-0.1", "beta 0.1 in stage 2", ("stages.1.kl_beta=0.1",)),
             ),
             seeds=SEEDS_SECONDARY,
         ),

@@ -18,7 +18,8 @@
 # reference policy and learning stalls; MAGIC trains without KL.
 #
 # Arms: the default (beta 0) and beta 1e-3 in stage 2 only (`stages.1.kl_beta`), the reference
-# being the initial weights (the shipped base model).
+# being the initial weights (the shipped base model), and beta 0.1 in stage 2, 100 times the
+# report's, to see whether the pull shows at all at this scale.
 #
 # Every run is an ordinary `magic-jax train` run of the embedded default
 # (`configs/default.yaml`, 15 + 15 steps here) made by `magic_jax.ablations`; this notebook
