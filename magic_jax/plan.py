@@ -146,7 +146,9 @@ def topology_devices(name: str) -> list[Any]:
 
 
 def resolve_model(model: str, param_dtype: str, preset: str | None = None):
-    """The ``ModelConfig`` a run trains, as the trainer builds it (compute dtype = param dtype).
+    """The ``ModelConfig`` a run loads, as the trainer builds it (compute dtype = param dtype;
+    the update applies the run's ``remat`` and ``compute_dtype`` on top, see
+    ``train_step.update_graphdef``).
 
     ``model`` is read when it is a checkpoint directory here (Hugging Face
     ``config.json`` or a magic_jax checkpoint); otherwise its name picks a preset
@@ -532,7 +534,8 @@ def _compile(lowered: Any) -> _Program:
 @dataclasses.dataclass
 class RunPlan:
     """A run's stages on one slice, and for each stage that does not fit, the
-    smallest slice of the same chip that does (None: none up to the largest)."""
+    smallest slice of the same chip that does (None: none up to the largest);
+    ``remat`` and ``compute_dtype`` are the update's (the run's options)."""
 
     topology: str
     chip: Chip
@@ -541,6 +544,8 @@ class RunPlan:
     model: Any
     stages: list[StagePlan]
     fits_on: dict[str, tuple[str, StagePlan] | None]
+    remat: str = "none"
+    compute_dtype: str = "float32"
 
     @property
     def hbm_bytes(self) -> float:
@@ -615,6 +620,8 @@ def plan_run(
         raise PlanError(f"--mesh on {topology} ({len(devices)} devices): {e}") from None
     model_config = resolve_model(config.model, config.param_dtype, preset)
     out = RunPlan(topology, chip, len(devices), chips, model_config, [], {})
+    out.remat = config.remat
+    out.compute_dtype = config.compute_dtype or model_config.dtype
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
@@ -641,7 +648,8 @@ def format_plan(plan: RunPlan) -> str:
     peak = c.bf16_tflops * 1e12 / per_chip
     lines = [
         f"model: {mc.num_params() / 1e9:.2f}B parameters, L {mc.num_layers}, D {mc.hidden_size}, "
-        f"V {mc.vocab_size}; parameters {mc.param_dtype}, compute {mc.dtype}",
+        f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
+        f"remat {plan.remat}; rollout: compute {mc.dtype}",
         f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
