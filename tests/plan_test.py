@@ -155,6 +155,27 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     assert main(["plan", str(_run(tmp_path)), "--topology", "v5e:2x2", "-q"]) == 0
     out = capsys.readouterr().out
     assert "of 16.00: fits" in out and "TPU v5e: 16 GiB HBM, 819 GB/s" in out
+    assert "update: compute float32, remat none; rollout: compute float32" in out
+
+
+@needs_libtpu
+def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
+    from magic_jax.model import ModelConfig
+    from magic_jax.plan import plan_stage
+
+    # 4 layers: what the backward keeps of each layer outweighs one layer's working set
+    hf = HF | {"num_hidden_layers": 4}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(hf))
+    model = ModelConfig.from_hf_config(hf)
+    mesh = _mesh("v5e:2x2", fsdp=2, tensor=2)
+    plans = {
+        remat: plan_stage(load_config(_run(tmp_path, remat=remat)), 0, model, mesh)
+        for remat in ("none", "full")
+    }
+    none, full = plans["none"], plans["full"]
+    assert none.params == full.params and none.opt_state == full.opt_state
+    assert 0 < full.activations < none.activations / 2
 
 
 @needs_libtpu
