@@ -97,6 +97,15 @@ def test_topology_names_and_errors(tmp_path, capsys):
         assert "jax[tpu]" in capsys.readouterr().err
 
 
+def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
+    from magic_jax.plan import _split_micro_batch
+
+    config = load_config(_run(tmp_path))  # micro-batches of 8 rows, mini-batches of 16
+    assert _split_micro_batch(config, 16, 4) is config
+    assert _split_micro_batch(config, 16, 16).micro_batch_size == 16
+    assert _split_micro_batch(config, 16, 32) is config  # none splits: plan_stage says so
+
+
 @needs_libtpu
 def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
     from magic_jax.model import ModelConfig
