@@ -231,6 +231,19 @@ class TrainConfig:
         ``"fixed-size"`` (verl's ceil(kept / D_T) mini-batches of D_T groups,
         the last one possibly a few groups at full weight).
       param_dtype: ``float32`` master weights (default) or ``bfloat16``.
+      remat: what the update's backward pass keeps of each decoder layer's
+        forward: ``none`` (every activation: fastest, the most memory),
+        ``full`` (only each layer's input; the layer runs again in the backward,
+        about a third more update flops, activations of one layer at a time) or
+        ``dots_saveable`` (the matmul outputs; the elementwise work runs again).
+        The results are the same up to rounding; ``magic-jax plan`` shows the
+        memory each needs.
+      compute_dtype: matmul dtype of the update's forward and backward (and of
+        the trainer's recomputed log-probs): ``float32``, ``bfloat16`` (half the
+        activations, the MXU's native input), or null = the model's own
+        (``param_dtype`` for a Hugging Face checkpoint). Master weights, gradients and
+        optimizer state stay ``param_dtype``; softmax, norms, RoPE, log-probs
+        and the loss stay fp32; the rollout engine samples in the model's own dtype.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
@@ -256,6 +269,8 @@ class TrainConfig:
     num_reuse: int = 1
     mini_batch_split: Literal["even", "fixed-size"] = "even"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots_saveable"] = "none"
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -272,6 +287,12 @@ class TrainConfig:
             )
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        if self.remat not in ("none", "full", "dots_saveable"):
+            raise ValueError(f"remat must be none, full or dots_saveable, got {self.remat!r}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
+            )
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
         if self.num_reuse <= 0:

@@ -146,7 +146,9 @@ def topology_devices(name: str) -> list[Any]:
 
 
 def resolve_model(model: str, param_dtype: str, preset: str | None = None):
-    """The ``ModelConfig`` a run trains, as the trainer builds it (compute dtype = param dtype).
+    """The ``ModelConfig`` a run loads, as the trainer builds it (compute dtype = param dtype;
+    the update applies the run's ``remat`` and ``compute_dtype`` on top, see
+    ``train_step.update_graphdef``).
 
     ``model`` is read when it is a checkpoint directory here (Hugging Face
     ``config.json`` or a magic_jax checkpoint); otherwise its name picks a preset
@@ -532,7 +534,8 @@ def _compile(lowered: Any) -> _Program:
 @dataclasses.dataclass
 class RunPlan:
     """A run's stages on one slice, and for each stage that does not fit, the
-    smallest slice of the same chip that does (None: none up to the largest)."""
+    smallest slice of the same chip that does (None: none up to the largest);
+    ``remat`` and ``compute_dtype`` are the update's (the run's options)."""
 
     topology: str
     chip: Chip
@@ -541,6 +544,8 @@ class RunPlan:
     model: Any
     stages: list[StagePlan]
     fits_on: dict[str, tuple[str, StagePlan] | None]
+    remat: str = "none"
+    compute_dtype: str = "float32"
 
     @property
     def hbm_bytes(self) -> float:
@@ -554,13 +559,16 @@ def smallest_fit(
     """The smallest slice of ``chip`` larger than ``above`` chips where stage ``index`` fits.
 
     Candidates are screened with their exact sharded terms and the compiled
-    plan's temporaries scaled by rows per device; the first that passes is
-    compiled to confirm.
+    plan's temporaries scaled by rows per device (per micro-batch for the
+    update, decode slots for the engine); the first that passes is compiled to
+    confirm. A micro-batch that does not split over a candidate's data x fsdp
+    devices is raised to the smallest size that does (the plan prints it).
     """
     from magic_jax.sharding import MeshConfig
 
     if -1 not in mesh_config.sizes():  # let fsdp take the extra chips
         mesh_config = MeshConfig(data=mesh_config.data, fsdp=-1, tensor=mesh_config.tensor)
+    n_old = compiled.mesh["data"] * compiled.mesh["fsdp"]
     for shape in chip.topologies:
         name = f"{chip.name}:{shape}"
         if math.prod(int(s) for s in shape.split("x")) <= above:
@@ -568,19 +576,29 @@ def smallest_fit(
         devices = topology_devices(name)
         try:
             mesh = _mesh(devices, mesh_config)
-            p = plan_stage(config, index, model_config, mesh, compile=False)
+            n_new = mesh.shape["data"] * mesh.shape["fsdp"]
+            cfg = _split_micro_batch(config, compiled.rows, n_new)
+            p = plan_stage(cfg, index, model_config, mesh, compile=False)
         except ValueError:  # the mesh or the batch does not split over this slice
             continue
-        shrink = (compiled.mesh["data"] * compiled.mesh["fsdp"]) / (
-            mesh.shape["data"] * mesh.shape["fsdp"]
-        )
-        p.activations = int(compiled.activations * shrink)
-        p.decode_temps = int(compiled.decode_temps * shrink)
+        rows_per_device = (p.micro_batch / n_new) / (compiled.micro_batch / n_old)
+        p.activations = int(compiled.activations * rows_per_device)
+        p.decode_temps = int(compiled.decode_temps * n_old / n_new)
         if p.peak() <= hbm:
-            p = plan_stage(config, index, model_config, mesh)
+            p = plan_stage(cfg, index, model_config, mesh)
             if p.peak() <= hbm:
                 return name, p
     return None
+
+
+def _split_micro_batch(config: Any, rows: int, devices: int) -> Any:
+    """``config`` with a micro-batch size that splits over ``devices`` row shards: the
+    configured one, else the smallest multiple of both that divides ``rows``."""
+    micro = config.micro_batch_size
+    if micro is None or micro % devices == 0:
+        return config
+    m = math.lcm(micro, devices)
+    return dataclasses.replace(config, micro_batch_size=m) if rows % m == 0 else config
 
 
 def plan_run(
@@ -615,6 +633,8 @@ def plan_run(
         raise PlanError(f"--mesh on {topology} ({len(devices)} devices): {e}") from None
     model_config = resolve_model(config.model, config.param_dtype, preset)
     out = RunPlan(topology, chip, len(devices), chips, model_config, [], {})
+    out.remat = config.remat
+    out.compute_dtype = config.compute_dtype or model_config.dtype
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
@@ -641,7 +661,8 @@ def format_plan(plan: RunPlan) -> str:
     peak = c.bf16_tflops * 1e12 / per_chip
     lines = [
         f"model: {mc.num_params() / 1e9:.2f}B parameters, L {mc.num_layers}, D {mc.hidden_size}, "
-        f"V {mc.vocab_size}; parameters {mc.param_dtype}, compute {mc.dtype}",
+        f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
+        f"remat {plan.remat}; rollout: compute {mc.dtype}",
         f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
@@ -689,7 +710,7 @@ def format_plan(plan: RunPlan) -> str:
                     name, q = fit
                     m = " x ".join(f"{k} {v}" for k, v in q.mesh.items())
                     lines.append(
-                        f"  smallest {c.name} slice that fits: {name} (mesh {m}): peak "
-                        f"{q.peak() / GiB:.2f} GiB per device (compiled)"
+                        f"  smallest {c.name} slice that fits: {name} (mesh {m}, micro-batches "
+                        f"of {q.micro_batch}): peak {q.peak() / GiB:.2f} GiB per device (compiled)"
                     )
     return "\n".join(lines)

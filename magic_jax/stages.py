@@ -69,6 +69,8 @@ def update_config(config: TrainConfig, index: int) -> Any:
         mini_batch_split=config.mini_batch_split,
         micro_batch_size=config.micro_batch_size,
         num_reuse=config.num_reuse,
+        remat=config.remat,
+        compute_dtype=config.compute_dtype,
         loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,
         optimizer=config.optimizer,

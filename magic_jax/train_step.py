@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import typing
 from typing import Any
 
 import jax
@@ -25,10 +27,14 @@ from magic_jax.entropy import (
     update_entropy_control,
 )
 from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
+from magic_jax.model import RematPolicy, abstract_model
 from magic_jax.optim import OptimizerConfig, make_optimizer
 from magic_jax.sharding import batch_sharding, replicated
 
 log = logging.getLogger(__name__)
+
+REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematPolicy)
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +55,13 @@ class UpdateConfig:
       micro_batch_size: sequences per micro-batch (gradient accumulation inside
         jit); None = the whole mini-batch at once. Must divide D_T * G.
       num_reuse: N_reuse, passes over the buffer.
+      remat: what the backward pass keeps of each decoder layer's forward in the
+        update (``ModelConfig.remat``: ``none``, ``full``, ``dots_saveable``);
+        None = the policy model's own setting.
+      compute_dtype: matmul dtype of the update's forward and backward and of
+        the trainer's log-prob recomputation (``float32`` / ``bfloat16``); None =
+        the policy model's own. Parameters, gradients and optimizer state keep
+        their dtype; softmax, norms, RoPE, log-probs and the loss stay fp32.
       loss: objective options.
       entropy: entropy-bonus controller options.
       optimizer: AdamW options.
@@ -58,6 +71,8 @@ class UpdateConfig:
     mini_batch_split: MiniBatchSplit = "even"
     micro_batch_size: int | None = None
     num_reuse: int = 1
+    remat: RematPolicy | None = None
+    compute_dtype: str | None = None
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -78,6 +93,15 @@ class UpdateConfig:
             )
         if self.num_reuse <= 0:
             raise ValueError(f"UpdateConfig.num_reuse must be > 0, got {self.num_reuse}")
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"UpdateConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}"
+            )
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"UpdateConfig.compute_dtype must be one of {COMPUTE_DTYPES}, "
+                f"got {self.compute_dtype!r}"
+            )
 
 
 @jax.tree_util.register_dataclass
@@ -190,6 +214,35 @@ def _on_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, tree)
 
 
+@functools.lru_cache(maxsize=16)
+def _graphdef_of(model_config: Any) -> nnx.GraphDef:
+    return nnx.split(abstract_model(model_config), nnx.Param)[0]
+
+
+def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
+    """The policy's graph with the update's ``remat`` and ``compute_dtype`` options.
+
+    Both are static fields of the model's ``ModelConfig``: the graph of a model
+    built with the changed config takes the same parameters. Works inside a trace
+    (``params`` may be tracers or ``ShapeDtypeStruct``s).
+
+    Args:
+      graphdef: the policy's ``nnx.GraphDef`` (from ``nnx.split(model, nnx.Param)``).
+      params: its parameters (only their structure is used).
+      config: update options; None fields keep the model's setting.
+    """
+    if config.remat is None and config.compute_dtype is None:
+        return graphdef
+    current = nnx.merge(graphdef, params).config
+    changes = {}
+    if config.remat is not None:
+        changes["remat"] = config.remat
+    if config.compute_dtype is not None:
+        changes["dtype"] = config.compute_dtype
+    wanted = dataclasses.replace(current, **changes)
+    return graphdef if wanted == current else _graphdef_of(wanted)
+
+
 def compute_logprobs(
     graphdef: nnx.GraphDef, params: Any, batch: RolloutBuffer, config: LossConfig
 ) -> tuple[jax.Array, jax.Array]:
@@ -259,7 +312,8 @@ def loss_and_grads(
       params: policy parameters (differentiated).
       batch: a mini-batch ``RolloutBuffer`` [M rows].
       alpha: entropy-bonus coefficient alpha_k.
-      graphdef: the policy's ``nnx.GraphDef``.
+      graphdef: the policy's ``nnx.GraphDef`` (``config.remat`` and
+        ``config.compute_dtype`` are applied to it, see ``update_graphdef``).
       config: update options.
       ref_params: reference-policy parameters (used iff ``config.loss.kl_beta > 0``).
       batch_sharding: sharding of the batch rows, kept on every micro-batch.
@@ -270,6 +324,7 @@ def loss_and_grads(
     lcfg = config.loss
     if lcfg.kl_beta > 0 and ref_params is None:
         raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
+    graphdef = update_graphdef(graphdef, params, config)
     mask_BR = batch.loss_mask()
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
@@ -449,8 +504,11 @@ class PolicyUpdater:
         stays that of one optimizer step's forward pass); no gradients.
         """
         if self._logprobs is None:
-            lcfg = self.config.loss
-            self._logprobs = jax.jit(lambda p, b: compute_logprobs(self.graphdef, p, b, lcfg)[0])
+            cfg, lcfg = self.config, self.config.loss
+            # the update's numerics (remat, compute dtype): pi_old as the update computes pi
+            self._logprobs = jax.jit(
+                lambda p, b: compute_logprobs(update_graphdef(self.graphdef, p, cfg), p, b, lcfg)[0]
+            )
         d_t, n = self.config.mini_batch_groups, buffer.num_groups
         out = np.zeros(buffer.response_mask.shape, np.float32)
         for start in range(0, n, d_t):

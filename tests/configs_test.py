@@ -41,6 +41,9 @@ def test_recipe_loads_with_the_released_schedule(name):
     assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
     assert (cfg.entropy.mode, cfg.entropy.target, cfg.entropy.delta) == ("adaptive", 0.2, 0.005)
     assert cfg.num_reuse == 1 and cfg.advantage.mask == "none"
+    # the update's memory options (README, "Will a stage fit?"): every mini-batch splits
+    assert (cfg.remat, cfg.compute_dtype) == ("full", "bfloat16")
+    assert all(s.mini_batch_groups * s.group_size % cfg.micro_batch_size == 0 for s in cfg.stages)
     if cfg.data.offline_filter_model:  # the report's N: 16 samples per math prompt, 8 per code
         assert cfg.data.offline_filter_samples == {"math": 16, "code": 8}
 

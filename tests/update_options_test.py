@@ -1,0 +1,167 @@
+"""The run's ``remat`` and ``compute_dtype`` options: config checks, and what the update runs."""
+
+import collections
+import dataclasses
+import functools
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from magic_jax.buffer import pack_rollouts
+from magic_jax.config import ConfigError, load_config
+from magic_jax.losses import LossConfig
+from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.stages import update_config
+from magic_jax.train_step import PolicyUpdater, UpdateConfig, loss_and_grads, update_graphdef
+
+V, G = 64, 4
+CFG = ModelConfig(
+    vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+)
+LOSS = LossConfig(logit_chunk=8)
+
+
+@functools.cache
+def _policy():
+    return nnx.split(Qwen2(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+
+
+@functools.cache
+def _buffer():
+    rng = np.random.default_rng(0)
+    samples, rewards = [], []
+    for p in range(2):
+        prompt = rng.integers(3, V, 5).astype(np.int32)
+        for s in range(G):
+            n = int(rng.integers(3, 9))
+            samples.append(
+                types.SimpleNamespace(
+                    prompt_index=p,
+                    sample_index=s,
+                    prompt_tokens=prompt,
+                    tokens=rng.integers(3, V, n).astype(np.int32),
+                    logprobs=np.log(rng.uniform(0.05, 0.9, n)).astype(np.float32),
+                    entropies=rng.uniform(0.0, 2.0, n).astype(np.float32),
+                    truncated=False,
+                    length=n,
+                )
+            )
+            rewards.append(float(s % 2))
+    return pack_rollouts(samples, np.array(rewards, np.float32), prompt_bucket=8, response_bucket=8)
+
+
+@functools.cache
+def _update(remat="none", compute_dtype=None) -> tuple[collections.Counter, str, tuple]:
+    """The update's loss and grads on ``_buffer()`` with these options: (primitive name ->
+    count in the traced program, the program's text, (loss, grads, metrics))."""
+    graphdef, params = _policy()
+    cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, remat=remat, compute_dtype=compute_dtype)
+    fn = jax.jit(lambda p, b: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=cfg))
+    traced = fn.trace(params, _buffer())
+    text = str(traced.jaxpr)
+    counts = collections.Counter(re.findall(r"= ([a-z_0-9]+)\[", text))
+    return counts, text, traced.lower().compile()(params, _buffer())
+
+
+def _remats(counts: collections.Counter) -> int:
+    return sum(n for k, n in counts.items() if "remat" in k or "checkpoint" in k)
+
+
+def _raw(**over):
+    return {
+        "model": "m",
+        "output_dir": "out",
+        "data": {"train": ["train.jsonl"]},
+        "stages": [
+            {
+                "steps": 1,
+                "max_response_length": 8,
+                "prompts_per_step": 2,
+                "mini_batch_groups": 2,
+                "group_size": 4,
+            }
+        ],
+    } | over
+
+
+def test_config_options_reach_the_update_config():
+    cfg = load_config(raw=_raw(remat="full", compute_dtype="bfloat16"))
+    u = update_config(cfg, 0)
+    assert (u.remat, u.compute_dtype) == ("full", "bfloat16")
+    u = update_config(load_config(raw=_raw()), 0)
+    assert (u.remat, u.compute_dtype) == ("none", None)  # the model's own dtype
+    u = update_config(load_config(raw=_raw(), overrides=["remat=dots_saveable"]), 0)
+    assert u.remat == "dots_saveable"
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"remat": "everything"}, "remat: expected one of ['none', 'full', 'dots_saveable']"),
+        ({"remat": "dots-saveable"}, "remat: expected one of"),
+        ({"compute_dtype": "float16"}, "compute_dtype: "),
+        ({"compute_dtype": 16}, "compute_dtype: "),
+    ],
+)
+def test_bad_values_name_the_option(over, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(raw=_raw(**over))
+    with pytest.raises(ValueError, match="UpdateConfig"):
+        UpdateConfig(mini_batch_groups=1, **{k: "x" for k in over})
+
+
+def test_update_graphdef_sets_the_models_options():
+    graphdef, params = _policy()
+    assert update_graphdef(graphdef, params, UpdateConfig(mini_batch_groups=1)) is graphdef
+    same = UpdateConfig(mini_batch_groups=1, remat="none", compute_dtype="float32")
+    assert update_graphdef(graphdef, params, same) is graphdef
+    opt = UpdateConfig(mini_batch_groups=1, remat="full", compute_dtype="bfloat16")
+    model = nnx.merge(update_graphdef(graphdef, params, opt), params)
+    assert model.config == dataclasses.replace(CFG, remat="full", dtype="bfloat16")
+    assert model.layers.mlp.up_proj.dtype == jnp.bfloat16  # every module, not just the top
+
+
+@pytest.mark.parametrize("policy", ["full", pytest.param("dots_saveable", marks=pytest.mark.slow)])
+def test_remat_is_in_the_update_program_and_changes_no_number(policy):
+    plain_ops, _, (loss, grads, m) = _update("none")
+    assert _remats(plain_ops) == 0
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
+    ops, _, (loss_r, grads_r, m_r) = _update(policy)
+    assert _remats(ops) > 0  # the scanned layer is rematerialised
+    if policy == "full":  # the backward runs the layer's matmuls again
+        assert ops["dot_general"] > plain_ops["dot_general"]
+    np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m_r["entropy"]), float(m["entropy"]), rtol=1e-6)
+
+
+def test_bf16_compute_runs_in_bf16_with_fp32_grads():
+    _, _, (loss, grads, _) = _update("none")
+    ops, text, (loss16, grads16, _) = _update("full", "bfloat16")
+    assert "bf16[" in text and _remats(ops)
+    # master weights stay fp32, so do their gradients; the numbers are bf16-close
+    assert {g.dtype for g in jax.tree.leaves(grads16)} == {jnp.dtype("float32")}
+    assert np.isfinite(float(loss16)) and float(loss16) != float(loss)
+    np.testing.assert_allclose(float(loss16), float(loss), rtol=0.05, atol=2e-3)
+    flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+    flat16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads16)])
+    assert np.corrcoef(flat, flat16)[0, 1] > 0.99
+
+
+def test_updater_logprobs_use_the_updates_numerics():
+    graphdef, params = _policy()
+    buf = _buffer()
+    lp32 = PolicyUpdater(graphdef, UpdateConfig(mini_batch_groups=2, loss=LOSS)).logprobs(
+        params, buf
+    )
+    cfg16 = UpdateConfig(mini_batch_groups=2, loss=LOSS, compute_dtype="bfloat16")
+    lp16 = PolicyUpdater(graphdef, cfg16).logprobs(params, buf)
+    mask = buf.response_mask > 0
+    assert not np.array_equal(lp16[mask], lp32[mask])
+    np.testing.assert_allclose(lp16[mask], lp32[mask], atol=0.05)
