@@ -56,4 +56,9 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# RESULTS
+# Lower entropy at 0.6: reproduced (mean rollout entropy 0.026 vs 0.035 nats, 3 seeds each,
+# difference -0.009 +- 0.002). Worse learning: not shown in 30 steps. Held-out accuracy,
+# measured at temperature 1 for both arms, ends 1.6 points lower at 0.6 (94.5 vs 96.1%) with a
+# standard error of 1.3 points: inconclusive. At 0.6 rejection sampling keeps far fewer groups
+# (whole groups agree), so fewer steps carry a gradient; the report's "later" spans thousands of
+# steps, these runs 30.

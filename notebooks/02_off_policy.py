@@ -56,4 +56,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# RESULTS
+# Reproduced, both ways of going off-policy: with N_SGD = 4 entropy falls faster (mean 0.029 by
+# mini-batches, 0.028 by reuse, vs 0.035 nats) and the final held-out accuracy is 12-13 points
+# lower (83.1% and 84.2% vs 96.1%; differences -0.130 +- 0.046 and -0.118 +- 0.036, 3 seeds
+# each). The off-policy arms also vary more across seeds: at the same learning rate, four
+# optimizer steps per rollout batch overshoot.

@@ -58,4 +58,11 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# RESULTS
+# Not reproduced (2 seeds): with `before` the stage-1 truncated fraction is unchanged (46.5 vs
+# 46.8%) and stage-1 accuracy is higher, not lower (94.7 vs 92.2%, +0.025 +- 0.010). Here a
+# truncated response is a worked solution of a long problem, and all of that problem's worked
+# samples are truncated: those groups score 0 and are dropped by rejection sampling whatever the
+# mask. In the mixed groups left, an unmasked truncated response gets a negative advantage that
+# pushes the first token toward the quick (wrong) style; masking removes that push. The report's
+# mechanism, learning to write less to fit T, needs responses whose length the model can choose;
+# in this task the problem sets it.

@@ -69,7 +69,7 @@ def test_plan_runs_is_seed_major_and_runs_the_shared_baseline_once():
     seeds = [seed for _, _, seed in runs]
     assert seeds == sorted(seeds)
     one = ablations.plan_runs(["kl"], budget=1)
-    assert [(a.key, s) for _, a, s in one] == [("baseline", 0), ("kl-1e-3", 0)]
+    assert [(a.key, s) for _, a, s in one] == [("baseline", 0), ("kl-1e-3", 0), ("kl-0.1", 0)]
     with pytest.raises(KeyError, match="no ablation 'nope'"):
         ablations.plan_runs(["nope"])
     with pytest.raises(KeyError, match="no arm 'nope'"):
@@ -137,7 +137,7 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     assert (out / "temperature.png").stat().st_size > 10_000
     table = (out / "summary.md").read_text()
     assert "| temperature |" in table and "| 3/3 |" in table
-    assert "| kl |" in table and "| 3/0 |" in table  # the shared baseline, no KL arm yet
+    assert "| kl |" in table and "| 3/0/0 |" in table  # the shared baseline, no KL arm yet
 
 
 def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
