@@ -19,7 +19,6 @@ seconds (which hold on a loaded machine). The persistent compilation cache is of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import time
@@ -33,21 +32,10 @@ from magic_jax.buffer import pack_rollouts
 from magic_jax.engine import Engine, EngineConfig, decode_chunk_fn
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.sampling import SamplingConfig
+from magic_jax.testing import Sample
 from magic_jax.train_step import PolicyUpdater, UpdateConfig
 
 PROMPT, RESPONSE, GROUPS, G = 16, 48, 2, 4
-
-
-@dataclasses.dataclass
-class _Sample:
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray
-    truncated: bool
-    length: int
 
 
 def _buffer(vocab: int):
@@ -58,7 +46,7 @@ def _buffer(vocab: int):
         for s in range(G):
             n = int(rng.integers(8, RESPONSE + 1))
             samples.append(
-                _Sample(
+                Sample(
                     p, s, prompt, rng.integers(3, vocab, n).astype(np.int32),
                     np.full(n, -1.0, np.float32), np.ones(n, np.float32), False, n,
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,18 @@ def sums_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """A sampled response as ``buffer.pack_rollouts`` reads it, for tests and benchmarks
+    that build rollout buffers without decoding (the fields of ``rollout.Sample`` it uses)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: Any
+    tokens: Any
+    logprobs: Any
+    entropies: Any
+    truncated: bool
+    length: int

@@ -18,20 +18,9 @@ from magic_jax.config import (
     load_config,
 )
 from magic_jax.stages import Schedule
+from magic_jax.testing import Sample
 
 G, D_R = 4, 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray
-    truncated: bool
-    length: int
 
 
 def _group(uid, rewards):

@@ -6,8 +6,6 @@ that already has ``jax[cuda]``). Only jax, flax, optax and numpy are required;
 the transformers comparisons skip cleanly where torch / transformers are missing.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,17 +88,7 @@ def test_chunked_logprobs_and_entropy(gpu):
 
 def _update_inputs():
     from magic_jax.buffer import pack_rollouts
-
-    @dataclasses.dataclass
-    class Sample:
-        prompt_index: int
-        sample_index: int
-        prompt_tokens: np.ndarray
-        tokens: np.ndarray
-        logprobs: np.ndarray
-        entropies: np.ndarray
-        truncated: bool
-        length: int
+    from magic_jax.testing import Sample
 
     rng = np.random.default_rng(1)
     samples, rewards = [], []

@@ -5,22 +5,11 @@ number of CPU devices per process comes from XLA_FLAGS. With one process the sam
 program runs without jax.distributed (the reference). Process 0 writes OUT/result.npz.
 """
 
-import dataclasses
 import sys
 
 import numpy as np
 
-
-@dataclasses.dataclass
-class Sample:
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray
-    truncated: bool
-    length: int
+from magic_jax.testing import Sample
 
 
 def samples(vocab: int, num_prompts: int = 4, group: int = 4, seed: int = 0):

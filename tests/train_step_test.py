@@ -18,6 +18,7 @@ from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.optim import OptimizerConfig
 from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh, shard_model
+from magic_jax.testing import Sample
 from magic_jax.train_step import (
     PolicyUpdater,
     TrainState,
@@ -31,18 +32,6 @@ V, G = 64, 4
 CFG = ModelConfig(
     vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2
 )
-
-
-@dataclasses.dataclass
-class Sample:
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray
-    truncated: bool
-    length: int
 
 
 def _samples(num_prompts=4, max_resp=10, seed=0, correct=None):
