@@ -161,3 +161,39 @@ class Sample:
     entropies: Any
     truncated: bool
     length: int
+
+
+# float32's unit roundoff: two programs that sum the same terms in another order (another
+# processor, thread count, fusion or micro-batch split) agree to about this many ulps per term.
+F32_EPS = 2.0**-23
+
+
+def assert_fp32_close(
+    actual: Any, desired: Any, *, terms: int, rtol: float = 1e-5, err_msg: str = ""
+) -> None:
+    """Asserts two float32 results agree up to the rounding of a reordered sum.
+
+    A reduction of ``terms`` float32 terms summed in another order can differ by
+    about ``terms * eps * max|term|``; the largest magnitude compared stands in
+    for the terms' (a gradient's entries are sums of terms of that size). So the
+    absolute tolerance is ``4 * eps * terms * max(|desired|)``: it scales with
+    what is compared and with the reduction length, never a fixed 1e-7. ``rtol``
+    still bounds each entry relative to itself. Works on arrays and pytrees
+    (the scale is taken per leaf).
+
+    Args:
+      actual, desired: arrays, scalars or pytrees of them with the same structure.
+      terms: the longest reduction behind the values (e.g. tokens x layers).
+      rtol: relative tolerance per entry.
+      err_msg: shown on failure.
+    """
+    import jax
+    import numpy as np
+
+    a_leaves, d_leaves = jax.tree.leaves(actual), jax.tree.leaves(desired)
+    assert len(a_leaves) == len(d_leaves), f"{err_msg}: {len(a_leaves)} vs {len(d_leaves)} leaves"
+    for i, (a, d) in enumerate(zip(a_leaves, d_leaves)):
+        a, d = np.asarray(a, np.float64), np.asarray(d, np.float64)
+        scale = float(np.max(np.abs(d))) if d.size else 0.0
+        atol = 4 * F32_EPS * max(terms, 1) * scale
+        np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, err_msg=f"{err_msg} (leaf {i})")

@@ -9,6 +9,7 @@ import pytest
 
 from magic_jax.entropy import token_logprobs_and_entropy
 from magic_jax.losses import Aggregation, LossConfig, policy_loss
+from magic_jax.testing import assert_fp32_close
 
 B, T = 6, 12
 NOMINAL = 8
@@ -213,9 +214,9 @@ def test_micro_batches_sum_to_full_batch(mode):
         np.testing.assert_allclose(micro, want, rtol=1e-5)
         assert abs(micro - full) > 1e-4
         return
-    np.testing.assert_allclose(micro, full, rtol=1e-5, atol=1e-7)
+    assert_fp32_close(micro, full, terms=B * T)
     for gm, gf in zip(g_micro, g_full):
-        np.testing.assert_allclose(gm, gf, rtol=1e-5, atol=1e-9)
+        assert_fp32_close(gm, gf, terms=B * T)
 
 
 def test_on_policy_gradient_is_advantage_weighted_logprob_gradient():
@@ -242,8 +243,8 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient():
     g1 = jax.grad(magic, argnums=(0, 1))(h, w)
     g2 = jax.grad(pg, argnums=(0, 1))(h, w)
     assert float(jnp.abs(g2[1]).max()) > 1e-3
-    for a, b in zip(g1, g2):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # the two losses reach the same gradient through other sums (B x T tokens, V logits)
+    assert_fp32_close(list(g1), list(g2), terms=B * T * v)
 
 
 def test_config_validation_names_the_field():

@@ -8,7 +8,13 @@ from flax import nnx
 
 from magic_jax.convert import load_hf
 from magic_jax.model import PRESETS, KVCache, ModelConfig, Qwen2, abstract_model, count_params
-from magic_jax.testing import TINY_CONFIGS, make_hf_model, save_hf_model, torch_logits
+from magic_jax.testing import (
+    TINY_CONFIGS,
+    assert_fp32_close,
+    make_hf_model,
+    save_hf_model,
+    torch_logits,
+)
 
 PUBLISHED_PARAMS = {
     "r1-distill-qwen-1.5b": 1_777_088_000,
@@ -240,12 +246,12 @@ def test_scanned_layers_equal_the_loop_values_and_grads(remat):
     (la, ga), (lb, gb) = (nnx.jit(nnx.value_and_grad(loss))(m) for m in (loop, scan))
     np.testing.assert_allclose(la, lb, rtol=1e-6)
     assert float(jnp.abs(ga["layers"][1]["self_attn"]["q_proj"]["kernel"][...]).max()) > 0
+    # gradients sum over 2 x 9 tokens through 3 layers: scale the tolerance to that
     for i in range(3):
-        for a, b in zip(jax.tree.leaves(ga["layers"][i]), jax.tree.leaves(gb["layers"])):
-            np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-7)
+        stacked = [x[i] for x in jax.tree.leaves(gb["layers"])]
+        assert_fp32_close(jax.tree.leaves(ga["layers"][i]), stacked, terms=54, err_msg=f"layer {i}")
     for key in ("embed_tokens", "norm", "lm_head"):
-        for a, b in zip(jax.tree.leaves(ga[key]), jax.tree.leaves(gb[key])):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert_fp32_close(jax.tree.leaves(ga[key]), jax.tree.leaves(gb[key]), terms=54, err_msg=key)
     # prefill into a cache and decode one token: same cache contents and logits
     outs = []
     for m in (loop, scan):

@@ -17,6 +17,7 @@ from magic_jax.config import ConfigError, load_config
 from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.stages import update_config
+from magic_jax.testing import assert_fp32_close
 from magic_jax.train_step import PolicyUpdater, UpdateConfig, loss_and_grads, update_graphdef
 
 V, G = 64, 4
@@ -136,8 +137,9 @@ def test_remat_is_in_the_update_program_and_changes_no_number(policy):
     if policy == "full":  # the backward runs the layer's matmuls again
         assert ops["dot_general"] > plain_ops["dot_general"]
     np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # the rematerialised forward may fuse and sum in another order
+    tokens = int(np.asarray(_buffer().attention_mask).size)
+    assert_fp32_close(jax.tree.leaves(grads_r), jax.tree.leaves(grads), terms=tokens)
     np.testing.assert_allclose(float(m_r["entropy"]), float(m["entropy"]), rtol=1e-6)
 
 
