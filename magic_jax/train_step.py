@@ -301,6 +301,10 @@ def loss_and_grads(
     config: UpdateConfig,
     ref_params: Any = None,
     batch_sharding: NamedSharding | None = None,
+    nominal_rows: int | None = None,
+    old_from_current: bool = False,
+    micro_rows: int | None = None,
+    live_micro: jax.Array | None = None,
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mini-batch loss, gradients and metrics, accumulated over micro-batches.
 
@@ -317,6 +321,16 @@ def loss_and_grads(
       config: update options.
       ref_params: reference-policy parameters (used iff ``config.loss.kl_beta > 0``).
       batch_sharding: sharding of the batch rows, kept on every micro-batch.
+      nominal_rows: the nominal mini-batch in sequences (D_T x G), which
+        ``micro-token-mean`` divides by; default the batch's rows.
+      micro_rows: rows per micro-batch; default ``config.micro_batch_size``.
+      live_micro: () int32, only the first this many micro-batches hold counted
+        rows (see ``live_first``): the loop runs over those alone, so the cost
+        follows the kept rows, not the batch's shape. None runs every one.
+      old_from_current: the ratio's denominator pi_old is these ``params``
+        themselves (the trainer's log-probs before an on-policy step): take it
+        from this forward pass, stop-gradient, instead of ``batch.old_logprobs``.
+        The loss and gradients equal those of a separate pi_old pass.
 
     Returns:
       (loss, grads, metrics); grads have the structure of ``params``.
@@ -328,17 +342,18 @@ def loss_and_grads(
     mask_BR = batch.loss_mask()
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
-    nominal = float(batch.num_rows)
+    nominal = float(nominal_rows or batch.num_rows)
 
     def micro_loss(p, mb):
         logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg)
+        old_BR = jax.lax.stop_gradient(logp_BR) if old_from_current else mb.old_logprobs
         ref_logp_BR = None
         if lcfg.kl_beta > 0:
             ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg)
             ref_logp_BR = jax.lax.stop_gradient(ref_logp_BR)
         return policy_loss(
             logp_BR,
-            mb.old_logprobs,
+            old_BR,
             mb.advantages,
             mb.loss_mask(),
             ent_BR,
@@ -352,9 +367,33 @@ def loss_and_grads(
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    size = config.micro_batch_size or batch.num_rows
-    if size >= batch.num_rows:
+    size = micro_rows or config.micro_batch_size or batch.num_rows
+    if size >= batch.num_rows and live_micro is None:
         (loss, metrics), grads = grad_fn(params, batch)
+        return loss, grads, metrics
+    micro = _micro_batches(batch, min(size, batch.num_rows), batch_sharding)
+
+    def combine(k, a, b):
+        return jnp.maximum(a, b) if k in MAX_METRICS else a + b
+
+    if live_micro is not None:
+
+        def body_i(i, acc):
+            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+            (loss, m), g = grad_fn(params, mb)
+            acc_g, acc_loss, acc_m = acc
+            acc_m = {k: combine(k, acc_m[k], v) for k, v in m.items()}
+            return jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_m
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        _, m_shapes = jax.eval_shape(micro_loss, params, first)
+        init = (
+            jax.tree.map(jnp.zeros_like, params),
+            jnp.zeros((), jnp.float32),
+            {k: jnp.zeros(v.shape, v.dtype) for k, v in m_shapes.items()},
+        )
+        n = jnp.minimum(jnp.asarray(live_micro, jnp.int32), micro.tokens.shape[0])
+        grads, loss, metrics = jax.lax.fori_loop(0, n, body_i, init)
         return loss, grads, metrics
 
     def body(acc, mb):
@@ -362,11 +401,25 @@ def loss_and_grads(
         return jax.tree.map(jnp.add, acc, g), (loss, m)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (losses, metrics) = jax.lax.scan(
-        body, zeros, _micro_batches(batch, size, batch_sharding)
-    )
+    grads, (losses, metrics) = jax.lax.scan(body, zeros, micro)
     metrics = {k: v.max() if k in MAX_METRICS else v.sum() for k, v in metrics.items()}
     return losses.sum(), grads, metrics
+
+
+def live_first(num_rows: int, micro_rows: int, live_rows: int) -> tuple[np.ndarray, int]:
+    """A row order that puts ``live_rows`` rows into the first micro-batches.
+
+    ``_micro_batches`` gives micro-batch i the rows i, i + n, i + 2n, ... (n
+    micro-batches). Row j of the returned order is the ``order[j]``-th row of a
+    batch whose live rows come first, so micro-batch i holds rows
+    ``i * micro_rows ... (i + 1) * micro_rows - 1`` of that batch.
+
+    Returns:
+      (order [num_rows], the micro-batches that hold live rows).
+    """
+    n = num_rows // micro_rows
+    order = np.arange(num_rows).reshape(n, micro_rows).T.reshape(-1)
+    return order, -(-live_rows // micro_rows)
 
 
 def train_step(
@@ -378,6 +431,10 @@ def train_step(
     config: UpdateConfig,
     ref_params: Any = None,
     batch_sharding: NamedSharding | None = None,
+    nominal_rows: int | None = None,
+    old_from_current: bool = False,
+    micro_rows: int | None = None,
+    live_micro: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
 
@@ -392,6 +449,7 @@ def train_step(
       config: update options.
       ref_params: the frozen reference policy, needed iff ``config.loss.kl_beta > 0``.
       batch_sharding: sharding of the batch rows (None when unsharded).
+      nominal_rows / old_from_current / micro_rows / live_micro: see ``loss_and_grads``.
 
     Returns:
       (new state, metrics): loss, pg_loss, clipfrac_low/high/dual, ratio_mean/max,
@@ -406,6 +464,10 @@ def train_step(
         config=config,
         ref_params=ref_params,
         batch_sharding=batch_sharding,
+        nominal_rows=nominal_rows,
+        old_from_current=old_from_current,
+        micro_rows=micro_rows,
+        live_micro=live_micro,
     )
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
     finite = jnp.isfinite(loss) & jnp.all(
@@ -457,17 +519,45 @@ class PolicyUpdater:
         self.config = config
         self.mesh = mesh
         self.batch_sharding = None if mesh is None else batch_sharding(mesh)
-        self._jitted = None
+        self._jitted: dict[bool, Any] = {}
         self._logprobs = None
 
     def init_state(self, params: Any) -> TrainState:
         """See ``init_train_state``."""
         return init_train_state(params, self.config, mesh=self.mesh)
 
-    def _compile(self, state: TrainState):
+    def live_micro_rows(self, group_size: int) -> int | None:
+        """Rows per micro-batch of the kept-rows-only update, or None when it is off.
+
+        A mini-batch is padded to D_T groups (one compiled shape per stage) with
+        its kept groups first, and the update loops over only the micro-batches
+        that hold them (``loss_and_grads(live_micro=...)``): the cost follows what
+        rejection sampling kept. The micro-batch is ``micro_batch_size`` or,
+        unset, about an eighth of the mini-batch (whole groups). Off for the
+        ``micro-token-mean`` aggregation (its value depends on the micro split)
+        and where a micro-batch would not split over the mesh's data shards.
+        """
+        cfg = self.config
+        if cfg.loss.aggregation == "micro-token-mean":
+            return None
+        d_t = cfg.mini_batch_groups
+        rows = cfg.micro_batch_size
+        if rows is None:
+            k = max(x for x in range(1, max(1, d_t // 8) + 1) if d_t % x == 0)
+            rows = k * group_size
+        shards = 1
+        if self.batch_sharding is not None:
+            spec = self.batch_sharding.spec[0] if self.batch_sharding.spec else None
+            for axis in (spec,) if isinstance(spec, str) else (spec or ()):
+                shards *= self.mesh.shape[axis]
+        if rows % shards or (d_t * group_size) % rows:
+            return None
+        return rows
+
+    def _compile(self, state: TrainState, old_from_current: bool, micro_rows: int | None):
         shardings = None if self.mesh is None else _on_mesh(state, self.mesh)
 
-        def step(state, batch, alpha, ref_params):
+        def step(state, batch, alpha, ref_params, live_micro):
             new_state, metrics = train_step(
                 state,
                 batch,
@@ -476,6 +566,11 @@ class PolicyUpdater:
                 config=self.config,
                 ref_params=ref_params,
                 batch_sharding=self.batch_sharding,
+                # micro-token-mean divides by the nominal D_T x G, whatever the bucket
+                nominal_rows=self.config.mini_batch_groups * batch.group_size,
+                old_from_current=old_from_current,
+                micro_rows=micro_rows,
+                live_micro=live_micro,
             )
             if shardings is not None:
                 # Donation aliases buffers only when the output keeps the input's layout.
@@ -485,17 +580,29 @@ class PolicyUpdater:
         return jax.jit(step, donate_argnums=0)
 
     def train_step(
-        self, state: TrainState, batch: RolloutBuffer, alpha: float, ref_params: Any = None
+        self,
+        state: TrainState,
+        batch: RolloutBuffer,
+        alpha: float,
+        ref_params: Any = None,
+        *,
+        old_from_current: bool = False,
+        micro_rows: int | None = None,
+        live_micro: int | None = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One jitted optimizer step (``state`` is donated: do not reuse it; the
-        reference ``ref_params`` is only read)."""
+        reference ``ref_params`` is only read). ``old_from_current``,
+        ``micro_rows``, ``live_micro``: see ``loss_and_grads`` (``live_micro``
+        needs ``micro_rows``)."""
         if self.config.loss.kl_beta == 0:
             ref_params = None  # no reference forward, nothing to transfer
-        if self._jitted is None:
-            self._jitted = self._compile(state)
+        key = (old_from_current, micro_rows if live_micro is not None else None)
+        if key not in self._jitted:
+            self._jitted[key] = self._compile(state, *key)
         if self.batch_sharding is not None:
             batch = jax.device_put(batch, self.batch_sharding)
-        return self._jitted(state, batch, jnp.float32(alpha), ref_params)
+        live = None if key[1] is None else jnp.int32(live_micro)
+        return self._jitted[key](state, batch, jnp.float32(alpha), ref_params, live)
 
     def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
         """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
@@ -521,16 +628,28 @@ class PolicyUpdater:
             out[start * buffer.group_size : start * buffer.group_size + take] = logp[:take]
         return out
 
-    def _prepare(self, state: TrainState, buffer: RolloutBuffer) -> RolloutBuffer:
-        """Sets the ratio's denominator and the behaviour log-probs (SPEC item 4, TIS)."""
+    def _prepare(
+        self, state: TrainState, buffer: RolloutBuffer, one_step: bool
+    ) -> tuple[RolloutBuffer, bool]:
+        """Sets the ratio's denominator and the behaviour log-probs (SPEC item 4, TIS).
+
+        With TIS the denominator is the trainer's own pi_old. When the buffer gets
+        one optimizer step (``one_step``: on-policy) pi_old is the policy being
+        updated, so that step takes it from its own forward pass (returns True)
+        instead of a separate pass here.
+        """
         lcfg = self.config.loss
         behaviour = buffer.old_logprobs
         if lcfg.behaviour_logprobs == "sampled" and buffer.sampling_logprobs is not None:
             behaviour = buffer.sampling_logprobs
-        old = behaviour
+        old, from_current = behaviour, False
         if lcfg.tis_cap is not None:
-            old = self.logprobs(state.params, buffer)  # the trainer's pi_old
-        return dataclasses.replace(buffer, old_logprobs=old, behaviour_logprobs=behaviour)
+            if one_step:
+                from_current = True
+            else:
+                old = self.logprobs(state.params, buffer)  # the trainer's pi_old
+        buffer = dataclasses.replace(buffer, old_logprobs=old, behaviour_logprobs=behaviour)
+        return buffer, from_current
 
     def update(
         self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array, ref_params: Any = None
@@ -566,22 +685,40 @@ class PolicyUpdater:
             )
         )
         alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
-        buffer = self._prepare(state, buffer)
         keep_N = buffer.group_keep()
         valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
         kept = np.flatnonzero(keep_N)
         d_t = cfg.mini_batch_groups
-        steps = []
+        mini_batches = []
         for _ in range(cfg.num_reuse if len(kept) else 0):
             rng, sub = jax.random.split(rng)
-            order = kept[np.asarray(jax.random.permutation(sub, len(kept)))]
-            for groups in split_mini_batches(order, buffer.num_groups, d_t, cfg.mini_batch_split):
-                # pad to D_T groups (one static shape); padding rows count for nothing
-                live = np.arange(d_t) < len(groups)
-                groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
-                batch = buffer.take_groups(groups, live)
-                state, m = self.train_step(state, batch, alpha, ref_params)
-                steps.append(m)
+            # a permutation of all D_R groups (one compiled shape), the kept ones in its order
+            perm = np.asarray(jax.random.permutation(sub, buffer.num_groups))
+            order = perm[keep_N[perm]]
+            mini_batches += split_mini_batches(order, buffer.num_groups, d_t, cfg.mini_batch_split)
+        buffer, from_current = self._prepare(state, buffer, one_step=len(mini_batches) == 1)
+        micro = self.live_micro_rows(buffer.group_size)
+        steps = []
+        for groups in mini_batches:
+            # pad to D_T groups (one static shape); padding rows count for nothing
+            live = np.arange(d_t) < len(groups)
+            groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
+            batch = buffer.take_groups(groups, live)
+            n_live = None
+            if micro is not None:  # kept rows into the first micro-batches; skip the rest
+                rows = int(live.sum()) * batch.group_size
+                order, n_live = live_first(batch.num_rows, micro, rows)
+                batch = jax.tree.map(lambda x, o=order: x[o], batch)
+            state, m = self.train_step(
+                state,
+                batch,
+                alpha,
+                ref_params,
+                old_from_current=from_current,
+                micro_rows=micro,
+                live_micro=n_live,
+            )
+            steps.append(m)
         new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
         shardings = jax.tree.map(lambda x: x.sharding, state.entropy)
         state = dataclasses.replace(state, entropy=jax.device_put(new_ctl, shardings))

@@ -24,6 +24,7 @@ from magic_jax.train_step import (
     TrainState,
     UpdateConfig,
     init_train_state,
+    live_first,
     loss_and_grads,
     train_step,
 )
@@ -496,3 +497,69 @@ def test_update_with_tis_against_the_sampled_distribution(model):
     assert 0 < float(m["sampler_ratio_max"][0]) <= np.exp(log_w[mask]).max() * (1 + 1e-4)
     assert float(m["sampler_ratio_mean"][0]) < 1  # the sampled tokens were more likely there
     assert int(state.step) == 2
+
+
+# --------------------------------------------------------------------------- kept rows only
+
+
+def test_live_first_puts_the_live_rows_in_the_first_micro_batches():
+    order, n = live_first(num_rows=12, micro_rows=4, live_rows=6)
+    assert n == 2
+    # micro-batch i takes physical rows i, i + 3, i + 6, i + 9 (the strided split)
+    micro = [order[i::3] for i in range(3)]
+    assert [list(m) for m in micro] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_update_over_kept_rows_only_equals_the_whole_padded_batch():
+    """The live-micro-batch loop gives the padded full batch's loss, gradients and metrics,
+    and stopping it one micro-batch early changes them (the loop does skip work)."""
+    _, _, buf = _buffer(seed=3)
+    graphdef, params = nnx.split(Qwen2(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+    kept = np.flatnonzero(buf.group_keep())  # groups 0-2; group 3 dropped
+    groups = np.concatenate([kept, [kept[0]]])
+    batch = buf.take_groups(groups, np.arange(4) < len(kept))
+    full_loss, full_g, full_m = _jitted_loss_and_grads(graphdef, L0)(params, batch, 0.01)
+    order, n = live_first(batch.num_rows, G, len(kept) * G)
+    assert n == 3
+    packed = jax.tree.map(lambda x: x[order], batch)
+    cfg = UpdateConfig(mini_batch_groups=4, loss=L0)
+
+    @jax.jit
+    def live(p, b, n):
+        return loss_and_grads(p, b, 0.01, graphdef=graphdef, config=cfg, micro_rows=G, live_micro=n)
+
+    loss, g, m = live(params, packed, jnp.int32(n))
+    assert_fp32_close(float(loss), float(full_loss), terms=16 * 24)
+    assert_fp32_close(jax.tree.leaves(g), jax.tree.leaves(full_g), terms=16 * 24, rtol=1e-4)
+    for k in ("entropy", "ratio_max", "clipfrac_high", "approx_kl", "pg_loss"):
+        assert_fp32_close(float(m[k]), float(full_m[k]), terms=16 * 24, err_msg=k)
+    short_loss, _, _ = live(params, packed, jnp.int32(n - 1))
+    assert abs(float(short_loss) - float(full_loss)) > 1e-4
+
+
+def test_on_policy_tis_takes_pi_old_from_the_same_forward():
+    """With TIS and one optimizer step per buffer, pi_old comes from the step's own forward
+    (stop-gradient): the same loss, gradients and new weights as a separate pi_old pass."""
+    _, _, buf = _buffer(seed=5)
+    buf = dataclasses.replace(buf, old_logprobs=buf.old_logprobs - 0.05)  # sampler numerics
+    graphdef, params = nnx.split(Qwen2(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+    lcfg = LossConfig(eps_high=0.28, logit_chunk=8, tis_cap=2.0)
+    cfg = UpdateConfig(mini_batch_groups=4, loss=lcfg)
+    one_pass = PolicyUpdater(graphdef, cfg)
+    fresh = one_pass.init_state(jax.tree.map(jnp.copy, params))  # donated by the update
+    state_a, m_a = one_pass.update(fresh, buf, jax.random.key(0))
+    assert list(one_pass._jitted) == [(True, 4)]  # no separate pi_old program ran
+    assert one_pass._logprobs is None
+    # the two-pass path: pi_old computed first, then the step against it
+    two_pass = PolicyUpdater(graphdef, cfg)
+    old = two_pass.logprobs(params, buf)
+    prepared = dataclasses.replace(buf, old_logprobs=old, behaviour_logprobs=buf.old_logprobs)
+    batch = prepared.take_groups([*np.flatnonzero(buf.group_keep()), 0], [1, 1, 1, 0])
+    step = jax.jit(lambda s, b: train_step(s, b, 0.0, graphdef=graphdef, config=cfg))
+    state_b, m_b = step(init_train_state(jax.tree.map(jnp.copy, params), cfg), batch)
+    assert_fp32_close(float(m_a["loss"][0]), float(m_b["loss"]), terms=16 * 24)
+    assert_fp32_close(float(m_a["grad_norm"][0]), float(m_b["grad_norm"]), terms=16 * 24)
+    assert abs(float(m_a["tis_weight_mean"][0]) - 1.0) > 0.1  # the weights act
+    assert_fp32_close(
+        jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params), terms=16 * 24
+    )
