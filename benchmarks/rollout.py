@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from magic_jax.engine import Engine, EngineConfig
+from magic_jax.engine import Engine, EngineConfig, default_layer_unroll
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
@@ -85,6 +85,14 @@ def _peer(model, prompts_np, limits, batch, peer_batches, threads):
     return per_batch * len(batches), len(timed), len(batches)
 
 
+def _unroll(text: str | None) -> int | bool | None:
+    if text is None:
+        return None
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="W1,W2")
@@ -95,6 +103,11 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--cache-bucket", type=int, default=128)
     ap.add_argument("--no-compact", action="store_true")
+    ap.add_argument(
+        "--layer-unroll",
+        default=None,
+        help="EngineConfig.layer_unroll: true, false or an int (default: the platform's)",
+    )
     ap.add_argument(
         "--loop-layers", action="store_true", help="ModelConfig.scan_layers=False (Python loop)"
     )
@@ -117,7 +130,8 @@ def main() -> None:
     print(
         f"model: {cfg.num_params() / 1e6:.1f}M params, fp32, "
         f"{'scanned' if cfg.scan_layers else 'loop'} layers | jax {jax.__version__} "
-        f"{jax.devices()[0].platform} | cpus {os.cpu_count()} | torch threads {args.threads}"
+        f"{jax.devices()[0].platform} | cpus {os.cpu_count()} | torch threads {args.threads} | "
+        f"decode layer_unroll {_unroll(args.layer_unroll)} (None: {default_layer_unroll()})"
     )
     rows = []
     for name, (n_prompts, g, limits) in _workloads(args.quick).items():
@@ -133,6 +147,7 @@ def main() -> None:
             compact_batch=not args.no_compact,
             sampling=SamplingConfig(temperature=1.0),
             eos_ids=(),
+            layer_unroll=_unroll(args.layer_unroll),
         )
         engine = Engine(model, config)
         params = engine.load_params(model)

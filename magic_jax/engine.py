@@ -37,6 +37,11 @@ class EngineConfig:
         of the next size in ``compact_sizes()`` (one compilation per size).
       sampling: the sampling strategy.
       eos_ids: ids that end a response; None takes the model config's.
+      layer_unroll: how the decode step runs the stacked layers: ``True`` inlines
+        every layer (static weight slices), an int n unrolls the layer scan n at
+        a time, 1 is a plain scan. None takes ``default_layer_unroll()`` for
+        the platform. Logits are the same either way; only speed and compile
+        time change.
     """
 
     max_concurrent_decodes: int = 32
@@ -48,8 +53,14 @@ class EngineConfig:
     compact_batch: bool = True
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] | None = None
+    layer_unroll: int | bool | None = None
 
     def __post_init__(self):
+        u = self.layer_unroll
+        if u is not None and not isinstance(u, bool) and (not isinstance(u, int) or u < 1):
+            raise ValueError(
+                f"EngineConfig.layer_unroll must be None, True, False or an int >= 1, got {u!r}"
+            )
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
@@ -76,15 +87,17 @@ class EngineConfig:
         return self.max_prefill_length + self.max_decode_length
 
     def compact_sizes(self) -> tuple[int, ...]:
-        """Batch sizes for compacted decoding: eighths of the slots, then halvings below.
+        """Batch sizes for compacted decoding: halvings of the slots down to a sixteenth.
 
-        Steps of B/8 keep few idle rows in the long tail (a step's cost grows with its
-        rows) while bounding the compilations to about 8 + log2(B / 8).
+        Each size is one compiled decode loop, so there are at most five. A
+        decode step's cost grows slowly with its rows (weights are read once per
+        step whatever the rows), so the rows a halving leaves idle cost little,
+        and below B/16 live rows the step runs at B/16 (measured in
+        benchmarks/rollout.py: W2's long tail).
         """
         b = self.max_concurrent_decodes
-        sizes = {max(1, b * k // 8) for k in range(1, 9)}
-        s = max(1, b // 8)
-        while s > 1:
+        sizes, s = {b}, b
+        while s % 2 == 0 and s // 2 >= max(1, b // 16):
             s //= 2
             sizes.add(s)
         return tuple(sorted(sizes))
@@ -150,6 +163,19 @@ class StepOutput(NamedTuple):
     sampling_logprobs: jax.Array
     valid: jax.Array
     done: jax.Array
+
+
+# Measured default of ``EngineConfig.layer_unroll`` per platform. CPU (2-core AMD EPYC,
+# benchmarks/rollout.py W1, 58M model, batch 32): a plain scan 18.5 ms per decode step,
+# unroll 2 22.3 ms, every layer inlined 29.7 ms, unstacked layers in a Python loop
+# 24.8 ms: the scan stays. GPU and TPU were not measured: they keep the scan too until
+# a measurement says otherwise (set the option to compare).
+LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
+
+
+def default_layer_unroll(platform: str | None = None) -> int | bool:
+    """The decode loop's layer unroll for ``platform`` (default: jax's default backend)."""
+    return LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
 
 
 def _eos_hit(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
@@ -263,6 +289,8 @@ def decode_forward(
     live_B: jax.Array,
     cache: KVCache,
     unembed_VD: jax.Array | None = None,
+    *,
+    layer_unroll: int | bool = 1,
 ) -> tuple[jax.Array, KVCache]:
     """The model's forward for one new token per row, with the decode attention above.
 
@@ -274,6 +302,7 @@ def decode_forward(
     [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
     (measured 10 vs 19 ms at B 32, D 512, V 32768), and transposing per call
     would cost more than it saves (37 ms), so the caller makes it once per weights.
+    ``layer_unroll``: see ``EngineConfig.layer_unroll``.
 
     Returns:
       (logits [B, V], the cache with the token written).
@@ -312,7 +341,7 @@ def decode_forward(
 
     x_BD = model.embed_tokens(tokens_B[:, None])[:, 0]
     x_BD, (k_LBKH, v_LBKH) = model.run_layers(
-        layer_fn, x_BD, (model.layer_windows(), cache.k, cache.v)
+        layer_fn, x_BD, (model.layer_windows(), cache.k, cache.v), unroll=layer_unroll
     )
     x_BD = model.norm(x_BD)
     dt = jnp.dtype(cfg.dtype)
@@ -339,6 +368,7 @@ def decode_step(
     *,
     sampling: SamplingConfig,
     unembed_VD: jax.Array | None = None,
+    layer_unroll: int | bool = 1,
 ) -> tuple[DecodeState, StepOutput]:
     """One token for every live slot: feed the last token, sample the next.
 
@@ -347,7 +377,9 @@ def decode_step(
     """
     model: Qwen2 = nnx.merge(graphdef, params)
     live_B = ~state.done
-    logits_BV, cache = decode_forward(model, state.tokens, live_B, state.cache, unembed_VD)
+    logits_BV, cache = decode_forward(
+        model, state.tokens, live_B, state.cache, unembed_VD, layer_unroll=layer_unroll
+    )
     keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
     d = sampling_lib.draw(logits_BV, keys_B, sampling)
     steps_B = state.steps + live_B.astype(jnp.int32)
@@ -423,6 +455,7 @@ def decode_chunk_fn(
     num_steps: int,
     attend: int,
     sampling: SamplingConfig,
+    layer_unroll: int | bool = 1,
 ) -> tuple[DecodeState, StepOutput, jax.Array]:
     """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
 
@@ -457,7 +490,13 @@ def decode_chunk_fn(
     def body(carry):
         i, sub, outs = carry
         sub, out = decode_step(
-            graphdef, params, sub, eos_E, sampling=sampling, unembed_VD=unembed_VD
+            graphdef,
+            params,
+            sub,
+            eos_E,
+            sampling=sampling,
+            unembed_VD=unembed_VD,
+            layer_unroll=layer_unroll,
         )
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, outs
@@ -486,7 +525,7 @@ def _compiled(
         fn = functools.partial(insert_fn, sampling=sampling)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
     if name == "generate":
-        fn = functools.partial(decode_step, graphdef, sampling=sampling)
+        fn = functools.partial(decode_step, graphdef, sampling=sampling, **kw)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
     fn = functools.partial(decode_chunk_fn, graphdef, sampling=sampling, **kw)
     return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host, host))
@@ -526,6 +565,15 @@ class Engine:
             )
         else:
             self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
+
+    @property
+    def layer_unroll(self) -> int | bool:
+        """The decode loop's layer unroll (the config's, or the platform default)."""
+        u = self.config.layer_unroll
+        if u is None:
+            platform = None if self._mesh is None else self._mesh.devices.flat[0].platform
+            u = default_layer_unroll(platform)
+        return u
 
     @property
     def eos_array(self) -> jax.Array:
@@ -645,7 +693,7 @@ class Engine:
 
     def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One decode step for every slot (donates ``state``)."""
-        return self._fn("generate")(params, state, self._eos_E)
+        return self._fn("generate", layer_unroll=self.layer_unroll)(params, state, self._eos_E)
 
     def decode_unembedding(self, params: nnx.State) -> jax.Array:
         """The unembedding of ``params`` as [V, D], on device, for ``generate_chunk``.
@@ -671,7 +719,12 @@ class Engine:
         ``unembed_VD`` from ``decode_unembedding(params)`` speeds the logits up.
         """
         attend = self.config.cache_length if attend is None else attend
-        fn = self._fn("chunk", num_steps=self.config.decode_steps, attend=attend)
+        fn = self._fn(
+            "chunk",
+            num_steps=self.config.decode_steps,
+            attend=attend,
+            layer_unroll=self.layer_unroll,
+        )
         rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
         return fn(
             params,

@@ -587,13 +587,23 @@ class Qwen2(nnx.Module):
             [cfg.layer_window(i) or _NO_WINDOW for i in range(cfg.num_layers)], jnp.int32
         )
 
-    def run_layers(self, fn: Any, carry: Any, per_layer: Any = None, *, remat: bool = False):
+    def run_layers(
+        self,
+        fn: Any,
+        carry: Any,
+        per_layer: Any = None,
+        *,
+        remat: bool = False,
+        unroll: int | bool = 1,
+    ):
         """Runs ``fn(layer, carry, xs) -> (carry, ys)`` over the decoder layers in order.
 
         ``per_layer`` is a pytree of [L, ...] arrays; layer i receives their i-th
         slices as ``xs``. Under ``scan_layers`` this is one ``nnx.scan`` over the
         stacked layer (one traced copy), otherwise a Python loop. With ``remat``
         each layer is wrapped in ``nnx.remat`` with the config's policy.
+        ``unroll`` is the scan's (``True``: every layer inlined, static weight
+        slices; the parameters stay stacked).
 
         Returns:
           (the final carry, the ``ys`` stacked on a leading [L] axis).
@@ -611,6 +621,7 @@ class Qwen2(nnx.Module):
                 # updates) scan, which also accepts a model merged in an outer trace
                 # (the engine's decode loop).
                 graph_updates=False,
+                unroll=unroll,
             )
             return scan(self.layers, carry, per_layer)
         ys = []

@@ -166,16 +166,20 @@ def test_decode_forward_equals_model_forward():
         want = m(tok[:, None], attention_mask=live[:, None], cache=cache)
         got = decode_forward(m, tok, live, cache)
         transposed, _ = decode_forward(m, tok, live, cache, m.unembedding().T)
-        return want, got, transposed
+        unrolled = decode_forward(m, tok, live, cache, layer_unroll=True)
+        return want, got, transposed, unrolled
 
     tok = jnp.asarray([5, 7, 9], jnp.int32)
     live = jnp.asarray([True, True, False])
-    (want_logits, want), (got_logits, got), unembed_logits = run(
+    (want_logits, want), (got_logits, got), unembed_logits, (unrolled_logits, unrolled) = run(
         state, jnp.asarray(ids), jnp.asarray(mask), tok, live
     )
     rows = np.asarray(live)
     np.testing.assert_allclose(got_logits[rows], want_logits[rows, 0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(unembed_logits, got_logits, atol=1e-5, rtol=1e-5)
+    # EngineConfig.layer_unroll: the layers inlined give the scan's logits and cache
+    np.testing.assert_allclose(unrolled_logits, got_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(unrolled.k, got.k, atol=1e-6)
     np.testing.assert_array_equal(got.pos, want.pos)
     np.testing.assert_array_equal(got.lengths, [7, 7, 6])
     for a, b in zip(got.k + got.v, want.k + want.v):
@@ -243,6 +247,7 @@ def test_reshard_train_to_sample_layout_stays_on_device(hf_and_model):
         ({"decode_steps": 0}, "decode_steps"),
         ({"cache_bucket": -1}, "cache_bucket"),
         ({"prefill_buckets": (32, 16)}, "prefill_buckets"),
+        ({"layer_unroll": 0}, "layer_unroll"),
         ({"max_prefill_length": 64, "prefill_buckets": (16, 32)}, "prefill_buckets"),
     ],
 )
