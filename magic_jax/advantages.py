@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,9 @@ class AdvantageConfig:
             raise ValueError(f"AdvantageConfig.ddof must be 0 or 1, got {self.ddof}")
 
 
+# Called on host arrays once per step: one compiled program per shape instead of one
+# per primitive.
+@functools.partial(jax.jit, static_argnames=("mask", "eps", "ddof"))
 def group_advantages(
     rewards_NG: jax.Array,
     truncated_NG: jax.Array | None = None,
@@ -101,6 +105,7 @@ def group_advantages(
     return jnp.where(zero_NG, 0.0, adv_NG)
 
 
+@jax.jit
 def group_keep_mask(adv_NG: jax.Array) -> jax.Array:
     """Rejection sampling: keep a group only if some advantage in it is non-zero.
 

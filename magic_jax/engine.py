@@ -243,6 +243,35 @@ def insert_fn(
     return state, jax.tree.map(lambda x: x[0], first)
 
 
+def insert_group_fn(
+    prefix: Prefix,
+    state: DecodeState,
+    slots_n: jax.Array,
+    seed: jax.Array,
+    step: jax.Array,
+    prompt: jax.Array,
+    samples_n: jax.Array,
+    max_new_n: jax.Array,
+    eos_E: jax.Array,
+    *,
+    sampling: SamplingConfig,
+) -> tuple[DecodeState, sampling_lib.Draw]:
+    """``insert_fn`` for n samples of one prompt in one call, their keys made on device.
+
+    Sample i goes to ``slots_n[i]`` with the base key ``fold_in(seed, step, prompt,
+    samples_n[i])`` (``sampling.sample_key``), exactly as n separate inserts would.
+    Returns the state and the n first draws, stacked.
+    """
+    draws = []
+    for i in range(slots_n.shape[0]):
+        key = jax.random.key(seed)
+        for x in (step, prompt, samples_n[i]):
+            key = jax.random.fold_in(key, x)
+        state, d = insert_fn(prefix, state, slots_n[i], key, max_new_n[i], eos_E, sampling=sampling)
+        draws.append(d)
+    return state, jax.tree.map(lambda *x: jnp.stack(x), *draws)
+
+
 def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.Array:
     """Writes ``new_BX[b]`` at slot ``at_B[b]`` of row b (in place under donation)."""
     zeros = (0,) * (buf_BSX.ndim - 2)
@@ -524,6 +553,9 @@ def _compiled(
     if name == "insert":
         fn = functools.partial(insert_fn, sampling=sampling)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
+    if name == "insert_group":
+        fn = functools.partial(insert_group_fn, sampling=sampling)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
     if name == "generate":
         fn = functools.partial(decode_step, graphdef, sampling=sampling, **kw)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
@@ -689,6 +721,45 @@ class Engine:
             )
         return self._fn("insert")(
             prefix, state, jnp.int32(slot), key, jnp.int32(limit), self._eos_E
+        )
+
+    def insert_group(
+        self,
+        prefix: Prefix,
+        state: DecodeState,
+        slots: Any,
+        *,
+        seed: int,
+        step: int,
+        prompt: int,
+        samples: Any,
+        max_new_tokens: Any,
+    ) -> tuple[DecodeState, sampling_lib.Draw]:
+        """Puts ``prefix`` in several ``slots`` in one call (donating ``state``).
+
+        Sample ``samples[i]`` goes to ``slots[i]`` with the key
+        ``sample_key(seed, step, prompt, samples[i])`` and its own limit
+        ``max_new_tokens[i]``; the same as one ``insert`` per sample. Returns
+        the new state and the first draws, stacked [n].
+        """
+        slots = np.asarray(slots, np.int32).reshape(-1)
+        samples = np.asarray(samples, np.int32).reshape(-1)
+        limits = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape)
+        bad = limits[(limits <= 0) | (limits > self.config.max_decode_length)]
+        if bad.size:
+            raise ValueError(
+                f"max_new_tokens {int(bad[0])} is not in [1, {self.config.max_decode_length}]"
+            )
+        return self._fn("insert_group")(
+            prefix,
+            state,
+            slots,
+            np.int32(seed),
+            np.int32(step),
+            np.int32(prompt),
+            samples,
+            np.ascontiguousarray(limits),
+            self._eos_E,
         )
 
     def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:

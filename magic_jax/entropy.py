@@ -260,6 +260,9 @@ def init_entropy_control(config: EntropyControlConfig) -> EntropyControlState:
     )
 
 
+# The controller's functions run on host values once per step: jitted, each is one
+# compiled program per shape instead of one per primitive.
+@functools.partial(jax.jit, static_argnames=("estimator",))
 def measure_entropy(
     entropy_BR: jax.Array,
     sampled_logp_BR: jax.Array,
@@ -282,6 +285,7 @@ def measure_entropy(
     return jnp.sum(jnp.asarray(x_BR, jnp.float32) * m_BR) / jnp.maximum(m_BR.sum(), 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
 def entropy_coefficient(
     state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
 ) -> jax.Array:
@@ -301,6 +305,7 @@ def entropy_coefficient(
     return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
 def update_entropy_control(
     state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
 ) -> EntropyControlState:

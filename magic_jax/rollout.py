@@ -13,7 +13,6 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.engine import DecodeState, Engine, Prefix, StepOutput
-from magic_jax.sampling import sample_key
 
 Truncation = Literal["no_eos", "length"]
 
@@ -168,12 +167,16 @@ class RolloutDriver:
 
         while queue or any(s is not None for s in slot_of):
             t0 = time.perf_counter()
-            for slot in range(b_max):
-                if not queue:
-                    break
-                if slot_of[slot] is not None:
-                    continue
-                p, j = queue.popleft()
+            free = collections.deque(s for s in range(b_max) if slot_of[s] is None)
+            while queue and free:
+                p, j = queue[0]
+                # A whole group into free slots is one call; anything else one per sample
+                # (two compiled shapes).
+                n = num_samples if j == 0 and len(free) >= num_samples else 1
+                if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
+                    n = 1
+                entries = [queue.popleft() for _ in range(n)]
+                slots = [free.popleft() for _ in range(n)]
                 if p not in prefixes:
                     tp = time.perf_counter()
                     prefixes[p] = eng.prefill(params, prompts[p])
@@ -181,26 +184,31 @@ class RolloutDriver:
                         jax.block_until_ready(prefixes[p])
                     stats.prefill_s += time.perf_counter() - tp
                     stats.prefills += 1
-                prefix = prefixes[p] if j < num_samples - 1 else prefixes.pop(p)
-                pend = _Pending(p, j, int(limits[p, j]))
+                last = entries[-1][1] == num_samples - 1
+                prefix = prefixes.pop(p) if last else prefixes[p]
+                pends = [_Pending(p, jj, int(limits[p, jj])) for _, jj in entries]
                 ti = time.perf_counter()
-                state, first = eng.insert(
+                state, first = eng.insert_group(
                     prefix,
                     state,
-                    slot,
-                    key=sample_key(seed, step, p, j),
-                    max_new_tokens=pend.limit,
+                    slots,
+                    seed=seed,
+                    step=step,
+                    prompt=p,
+                    samples=[jj for _, jj in entries],
+                    max_new_tokens=[x.limit for x in pends],
                 )
                 if profile:
                     jax.block_until_ready(state)
                 stats.insert_s += time.perf_counter() - ti
-                slot_of[slot], slot_len[slot] = pend, len(prompts[p])
-                first_draws.append((pend, slot, first))
-            # Token 0 was sampled at insert; fetch those now (one sync for all).
-            for pend, slot, first in first_draws:
-                f = jax.tree.map(np.asarray, first)
-                pend.parts.append(tuple(np.atleast_1d(x) for x in f))
-                if int(f.tokens) in eos or pend.limit <= 1:
+                for i, (pend, slot) in enumerate(zip(pends, slots)):
+                    slot_of[slot], slot_len[slot] = pend, len(prompts[p])
+                    first_draws.append((pend, slot, first, i))
+            # Token 0 was sampled at insert; fetch those now (one transfer for all).
+            fetched = jax.device_get([f for _, _, f, _ in first_draws])
+            for (pend, slot, _, i), f in zip(first_draws, fetched):
+                pend.parts.append(tuple(np.atleast_1d(x[i]) for x in f))
+                if int(f.tokens[i]) in eos or pend.limit <= 1:
                     finish(pend, slot)
             first_draws.clear()
             live = [s for s in range(b_max) if slot_of[s] is not None]
