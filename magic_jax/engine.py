@@ -489,8 +489,9 @@ def decode_chunk_fn(
     """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
 
     The loop runs on rows ``rows_b`` (all if None) with the cache cut to its first
-    ``attend`` slots, and stops when: every row is done; ``stop_on_free`` and a row
-    finished (so the host can refill it); at most ``min_live`` rows are live (so
+    ``attend`` slots, and stops when: every row is done; ``stop_on_free`` (an int32
+    count, 0 = never) rows finished (so the host can refill them: a whole group
+    at once); at most ``min_live`` rows are live (so
     the host can compact); or a live row reached ``attend``. ``unembed_VD`` is
     ``Engine.decode_unembedding(params)``, or None for the model's own layout.
 
@@ -508,11 +509,11 @@ def decode_chunk_fn(
         i, sub, _ = carry
         live = ~sub.done
         longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
-        freed = jnp.any(sub.done & ~done0_b)
+        freed = jnp.sum(sub.done & ~done0_b)
         return (
             (i < num_steps)
             & (jnp.sum(live) > min_live)
-            & ~(stop_on_free & freed)
+            & ~((stop_on_free > 0) & (freed >= stop_on_free))
             & (longest < attend)
         )
 
@@ -782,10 +783,12 @@ class Engine:
         unembed_VD: jax.Array | None = None,
         rows: np.ndarray | None = None,
         attend: int | None = None,
-        stop_on_free: bool = False,
+        stop_on_free: bool | int = False,
         min_live: int = 0,
     ) -> tuple[DecodeState, StepOutput, jax.Array]:
         """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``.
+
+        ``stop_on_free``: stop once this many rows finished (True: one; False: never).
 
         ``unembed_VD`` from ``decode_unembedding(params)`` speeds the logits up.
         """
@@ -802,7 +805,7 @@ class Engine:
             state,
             unembed_VD,
             rows_b,
-            jnp.bool_(stop_on_free),
+            jnp.int32(int(stop_on_free)),
             jnp.int32(min_live),
             self._eos_E,
         )

@@ -237,7 +237,9 @@ class RolloutDriver:
                 unembed_VD=unembed_VD,
                 rows=rows,
                 attend=attend,
-                stop_on_free=bool(queue),
+                # refill once a whole group's slots are free (one insert call), or
+                # what the queue still holds
+                stop_on_free=min(len(queue), num_samples),
                 min_live=min_live,
             )
             n = int(n)
