@@ -264,9 +264,7 @@ def insert_group_fn(
     """
     draws = []
     for i in range(slots_n.shape[0]):
-        key = jax.random.key(seed)
-        for x in (step, prompt, samples_n[i]):
-            key = jax.random.fold_in(key, x)
+        key = sampling_lib.sample_key(seed, step, prompt, samples_n[i])
         state, d = insert_fn(prefix, state, slots_n[i], key, max_new_n[i], eos_E, sampling=sampling)
         draws.append(d)
     return state, jax.tree.map(lambda *x: jnp.stack(x), *draws)

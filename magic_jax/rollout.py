@@ -153,7 +153,7 @@ class RolloutDriver:
         prefixes: dict[int, Prefix] = {}
         slot_of: list[_Pending | None] = [None] * b_max
         slot_len = np.zeros(b_max, np.int64)  # mirrors the cache's per-row lengths
-        first_draws: list[tuple[_Pending, object]] = []
+        first_draws: list[tuple[list[_Pending], list[int], object]] = []
         done: list[Sample] = []
         eos = set(eng.eos_ids)
         sizes = cfg.compact_sizes()
@@ -201,15 +201,16 @@ class RolloutDriver:
                 if profile:
                     jax.block_until_ready(state)
                 stats.insert_s += time.perf_counter() - ti
-                for i, (pend, slot) in enumerate(zip(pends, slots)):
+                for pend, slot in zip(pends, slots):
                     slot_of[slot], slot_len[slot] = pend, len(prompts[p])
-                    first_draws.append((pend, slot, first, i))
+                first_draws.append((pends, slots, first))
             # Token 0 was sampled at insert; fetch those now (one transfer for all).
-            fetched = jax.device_get([f for _, _, f, _ in first_draws])
-            for (pend, slot, _, i), f in zip(first_draws, fetched):
-                pend.parts.append(tuple(np.atleast_1d(x[i]) for x in f))
-                if int(f.tokens[i]) in eos or pend.limit <= 1:
-                    finish(pend, slot)
+            fetched = jax.device_get([f for _, _, f in first_draws])
+            for (pends, slots, _), f in zip(first_draws, fetched):
+                for i, (pend, slot) in enumerate(zip(pends, slots)):
+                    pend.parts.append(tuple(np.atleast_1d(x[i]) for x in f))
+                    if int(f.tokens[i]) in eos or pend.limit <= 1:
+                        finish(pend, slot)
             first_draws.clear()
             live = [s for s in range(b_max) if slot_of[s] is not None]
             if not live:

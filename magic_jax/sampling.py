@@ -72,7 +72,8 @@ def sample_key(seed: int | jax.Array, step: int, prompt: int, sample: int) -> ja
     Token ``t`` of the sample is drawn with ``fold_in(base, t)``, so a sample's
     randomness never depends on the decode slot or batch it ran in.
     """
-    key = jax.random.key(seed) if not isinstance(seed, jax.Array) else seed
+    is_key = isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    key = seed if is_key else jax.random.key(seed)  # an int, possibly traced (inside jit)
     for x in (step, prompt, sample):
         key = jax.random.fold_in(key, x)
     return key

@@ -224,6 +224,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(mesh))
 
 
+def data_shards(mesh: Mesh | None) -> int:
+    """How many shards batch rows are split into (the product of the data axes)."""
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -29,7 +29,7 @@ from magic_jax.entropy import (
 from magic_jax.losses import MAX_METRICS, LossConfig, policy_loss
 from magic_jax.model import RematPolicy, abstract_model
 from magic_jax.optim import OptimizerConfig, make_optimizer
-from magic_jax.sharding import batch_sharding, replicated
+from magic_jax.sharding import batch_sharding, data_shards, replicated
 
 log = logging.getLogger(__name__)
 
@@ -372,38 +372,27 @@ def loss_and_grads(
         (loss, metrics), grads = grad_fn(params, batch)
         return loss, grads, metrics
     micro = _micro_batches(batch, min(size, batch.num_rows), batch_sharding)
+    n_micro = micro.tokens.shape[0]
 
-    def combine(k, a, b):
-        return jnp.maximum(a, b) if k in MAX_METRICS else a + b
-
-    if live_micro is not None:
-
-        def body_i(i, acc):
-            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
-            (loss, m), g = grad_fn(params, mb)
-            acc_g, acc_loss, acc_m = acc
-            acc_m = {k: combine(k, acc_m[k], v) for k, v in m.items()}
-            return jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_m
-
-        first = jax.tree.map(lambda x: x[0], micro)
-        _, m_shapes = jax.eval_shape(micro_loss, params, first)
-        init = (
-            jax.tree.map(jnp.zeros_like, params),
-            jnp.zeros((), jnp.float32),
-            {k: jnp.zeros(v.shape, v.dtype) for k, v in m_shapes.items()},
-        )
-        n = jnp.minimum(jnp.asarray(live_micro, jnp.int32), micro.tokens.shape[0])
-        grads, loss, metrics = jax.lax.fori_loop(0, n, body_i, init)
-        return loss, grads, metrics
-
-    def body(acc, mb):
+    def body(i, acc):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
         (loss, m), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, acc, g), (loss, m)
+        acc_g, acc_loss, acc_m = acc
+        # ratio maxima combine by max (>= 0, so 0 starts them); token sums by sum
+        acc_m = {
+            k: jnp.maximum(acc_m[k], v) if k in MAX_METRICS else acc_m[k] + v for k, v in m.items()
+        }
+        return jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_m
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (losses, metrics) = jax.lax.scan(body, zeros, micro)
-    metrics = {k: v.max() if k in MAX_METRICS else v.sum() for k, v in metrics.items()}
-    return losses.sum(), grads, metrics
+    _, m_shapes = jax.eval_shape(micro_loss, params, jax.tree.map(lambda x: x[0], micro))
+    init = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.float32),
+        {k: jnp.zeros(v.shape, v.dtype) for k, v in m_shapes.items()},
+    )
+    n = n_micro if live_micro is None else jnp.minimum(jnp.int32(live_micro), n_micro)
+    grads, loss, metrics = jax.lax.fori_loop(0, n, body, init)
+    return loss, grads, metrics
 
 
 def live_first(num_rows: int, micro_rows: int, live_rows: int) -> tuple[np.ndarray, int]:
@@ -545,12 +534,7 @@ class PolicyUpdater:
         if rows is None:
             k = max(x for x in range(1, max(1, d_t // 8) + 1) if d_t % x == 0)
             rows = k * group_size
-        shards = 1
-        if self.batch_sharding is not None:
-            spec = self.batch_sharding.spec[0] if self.batch_sharding.spec else None
-            for axis in (spec,) if isinstance(spec, str) else (spec or ()):
-                shards *= self.mesh.shape[axis]
-        if rows % shards or (d_t * group_size) % rows:
+        if rows % data_shards(self.mesh) or (d_t * group_size) % rows:
             return None
         return rows
 
