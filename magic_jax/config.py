@@ -244,6 +244,11 @@ class TrainConfig:
         (``param_dtype`` for a Hugging Face checkpoint). Master weights, gradients and
         optimizer state stay ``param_dtype``; softmax, norms, RoPE, log-probs
         and the loss stay fp32; the rollout engine samples in the model's own dtype.
+      update_layer_unroll: how the update runs the stacked layers (the scan's
+        ``unroll``: ``true`` inlines every layer, an int n unrolls n at a time, 1
+        is a plain scan); null = the platform's measured default
+        (``train_step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
+        elsewhere). Same values either way; speed and compile time change.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
@@ -271,6 +276,7 @@ class TrainConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots_saveable"] = "none"
     compute_dtype: Literal["float32", "bfloat16"] | None = None
+    update_layer_unroll: int | bool | None = None
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -292,6 +298,11 @@ class TrainConfig:
         if self.compute_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(
                 f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
+            )
+        u = self.update_layer_unroll
+        if u is not None and not isinstance(u, bool) and (not isinstance(u, int) or u < 1):
+            raise ValueError(
+                f"update_layer_unroll must be null, true, false or an int >= 1, got {u!r}"
             )
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax import sampling as sampling_lib
-from magic_jax.model import KVCache, Qwen2, apply_rope
+from magic_jax.model import KVCache, Qwen2, apply_rope, check_unroll
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 
@@ -56,11 +56,7 @@ class EngineConfig:
     layer_unroll: int | bool | None = None
 
     def __post_init__(self):
-        u = self.layer_unroll
-        if u is not None and not isinstance(u, bool) and (not isinstance(u, int) or u < 1):
-            raise ValueError(
-                f"EngineConfig.layer_unroll must be None, True, False or an int >= 1, got {u!r}"
-            )
+        check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")

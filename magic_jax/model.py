@@ -31,6 +31,19 @@ DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 RematPolicy = Literal["none", "full", "dots_saveable"]
 _REMAT = ("none", "full", "dots_saveable")
+
+
+def check_unroll(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raises a ValueError naming ``name`` unless ``value`` is a scan unroll
+    (``True``, ``False`` or an int >= 1; or None where ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return
+    allowed = "None, " if allow_none else ""
+    raise ValueError(f"{name} must be {allowed}True, False or an int >= 1, got {value!r}")
+
+
 LAYER_AXIS = "layers"
 # The window of a full-attention layer when windows are per-layer data: longer than
 # any position difference, so the mask term is always true.
@@ -67,6 +80,13 @@ class ModelConfig:
       remat: what the backward pass keeps of each layer's forward: ``none``
         (everything), ``full`` (only the layer inputs; the layer is recomputed),
         ``dots_saveable`` (matmul outputs; the elementwise work is recomputed).
+      layer_unroll: how a forward without a cache runs the stacked layers
+        (``scan_layers``): the layer scan's ``unroll`` (``True`` inlines every
+        layer with static weight slices, an int n unrolls n at a time, 1 is a
+        plain scan). The parameters stay stacked and the values are the same;
+        only speed and compile time change. The update sets it per platform
+        (``UpdateConfig.layer_unroll``). Stored as an int (``True`` becomes
+        ``num_layers``, ``False`` 1).
     """
 
     vocab_size: int
@@ -89,6 +109,7 @@ class ModelConfig:
     attention_chunk: int = 2048
     scan_layers: bool = True
     remat: RematPolicy = "none"
+    layer_unroll: int | bool = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -122,6 +143,11 @@ class ModelConfig:
             )
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat must be one of {_REMAT}, got {self.remat!r}")
+        check_unroll("ModelConfig.layer_unroll", self.layer_unroll)
+        # stored as an int (True == 1 in Python: configs and caches must not mix them up)
+        if isinstance(self.layer_unroll, bool):
+            unroll = self.num_layers if self.layer_unroll else 1
+            object.__setattr__(self, "layer_unroll", unroll)
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("ModelConfig.sliding_layers is set but sliding_window is not")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
@@ -681,7 +707,11 @@ class Qwen2(nnx.Module):
 
         kv_L = None if cache is None else (cache.k, cache.v)
         x_BTD, new_kv = self.run_layers(
-            layer_fn, self.embed_tokens(input_ids), (self.layer_windows(), kv_L), remat=True
+            layer_fn,
+            self.embed_tokens(input_ids),
+            (self.layer_windows(), kv_L),
+            remat=True,
+            unroll=self.config.layer_unroll,
         )
         x_BTD = self.norm(x_BTD)
 

@@ -300,9 +300,18 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     from magic_jax.model import abstract_model
     from magic_jax.sharding import TRAIN_RULES, model_shardings
     from magic_jax.stages import update_config
-    from magic_jax.train_step import TrainState, make_optimizer, opt_state_shardings
+    from magic_jax.train_step import (
+        TrainState,
+        default_update_layer_unroll,
+        make_optimizer,
+        opt_state_shardings,
+    )
 
+    # the update as it compiles on the slice's platform, not this host's
+    platform = mesh.devices.flat[0].platform
     ucfg = update_config(config, index)
+    if ucfg.layer_unroll is None:
+        ucfg = dataclasses.replace(ucfg, layer_unroll=default_update_layer_unroll(platform))
     graphdef, params = nnx.split(abstract_model(model_config), nnx.Param)
     params = _abstract(params, model_shardings(params, mesh, TRAIN_RULES))
     repl = NamedSharding(mesh, PartitionSpec())

@@ -234,6 +234,7 @@ MAY_CHANGE = (
     "eval.every",
     "export_hf",
     "export_dtype",
+    "update_layer_unroll",
     "mesh",
     "rewards.num_workers",
     "output_dir",

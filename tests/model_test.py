@@ -226,16 +226,18 @@ def _stacked_like(loop: Qwen2, **change) -> Qwen2:
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
-def test_scanned_layers_equal_the_loop_values_and_grads(remat):
-    """nnx.scan over stacked layers (per-layer sliding windows as data) and each remat
-    policy give the loop's logits, KV-cache decode and gradients."""
+@pytest.mark.parametrize(
+    "remat, unroll", [("none", 1), ("full", 1), ("dots_saveable", 1), ("none", True), ("full", 2)]
+)
+def test_scanned_layers_equal_the_loop_values_and_grads(remat, unroll):
+    """nnx.scan over stacked layers (per-layer sliding windows as data), each remat
+    policy and layer unroll give the loop's logits, KV-cache decode and gradients."""
     base = dict(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
         num_kv_heads=2, sliding_window=3, sliding_layers=(1,), scan_layers=False,
     )  # fmt: skip
     loop = Qwen2(ModelConfig(**base), rngs=nnx.Rngs(7))
-    scan = _stacked_like(loop, remat=remat)
+    scan = _stacked_like(loop, remat=remat, layer_unroll=unroll)
     assert scan.layers.mlp.up_proj.kernel.shape == (3, 32, 48)
     ids, mask = _left_padded_batch(61, [9, 5], 9, seed=2)
 

@@ -1,4 +1,5 @@
-"""The run's ``remat`` and ``compute_dtype`` options: config checks, and what the update runs."""
+"""The run's ``remat``, ``compute_dtype`` and ``update_layer_unroll`` options: config checks, and
+what the update runs."""
 
 import collections
 import dataclasses
@@ -18,7 +19,13 @@ from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.stages import update_config
 from magic_jax.testing import assert_fp32_close
-from magic_jax.train_step import PolicyUpdater, UpdateConfig, loss_and_grads, update_graphdef
+from magic_jax.train_step import (
+    PolicyUpdater,
+    UpdateConfig,
+    default_update_layer_unroll,
+    loss_and_grads,
+    update_graphdef,
+)
 
 V, G = 64, 4
 CFG = ModelConfig(
@@ -118,13 +125,43 @@ def test_bad_values_name_the_option(over, message):
 
 def test_update_graphdef_sets_the_models_options():
     graphdef, params = _policy()
-    assert update_graphdef(graphdef, params, UpdateConfig(mini_batch_groups=1)) is graphdef
-    same = UpdateConfig(mini_batch_groups=1, remat="none", compute_dtype="float32")
+    scan = UpdateConfig(mini_batch_groups=1, layer_unroll=1)
+    assert update_graphdef(graphdef, params, scan) is graphdef
+    same = UpdateConfig(mini_batch_groups=1, remat="none", compute_dtype="float32", layer_unroll=1)
     assert update_graphdef(graphdef, params, same) is graphdef
-    opt = UpdateConfig(mini_batch_groups=1, remat="full", compute_dtype="bfloat16")
+    opt = UpdateConfig(mini_batch_groups=1, remat="full", compute_dtype="bfloat16", layer_unroll=2)
     model = nnx.merge(update_graphdef(graphdef, params, opt), params)
-    assert model.config == dataclasses.replace(CFG, remat="full", dtype="bfloat16")
+    assert model.config == dataclasses.replace(CFG, remat="full", dtype="bfloat16", layer_unroll=2)
     assert model.layers.mlp.up_proj.dtype == jnp.bfloat16  # every module, not just the top
+    # None takes the platform's measured default (every layer inlined on CPU)
+    default = nnx.merge(
+        update_graphdef(graphdef, params, UpdateConfig(mini_batch_groups=1)), params
+    )
+    expected = dataclasses.replace(CFG, layer_unroll=default_update_layer_unroll())
+    assert default.config.layer_unroll == expected.layer_unroll
+    assert dataclasses.replace(CFG, layer_unroll=True).layer_unroll == CFG.num_layers
+    assert default_update_layer_unroll("cpu") is True and default_update_layer_unroll("tpu") == 1
+
+
+def test_update_layer_unroll_option_reaches_the_update_and_changes_no_number():
+    cfg = load_config(raw=_raw(update_layer_unroll=2))
+    assert update_config(cfg, 0).layer_unroll == 2
+    assert update_config(load_config(raw=_raw()), 0).layer_unroll is None
+    with pytest.raises(ConfigError, match="update_layer_unroll"):
+        load_config(raw=_raw(update_layer_unroll=0))
+    graphdef, params = _policy()
+    out = []
+    for unroll in (1, True):
+        cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, layer_unroll=unroll)
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        text = str(fn.trace(params, _buffer()).jaxpr)
+        out.append((re.findall(r"unroll=(\w+)", text), fn(params, _buffer())))
+    # the layer scans (forward, backward) run unrolled over both layers when inlined
+    assert "2" not in out[0][0] and out[1][0].count("2") >= 2, (out[0][0], out[1][0])
+    (loss_s, grads_s, _), (loss_u, grads_u, _) = out[0][1], out[1][1]
+    np.testing.assert_allclose(float(loss_u), float(loss_s), rtol=1e-6)
+    tokens = int(np.asarray(_buffer().attention_mask).size)
+    assert_fp32_close(jax.tree.leaves(grads_u), jax.tree.leaves(grads_s), terms=tokens)
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("dots_saveable", marks=pytest.mark.slow)])
