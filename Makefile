@@ -22,12 +22,15 @@ $(VENV)/.installed: setup.py constraints.txt
 demo: setup
 	$(BIN)/magic-jax train
 
+# The default suite in parallel (pytest-xdist, up to 4 workers), then the tests marked
+# `serial` (sandbox limits, process checks) alone; pytest exits 5 when a selection holds no test.
 test: setup
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n auto --maxprocesses=4 -m "not slow and not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -q -m "serial and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # pytest exits 5 when no test carries the mark: not a failure
 test-slow: setup
-	$(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	MAGIC_JAX_TEST_FAST_COMPILE=0 $(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # `magic-jax plan` compiles for TPU slices here through libtpu; jax[tpu] lives in its own
 # venv so that .venv stays the CPU build.

@@ -62,6 +62,7 @@ def _outputs(out):
     return {n: (out / n).read_bytes() for n in names}
 
 
+@pytest.mark.slow  # ~8-21 s of compiles and a subprocess; the slow target runs it
 def test_killed_and_resumed_equals_one_run_and_feeds_the_offline_filter(files, tmp_path):
     one = tmp_path / "one"
     _run(files, one)

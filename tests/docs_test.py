@@ -80,7 +80,16 @@ def _cpu_env() -> dict:
     return env
 
 
-@pytest.mark.parametrize(("page", "info", "code"), _of("run"), ids=_ids("run"))
+def _run_params():
+    """The README's blocks in the default suite; the docs/ pages' (which load the
+    shipped model, decode and start verifier workers: ~40 s together) in the slow one."""
+    return [
+        pytest.param(p, info, code, marks=() if p == ROOT / "README.md" else pytest.mark.slow)
+        for p, info, code in _of("run")
+    ]
+
+
+@pytest.mark.parametrize(("page", "info", "code"), _run_params(), ids=_ids("run"))
 def test_python_block_runs(page, info, code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)

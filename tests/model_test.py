@@ -227,7 +227,14 @@ def _stacked_like(loop: Qwen2, **change) -> Qwen2:
 
 
 @pytest.mark.parametrize(
-    "remat, unroll", [("none", 1), ("full", 1), ("dots_saveable", 1), ("none", True), ("full", 2)]
+    "remat, unroll",
+    [
+        ("none", 1),
+        ("full", 1),
+        ("none", True),
+        pytest.param("dots_saveable", 1, marks=pytest.mark.slow),
+        pytest.param("full", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_scanned_layers_equal_the_loop_values_and_grads(remat, unroll):
     """nnx.scan over stacked layers (per-layer sliding windows as data), each remat

@@ -298,6 +298,7 @@ def _kill_then_resume(files, out, point, *more):
     return again.stdout
 
 
+@pytest.mark.slow  # ~8-21 s of compiles and a subprocess; the slow target runs it
 def test_kill_while_a_checkpoint_is_written(files, reference):
     """SIGKILL after orbax committed step 2 but before its manifest: step 2 is set aside,
     the run resumes from step 1 and ends as the uninterrupted run did."""

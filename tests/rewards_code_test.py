@@ -37,6 +37,9 @@ CFG = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=5.0, memory_mb=512, 
 # A hostile run must end within max_wall_s plus launch and cleanup.
 DEADLINE_S = CFG.max_wall_s + 3.0
 TMP = tempfile.gettempdir()
+# Fixed host paths, process limits and "leaves no process" checks: `make test` runs this
+# file after the parallel part, alone (marker `serial`).
+pytestmark = pytest.mark.serial
 OUTSIDE = "/tmp/magic_jax_sandbox_escape_probe"
 # Holds the expected stdout of STDIO test 0: a program that can read it passes.
 SECRET = "/tmp/magic_jax_sandbox_secret_answer"

@@ -41,6 +41,11 @@ TOWER = "\\boxed{9^{9^{9^{9}}}}"
 STDIO = '{"inputs": ["2\\n", "5\\n"], "outputs": ["4", "10"]}'
 
 
+# Worker processes, kills and "leaves nothing" checks: `make test` runs this file after the
+# parallel part, alone (marker `serial`).
+pytestmark = pytest.mark.serial
+
+
 def math_item(answer, gold="204", **kw):
     return RewardItem(response=f"<think>...</think> \\boxed{{{answer}}}", ground_truth=gold, **kw)
 

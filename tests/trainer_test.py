@@ -234,6 +234,7 @@ def test_reference_defaults_to_a_copy_of_the_initial_weights(files, tmp_path):
         reference_params(bad, params, None)
 
 
+@pytest.mark.slow  # ~8-21 s of compiles and a subprocess; the slow target runs it
 def test_until_rule_switch_survives_resume_with_refill(files):
     """Stage 0 ends on its truncation rule after one step; the resumed run starts stage 1."""
     args = (
