@@ -161,6 +161,12 @@ class RolloutConfig:
         rounds) and train on D_R mixed groups. Off by default, as in the report
         (rejection sampling without refill).
       refill_max_rounds: cap of extra rounds per step.
+      dtype: the decode engine's weights, matmuls and KV cache: ``bfloat16``
+        (half the bytes a decode step reads) or ``float32``; null = the model's
+        own (``param_dtype``). Independent of the trainer's master weights, which
+        are cast when the engine takes them each step; the trainer recomputes
+        log-probs in its own precision, and ``sampler_*`` metrics log the
+        mismatch (``loss.tis_cap`` corrects for it).
     """
 
     max_concurrent_decodes: int = 64
@@ -168,8 +174,11 @@ class RolloutConfig:
     truncation: Literal["no_eos", "length"] = "no_eos"
     refill: bool = False
     refill_max_rounds: int = 4
+    dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self):
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
         if self.truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:

@@ -13,9 +13,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax import sampling as sampling_lib
-from magic_jax.model import KVCache, Qwen2, apply_rope, check_unroll
+from magic_jax.model import KVCache, Qwen2, abstract_model, apply_rope, check_unroll
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
+
+ENGINE_DTYPES = (None, "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,10 @@ class EngineConfig:
         a time, 1 is a plain scan. None takes ``default_layer_unroll()`` for
         the platform. Logits are the same either way; only speed and compile
         time change.
+      dtype: the engine's weight, compute and KV-cache dtype (``"bfloat16"`` or
+        ``"float32"``), independent of the policy's master weights: the weights
+        are cast when they are placed (``Engine.load_params``). None keeps the
+        model's own. Norms, softmax, RoPE and the sampling distribution stay fp32.
     """
 
     max_concurrent_decodes: int = 32
@@ -54,8 +60,13 @@ class EngineConfig:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     eos_ids: tuple[int, ...] | None = None
     layer_unroll: int | bool | None = None
+    dtype: str | None = None
 
     def __post_init__(self):
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}"
+            )
         check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
             if getattr(self, name) <= 0:
@@ -172,6 +183,10 @@ LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
 def default_layer_unroll(platform: str | None = None) -> int | bool:
     """The decode loop's layer unroll for ``platform`` (default: jax's default backend)."""
     return LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _eos_hit(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
@@ -578,12 +593,21 @@ class Engine:
         rules: Rules = SAMPLE_RULES,
     ):
         self.config = config
-        self.model_config = model.config
+        mc = model.config
+        if config.dtype is not None and (mc.param_dtype, mc.dtype) != (config.dtype,) * 2:
+            # the engine's own graph in its dtype; the policy's weights are cast to it
+            mc = dataclasses.replace(mc, param_dtype=config.dtype, dtype=config.dtype)
+            model = abstract_model(mc)
+        self.model_config = mc
         self.graphdef, abstract = nnx.split(model)
+        self._abstract_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(model)
+        )
         self._mesh, self._rules = mesh, rules
         self.param_shardings = None if mesh is None else model_shardings(abstract, mesh, rules)
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()
+        self._cast = None
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
         if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
             # A mesh of compile-only devices (magic_jax.plan) holds no data: shapes only.
@@ -655,16 +679,30 @@ class Engine:
             done=vec,
         )
 
+    @property
+    def abstract_params(self) -> nnx.State:
+        """Shapes and dtypes of the engine's weights (``ShapeDtypeStruct`` leaves)."""
+        return self._abstract_params
+
     def load_params(self, model_or_params: Qwen2 | nnx.State) -> nnx.State:
-        """The parameters of a model (or a state), placed with the sampling shardings."""
+        """The parameters of a model (or a state), cast to the engine's dtype and placed
+        with the sampling shardings (one program: no second full-precision copy)."""
         params = (
             nnx.state(model_or_params)
             if isinstance(model_or_params, nnx.Module)
             else model_or_params
         )
-        if self.param_shardings is None:
-            return params
-        return jax.device_put(params, self.param_shardings)
+        want = jnp.dtype(self.model_config.param_dtype)
+        if all(x.dtype == want for x in jax.tree.leaves(params) if _is_float(x)):
+            if self.param_shardings is None:
+                return params
+            return jax.device_put(params, self.param_shardings)
+        if self._cast is None:
+            self._cast = jax.jit(
+                lambda p: jax.tree.map(lambda x: x.astype(want) if _is_float(x) else x, p),
+                out_shardings=self.param_shardings,
+            )
+        return self._cast(params)
 
     def init_decode_state(self) -> DecodeState:
         """All slots empty (done), the KV cache preallocated."""

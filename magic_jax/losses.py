@@ -97,7 +97,7 @@ class LossConfig:
 
 # Metrics that combine across micro-batches by max; all others are already divided by
 # the global token count and combine by sum.
-MAX_METRICS = ("ratio_max", "sampler_ratio_max")
+MAX_METRICS = ("ratio_max", "sampler_ratio_max", "sampler_abs_log_ratio_max")
 
 
 def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array) -> jax.Array:
@@ -200,8 +200,9 @@ def policy_loss(
       behaviour policy), ``ref_kl`` (k3 to the reference, when on),
       ``sampler_ratio_mean`` and ``sampler_kl`` (pi_theta / pi_behaviour and its
       k3, the rollout/trainer mismatch at the first step of a buffer),
+      ``sampler_abs_log_ratio_mean`` (mean |log pi_theta - log pi_behaviour|),
       ``tis_weight_mean`` and ``tis_capped`` (with TIS); ``ratio_max``,
-      ``sampler_ratio_max``.
+      ``sampler_ratio_max``, ``sampler_abs_log_ratio_max``.
     """
     if config.kl_beta > 0 and ref_logp_BT is None:
         raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
@@ -261,6 +262,10 @@ def policy_loss(
             jnp.max(jnp.where(on_BT, jnp.exp(log_s_BT), 0.0))
         ),
         "sampler_kl": tmean(jnp.exp(log_s_BT) - 1.0 - log_s_BT),
+        "sampler_abs_log_ratio_mean": tmean(jnp.abs(log_s_BT)),
+        "sampler_abs_log_ratio_max": jax.lax.stop_gradient(
+            jnp.max(jnp.where(on_BT, jnp.abs(log_s_BT), 0.0))
+        ),
     }
     if weight_BT is not None:
         metrics["tis_weight_mean"] = tmean(weight_BT)

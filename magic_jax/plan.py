@@ -334,7 +334,6 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
 def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:
     """The stage's engine (as the trainer builds it) with abstract weights and decode state."""
     import jax
-    from flax import nnx
 
     from magic_jax.engine import Engine, EngineConfig
     from magic_jax.model import abstract_model
@@ -348,10 +347,11 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
             max_decode_length=config.stages[index].max_response_length,
             decode_steps=config.rollout.decode_steps,
             sampling=config.sampling,
+            dtype=config.rollout.dtype,
         ),
         mesh=mesh,
     )
-    params = _abstract(nnx.state(model), engine.param_shardings)
+    params = _abstract(engine.abstract_params, engine.param_shardings)
     state = _abstract(jax.eval_shape(engine.init_decode_state), engine.state_shardings())
     return dict(engine=engine, params=params, state=state)
 
@@ -544,7 +544,8 @@ def _compile(lowered: Any) -> _Program:
 class RunPlan:
     """A run's stages on one slice, and for each stage that does not fit, the
     smallest slice of the same chip that does (None: none up to the largest);
-    ``remat`` and ``compute_dtype`` are the update's (the run's options)."""
+    ``remat`` and ``compute_dtype`` are the update's, ``rollout_dtype`` the engine's (the
+    run's options)."""
 
     topology: str
     chip: Chip
@@ -555,6 +556,7 @@ class RunPlan:
     fits_on: dict[str, tuple[str, StagePlan] | None]
     remat: str = "none"
     compute_dtype: str = "float32"
+    rollout_dtype: str = "float32"
 
     @property
     def hbm_bytes(self) -> float:
@@ -644,6 +646,7 @@ def plan_run(
     out = RunPlan(topology, chip, len(devices), chips, model_config, [], {})
     out.remat = config.remat
     out.compute_dtype = config.compute_dtype or model_config.dtype
+    out.rollout_dtype = config.rollout.dtype or model_config.dtype
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
@@ -671,7 +674,7 @@ def format_plan(plan: RunPlan) -> str:
     lines = [
         f"model: {mc.num_params() / 1e9:.2f}B parameters, L {mc.num_layers}, D {mc.hidden_size}, "
         f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
-        f"remat {plan.remat}; rollout: compute {mc.dtype}",
+        f"remat {plan.remat}; rollout: weights, compute and KV cache {plan.rollout_dtype}",
         f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",

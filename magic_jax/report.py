@@ -241,6 +241,18 @@ PANELS: list[tuple[str, str, str, Callable[[Any, Sequence[Run]], int]]] = [
     ),
     ("grad_norm", "Gradient norm", "norm", lambda ax, r: plot_metric(ax, r, "grad_norm")),
     (
+        "sampler_mismatch",
+        "Sampler / trainer mismatch (rollout.dtype)",
+        "nats",
+        _multi(
+            [
+                ("sampler_abs_log_ratio_mean", "-", "mean |log ratio|"),
+                ("sampler_abs_log_ratio_max", "--", "max |log ratio|"),
+                ("sampler_kl", ":", "KL(sampler || trainer), k3"),
+            ]
+        ),
+    ),
+    (
         "time",
         "Time per step: rollout t_R, update t_T, other t_O",
         "seconds",

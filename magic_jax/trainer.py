@@ -121,6 +121,7 @@ class Trainer:
                 max_decode_length=max_response_length,
                 decode_steps=cfg.rollout.decode_steps,
                 sampling=cfg.sampling if sampling is None else sampling,
+                dtype=cfg.rollout.dtype,
             ),
             mesh=self.mesh,
         )
@@ -509,6 +510,8 @@ class Trainer:
             "sampler_ratio_mean": first("sampler_ratio_mean"),
             "sampler_ratio_max": first("sampler_ratio_max"),
             "sampler_kl": first("sampler_kl"),
+            "sampler_abs_log_ratio_mean": first("sampler_abs_log_ratio_mean"),
+            "sampler_abs_log_ratio_max": first("sampler_abs_log_ratio_max"),
             **(
                 {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
                 if cfg.loss.tis_cap is not None

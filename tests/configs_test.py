@@ -41,8 +41,10 @@ def test_recipe_loads_with_the_released_schedule(name):
     assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
     assert (cfg.entropy.mode, cfg.entropy.target, cfg.entropy.delta) == ("adaptive", 0.2, 0.005)
     assert cfg.num_reuse == 1 and cfg.advantage.mask == "none"
-    # the update's memory options (README, "Will a stage fit?"): every mini-batch splits
+    # the update's memory options (docs/tpu.md, "Will a stage fit?"): every mini-batch splits
     assert (cfg.remat, cfg.compute_dtype) == ("full", "bfloat16")
+    # rollouts sample in bf16 (weights and KV cache); master weights stay fp32
+    assert (cfg.rollout.dtype, cfg.param_dtype) == ("bfloat16", "float32")
     assert all(s.mini_batch_groups * s.group_size % cfg.micro_batch_size == 0 for s in cfg.stages)
     if cfg.data.offline_filter_model:  # the report's N: 16 samples per math prompt, 8 per code
         assert cfg.data.offline_filter_samples == {"math": 16, "code": 8}
@@ -75,3 +77,22 @@ def test_offline_filter_options_reach_the_filter(tmp_path):
     d = cfg.data
     kept = offline_filter(rows, "m", d.offline_filter_samples, keep_unrated=False)
     assert [r.uid for r in kept] == ["math8", "code4"]  # 8/8 of code is solved every time
+
+
+def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
+    from magic_jax.config import ConfigError
+    from magic_jax.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="rollout.dtype"):
+        load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
+    cfg = load_config(
+        CONFIGS / "default.yaml", ["rollout.dtype=bfloat16", f"output_dir={tmp_path / 'run'}"]
+    )
+    trainer = Trainer.__new__(Trainer)  # only what _engine reads
+    trainer.config = cfg
+    from magic_jax.policy import load_policy
+
+    trainer.model = load_policy(cfg.model, cfg.param_dtype, None)
+    trainer.mesh = None
+    engine = trainer._engine(44)
+    assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"

@@ -80,6 +80,18 @@ def _cpu_env() -> dict:
     return env
 
 
+def _python(args: list[str], *, timeout: int) -> subprocess.CompletedProcess:
+    """This interpreter on ``args`` from the checkout root, on one CPU device."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=_cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _run_params():
     """The README's blocks in the default suite; the docs/ pages' (which load the
     shipped model, decode and start verifier workers: ~40 s together) in the slow one."""
@@ -93,14 +105,7 @@ def _run_params():
 def test_python_block_runs(page, info, code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=ROOT,
-        env=_cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _python([str(script)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -162,14 +167,7 @@ def _check_launch(args: list[str], tmp_path: Path) -> None:
 
 def _check_ablations(args: list[str]) -> None:
     sub = args[0]
-    proc = subprocess.run(
-        [sys.executable, "-m", "magic_jax.ablations", sub, "--help"],
-        cwd=ROOT,
-        env=_cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _python(["-m", "magic_jax.ablations", sub, "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for flag in (a for a in args[1:] if a.startswith("--")):
         found = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", proc.stdout)

@@ -186,6 +186,52 @@ def test_decode_forward_equals_model_forward():
         np.testing.assert_allclose(a[rows], b[rows], atol=1e-6)
 
 
+def test_bf16_engine_casts_the_weights_and_cache_and_stays_within_bf16_of_fp32(hf_and_model):
+    """EngineConfig.dtype: the fp32 policy's weights become bf16 when the engine takes
+    them, the KV cache is bf16, and the engine's logits (prefill and one decode step)
+    stay within bf16 rounding of the fp32 engine's: |diff| <= 2^-7 x max|logit| per
+    layer of rounding, here 4 (2 layers, attention and MLP), so 2^-5 x max|logit|."""
+    _, model = hf_and_model
+    engines = {d: _engine(model, dtype=d) for d in ("float32", "bfloat16")}
+    params = {d: e.load_params(model) for d, e in engines.items()}
+    leaves = jax.tree.leaves(params["bfloat16"])
+    assert leaves and all(x.dtype == jnp.bfloat16 for x in leaves)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params["float32"]))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))  # untouched
+    assert engines["bfloat16"].init_decode_state().cache.k.dtype == jnp.bfloat16
+    ids = jnp.asarray([PROMPTS[0]], jnp.int32)
+    out = {}
+    for d, e in engines.items():
+        m = nnx.merge(e.graphdef, params[d])
+        cache = KVCache.init(m.config, 1, 16)
+        logits, cache = m(ids, cache=cache)
+        step, _ = decode_forward(m, jnp.asarray([4]), jnp.asarray([True]), cache)
+        out[d] = (np.asarray(logits[0], np.float32), np.asarray(step, np.float32))
+    for want, got in zip(out["float32"], out["bfloat16"]):
+        scale = float(np.abs(want).max())
+        assert np.abs(got - want).max() <= 2.0**-5 * scale, (np.abs(got - want).max(), scale)
+        assert np.abs(got - want).max() > 0  # the bf16 engine did compute in bf16
+
+
+def test_bf16_rollout_logprobs_match_the_fp32_recompute(hf_and_model):
+    """Sampling from the bf16 engine: each token's log-prob from the sampler is close to
+    the fp32 policy's recomputed one (the mismatch the trainer logs as sampler_*)."""
+    _, model = hf_and_model
+    engine = _engine(model, dtype="bfloat16", sampling=SamplingConfig(temperature=1.0))
+    samples, _ = RolloutDriver(engine).run(
+        engine.load_params(model), PROMPTS[:2], num_samples=2, seed=0, max_new_tokens=6
+    )
+    diffs = []
+    for s in samples:
+        ids = np.concatenate([s.prompt_tokens, s.tokens])[None]
+        logp = jax.nn.log_softmax(model(jnp.asarray(ids, jnp.int32))[0].astype(jnp.float32))
+        n = len(s.prompt_tokens)
+        want = np.asarray(logp[n - 1 : -1])[np.arange(len(s.tokens)), s.tokens]
+        diffs.append(np.abs(s.logprobs - want))
+    diffs = np.concatenate(diffs)
+    assert diffs.max() < 0.25 and diffs.mean() < 0.05, (diffs.mean(), diffs.max())
+
+
 def test_insert_and_generate_donate_the_state(hf_and_model):
     _, model = hf_and_model
     engine = _engine(model)
@@ -248,6 +294,7 @@ def test_reshard_train_to_sample_layout_stays_on_device(hf_and_model):
         ({"cache_bucket": -1}, "cache_bucket"),
         ({"prefill_buckets": (32, 16)}, "prefill_buckets"),
         ({"layer_unroll": 0}, "layer_unroll"),
+        ({"dtype": "float16"}, "dtype"),
         ({"max_prefill_length": 64, "prefill_buckets": (16, 32)}, "prefill_buckets"),
     ],
 )

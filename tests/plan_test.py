@@ -164,7 +164,9 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     assert main(["plan", str(_run(tmp_path)), "--topology", "v5e:2x2", "-q"]) == 0
     out = capsys.readouterr().out
     assert "of 16.00: fits" in out and "TPU v5e: 16 GiB HBM, 819 GB/s" in out
-    assert "update: compute float32, remat none; rollout: compute float32" in out
+    assert (
+        "update: compute float32, remat none; rollout: weights, compute and KV cache float32" in out
+    )
 
 
 @needs_libtpu
@@ -194,6 +196,24 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
     none, full = plans["none"], plans["full"]
     assert none.params == full.params and none.opt_state == full.opt_state
     assert 0 < full.activations < none.activations / 4  # measured: 11.2 MB against 74.8 MB
+
+
+@needs_libtpu
+def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path, capsys):
+    from magic_jax.model import ModelConfig
+    from magic_jax.plan import plan_stage
+
+    model = ModelConfig.from_hf_config(HF)
+    mesh = _mesh("v5e:2x2", fsdp=2, tensor=2)
+    plans = {
+        d: plan_stage(load_config(_run(tmp_path, rollout={"max_concurrent_decodes": 16,
+                                                          "dtype": d})), 0, model, mesh)
+        for d in ("float32", "bfloat16")
+    }  # fmt: skip
+    f32, bf16 = plans["float32"], plans["bfloat16"]
+    assert bf16.params == f32.params and bf16.opt_state == f32.opt_state  # master weights
+    assert bf16.engine_params * 2 == f32.engine_params and bf16.kv_cache * 2 == f32.kv_cache
+    assert f32.decode_bytes / bf16.decode_bytes >= 1.9, (f32.decode_bytes, bf16.decode_bytes)
 
 
 @needs_libtpu
