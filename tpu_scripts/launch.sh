@@ -16,7 +16,7 @@
 #   --spot              Spot capacity
 #   --queued            request the slice as a queued resource (NAME-qr) and wait for it
 #   --no-setup          the workers already have this commit installed
-#   --logs DIR          where every worker's log is collected [runs/launch/NAME-TIME]
+#   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
 #   --delete            delete the slice (and its queued resource) and exit
 #   --timeout S         seconds to wait for the slice to be ready [3600]
