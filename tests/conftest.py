@@ -32,6 +32,40 @@ if _WORKER:
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+# The verifier statuses by initial, as the reward tests write their expectations.
+def reward_statuses():
+    from magic_jax.rewards import RewardStatus
+
+    return (
+        RewardStatus.CORRECT,
+        RewardStatus.WRONG,
+        RewardStatus.NO_ANSWER,
+        RewardStatus.TIMEOUT,
+        RewardStatus.ERROR,
+    )
+
+
+def our_tmp_dirs() -> set[str]:
+    """The sandbox's and verifier pool's working directories in the temporary directory
+    (other jobs on the machine may come and go there)."""
+    import tempfile
+
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("mj-")}
+
+
+def write_sums_run(root, *, rows: int = 12, seed: int = 0):
+    """The tiny sums model (``root/model``) and ``rows`` training prompts
+    (``root/train.jsonl``) of the trainer tests (``magic_jax.testing``)."""
+    import json
+
+    from magic_jax.testing import save_sums_model, sums_rows
+
+    save_sums_model(root / "model", seed=seed)
+    data = sums_rows(rows, seed=seed)
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    return root
+
+
 def _has_gpu() -> bool:
     import jax
 

@@ -109,16 +109,11 @@ def test_update_and_reshard_on_two_hosts_equal_one_host(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def train_files(tmp_path_factory):
     """The tiny sums run of the trainer tests on a (fsdp 4, tensor 2) mesh: 2 steps."""
-    import json
 
     import yaml
+    from conftest import write_sums_run
 
-    from magic_jax.testing import save_sums_model, sums_rows
-
-    root = tmp_path_factory.mktemp("mh_train")
-    save_sums_model(root / "model", seed=0)
-    rows = sums_rows(12, seed=0)
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = write_sums_run(tmp_path_factory.mktemp("mh_train"))
     raw = {
         "model": str(root / "model"),
         "data": {"train": [str(root / "train.jsonl")], "max_prompt_length": 16},

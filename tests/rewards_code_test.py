@@ -4,17 +4,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import textwrap
 import time
 
 import psutil
 import pytest
+from conftest import our_tmp_dirs, reward_statuses
 
 from magic_jax.rewards import (
     CodeTests,
     GroundTruthError,
-    RewardStatus,
     SandboxConfig,
     code_reward,
     extract_code,
@@ -25,18 +24,11 @@ from magic_jax.rewards import sandbox as sandbox_mod
 from magic_jax.rewards.code_tests import call_output_matches, stdio_output_matches, values_equal
 from magic_jax.rewards.observe import split_expected
 
-C, W, N, T, E = (
-    RewardStatus.CORRECT,
-    RewardStatus.WRONG,
-    RewardStatus.NO_ANSWER,
-    RewardStatus.TIMEOUT,
-    RewardStatus.ERROR,
-)
+C, W, N, T, E = reward_statuses()
 ROOT = os.geteuid() == 0
 CFG = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=5.0, memory_mb=512, max_file_mb=4)
 # A hostile run must end within max_wall_s plus launch and cleanup.
 DEADLINE_S = CFG.max_wall_s + 3.0
-TMP = tempfile.gettempdir()
 # Fixed host paths, process limits and "leaves no process" checks: `make test` runs this
 # file after the parallel part, alone (marker `serial`).
 pytestmark = pytest.mark.serial
@@ -372,7 +364,7 @@ def test_hostile_program_scores_zero_in_time_and_leaves_nothing(name, case):
     if name == "read outside" and not isolation_plan(CFG)["landlock"]:
         pytest.skip("reads of world-readable files are only blocked with Landlock")
     before = set(psutil.Process().children(recursive=True))
-    dirs_before = set(os.listdir(TMP))
+    dirs_before = our_tmp_dirs()
     start = time.monotonic()
     result = code_reward(respond(code), tests, config=CFG)
     elapsed = time.monotonic() - start
@@ -381,7 +373,7 @@ def test_hostile_program_scores_zero_in_time_and_leaves_nothing(name, case):
     assert elapsed < DEADLINE_S, (name, elapsed)
     assert sandbox_pids() == []
     assert set(psutil.Process().children(recursive=True)) <= before
-    assert set(os.listdir(TMP)) <= dirs_before  # the working directory was removed
+    assert our_tmp_dirs() <= dirs_before  # the working directory was removed
 
 
 def test_the_secret_probe_would_pass_if_readable():

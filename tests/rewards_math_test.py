@@ -5,25 +5,19 @@ import threading
 import time
 
 import pytest
+from conftest import reward_statuses
 
 from magic_jax.rewards import (
     GroundTruthError,
     MathConfig,
     RewardResult,
-    RewardStatus,
     extract_answer_region,
     math_reward,
     parse_math_ground_truth,
     status_counts,
 )
 
-C, W, N, T, E = (
-    RewardStatus.CORRECT,
-    RewardStatus.WRONG,
-    RewardStatus.NO_ANSWER,
-    RewardStatus.TIMEOUT,
-    RewardStatus.ERROR,
-)
+C, W, N, T, E = reward_statuses()
 AIME24 = "/work/shared/data/skywork_or1_eval/aime24.parquet"
 
 # (response, gold, expected status)

@@ -2,29 +2,22 @@
 
 import dataclasses
 import os
-import tempfile
 import time
 
 import psutil
 import pytest
+from conftest import our_tmp_dirs, reward_statuses
 
 from magic_jax.rewards import (
     MathConfig,
     PoolConfig,
     RewardItem,
-    RewardStatus,
     SandboxConfig,
     VerifierPool,
     compute_reward,
 )
 
-C, W, N, T, E = (
-    RewardStatus.CORRECT,
-    RewardStatus.WRONG,
-    RewardStatus.NO_ANSWER,
-    RewardStatus.TIMEOUT,
-    RewardStatus.ERROR,
-)
+C, W, N, T, E = reward_statuses()
 ROOT = os.geteuid() == 0
 SANDBOX = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=4.0, memory_mb=512)
 # Math-Verify's own limit is far above the pool deadline so that the power
@@ -194,7 +187,7 @@ def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
         num_workers=1, sandbox=sandbox, sandbox_uid_base=CONFIG.sandbox_uid_base + 200
     )
     before = {p.pid for p in children()}
-    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    tmp_before = our_tmp_dirs()
     with VerifierPool(config) as pool:
         pool.map([math_item(1)])  # warm
         spinner = code_item("import os, time\nos.fork()\nos.setsid()\nwhile True:\n    pass")
@@ -205,7 +198,7 @@ def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
             assert sandbox_uid_pids(config) == []
         assert pool.map([code_item("print(int(input()) * 2)")])[0].status is C
     assert {p.pid for p in children()} <= before
-    assert set(os.listdir(tempfile.gettempdir())) <= tmp_before  # no working directory left
+    assert our_tmp_dirs() <= tmp_before  # no working directory left
 
 
 def test_worker_does_not_load_jax(pool):

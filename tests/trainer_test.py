@@ -17,12 +17,9 @@ from magic_jax.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import save_sums_model, sums_rows
+    from conftest import write_sums_run
 
-    root = tmp_path_factory.mktemp("trainer")
-    save_sums_model(root / "model", seed=0)
-    rows = sums_rows(12, seed=0)
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = write_sums_run(tmp_path_factory.mktemp("trainer"))
     raw = {
         "model": "model",
         "output_dir": str(root / "run"),
