@@ -300,10 +300,13 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
     """
     b, kh, g, h = q_BKGH.shape
     s = k_BSKH.shape[1]
-    q_BNH = q_BKGH.reshape(b, kh * g, h)
+    # The query takes the cache's dtype (a bf16 cache is read as stored, never
+    # converted to a float32 copy: the planner measured 21.2 GB read per decode step
+    # that way against 16.1 GB for the float32 cache); the products accumulate in fp32.
+    q_BNH = q_BKGH.reshape(b, kh * g, h).astype(k_BSKH.dtype)
     scores_BMN = jnp.einsum(
         "bmh,bnh->bmn",
-        k_BSKH.reshape(b, s * kh, h).astype(q_BNH.dtype),
+        k_BSKH.reshape(b, s * kh, h),
         q_BNH,
         preferred_element_type=jnp.float32,
     )  # M = (S, K'), N = (K, G)
@@ -315,9 +318,12 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
     scores_BKGS = scores_BKGS * (h**-0.5)
     scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
     probs_BNS = jax.nn.softmax(scores_BKGS, axis=-1).reshape(b, kh * g, s).astype(v_BSKH.dtype)
-    out_BNKH = jnp.einsum("bns,bsm->bnm", probs_BNS, v_BSKH.reshape(b, s, kh * h)).reshape(
-        b, kh, g, kh, h
-    )
+    out_BNKH = jnp.einsum(
+        "bns,bsm->bnm",
+        probs_BNS,
+        v_BSKH.reshape(b, s, kh * h),
+        preferred_element_type=jnp.float32,
+    ).reshape(b, kh, g, kh, h)
     return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
 
 
