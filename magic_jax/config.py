@@ -23,6 +23,7 @@ from typing import Any, Literal
 from magic_jax.advantages import AdvantageConfig
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
+from magic_jax.model import check_unroll
 from magic_jax.optim import OptimizerConfig
 from magic_jax.rewards.pool import PoolConfig
 from magic_jax.sampling import SamplingConfig
@@ -308,11 +309,7 @@ class TrainConfig:
             raise ValueError(
                 f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
             )
-        u = self.update_layer_unroll
-        if u is not None and not isinstance(u, bool) and (not isinstance(u, int) or u < 1):
-            raise ValueError(
-                f"update_layer_unroll must be null, true, false or an int >= 1, got {u!r}"
-            )
+        check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
         if self.num_reuse <= 0:
