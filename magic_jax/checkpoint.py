@@ -6,10 +6,12 @@ Model checkpoints (``save_model`` / ``load_model``) hold parameters and
 state (``state/``) and keeps the newest ones; beside it go the loop's own
 state (``trainer.json``), the model config (so ``magic-jax export`` can read
 a training checkpoint) and, last, ``manifest.json``: the size and SHA-256 of
-every file. A checkpoint counts only once its manifest is written and every
-file matches it. On resume the newest checkpoint that verifies is used; a
-checkpoint that does not is named in one log line with the reason and moved
-to ``RUN/checkpoints_bad/`` (never deleted).
+every file (on ``gs://``, the size and the CRC32C Cloud Storage keeps for each
+object, so verifying reads one listing, not the checkpoint). A checkpoint
+counts only once its manifest is written and every file matches it. On
+resume the newest checkpoint that verifies is used; a checkpoint that does
+not is named in one log line with the reason and moved to
+``RUN/checkpoints_bad/`` (never deleted).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from magic_jax import storage
 from magic_jax.rundir import RunDirError, _write_atomic
 
 if TYPE_CHECKING:
@@ -51,14 +54,23 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    path = Path(path).absolute()
+    path = storage.path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint")
+    cfg = json.dumps(dataclasses.asdict(model.config), indent=2)
+    if storage.is_gcs(path):
+        # no directory renames on GCS: the config, which makes the directory a checkpoint
+        # for read_model_config, is written after orbax has committed the parameters
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(path / STATE_DIR, nnx.state(model, nnx.Param))
+            ckptr.wait_until_finished()
+        if jax.process_index() == 0:
+            storage.write_text(path / CONFIG_FILE, cfg)
+        return path
     tmp = path.with_name(path.name + ".partial")
     if jax.process_index() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
-        cfg = dataclasses.asdict(model.config)
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+        (tmp / CONFIG_FILE).write_text(cfg)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp / STATE_DIR, nnx.state(model, nnx.Param))
         ckptr.wait_until_finished()
@@ -71,7 +83,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored beside a checkpoint."""
     from magic_jax.model import ModelConfig
 
-    cfg_path = Path(path) / CONFIG_FILE
+    cfg_path = storage.path(path) / CONFIG_FILE
     if not cfg_path.exists():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; not a magic_jax model checkpoint")
     try:
@@ -115,7 +127,7 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
     from magic_jax.model import abstract_model
     from magic_jax.sharding import TRAIN_RULES, model_shardings
 
-    path = Path(path).absolute()
+    path = storage.path(path)
     training = (path / TRAINER_STATE).exists()
     if training:
         reason = verify_checkpoint(path)
@@ -174,30 +186,43 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------- manifests
 
 
-def _files(path: Path) -> list[str]:
-    """Every regular file under ``path`` except the manifest, as sorted POSIX paths."""
-    out = []
+def _files(path: Any) -> dict[str, dict[str, Any]]:
+    """Every file under ``path`` except the manifest: relative POSIX path -> facts.
+
+    Locally the facts are the size; on GCS the size and the CRC32C that Cloud
+    Storage keeps for every object (one listing, nothing downloaded).
+    """
+    if storage.is_gcs(path):
+        found = storage.listing(path)
+        return {rel: found[rel] for rel in sorted(found) if rel != MANIFEST}
+    out = {}
     for dirpath, _, names in os.walk(path):
         for name in names:
-            rel = Path(dirpath, name).relative_to(path).as_posix()
+            file = Path(dirpath, name)
+            rel = file.relative_to(path).as_posix()
             if rel != MANIFEST:
-                out.append(rel)
-    return sorted(out)
+                out[rel] = {"size": file.stat().st_size}
+    return dict(sorted(out.items()))
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Any) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
 
 
 def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Records the size and SHA-256 of every file of a finished checkpoint in ``manifest.json``."""
-    path = Path(path)
-    files = {rel: {"size": (path / rel).stat().st_size, "sha256": _sha256(path / rel)}
-             for rel in _files(path)}  # fmt: skip
+    """Records every file of a finished checkpoint in ``manifest.json``: its size and
+    SHA-256 (local), or its size and the CRC32C Cloud Storage computed (``gs://``)."""
+    path = storage.path(path)
+    files = {}
+    for rel, facts in _files(path).items():
+        if storage.is_gcs(path):
+            files[rel] = {"size": facts["size"], "crc32c": facts["crc32c"]}
+        else:
+            files[rel] = {"size": facts["size"], "sha256": _sha256(path / rel)}
     manifest = {"format": 1, "files": files}
     _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -206,10 +231,10 @@ def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """Why a training checkpoint cannot be used (None when it verifies).
 
-    Checks the manifest against every file (presence, size, SHA-256, no file
+    Checks the manifest against every file (presence, size, checksum, no file
     beyond it) and the contents of ``trainer.json``.
     """
-    path = Path(path)
+    path = storage.path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -220,16 +245,20 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({_first_line(e)})"
     try:
-        present = set(_files(path))
+        present = _files(path)
         for rel, entry in files.items():
             if rel not in present:
                 return f"{rel} is missing"
-            size = (path / rel).stat().st_size
+            size = present[rel]["size"]
             if size != entry["size"]:
                 return f"{rel} has {size} bytes, the manifest says {entry['size']}"
-            if _sha256(path / rel) != entry["sha256"]:
+            if "crc32c" in entry and "crc32c" in present[rel]:
+                same = present[rel]["crc32c"] == entry["crc32c"]
+            else:  # a checksum of the content (a run directory copied between kinds of storage)
+                same = _sha256(path / rel) == entry.get("sha256")
+            if not same:
                 return f"{rel} does not match its checksum"
-        extra = sorted(present - set(files))
+        extra = sorted(set(present) - set(files))
         if extra:
             return f"{extra[0]} is not in the manifest"
         read_trainer_state(path)
@@ -246,7 +275,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
       RunDirError: ``trainer.json`` is missing, not JSON, or lacks a field.
     """
-    file = Path(path) / TRAINER_STATE
+    file = storage.path(path) / TRAINER_STATE
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -274,7 +303,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
 def step_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, directory) of every ``checkpoints/step_N`` of a run, oldest first (unverified)."""
-    root = Path(output_dir) / CHECKPOINTS
+    root = storage.path(output_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.match(p.name))]
@@ -313,10 +342,11 @@ def latest_good_checkpoint(
     if good is None and complete:
         # Nothing is moved: the same command gives the same answer until someone looks.
         raise RunDirError(
-            f"{Path(output_dir) / CHECKPOINTS}: no usable checkpoint: " + "; ".join(complete)
+            f"{storage.path(output_dir) / CHECKPOINTS}: no usable checkpoint: "
+            + "; ".join(complete)
         )
     for path, reason in failed:
-        where = f"; moved to {_set_aside(Path(output_dir), path)}" if set_aside else ""
+        where = f"; moved to {_set_aside(storage.path(output_dir), path)}" if set_aside else ""
         if log is not None:
             log(f"[checkpoint] {path} is not usable: {reason}{where}")
     return good
@@ -324,7 +354,7 @@ def latest_good_checkpoint(
 
 def step_path(output_dir: str | os.PathLike, step: int) -> Path:
     """The directory of checkpoint ``step`` of a run (``checkpoints/step_NNNNNNNN``)."""
-    return Path(output_dir) / CHECKPOINTS / f"step_{step:08d}"
+    return storage.path(output_dir) / CHECKPOINTS / f"step_{step:08d}"
 
 
 def _set_aside(output_dir: Path, path: Path) -> Path:
@@ -333,8 +363,7 @@ def _set_aside(output_dir: Path, path: Path) -> Path:
     while dest.exists():
         dest = output_dir / BAD_CHECKPOINTS / f"{path.name}.{n}"
         n += 1
-    dest.parent.mkdir(exist_ok=True)
-    os.replace(path, dest)
+    storage.move_tree(path, dest)
     return dest
 
 
@@ -364,7 +393,7 @@ class TrainCheckpoints:
     """
 
     def __init__(self, output_dir: str | os.PathLike, *, keep: int):
-        self.out = Path(output_dir).absolute()
+        self.out = storage.path(output_dir)
         self.root = self.out / CHECKPOINTS
         self.keep = keep
         self._manager = None
@@ -417,7 +446,7 @@ class TrainCheckpoints:
         import jax
         import orbax.checkpoint as ocp
 
-        step = int(_STEP_NAME.match(Path(path).name).group(1))
+        step = int(_STEP_NAME.match(storage.path(path).name).group(1))
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )

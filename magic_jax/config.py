@@ -324,7 +324,7 @@ class TrainConfig:
             if st.until is not None and st.until.eval_patience is not None and self.eval is None:
                 raise ValueError(f"stages[{i}].until.eval_patience needs an eval section")
         ref = self.loss.kl_reference
-        if ref is not None and not os.path.isdir(ref):
+        if ref is not None and not str(ref).startswith("gs://") and not os.path.isdir(ref):
             raise ValueError(f"loss.kl_reference: {ref} is not a directory")
 
     def kl_beta(self, stage: int) -> float:
@@ -537,11 +537,14 @@ PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data", "
 
 
 def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
-    """Makes the option at ``dotted`` absolute (relative to the working directory)."""
+    """Makes the option at ``dotted`` absolute (relative to the working directory);
+    ``gs://`` URIs stay as they are."""
 
     def absolute(p: Any) -> Any:
         if isinstance(p, str) and p.startswith(PACKAGE_PREFIX):
             return str(Path(__file__).resolve().parent / p[len(PACKAGE_PREFIX) :])
+        if isinstance(p, str) and p.startswith("gs://"):
+            return p.rstrip("/")  # a Cloud Storage URI stays as given
         if isinstance(p, (str, os.PathLike)) and str(p):
             return os.path.abspath(os.path.expanduser(os.fspath(p)))
         return p

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,15 +165,23 @@ def _raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
+        from magic_jax import storage
+
         try:
-            table = pq.read_table(path).to_pylist()
+            if storage.is_gcs(path):
+                with storage.path(path).open("rb") as f:
+                    table = pq.read_table(f).to_pylist()
+            else:
+                table = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable Parquet file: {e}") from None
         return [(f"{path}: row {n + 1}", row) for n, row in enumerate(table)]
     if path.endswith((".jsonl", ".json")):
         rows = []
+        from magic_jax import storage
+
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed below; lines decoded one by one)
+            f = storage.path(path).open("rb")  # closed below; lines decoded one by one
         except OSError as e:
             raise DataError(f"{path}: cannot read it: {e.strerror}") from None
         with f:
@@ -211,17 +220,20 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
+    from magic_jax import storage
     from magic_jax.tfds_data import is_tfds_dir, read_tfds_rows
 
     files: list[str] = []
     for p in map(os.fspath, paths):
+        storage.check(p, what="data")
+        where = storage.path(p) if storage.is_gcs(p) else Path(p)
         if is_tfds_dir(p):
             files.append(p)
-        elif os.path.isdir(p):
+        elif where.is_dir():
             files += sorted(
-                os.path.join(p, f) for f in os.listdir(p) if f.endswith((".parquet", ".jsonl"))
+                str(f) for f in where.iterdir() if f.name.endswith((".parquet", ".jsonl"))
             )
-        elif os.path.exists(p):
+        elif where.exists():
             files.append(p)
         else:
             raise DataError(f"{p}: no such file or directory")

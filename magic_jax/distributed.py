@@ -64,6 +64,24 @@ def max_int(value: int) -> int:
     return int(_allgather(np.asarray([value], np.int32)).max())
 
 
+def preemption_notice(step: int) -> bool:
+    """True on every process when JAX's preemption service says to stop at ``step``.
+
+    On Cloud TPU, ``jax.distributed`` relays a maintenance or spot preemption
+    notice to all hosts; ``reached_preemption_sync_point`` answers True on all of
+    them at the same step, which is where the loop saves and stops. Without the
+    service (one process, CPU, no distributed client) it is always False: there a
+    SIGTERM is the notice.
+    """
+    from jax._src import distributed as jax_distributed
+
+    if getattr(jax_distributed.global_state, "preemption_sync_manager", None) is None:
+        return False
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
 _FAILED = -(2**31)
 
 

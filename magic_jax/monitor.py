@@ -7,6 +7,13 @@ event files beside them (tensorboardX: no TensorFlow needed; ``tensorboard
 stdout is not a terminal (a log file, a pod's stdout) it prints plain lines
 instead, so logs stay readable. ``Progress`` is the bar alone, for the
 ``eval`` and ``estimate-difficulty`` commands.
+
+On a ``gs://`` run directory the record files cannot be appended to (GCS
+objects are written whole): ``Records`` keeps the rows and rewrites the file at
+most every ``GCS_FLUSH_S`` seconds, and always before a checkpoint is written
+(``Monitor.flush``), so a killed run loses only rows of steps after its last
+checkpoint, which its resume computes again. TensorBoard event files are
+written to a local temporary directory and uploaded whole at the same times.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
+# seconds between rewrites of a record file on GCS (a checkpoint always rewrites it first)
+GCS_FLUSH_S = 30.0
 
 
 def is_terminal() -> bool:
@@ -181,23 +190,36 @@ class Monitor:
         tensorboard: bool = True,
         bar: bool | None = None,
     ):
-        self.out = Path(out_dir)
+        from magic_jax import storage
+
+        self.out = storage.path(out_dir)
         self.stage_steps = list(stage_steps)
         self.primary = primary
         self.log = log
         self._writer = None
         self._progress: Progress | None = None
+        self._synced = time.monotonic()
+        self._tb_local: Path | None = None
         if not primary:
             return
         self.out.mkdir(parents=True, exist_ok=True)
+        self._metrics = Records(self.out / METRICS)
+        self._evals = Records(self.out / EVALS)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
+            logdir = str(self.out)
+            if self._metrics.remote:
+                # event files are written here and uploaded whole with the records
+                import tempfile
+
+                self._tb_local = Path(tempfile.mkdtemp(prefix="magic-jax-tb-"))
+                logdir = str(self._tb_local)
             # tensorboardX names event files by the second: a resume within the same
             # second would reopen (and truncate) the previous file; the suffix keeps
             # names distinct and in creation order, which is how TensorBoard reads them
             self._writer = SummaryWriter(
-                logdir=str(self.out),
+                logdir=logdir,
                 purge_step=start_step or None,
                 flush_secs=10,
                 filename_suffix=f".{time.time_ns()}",
@@ -210,8 +232,10 @@ class Monitor:
         """Records one training step: a ``metrics.jsonl`` line, scalars, the bar / a plain line."""
         if not self.primary:
             return
-        _append(self.out / METRICS, row)
+        self._metrics.append(row)
         self._scalars(row, "train")
+        if self._metrics.remote and time.monotonic() - self._synced >= GCS_FLUSH_S:
+            self.flush()
         stage, k = int(row.get("stage", 0)), int(row.get("stage_step", 0))
         n = self.stage_steps[stage] if stage < len(self.stage_steps) else 0
         postfix = {
@@ -225,7 +249,7 @@ class Monitor:
         """Records one evaluation: an ``eval.jsonl`` line, scalars and a printed line."""
         if not self.primary:
             return
-        _append(self.out / EVALS, row)
+        self._evals.append(row)
         self._scalars(row, "eval")
         self._progress.write(line)
 
@@ -244,10 +268,37 @@ class Monitor:
             self._writer.add_scalar(tag, value, step)
         self._writer.flush()
 
+    def flush(self) -> None:
+        """Makes every record so far durable (called before each checkpoint); on GCS also
+        uploads the TensorBoard event files."""
+        if not self.primary:
+            return
+        self._metrics.flush()
+        self._evals.flush()
+        if self._tb_local is not None and self._writer is not None:
+            self._writer.flush()
+            self._upload_events()
+        self._synced = time.monotonic()
+
+    def _upload_events(self) -> None:
+        from magic_jax import storage
+
+        fs = storage.gcs_fs()
+        for f in sorted(self._tb_local.iterdir()):
+            fs.put_file(str(f), str(self.out / f.name))
+
     def close(self) -> None:
+        if self.primary:
+            self.flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            if self._tb_local is not None:
+                import shutil
+
+                self._upload_events()
+                shutil.rmtree(self._tb_local, ignore_errors=True)
+                self._tb_local = None
         if self._progress is not None:
             self._progress.close()
 
@@ -258,7 +309,41 @@ class Monitor:
         self.close()
 
 
-def _append(path: Path, row: Mapping[str, Any]) -> None:
-    # One write per line: a line is either whole or absent after a kill.
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+class Records:
+    """A JSON-lines record file: appended line by line locally, rewritten whole on GCS.
+
+    Locally each row is one ``write`` of one line, so after a kill a line is
+    whole or absent. On GCS the rows are kept here (with those the file held
+    when opened) and the file is rewritten, in one upload, when ``flush`` is
+    called or ``GCS_FLUSH_S`` seconds have passed since the last rewrite.
+    """
+
+    def __init__(self, path: Any):
+        from magic_jax import rundir, storage
+
+        self.path = path
+        self.remote = storage.is_gcs(path)
+        self._lines: list[str] = []
+        self._dirty = False
+        self._flushed = time.monotonic()
+        if self.remote:
+            self._lines = [json.dumps(r) + "\n" for r in rundir.read_records(path)]
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        line = json.dumps(row) + "\n"
+        if not self.remote:
+            with open(self.path, "a") as f:
+                f.write(line)
+            return
+        self._lines.append(line)
+        self._dirty = True
+        if time.monotonic() - self._flushed >= GCS_FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.remote and self._dirty:
+            from magic_jax import storage
+
+            storage.write_text(self.path, "".join(self._lines))
+            self._dirty = False
+            self._flushed = time.monotonic()

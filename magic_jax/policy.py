@@ -26,16 +26,20 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     """
     import jax.numpy as jnp
 
+    from magic_jax import storage
     from magic_jax.checkpoint import CONFIG_FILE, load_model
     from magic_jax.convert import load_hf
 
-    p = Path(path)
+    storage.check(path, what=option)
+    p = storage.path(path)
     if not p.is_dir():
         raise ConfigError(f"{option}: {path} is not a directory")
     if (p / CONFIG_FILE).exists():
-        return load_model(p, mesh=mesh)
+        return load_model(p, mesh=mesh)  # orbax reads gs:// itself
     if (p / "config.json").exists():
-        return load_hf(p, dtype=jnp.dtype(dtype), mesh=mesh)
+        # safetensors are read with plain file reads: a gs:// checkpoint is copied to the
+        # local cache first (once per machine)
+        return load_hf(storage.local_copy(p, what=option), dtype=jnp.dtype(dtype), mesh=mesh)
     raise ConfigError(
         f"{option}: {path} holds neither a Hugging Face checkpoint (config.json) nor a "
         f"magic_jax checkpoint ({CONFIG_FILE})"
@@ -43,7 +47,7 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """A Hugging Face tokenizer from a local directory.
+    """A Hugging Face tokenizer from a local or ``gs://`` directory.
 
     A directory whose ``tokenizer_config.json`` names the generic fast class
     (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as custom tokenizers
@@ -56,6 +60,12 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from magic_jax import storage
+
+    # a gs:// tokenizer: a local copy of the directory's top-level files, not its weights
+    path = storage.local_copy(
+        path, what="tokenizer", only=lambda rel: "/" not in rel and not rel.endswith(".safetensors")
+    )
     cfg_path = Path(path) / "tokenizer_config.json"
     try:
         cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None

@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from magic_jax import storage
+
 MARKER = ".magic-jax-run"
 LOCK = ".lock"
 CONFIG = "config.yaml"
@@ -68,6 +70,8 @@ def claim_run_dir(path: str | os.PathLike, *, what: str = "output directory") ->
       RunDirError: ``path`` is a file or lies under one, cannot be created or
         written, or is a non-empty directory without the marker.
     """
+    if storage.is_gcs(path):
+        return _claim_gcs(path, what)
     p = Path(path).absolute()
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -97,18 +101,31 @@ def claim_run_dir(path: str | os.PathLike, *, what: str = "output directory") ->
     return p
 
 
+def _claim_gcs(path: str | os.PathLike, what: str) -> Any:
+    """``claim_run_dir`` for a ``gs://`` prefix: the same rules, asked of the bucket."""
+    storage.check(path, what=what)
+    p = storage.path(path, what=what)
+    if (p / MARKER).exists():
+        return p
+    entries = sorted(storage.listing(p))
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise RunDirError(
+            f"{what} {p}: not empty ({shown}) and not a magic-jax run directory (no {MARKER}); "
+            f"choose a new or empty directory"
+        )
+    marker = {"created": _now(), "host": socket.gethostname()}
+    storage.write_text(p / MARKER, json.dumps(marker) + "\n")
+    return p
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Any, text: str) -> None:
     """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    storage.write_text(path, text)
 
 
 # --------------------------------------------------------------------------- lock
@@ -171,6 +188,152 @@ class RunLock:
 
     def __exit__(self, *_: Any) -> None:
         self.release()
+
+
+LEASE_ENV = "MAGIC_JAX_LOCK_LEASE_S"
+LEASE_S = 120.0
+# Exit status of a process that lost its run lock (another process took the run over).
+LOST_LOCK_EXIT = 75
+
+
+class GcsRunLock:
+    """The run lock of a ``gs://`` run directory: a lease held in the object ``DIR/.lock``.
+
+    The object is created only if absent (a generation precondition), and holds
+    the owner (a random id, pid, host, start time) and when its lease ends. A
+    thread renews it every third of the lease, each write conditional on the
+    generation it wrote last. When that condition fails, another process has
+    taken the run over: this one stops at once (exit status 75) without
+    writing anything more. A dead owner cannot renew, so its lease lapses.
+
+    Acquiring a held lock watches it: a holder that renews is alive and the
+    new run is refused (within a third of the lease); a lease that lapses
+    unrenewed (a killed or preempted run) is taken over with a condition on
+    the generation seen, so of two runs racing for it one wins. A resume after
+    ``kill -9`` therefore waits at most one lease (``MAGIC_JAX_LOCK_LEASE_S``,
+    default 120 s); a run stopped by a signal releases the lock at once.
+
+    Raises (on enter):
+      RunDirError: another live run holds the lock; the message names it.
+    """
+
+    def __init__(self, path: Any, *, lease_s: float | None = None):
+        self.uri = str(path).rstrip("/") + "/" + LOCK
+        self.lease_s = float(lease_s or os.environ.get(LEASE_ENV) or LEASE_S)
+        self._owner = f"{os.getpid()}-{os.urandom(6).hex()}"
+        self._generation: int | None = None
+        self._since = _now()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _blob(self) -> Any:
+        bucket, key = storage.split(self.uri)
+        return storage.client().bucket(bucket).blob(key)
+
+    def _body(self) -> bytes:
+        import time
+
+        return json.dumps({
+            "owner": self._owner,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": self._since,
+            "expires": time.time() + self.lease_s,
+        }).encode()  # fmt: skip
+
+    def _read(self) -> tuple[int | None, dict[str, Any]]:
+        """(generation, holder) of the lock object; (None, {}) when there is none."""
+        blob = self._blob()
+        try:
+            data = blob.download_as_bytes()
+        except Exception as e:
+            if getattr(e, "code", None) == 404:
+                return None, {}
+            raise
+        try:
+            holder = json.loads(data)
+        except ValueError:
+            holder = {}
+        return blob.generation, holder if isinstance(holder, dict) else {}
+
+    def _write(self, if_generation: int) -> bool:
+        """Writes this owner's lease if the object's generation is ``if_generation`` (0:
+        absent); False when another process changed it first."""
+        import google.api_core.exceptions as gex
+
+        blob = self._blob()
+        try:
+            blob.upload_from_string(self._body(), if_generation_match=if_generation)
+        except gex.PreconditionFailed:
+            return False
+        self._generation = blob.generation
+        return True
+
+    def acquire(self) -> None:
+        import time
+
+        seen: int | None = None
+        deadline: float | None = None
+        while True:
+            gen, holder = self._read()
+            if gen is None:
+                if self._write(0):
+                    break
+                continue
+            if gen != seen and seen is not None:
+                raise RunDirError(
+                    f"{self.uri.rsplit('/', 1)[0]}: another run is using this directory "
+                    f"({_holder(holder)}; it renewed its lease while this one waited)"
+                )
+            expires = float(holder.get("expires") or 0)
+            if time.time() >= expires:
+                if self._write(gen):
+                    break
+                seen, deadline = None, None
+                continue
+            if seen is None:
+                seen, deadline = gen, expires
+                _stderr(
+                    f"[lock] {self.uri} is held ({_holder(holder)}); waiting up to "
+                    f"{max(0.0, expires - time.time()):.0f} s to see whether its owner is alive\n"
+                )
+            time.sleep(min(max(0.2, self.lease_s / 12), max(0.05, deadline - time.time())))
+        self._thread = threading.Thread(target=self._renew, name="run-lock-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                ok = self._write(self._generation)
+            except Exception as e:
+                _stderr(f"[lock] {self.uri}: could not renew the lease ({type(e).__name__})\n")
+                continue
+            if not ok and not self._stop.is_set():
+                _stderr(
+                    f"[lock] {self.uri}: another process took over this run; stopping now "
+                    f"without writing more\n"
+                )
+                os._exit(LOST_LOCK_EXIT)
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(Exception):  # gone or taken over: nothing of ours to delete
+            self._blob().delete(if_generation_match=self._generation)
+
+    def __enter__(self) -> GcsRunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.release()
+
+
+def _holder(h: Mapping[str, Any]) -> str:
+    return f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')}"
 
 
 # --------------------------------------------------------------------------- signals
@@ -340,11 +503,11 @@ def check_resume_config(
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The JSON lines of a record file (``[]`` if absent); a torn last line is skipped."""
-    p = Path(path)
+    p = storage.path(path)
     if not p.exists():
         return []
     rows = []
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in p.read_bytes().decode("utf-8", "replace").splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             row = json.loads(line)
             if isinstance(row, dict) and isinstance(row.get("step"), int):
@@ -368,10 +531,10 @@ def trim_records(out: str | os.PathLike, next_step: int) -> dict[str, int]:
         (METRICS, lambda s: s < next_step),
         (EVALS, lambda s: s < next_step or (s == next_step and next_step > 0)),
     ):
-        path = Path(out) / name
+        path = storage.path(out) / name
         if not path.exists():
             continue
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
         rows = read_records(path)
         kept = [r for r in rows if keep(r["step"])]
         if len(kept) != len(lines):
@@ -393,8 +556,8 @@ def build_summary(
         when a stage ended early on a rule); a finished run is recognised by it.
       **fields: values of the final train state (optimizer steps, entropy coefficient ...).
     """
-    metrics = read_records(Path(out) / METRICS)
-    evals = read_records(Path(out) / EVALS)
+    metrics = read_records(storage.path(out) / METRICS)
+    evals = read_records(storage.path(out) / EVALS)
     steps = metrics[-1]["step"] + 1 if metrics else 0
     return {
         "steps": steps,
@@ -408,13 +571,13 @@ def build_summary(
 
 def write_summary(out: str | os.PathLike, summary: Mapping[str, Any]) -> None:
     """Writes ``summary.json`` whole or not at all."""
-    _write_atomic(Path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
+    _write_atomic(storage.path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
 
 
 def finished_summary(out: str | os.PathLike, planned_steps: int) -> dict[str, Any] | None:
     """The stored summary of a finished run planned for ``planned_steps``, else None
     (a run given more steps since it finished goes on)."""
-    path = Path(out) / SUMMARY
+    path = storage.path(out) / SUMMARY
     if not path.exists():
         return None
     try:
@@ -439,10 +602,10 @@ def run_directory(
       what: how error messages name it.
     """
     if not primary:
-        yield Path(path).absolute()
+        yield storage.path(path)
         return
     p = claim_run_dir(path, what=what)
-    with RunLock(p):
+    with GcsRunLock(p) if storage.is_gcs(p) else RunLock(p):
         yield p
 
 
@@ -450,7 +613,7 @@ def stored_config(out: str | os.PathLike) -> dict[str, Any] | None:
     """The ``config.yaml`` a run directory holds (None if it has none)."""
     import yaml
 
-    path = Path(out) / CONFIG
+    path = storage.path(out) / CONFIG
     if not path.exists():
         return None
     try:
@@ -466,7 +629,7 @@ def write_config(out: str | os.PathLike, raw: Mapping[str, Any]) -> None:
     """Stores a run's resolved config as ``config.yaml``."""
     import yaml
 
-    _write_atomic(Path(out) / CONFIG, yaml.safe_dump(dict(raw), sort_keys=False))
+    _write_atomic(storage.path(out) / CONFIG, yaml.safe_dump(dict(raw), sort_keys=False))
 
 
 __all__: Sequence[str] = (

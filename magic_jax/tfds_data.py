@@ -64,7 +64,9 @@ def _builder_class() -> type:
 
 def is_tfds_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory written by ``prepare_dataset``."""
-    return (Path(path) / NAME / VERSION / "dataset_info.json").is_file()
+    from magic_jax import storage
+
+    return (storage.path(path) / NAME / VERSION / "dataset_info.json").is_file()
 
 
 def prepare_dataset(

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from magic_jax import storage
 from magic_jax.config import ConfigError, TrainConfig, to_dict
 from magic_jax.data import AccuracyTracker, encode_prompts, offline_filter, read_rows
 from magic_jax.policy import load_policy, load_tokenizer, reference_params
@@ -61,7 +61,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, log: Callable[[str], None] = print):
         self.config = config
         self.log = log
-        self.out = Path(config.output_dir)
+        self.out = storage.path(config.output_dir, what="output_dir")
         self._eval_driver = None
 
     # ------------------------------------------------------------------ set-up
@@ -290,6 +290,9 @@ class Trainer:
                     self._monitor.step(row, _format(row))
                     rundir.kill_point("step", step)
                     stop = distributed.max_int(signals.received or 0)
+                    if not stop and distributed.preemption_notice(step):
+                        self.log(f"[stop] preemption notice at step {step}")
+                        stop = int(signal.SIGTERM)
                     last = ended is not None and schedule.index == len(cfg.stages) - 1
                     if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
                         ev = self._evaluate(state, step, pool, None if ended else schedule)
@@ -332,6 +335,8 @@ class Trainer:
         import jax
 
         jax.block_until_ready(state)
+        # the records up to this step are durable before the checkpoint that implies them
+        self._monitor.flush()
         meta = {
             "next_step": step,
             "stage": schedule.index,
@@ -352,13 +357,16 @@ class Trainer:
 
         out = self.out / "hf_final"
         primary = jax.process_index() == 0
-        if out.exists() and primary:
-            shutil.rmtree(out)  # this run's own earlier export
-        save_hf(
-            nnx.merge(self.graphdef, state.params), out, dtype=jnp.dtype(self.config.export_dtype)
-        )
         if primary:
-            self.tokenizer.save_pretrained(out)
+            storage.remove_tree(out)  # this run's own earlier export
+        with storage.staged(out, upload=primary) as local:
+            save_hf(
+                nnx.merge(self.graphdef, state.params),
+                local,
+                dtype=jnp.dtype(self.config.export_dtype),
+            )
+            if primary:
+                self.tokenizer.save_pretrained(local)
         return out
 
     def _evaluate(

