@@ -14,6 +14,13 @@ def _check_new_dir(path: str, option: str) -> None:
     """Refuses, before any work, an output directory that exists or lies under a file."""
     from pathlib import Path
 
+    from magic_jax import storage
+
+    if storage.is_gcs(path):
+        storage.check(path, what=option)
+        if storage.path(path).exists():
+            raise FileExistsError(f"{option} {path}: exists; refusing to overwrite it")
+        return
     p = Path(path).absolute()
     if p.exists():
         raise FileExistsError(f"{option} {p}: exists; refusing to overwrite it")
@@ -25,6 +32,7 @@ def _check_new_dir(path: str, option: str) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from magic_jax import storage
     from magic_jax.checkpoint import save_model
     from magic_jax.convert import load_hf
     from magic_jax.model import count_params
@@ -32,7 +40,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     _check_new_dir(args.out, "out")
     t0 = time.perf_counter()
-    model = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh_from_text(args.mesh))
+    hf_dir = storage.local_copy(args.hf_dir, what="hf_dir")  # gs://: a local copy, once
+    model = load_hf(hf_dir, dtype=args.dtype, mesh=mesh_from_text(args.mesh))
     out = save_model(model, args.out)
     print(
         f"converted {args.hf_dir} -> {out}: {count_params(model):,} parameters "
@@ -42,21 +51,26 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import jax
 
+    from magic_jax import storage
     from magic_jax.checkpoint import CHECKPOINTS, latest_good_checkpoint, load_model
     from magic_jax.convert import save_hf
     from magic_jax.sharding import mesh_from_text
 
     t0 = time.perf_counter()
-    ckpt = Path(args.ckpt)
+    storage.check(args.ckpt, what="ckpt")
+    storage.check(args.out, what="out")
+    ckpt = storage.path(args.ckpt)
     if (ckpt / CHECKPOINTS).is_dir():  # a run directory: its newest good checkpoint
         found = latest_good_checkpoint(ckpt, log=lambda s: print(s, file=sys.stderr))
         if found is None:
             raise FileNotFoundError(f"{ckpt}: the run has no checkpoint yet")
         ckpt = found
     model = load_model(ckpt, mesh=mesh_from_text(args.mesh))
-    out = save_hf(model, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    with storage.staged(args.out, upload=jax.process_index() == 0) as local:
+        save_hf(model, local, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    out = args.out
     print(f"exported {ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
     return 0
 

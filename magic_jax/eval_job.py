@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from magic_jax import storage
 from magic_jax.data import DataError, PromptRow, encode_prompts, read_rows
 from magic_jax.evaluate import ProblemResult, eval_seed, format_summary, summarize
 
@@ -100,7 +101,8 @@ def dataset_names(paths: Sequence[str]) -> list[tuple[str, str]]:
     """``(name, path)`` of each data argument; the name is the file (or directory) stem."""
     out, seen = [], {}
     for p in paths:
-        name = Path(p).stem if Path(p).is_file() else Path(p).name
+        where = storage.path(p)
+        name = where.stem if where.is_file() else where.name
         if name in seen:
             raise ValueError(f"data sets {seen[name]} and {p} have the same name {name!r}")
         seen[name] = p
@@ -111,11 +113,12 @@ def dataset_names(paths: Sequence[str]) -> list[tuple[str, str]]:
 class ChunkLog:
     """An append-only JSON-lines file written a chunk at a time, readable after a kill.
 
-    A torn last line (the process died inside a write) is cut off on open.
+    A torn last line (the process died inside a write) is cut off on open. On
+    ``gs://`` (objects cannot be appended to) each chunk rewrites the file whole.
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = storage.path(path)
         self.records: list[dict[str, Any]] = []
         if not self.path.exists():
             return
@@ -130,14 +133,21 @@ class ChunkLog:
                 break
             good += len(line)
         if good != len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
+            if storage.is_gcs(self.path):
+                self.path.write_bytes(data[:good])
+            else:
+                with open(self.path, "r+b") as f:
+                    f.truncate(good)
 
     def append(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends records in one write, flushed to disk."""
         if not records:
             return
         text = "".join(json.dumps(r) + "\n" for r in records)
+        if storage.is_gcs(self.path):
+            self.records.extend(records)
+            storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            return
         with open(self.path, "a") as f:
             f.write(text)
             f.flush()
@@ -196,7 +206,8 @@ def run_eval(
     from magic_jax.rewards import PoolConfig, VerifierPool
     from magic_jax.sampling import SamplingConfig
 
-    out = Path(out)
+    storage.check(out, what="--out")
+    out = storage.path(out)
     sets = []
     for name, path in dataset_names(data):
         rows = read_rows(path)[: options.limit]
@@ -215,10 +226,10 @@ def run_eval(
     mesh = mesh_from_text(options.mesh)
     loaded = load_model_any(model, dtype=options.param_dtype, mesh=mesh)
     protocol = {
-        "model": str(Path(model).absolute()),
+        "model": str(storage.path(model)),
         "checkpoint": loaded.checkpoint,
         "step": loaded.step,
-        "data": {name: str(Path(p).absolute()) for name, p, _, _ in sets},
+        "data": {name: str(storage.path(p)) for name, p, _, _ in sets},
         "num_samples": {name: n for name, _, _, n in sets},
         "limit": options.limit,
         "chunk": {name: options.chunk or math.ceil(CHUNK_SAMPLES / n) for name, _, _, n in sets},

@@ -363,9 +363,11 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, Path]:
     Raises:
       FileNotFoundError: ``path`` is none of these, or a run has no usable checkpoint.
     """
+    from magic_jax import storage
     from magic_jax.checkpoint import CONFIG_FILE, TRAINER_STATE, latest_good_checkpoint
 
-    p = Path(path).absolute()
+    storage.check(path, what="model")
+    p = storage.path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"model: {p} is not a directory")
     if (p / "config.json").exists():

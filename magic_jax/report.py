@@ -62,17 +62,18 @@ class Run:
         return out
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
+def _read_lines(path: Any) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
-    for n, line in enumerate(path.read_text().splitlines()):
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if n == len(path.read_text().splitlines()) - 1:
+            if n == len(lines) - 1:
                 break  # a torn last line from a killed run
             raise ValueError(f"{path}:{n + 1}: not a JSON line: {e}") from None
     by_step = {r["step"]: r for r in rows if "step" in r}  # a step written twice: the last
@@ -87,13 +88,16 @@ def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
     """
     import yaml
 
-    p = Path(path)
+    from magic_jax import storage
+
+    storage.check(path, what="run")
+    p = storage.path(path)
     metrics, evals = _read_lines(p / "metrics.jsonl"), _read_lines(p / "eval.jsonl")
     if not metrics and not evals:
         raise FileNotFoundError(f"{p}: no metrics.jsonl or eval.jsonl (not a run directory?)")
     cfg_path = p / "config.yaml"
     config = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.exists() else {}
-    return Run(name or p.absolute().name, p, metrics, evals, config)
+    return Run(name or p.name, p, metrics, evals, config)
 
 
 def colors(n: int) -> list[Any]:
@@ -327,16 +331,20 @@ def write_report(
     matplotlib.use("Agg")  # files only; no display needed
     if names and len(names) != len(run_dirs):
         raise ValueError(f"--name given {len(names)} times for {len(run_dirs)} runs")
+    from magic_jax import storage
+
     runs = [load_run(d, names[i] if names else None) for i, d in enumerate(run_dirs)]
-    out = Path(output)
-    png_dir = out.with_name(out.stem + "_png")
-    png_dir.mkdir(parents=True, exist_ok=True)
-    images = {}
-    for stem, fig in make_figures(runs).items():
-        path = png_dir / f"{stem}.png"
-        fig.savefig(path, dpi=DPI)
-        images[stem] = path.read_bytes()
-    out.write_text(_html(runs, images), encoding="utf-8")
+    storage.check(output, what="output")
+    out = storage.path(output)
+    # the figures are drawn into a local directory; on gs:// it is uploaded beside the page
+    with storage.staged(out.with_name(out.stem + "_png")) as png_dir:
+        png_dir.mkdir(parents=True, exist_ok=True)
+        images = {}
+        for stem, fig in make_figures(runs).items():
+            path = png_dir / f"{stem}.png"
+            fig.savefig(path, dpi=DPI)
+            images[stem] = path.read_bytes()
+    storage.write_text(out, _html(runs, images))
     return out
 
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 from conftest import GcsEmulator
 from resume_test import OVERRIDES, _cfg, assert_same_run
@@ -136,6 +137,38 @@ def test_records_on_the_bucket_are_rewritten_whole_and_trimmed_on_resume(gcs):
     rec.append({"step": 3, "loss": 0.3})
     rec.flush()
     assert [r["step"] for r in rundir.read_records(path)] == [0, 1, 2, 3]
+
+
+def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, reference, gcs,
+                                                                   files, tmp_path):  # fmt: skip
+    from safetensors.numpy import load_file
+
+    from magic_jax.cli import main
+
+    hf = gcs.uri("hf")
+    assert main(["export", bucket_run, hf, "--dtype", "float32"]) == 0  # its newest checkpoint
+    got = load_file(str(_download(hf, tmp_path / "hf") / "model.safetensors"))
+    want = load_file(str(reference / "hf_final" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    orbax = gcs.uri("orbax")
+    assert main(["convert", hf, orbax, "--dtype", "float32"]) == 0  # gs:// in, gs:// out
+    assert storage.path(orbax + "/model_config.json").exists()
+    page = gcs.uri("report") + "/report.html"
+    assert main(["report", bucket_run, "-o", page]) == 0
+    assert "<h1>Training report</h1>" in storage.path(page).read_text()
+    assert storage.listing(page.removesuffix(".html") + "_png")
+    data = gcs.uri("data") + "/sums.jsonl"
+    storage.path(data).write_text("".join((files / "train.jsonl").read_text().splitlines(True)[:3]))
+    out = gcs.uri("eval")
+    assert main(["eval", orbax, data, "--tokenizer", str(files / "model"), "--n", "2",
+                 "--max-response-length", "3", "--max-prompt-length", "16",
+                 "--out", out]) == 0  # fmt: skip
+    summary = json.loads(storage.path(out + "/summary.json").read_text())
+    assert summary["sums"]["problems"] == 3 and summary["sums"]["num_samples"] == 2
+    # the per-problem log, rewritten whole at each chunk on gs://
+    lines = storage.path(out + "/sums.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(x)["n"] == 2 for x in lines)
+    assert json.loads(storage.path(out + "/eval.json").read_text())["model"] == orbax
 
 
 # --------------------------------------------------------------------------- the lock

@@ -266,3 +266,46 @@ def test_train_on_two_hosts_with_a_resume_equals_one_host(train_files, tmp_path)
     for step in (1, 2):
         state = two / "checkpoints" / f"step_{step:08d}" / "state"
         assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
+
+
+@pytest.mark.slow
+def test_train_on_two_hosts_writes_a_verified_checkpoint_to_the_bucket(
+    train_files, tmp_path, monkeypatch
+):
+    import json
+
+    from conftest import GcsEmulator
+
+    from magic_jax import rundir, storage
+    from magic_jax.checkpoint import MANIFEST, verify_checkpoint
+
+    emulator = GcsEmulator(tmp_path / "emulator.log")
+    try:
+        for k, v in emulator.env.items():  # this process reads the bucket too
+            monkeypatch.setenv(k, v)
+        model, out = emulator.uri("model"), emulator.uri("run")
+        fs = storage.gcs_fs()
+        for f in sorted((train_files / "model").rglob("*")):
+            if f.is_file():
+                fs.put_file(str(f), f"{model}/{f.relative_to(train_files / 'model').as_posix()}")
+        env = dict(os.environ, MAGIC_JAX_COMPILATION_CACHE=str(tmp_path / "jax_cache"),
+                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   **{storage.CACHE_ENV: str(tmp_path / "gcs_cache")})  # fmt: skip
+        one = tmp_path / "one"
+        steps = ("--set", "stages.0.steps=1")
+        launch(_train(train_files, one, 1, 0, *steps), 1, 8, env=env)
+        launch(_train(train_files, out, 2, free_port(), *steps, "--set", f"model={model}"),
+               2, 4, env=env)  # fmt: skip
+        names = storage.listing(out)
+        ckpt = f"{out}/checkpoints/step_00000001"
+        assert f"checkpoints/step_00000001/{MANIFEST}" in names, sorted(names)
+        assert verify_checkpoint(ckpt) is None
+        files = json.loads(storage.path(f"{ckpt}/{MANIFEST}").read_text())["files"]
+        for i in range(2):  # the shards each process wrote are listed in the manifest
+            assert any(f.startswith(f"state/ocdbt.process_{i}/") for f in files), sorted(files)
+        assert rundir.LOCK not in names  # released after a clean finish
+        got, want = _records(storage.path(out)), _records(one)
+        assert [r["step"] for r in got] == [0]
+        _close(got, want, "metrics")
+    finally:
+        emulator.stop()
