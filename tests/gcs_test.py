@@ -139,6 +139,7 @@ def test_records_on_the_bucket_are_rewritten_whole_and_trimmed_on_resume(gcs):
     assert [r["step"] for r in rundir.read_records(path)] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # ~50 s: four commands, each compiling
 def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, reference, gcs,
                                                                    files, tmp_path):  # fmt: skip
     from safetensors.numpy import load_file
