@@ -301,11 +301,16 @@ def test_train_on_two_hosts_writes_a_verified_checkpoint_to_the_bucket(
         assert f"checkpoints/step_00000001/{MANIFEST}" in names, sorted(names)
         assert verify_checkpoint(ckpt) is None
         files = json.loads(storage.path(f"{ckpt}/{MANIFEST}").read_text())["files"]
-        for i in range(2):  # the shards each process wrote are listed in the manifest
-            assert any(f.startswith(f"state/ocdbt.process_{i}/") for f in files), sorted(files)
+        for i in range(2):  # the shards each process wrote (orbax's OCDBT per process)
+            assert f"state/ocdbt.process_{i}/manifest.ocdbt" in files, sorted(files)
+            assert f"state/array_metadatas/process_{i}" in files, sorted(files)
+            assert any(f.startswith(f"state/ocdbt.process_{i}/d/") for f in files), sorted(files)
+        assert "hf_final/model.safetensors" in names
+        # the model was read from the bucket (copied to the local cache)
+        assert list((tmp_path / "gcs_cache").rglob("model.safetensors"))
         assert rundir.LOCK not in names  # released after a clean finish
         got, want = _records(storage.path(out)), _records(one)
-        assert [r["step"] for r in got] == [0]
+        assert [r["step"] for r in got] == [0] and want[0]["sgd_steps"] > 0
         _close(got, want, "metrics")
     finally:
         emulator.stop()
