@@ -104,9 +104,14 @@ class TfdsRows(Sequence[PromptRow]):
     def __init__(self, path: str | os.PathLike):
         import tensorflow_datasets as tfds
 
-        self.path = Path(path)
+        from magic_jax import storage
+
+        self.path = storage.path(path)
+        # array_record's reader opens local files only: a gs:// dataset is copied to the
+        # local cache first (prompt rows: small beside the model), once per machine
+        local = storage.local_copy(path, what="data")
         try:
-            self._source = tfds.data_source(NAME, data_dir=os.fspath(path), split=SPLIT)
+            self._source = tfds.data_source(NAME, data_dir=os.fspath(local), split=SPLIT)
         except Exception as e:  # tfds raises several types for a damaged directory
             raise DataError(f"{path}: not a readable {NAME} dataset: {e}") from None
 

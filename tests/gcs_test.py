@@ -172,6 +172,31 @@ def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, re
     assert json.loads(storage.path(out + "/eval.json").read_text())["model"] == orbax
 
 
+def test_prompt_data_reads_from_the_bucket_in_every_format(gcs, files, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from magic_jax.data import DataError, read_rows
+    from magic_jax.tfds_data import prepare_dataset
+
+    rows = [json.loads(x) for x in (files / "train.jsonl").read_text().splitlines()]
+    want = read_rows(files / "train.jsonl")
+    root = gcs.uri("data")
+    storage.path(root + "/a.jsonl").write_text((files / "train.jsonl").read_text())
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
+    storage.gcs_fs().put_file(str(tmp_path / "b.parquet"), root + "/b.parquet")
+    prepare_dataset(files / "train.jsonl", tmp_path / "ar")
+    _upload(tmp_path / "ar", gcs.uri("array_record"))
+    ar = f"gs://{gcs.BUCKET}/array_record-{gcs._n}"
+    assert [r.uid for r in read_rows(root + "/a.jsonl")] == [r.uid for r in want]
+    assert [r.messages for r in read_rows(root + "/b.parquet")] == [r.messages for r in want]
+    # a directory: its files in name order; the same rows twice are refused, naming both
+    twice = f"{root}/b.parquet: row 1: uid .* repeats {root}/a.jsonl:1"
+    with pytest.raises(DataError, match=twice):
+        read_rows(root)
+    assert [r.messages for r in read_rows(ar)] == [r.messages for r in want]
+
+
 # --------------------------------------------------------------------------- the lock
 
 
