@@ -691,17 +691,26 @@ class Engine:
 
     def load_params(self, model_or_params: Qwen2 | nnx.State) -> nnx.State:
         """The parameters of a model (or a state), cast to the engine's dtype and placed
-        with the sampling shardings (one program: no second full-precision copy)."""
+        with the sampling shardings: one compiled program, so the trainer's shards move
+        by collectives on device (never through the host) and no second full-precision
+        copy is made. The trainer's arrays are left intact."""
         params = (
             nnx.state(model_or_params)
             if isinstance(model_or_params, nnx.Module)
             else model_or_params
         )
         want = jnp.dtype(self.model_config.param_dtype)
-        if all(x.dtype == want for x in jax.tree.leaves(params) if _is_float(x)):
-            if self.param_shardings is None:
-                return params
-            return jax.device_put(params, self.param_shardings)
+        same = all(x.dtype == want for x in jax.tree.leaves(params) if _is_float(x))
+        if same and self.param_shardings is None:
+            return params
+        if self.mesh is not None:
+            mesh_devices = set(self.mesh.devices.flat)
+            if any(set(x.sharding.device_set) != mesh_devices for x in jax.tree.leaves(params)):
+                # weights on other devices (a model loaded on one device): placed first,
+                # since one program cannot take inputs and give outputs on different devices
+                params = jax.device_put(params, self.param_shardings)
+                if same:
+                    return params
         if self._cast is None:
             self._cast = jax.jit(
                 lambda p: jax.tree.map(lambda x: x.astype(want) if _is_float(x) else x, p),

@@ -233,11 +233,6 @@ class EntropyControlConfig:
                 f"({self.init_coef})"
             )
 
-    @classmethod
-    def reference_code(cls) -> EntropyControlConfig:
-        """The public code's variant: delta 1e-4 clamped to [0, 5e-3], gate '<', sampled NLL."""
-        return cls(delta=1e-4, max_coef=5e-3, gate="<", estimator=EntropyEstimator.SAMPLED_NLL)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

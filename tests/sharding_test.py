@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import shard
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -18,7 +19,6 @@ from magic_jax.sharding import (
     batch_sharding,
     logical_to_spec,
     make_mesh,
-    shard_model,
 )
 from magic_jax.testing import make_hf_model, save_hf_model
 
@@ -68,7 +68,7 @@ def test_parameters_land_with_the_table_specs(rules, table, scan_layers):
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
-    model = shard_model(Qwen2(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    model = shard(Qwen2(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     specs = _specs(model)
     assert set(specs) == set(table)
     for name, want in table.items():

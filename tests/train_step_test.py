@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import shard
 from flax import nnx
 
 from magic_jax.advantages import AdvantageConfig
@@ -17,7 +18,7 @@ from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.optim import OptimizerConfig
-from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh, shard_model
+from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh
 from magic_jax.testing import Sample, assert_fp32_close
 from magic_jax.train_step import (
     PolicyUpdater,
@@ -264,7 +265,7 @@ def test_sharded_equals_unsharded():
     for mesh in (None, make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))):
         m = Qwen2(CFG, rngs=nnx.Rngs(0))
         if mesh is not None:
-            m = shard_model(m, mesh, TRAIN_RULES)
+            m = shard(m, mesh, TRAIN_RULES)
         graphdef, params = nnx.split(m, nnx.Param)
         p_init = jax.device_get(params)
         updater = PolicyUpdater(graphdef, cfg, mesh=mesh)
