@@ -221,3 +221,56 @@ class Schedule:
         (checkpoints written before the schedule was stored)."""
         index, k = config.stage_at(step)
         return cls(index=index, start=step - k)
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the training loop is, beside the train state; saved as a checkpoint's
+    ``trainer.json`` (``meta``) and read back on resume (``from_meta``).
+
+    Attributes:
+      step: the next global step.
+      schedule: the stage and its ``until`` rules' counters.
+      tracker: the current stage's per-prompt accuracy (for online filtering).
+      excluded: uids dropped by online filtering so far.
+    """
+
+    step: int = 0
+    schedule: Schedule = dataclasses.field(default_factory=Schedule)
+    tracker: AccuracyTracker = dataclasses.field(default_factory=AccuracyTracker)
+    excluded: list[str] = dataclasses.field(default_factory=list)
+
+    def end_stage(self, config: TrainConfig, reason: str) -> None:
+        """The stage switch at ``step``: online filtering, fresh statistics."""
+        self.schedule.advance(self.step, reason)
+        self.excluded = excluded_after(config, self.excluded, self.tracker)
+        self.tracker.reset()
+
+    def meta(self) -> dict[str, Any]:
+        """Plain JSON for ``trainer.json``."""
+        return {
+            "next_step": self.step,
+            "stage": self.schedule.index,
+            "excluded": list(self.excluded),
+            "tracker": self.tracker.state_dict(),
+            # stage switches (until rules) and the rules' counters, so a resume switches alike
+            "schedule": self.schedule.state_dict(),
+        }
+
+    @classmethod
+    def from_meta(cls, config: TrainConfig, meta: dict[str, Any]) -> LoopState:
+        """The loop state of a checkpoint's ``trainer.json`` (checked by
+        ``checkpoint.read_trainer_state``)."""
+        loop = cls(
+            step=meta["next_step"],
+            tracker=AccuracyTracker.from_state_dict(meta["tracker"]),
+            excluded=list(meta["excluded"]),
+        )
+        if "schedule" in meta:
+            loop.schedule = Schedule.from_state_dict(meta["schedule"])
+        else:  # written before stages could end early: the stage follows from the step
+            loop.schedule = Schedule.from_step(config, loop.step)
+            if loop.schedule.index != meta["stage"]:
+                loop.excluded = excluded_after(config, loop.excluded, loop.tracker)
+                loop.tracker.reset()
+        return loop

@@ -41,9 +41,9 @@ import numpy as np
 
 from magic_jax import storage
 from magic_jax.config import ConfigError, TrainConfig, to_dict
-from magic_jax.data import AccuracyTracker, encode_prompts, offline_filter, read_rows
+from magic_jax.data import encode_prompts, offline_filter, read_rows
 from magic_jax.policy import load_policy, load_tokenizer, reference_params
-from magic_jax.stages import Schedule, Stage, build_stage, excluded_after, update_config
+from magic_jax.stages import LoopState, Schedule, Stage, build_stage, update_config
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class Trainer:
             self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
         state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
         del self._params
-        step, schedule, tracker, excluded = 0, Schedule(), AccuracyTracker(), []
+        loop = LoopState()
         primary = distributed.is_primary()
 
         def newest_good() -> int:
@@ -245,19 +245,10 @@ class Trainer:
         found = None if chosen < 0 else step_path(self.out, chosen)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         if found is not None:
-            meta = read_trainer_state(found)
+            loop = LoopState.from_meta(cfg, read_trainer_state(found))
             state = ckpts.restore(state, found)
-            step = meta["next_step"]
-            tracker = AccuracyTracker.from_state_dict(meta["tracker"])
-            excluded = list(meta["excluded"])
-            if "schedule" in meta:
-                schedule = Schedule.from_state_dict(meta["schedule"])
-            else:  # written before stages could end early: the stage follows from the step
-                schedule = Schedule.from_step(cfg, step)
-                if schedule.index != meta["stage"]:
-                    excluded = excluded_after(cfg, excluded, tracker)
-                    tracker.reset()
-            self.log(f"[resume] {found}: continuing at step {step}")
+            self.log(f"[resume] {found}: continuing at step {loop.step}")
+        step, schedule = loop.step, loop.schedule
         dropped = rundir.trim_records(self.out, step) if primary else {}
         if any(dropped.values()):
             self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
@@ -280,10 +271,10 @@ class Trainer:
                     self._evaluate(state, 0, pool, schedule)
                 while step < end and not schedule.finished(cfg) and not stop:
                     if stage is None or stage.index != schedule.index:
-                        stage = self._stage(schedule.index, excluded)
+                        stage = self._stage(schedule.index, loop.excluded)
                     k = schedule.stage_step(step)
-                    state, row = self._step(state, stage, step, k, pool, tracker)
-                    step += 1
+                    state, row = self._step(state, stage, step, k, pool, loop.tracker)
+                    step = loop.step = step + 1
                     ended = schedule.after_step(cfg, step, row["truncated_fraction"])
                     if ended is not None:
                         row["stage_end"] = ended
@@ -300,11 +291,9 @@ class Trainer:
                     if ended is not None:
                         # the stage switch: online filtering, fresh statistics (checkpointed)
                         self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
-                        schedule.advance(step, ended)
-                        excluded = excluded_after(cfg, excluded, tracker)
-                        tracker.reset()
+                        loop.end_stage(cfg, ended)
                     if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
-                        self._save(ckpts, state, step, schedule, excluded, tracker)
+                        self._save(ckpts, state, loop)
                         saved = step
         finally:
             ckpts.close()
@@ -331,21 +320,13 @@ class Trainer:
             rundir.write_summary(self.out, summary)
         return summary
 
-    def _save(self, ckpts, state, step: int, schedule: Schedule, excluded, tracker) -> Path:
+    def _save(self, ckpts, state, loop: LoopState) -> Path:
         import jax
 
         jax.block_until_ready(state)
         # the records up to this step are durable before the checkpoint that implies them
         self._monitor.flush()
-        meta = {
-            "next_step": step,
-            "stage": schedule.index,
-            "excluded": list(excluded),
-            "tracker": tracker.state_dict(),
-            # stage switches (until rules) and the rules' counters, so a resume switches alike
-            "schedule": schedule.state_dict(),
-        }
-        return ckpts.save(step, state, meta, self.model.config)
+        return ckpts.save(loop.step, state, loop.meta(), self.model.config)
 
     def _export(self, state: Any) -> Path:
         """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
