@@ -298,6 +298,41 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def checkpoint_kind(path: str | os.PathLike, *, option: str = "model") -> tuple[str, Any]:
+    """What ``path`` names, without loading it: ``(kind, checkpoint directory)``.
+
+    The one answer to "what kind of checkpoint is this", for training
+    (``policy.load_policy``) and evaluation (``evaluate.load_model_any``).
+    ``kind`` is ``"hf"`` (``config.json``), ``"orbax"`` (a ``save_model``
+    directory), or ``"run"``: a training checkpoint ``RUN/checkpoints/step_N``,
+    or a run directory, which names its newest checkpoint that verifies.
+    ``path`` may be a ``gs://`` URI.
+
+    Raises:
+      FileNotFoundError: ``path`` is none of these, or a run has no usable
+        checkpoint; the message starts with ``option``.
+    """
+    storage.check(path, what=option)
+    p = storage.path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{option}: {p} is not a directory")
+    if (p / "config.json").exists():
+        return "hf", p
+    if (p / TRAINER_STATE).exists():
+        return "run", p
+    if (p / CONFIG_FILE).exists():
+        return "orbax", p
+    if (p / "config.yaml").exists() or (p / CHECKPOINTS).is_dir():
+        ckpt = latest_good_checkpoint(p)
+        if ckpt is None:
+            raise FileNotFoundError(f"{option}: the run directory {p} has no usable checkpoint yet")
+        return "run", ckpt
+    raise FileNotFoundError(
+        f"{option}: {p} holds no Hugging Face checkpoint (config.json), no magic_jax model "
+        f"({CONFIG_FILE}) and is not a training run directory"
+    )
+
+
 # --------------------------------------------------------------------------- train states
 
 

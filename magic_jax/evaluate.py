@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -353,54 +352,20 @@ class LoadedModel:
     step: int | None = None
 
 
-def resolve_model(path: str | os.PathLike) -> tuple[str, Path]:
-    """What ``path`` names, without loading it: ``(source, checkpoint directory)``.
-
-    ``source`` is ``"hf"`` (``config.json``), ``"orbax"`` (a ``save_model``
-    directory), or ``"run"``: a training checkpoint ``RUN/checkpoints/step_N``,
-    or a run directory, which names its newest checkpoint that verifies.
-
-    Raises:
-      FileNotFoundError: ``path`` is none of these, or a run has no usable checkpoint.
-    """
-    from magic_jax import storage
-    from magic_jax.checkpoint import CONFIG_FILE, TRAINER_STATE, latest_good_checkpoint
-
-    storage.check(path, what="model")
-    p = storage.path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"model: {p} is not a directory")
-    if (p / "config.json").exists():
-        return "hf", p
-    if (p / TRAINER_STATE).exists():
-        return "run", p
-    if (p / CONFIG_FILE).exists():
-        return "orbax", p
-    if (p / "config.yaml").exists() or (p / "checkpoints").is_dir():
-        ckpt = latest_good_checkpoint(p)
-        if ckpt is None:
-            raise FileNotFoundError(f"model: the run directory {p} has no usable checkpoint yet")
-        return "run", ckpt
-    raise FileNotFoundError(
-        f"model: {p} holds no Hugging Face checkpoint (config.json), no magic_jax model "
-        f"({CONFIG_FILE}) and is not a training run directory"
-    )
-
-
 def load_model_any(
     path: str | os.PathLike, *, dtype: str = "float32", mesh: Any = None
 ) -> LoadedModel:
     """Loads a Hugging Face directory, a magic_jax model, or a run's (newest) checkpoint.
 
     Args:
-      path: see ``resolve_model``.
+      path: see ``checkpoint.checkpoint_kind``.
       dtype: parameter dtype of a Hugging Face checkpoint.
       mesh: place the parameters on this mesh (default: one device).
     """
-    from magic_jax.checkpoint import load_model, read_trainer_state
+    from magic_jax.checkpoint import checkpoint_kind, load_model, read_trainer_state
     from magic_jax.policy import load_policy
 
-    source, ckpt = resolve_model(path)
+    source, ckpt = checkpoint_kind(path)
     if source == "hf":
         return LoadedModel(load_policy(ckpt, dtype, mesh), str(ckpt), source, str(ckpt))
     model = load_model(ckpt, mesh=mesh)

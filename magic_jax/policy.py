@@ -14,36 +14,33 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     """A ``Qwen2`` model from a checkpoint directory, placed on ``mesh`` (or one device).
 
     Args:
-      path: a Hugging Face checkpoint (``config.json`` + safetensors) or a
-        magic_jax orbax checkpoint (``model_config.json`` + ``state/``).
+      path: a Hugging Face checkpoint (``config.json`` + safetensors), a
+        magic_jax orbax checkpoint (``model_config.json`` + ``state/``), a
+        training checkpoint or a run directory (its newest good checkpoint's
+        policy): ``checkpoint.checkpoint_kind``.
       dtype: parameter dtype of a Hugging Face checkpoint (``float32`` / ``bfloat16``);
         an orbax checkpoint keeps its stored dtype.
       mesh: the training mesh (parameters are sharded with the training rules), or None.
       option: the config option that named ``path``, for error messages.
 
     Raises:
-      ConfigError: ``path`` is not a directory or holds neither kind of checkpoint.
+      ConfigError: ``path`` is not a directory or holds no kind of checkpoint.
     """
     import jax.numpy as jnp
 
     from magic_jax import storage
-    from magic_jax.checkpoint import CONFIG_FILE, load_model
+    from magic_jax.checkpoint import checkpoint_kind, load_model
     from magic_jax.convert import load_hf
 
-    storage.check(path, what=option)
-    p = storage.path(path)
-    if not p.is_dir():
-        raise ConfigError(f"{option}: {path} is not a directory")
-    if (p / CONFIG_FILE).exists():
-        return load_model(p, mesh=mesh)  # orbax reads gs:// itself
-    if (p / "config.json").exists():
+    try:
+        kind, p = checkpoint_kind(path, option=option)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if kind == "hf":
         # safetensors are read with plain file reads: a gs:// checkpoint is copied to the
         # local cache first (once per machine)
         return load_hf(storage.local_copy(p, what=option), dtype=jnp.dtype(dtype), mesh=mesh)
-    raise ConfigError(
-        f"{option}: {path} holds neither a Hugging Face checkpoint (config.json) nor a "
-        f"magic_jax checkpoint ({CONFIG_FILE})"
-    )
+    return load_model(p, mesh=mesh)  # orbax reads gs:// itself (and checks a run's manifest)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:

@@ -360,3 +360,21 @@ def test_stop_signal_checkpoints_and_resumes(files, reference, sig, tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"continuing at step {done}" in again.stdout
     assert_same_run(reference, out)
+
+
+def test_a_run_directory_is_a_model_for_training_and_evaluation(reference):
+    """One answer to "what kind of checkpoint is this" (checkpoint.checkpoint_kind): a run
+    directory names its newest good checkpoint, for ``model:`` as for ``magic-jax eval``."""
+    from flax import nnx
+
+    from magic_jax.checkpoint import checkpoint_kind
+    from magic_jax.evaluate import load_model_any
+    from magic_jax.policy import load_policy
+
+    kind, ckpt = checkpoint_kind(reference)
+    assert (kind, ckpt.name) == ("run", "step_00000004")
+    assert checkpoint_kind(reference / "hf_final")[0] == "hf"
+    want = _weights(reference)["model.embed_tokens.weight"]
+    for model in (load_policy(reference, "float32", None), load_model_any(reference).model):
+        got = nnx.state(model)["embed_tokens"]["embedding"][...]
+        assert np.array_equal(np.asarray(got), want)

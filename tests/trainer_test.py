@@ -227,7 +227,7 @@ def test_reference_defaults_to_a_copy_of_the_initial_weights(files, tmp_path):
         np.testing.assert_array_equal(ref[k], params[k])
         assert ref[k].unsafe_buffer_pointer() != params[k].unsafe_buffer_pointer()
     bad = _config(files, tmp_path, "stages.1.kl_beta=0.01", "loss.kl_reference=.")
-    with pytest.raises(ConfigError, match="loss.kl_reference: .* neither a Hugging Face"):
+    with pytest.raises(ConfigError, match="loss.kl_reference: .* holds no Hugging Face checkpoint"):
         reference_params(bad, params, None)
 
 
