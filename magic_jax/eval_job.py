@@ -143,11 +143,11 @@ class ChunkLog:
         """Appends records in one write, flushed to disk."""
         if not records:
             return
-        text = "".join(json.dumps(r) + "\n" for r in records)
-        if storage.is_gcs(self.path):
+        if storage.is_gcs(self.path):  # no appends on GCS: the whole file, in one upload
             self.records.extend(records)
             storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             return
+        text = "".join(json.dumps(r) + "\n" for r in records)
         with open(self.path, "a") as f:
             f.write(text)
             f.flush()

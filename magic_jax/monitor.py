@@ -315,7 +315,8 @@ class Records:
     Locally each row is one ``write`` of one line, so after a kill a line is
     whole or absent. On GCS the rows are kept here (with those the file held
     when opened) and the file is rewritten, in one upload, when ``flush`` is
-    called or ``GCS_FLUSH_S`` seconds have passed since the last rewrite.
+    called (``Monitor`` does so every ``GCS_FLUSH_S`` seconds and before each
+    checkpoint).
     """
 
     def __init__(self, path: Any):
@@ -325,7 +326,6 @@ class Records:
         self.remote = storage.is_gcs(path)
         self._lines: list[str] = []
         self._dirty = False
-        self._flushed = time.monotonic()
         if self.remote:
             self._lines = [json.dumps(r) + "\n" for r in rundir.read_records(path)]
 
@@ -337,8 +337,6 @@ class Records:
             return
         self._lines.append(line)
         self._dirty = True
-        if time.monotonic() - self._flushed >= GCS_FLUSH_S:
-            self.flush()
 
     def flush(self) -> None:
         if self.remote and self._dirty:
@@ -346,4 +344,3 @@ class Records:
 
             storage.write_text(self.path, "".join(self._lines))
             self._dirty = False
-            self._flushed = time.monotonic()

@@ -240,7 +240,8 @@ def remove_tree(p: Any) -> None:
         return
     import shutil
 
-    shutil.rmtree(p, ignore_errors=False) if Path(p).exists() else None
+    if Path(p).exists():
+        shutil.rmtree(p)
 
 
 def move_tree(src: Any, dest: Any) -> None:
