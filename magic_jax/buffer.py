@@ -178,6 +178,7 @@ def pack_rollouts(
     group_size: int | None = None,
     num_groups: int | None = None,
     advantage: AdvantageConfig | None = None,
+    advantages: Sequence[float] | np.ndarray | None = None,
     prompt_bucket: int = 64,
     response_bucket: int = 256,
     prompt_len: int | None = None,
@@ -189,9 +190,10 @@ def pack_rollouts(
     Groups are formed by ``prompt_index`` (sorted), samples within a group by
     ``sample_index``. Lengths are padded up to multiples of the buckets (or to the
     fixed ``prompt_len`` / ``response_len``) so jit sees few distinct shapes.
-    Advantages and the keep mask come from ``group_advantages`` /
-    ``group_keep_mask``; missing samples of a group (fewer than ``group_size``)
-    become padding rows that take no part in the statistics.
+    Advantages are ``advantages`` when given (the trainer's, computed once when
+    the rollouts were collected), else ``group_advantages``; the keep mask is
+    ``group_keep_mask`` of them. Missing samples of a group (fewer than
+    ``group_size``) become padding rows that take no part in the statistics.
 
     Args:
       samples: records with ``prompt_index, sample_index, prompt_tokens, tokens,
@@ -201,6 +203,8 @@ def pack_rollouts(
       group_size: G; default the largest number of samples of any prompt.
       num_groups: pad to this many groups (rows of padding); default the prompts seen.
       advantage: advantage options (truncation mask, eps, ddof); default ``AdvantageConfig()``.
+      advantages: one advantage per record, same order as ``samples`` (then
+        ``advantage`` is not used).
       prompt_bucket: P is the longest prompt rounded up to a multiple of this.
       response_bucket: R is the longest response rounded up to a multiple of this.
       prompt_len: fixed P instead of the bucket (must fit every prompt).
@@ -217,6 +221,8 @@ def pack_rollouts(
     rewards = np.asarray(rewards, np.float32)
     if len(samples) != len(rewards):
         raise ValueError(f"pack_rollouts: {len(samples)} samples but {len(rewards)} rewards")
+    if advantages is not None and len(advantages) != len(samples):
+        raise ValueError(f"pack_rollouts: {len(samples)} samples but {len(advantages)} advantages")
     if not samples:
         raise ValueError("pack_rollouts: no samples")
     prompts = sorted({int(s.prompt_index) for s in samples})
@@ -256,6 +262,7 @@ def pack_rollouts(
     rew = np.zeros((b,), np.float32)
     trunc = np.zeros((b,), bool)
     gid = np.full((b,), -1, np.int32)
+    adv = np.zeros((b,), np.float32)
     valid = np.zeros((b,), bool)
     for p, idx in by_group.items():
         gslot = slot_of_prompt[p]
@@ -278,19 +285,23 @@ def pack_rollouts(
             samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
             ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
             rew[row] = rewards[i]
+            if advantages is not None:
+                adv[row] = advantages[i]
             trunc[row] = bool(s.truncated)
             gid[row] = p
             valid[row] = True
     positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
 
-    adv_NG = group_advantages(
-        rew.reshape(n, g),
-        trunc.reshape(n, g),
-        mask=advantage.mask,
-        valid_NG=valid.reshape(n, g),
-        eps=advantage.eps,
-        ddof=advantage.ddof,
-    )
+    if advantages is None:
+        adv = group_advantages(
+            rew.reshape(n, g),
+            trunc.reshape(n, g),
+            mask=advantage.mask,
+            valid_NG=valid.reshape(n, g),
+            eps=advantage.eps,
+            ddof=advantage.ddof,
+        )
+    adv_NG = np.asarray(adv, np.float32).reshape(n, g)
     keep_N = np.asarray(group_keep_mask(adv_NG))
     return RolloutBuffer(
         tokens=tokens,
@@ -302,7 +313,7 @@ def pack_rollouts(
         rewards=rew,
         truncated=trunc,
         group_ids=gid,
-        advantages=np.asarray(adv_NG, np.float32).reshape(b),
+        advantages=adv_NG.reshape(b),
         keep=np.repeat(keep_N, g) & valid,
         valid=valid,
         sampling_logprobs=samp_logp,

@@ -51,6 +51,8 @@ class PromptRow:
       ability: ``"math"`` or ``"code"`` (as stored).
       ground_truth: ``reward_model.ground_truth`` as stored (string or JSON string).
       extra_info: the row's ``extra_info`` (a dict; ``{}`` when absent).
+      token_ids: the rendered prompt's token ids, once ``tokenize_rows`` has
+        read it (what the rollouts sample from); None before.
     """
 
     uid: str
@@ -59,6 +61,7 @@ class PromptRow:
     ability: str
     ground_truth: Any
     extra_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token_ids: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def as_verl_row(self) -> dict[str, Any]:
         """The row in the verl layout (what ``RewardItem.from_row`` reads)."""
@@ -320,6 +323,21 @@ def encode_prompts(
             out.append(ids)
             kept.append(i)
     return out, kept
+
+
+def tokenize_rows(
+    rows: Sequence[PromptRow], tokenizer: Any, *, max_prompt_length: int
+) -> tuple[list[PromptRow], list[int]]:
+    """The rows whose prompt fits ``max_prompt_length``, each with its ``token_ids``.
+
+    Prompts are tokenised here, once, where a job reads its data; the rollouts
+    sample from ``row.token_ids``.
+
+    Returns:
+      (the kept rows in order, their indices in ``rows``).
+    """
+    ids, kept = encode_prompts(rows, tokenizer, max_prompt_length=max_prompt_length)
+    return [dataclasses.replace(rows[i], token_ids=x) for i, x in zip(kept, ids)], kept
 
 
 # --------------------------------------------------------------------------- filtering

@@ -116,44 +116,47 @@ def make_evaluator(
 
     Uses the training engine (T = ``MAX_RESPONSE``) and the math reward.
     """
-    from magic_jax.data import encode_prompts, parse_row
-    from magic_jax.engine import Engine, EngineConfig
-    from magic_jax.evaluate import EVAL_SEED_OFFSET
-    from magic_jax.rewards import math_reward
-    from magic_jax.rollout import RolloutDriver
+    from magic_jax.data import parse_row, tokenize_rows
+    from magic_jax.evaluate import eval_seed
+    from magic_jax.rollout import make_driver
     from magic_jax.sampling import SamplingConfig
+    from magic_jax.scoring import score_groups
 
     parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
-    ids, _ = encode_prompts(parsed, tok, max_prompt_length=MAX_PROMPT)
-    engine = Engine(
+    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
+    driver = make_driver(
         model,
-        EngineConfig(
-            max_concurrent_decodes=128,
-            max_prefill_length=MAX_PROMPT,
-            max_decode_length=MAX_RESPONSE,
-            sampling=SamplingConfig(temperature=1.0),
-        ),
+        max_prompt_length=MAX_PROMPT,
+        max_response_length=MAX_RESPONSE,
+        sampling=SamplingConfig(temperature=1.0),
+        max_concurrent_decodes=128,
     )
-    driver = RolloutDriver(engine)
 
     def run(params, step):
-        samples, _ = driver.run(
-            params, ids, num_samples=num_samples, seed=seed + EVAL_SEED_OFFSET, step=step
+        groups, _, _ = score_groups(
+            driver,
+            params,
+            parsed,
+            tokenizer=tok,
+            num_samples=num_samples,
+            seed=eval_seed(seed),
+            step=step,
+            keep_texts=True,
         )
         by_style: dict[str, list[float]] = {"worked": [], "quick": []}
-        ent_sum = 0.0
-        for s in samples:
-            text = tok.decode(s.tokens, skip_special_tokens=True)
-            r = math_reward(text, parsed[s.prompt_index].ground_truth).reward
-            by_style[style_of(text)].append(r)
-            ent_sum += float(np.sum(s.entropies[: s.length]))
-        n = len(samples)
+        ent_sum, tokens, n = 0.0, 0, 0
+        for g in groups:
+            for s, text, r in zip(g.samples, g.texts, g.rewards):
+                by_style[style_of(text)].append(float(r))
+                ent_sum += float(np.sum(s.entropies[: s.length]))
+                tokens += s.length
+                n += 1
         return {
             "accuracy": float(sum(map(sum, by_style.values())) / n),
             "worked_share": len(by_style["worked"]) / n,
             "worked_accuracy": float(np.mean(by_style["worked"])) if by_style["worked"] else 0.0,
             "quick_accuracy": float(np.mean(by_style["quick"])) if by_style["quick"] else 0.0,
-            "entropy": ent_sum / max(sum(s.length for s in samples), 1),
+            "entropy": ent_sum / max(tokens, 1),
         }
 
     return run

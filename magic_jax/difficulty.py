@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from magic_jax.data import DataError, PromptRow, encode_prompts, offline_filter, read_rows
+from magic_jax.data import DataError, PromptRow, offline_filter, read_rows, tokenize_rows
 from magic_jax.eval_job import ChunkLog, check_protocol
 from magic_jax.evaluate import eval_seed
 
@@ -185,10 +185,11 @@ def estimate_difficulty(
       The histogram (also in ``histogram.json``).
     """
     from magic_jax.data import _raw_rows
-    from magic_jax.evaluate import load_model_any, make_driver, score_problems
+    from magic_jax.evaluate import load_model_any, score_problems
     from magic_jax.monitor import Progress
     from magic_jax.policy import load_tokenizer
     from magic_jax.rewards import PoolConfig, VerifierPool
+    from magic_jax.rollout import make_driver
     from magic_jax.sampling import SamplingConfig
 
     out = Path(out)
@@ -226,7 +227,7 @@ def estimate_difficulty(
     if tok_dir is None:
         raise ValueError(f"{model}: no tokenizer beside the model; pass --tokenizer DIR")
     tokenizer = load_tokenizer(tok_dir)
-    ids, kept = encode_prompts(
+    encoded, kept = tokenize_rows(
         [r for _, r in items], tokenizer, max_prompt_length=options.max_prompt_length
     )
     if len(kept) < len(items):
@@ -261,8 +262,7 @@ def estimate_difficulty(
                 results = score_problems(
                     driver,
                     params,
-                    [items[kept[k]][1] for k in part],
-                    [ids[k] for k in part],
+                    [encoded[k] for k in part],
                     tokenizer,
                     num_samples=n,
                     seed=eval_seed(options.seed, c),

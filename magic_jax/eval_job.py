@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from magic_jax import storage
-from magic_jax.data import DataError, PromptRow, encode_prompts, read_rows
+from magic_jax.data import DataError, PromptRow, read_rows, tokenize_rows
 from magic_jax.evaluate import ProblemResult, eval_seed, format_summary, summarize
 
 # The report's n: AIME avg@32, LiveCodeBench avg@4.
@@ -220,7 +220,8 @@ def run_eval(
     if unknown:
         raise ValueError(f"--n names {sorted(unknown)}, not among the data sets")
     sampling = SamplingConfig(temperature=options.temperature, top_p=options.top_p)
-    from magic_jax.evaluate import load_model_any, make_driver, score_problems
+    from magic_jax.evaluate import load_model_any, score_problems
+    from magic_jax.rollout import make_driver
     from magic_jax.sharding import mesh_from_text
 
     mesh = mesh_from_text(options.mesh)
@@ -248,12 +249,12 @@ def run_eval(
     if tok_dir is None:
         raise ValueError(f"{model}: no tokenizer beside the model; pass --tokenizer DIR")
     tokenizer = load_tokenizer(tok_dir)
-    work = []  # (name, rows, prompt ids, kept indices, n, log)
+    work = []  # (name, rows, tokenised rows that fit, their indices in rows, n, log)
     for name, _, rows, n in sets:
-        ids, kept = encode_prompts(rows, tokenizer, max_prompt_length=options.max_prompt_length)
+        encoded, kept = tokenize_rows(rows, tokenizer, max_prompt_length=options.max_prompt_length)
         if not kept:
             raise DataError(f"{name}: no prompt fits --max-prompt-length")
-        work.append((name, rows, ids, kept, n, ChunkLog(out / f"{name}.jsonl")))
+        work.append((name, rows, encoded, kept, n, ChunkLog(out / f"{name}.jsonl")))
     total = sum(len(w[3]) for w in work)
     done = sum(len({r["index"] for r in w[5].records}) for w in work)
     if done:
@@ -272,7 +273,7 @@ def run_eval(
         VerifierPool(PoolConfig(num_workers=options.workers)) as pool,
         Progress(total, desc="eval", unit="problem", initial=done, log=log, bar=bar) as bar_,
     ):
-        for name, rows, ids, kept, n, chunks in work:
+        for name, _, encoded, kept, n, chunks in work:
             size = protocol["chunk"][name]
             have = {r["index"] for r in chunks.records}
             right = sum(r["correct"] for r in chunks.records)
@@ -285,8 +286,7 @@ def run_eval(
                 results = score_problems(
                     driver,
                     params,
-                    [rows[kept[i]] for i in part],
-                    [ids[i] for i in part],
+                    [encoded[i] for i in part],
                     tokenizer,
                     num_samples=n,
                     seed=eval_seed(options.seed, c),

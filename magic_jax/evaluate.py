@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.data import PromptRow, encode_prompts
+from magic_jax.data import PromptRow, tokenize_rows
 
 # Evaluation draws its samples from its own stream, apart from training steps.
 EVAL_SEED_OFFSET = 1_000_003
@@ -120,7 +120,6 @@ def score_problems(
     driver: Any,
     params: Any,
     rows: Sequence[PromptRow],
-    prompts: Sequence[np.ndarray],
     tokenizer: Any,
     *,
     num_samples: int,
@@ -131,16 +130,13 @@ def score_problems(
     pool: Any = None,
     keep_responses: bool = False,
 ) -> list[ProblemResult]:
-    """Samples ``num_samples`` responses per prompt and verifies them.
-
-    Each finished response goes to the pool at once, while the others still
-    decode. Sample j of prompt p draws with ``fold_in(seed, step, p, j, t)``.
+    """Samples ``num_samples`` responses per problem and verifies them (``scoring.score_groups``).
 
     Args:
       driver: a ``RolloutDriver`` (its engine's sampling settings apply).
       params: parameters in the engine's layout.
-      rows: the problems; ``prompts`` their token ids ([P_i] int32 each).
-      tokenizer: decodes responses (``decode(ids, skip_special_tokens=True)``).
+      rows: the problems, tokenised (``data.tokenize_rows``).
+      tokenizer: decodes responses.
       num_samples: n.
       seed / step: sampling keys.
       indices: each row's position in its data set (default 0, 1, ...).
@@ -151,56 +147,35 @@ def score_problems(
     Returns:
       One ``ProblemResult`` per row, in order.
     """
-    from magic_jax.rewards import RewardItem, compute_reward
+    from magic_jax.scoring import score_groups
 
     if indices is None:
         indices = range(len(rows))
-    texts: dict[tuple[int, int], str] = {}
-    pending: dict[tuple[int, int], Any] = {}
-
-    def submit(s):
-        text = tokenizer.decode(s.tokens, skip_special_tokens=True)
-        texts[s.prompt_index, s.sample_index] = text
-        item = RewardItem.from_row(rows[s.prompt_index].as_verl_row(), text)
-        key = s.prompt_index, s.sample_index
-        pending[key] = pool.submit(item) if pool is not None else compute_reward(item)
-
-    samples, _ = driver.run(
+    groups, _, _ = score_groups(
+        driver,
         params,
-        list(prompts),
+        rows,
+        tokenizer=tokenizer,
         num_samples=num_samples,
         seed=seed,
         step=step,
+        pool=pool,
         max_new_tokens=max_new_tokens,
-        on_sample=submit,
+        keep_texts=keep_responses,
     )
-    keys = [(s.prompt_index, s.sample_index) for s in samples]
-    for s, key in zip(samples, keys):
-        if key not in pending:  # a driver that does not hand samples out early
-            submit(s)
-    if pool is not None:
-        results = pool.collect([pending[k] for k in keys])
-    else:
-        results = [pending[k] for k in keys]
-    of_prompt: dict[int, list[int]] = collections.defaultdict(list)
-    for i, k in enumerate(keys):  # samples come ordered by (prompt, sample)
-        of_prompt[k[0]].append(i)
-    out = []
-    for p, row in enumerate(rows):
-        mine = of_prompt[p]
-        out.append(
-            ProblemResult(
-                index=int(indices[p]),
-                uid=row.uid,
-                data_source=row.data_source,
-                rewards=tuple(float(results[i].reward) for i in mine),
-                statuses=tuple(results[i].status.value for i in mine),
-                lengths=tuple(int(samples[i].length) for i in mine),
-                truncated=tuple(bool(samples[i].truncated) for i in mine),
-                responses=tuple(texts[keys[i]] for i in mine) if keep_responses else None,
-            )
+    return [
+        ProblemResult(
+            index=int(i),
+            uid=row.uid,
+            data_source=row.data_source,
+            rewards=tuple(float(r) for r in g.rewards),
+            statuses=tuple(r.status.value for r in g.results),
+            lengths=tuple(int(s.length) for s in g.samples),
+            truncated=tuple(bool(s.truncated) for s in g.samples),
+            responses=None if g.texts is None else tuple(g.texts),
         )
-    return out
+        for i, row, g in zip(indices, rows, groups)
+    ]
 
 
 def summarize(problems: Sequence[ProblemResult]) -> dict[str, Any]:
@@ -288,7 +263,8 @@ def evaluate(
     Args:
       driver: a ``RolloutDriver`` (its engine's sampling settings apply).
       params: parameters in the engine's layout.
-      rows: the evaluation problems.
+      rows: the evaluation problems; those without ``token_ids`` are tokenised
+        here (a job that evaluates often tokenises them once, ``data.tokenize_rows``).
       tokenizer: a Hugging Face tokenizer (or anything ``encode_prompts`` takes,
         with ``decode``).
       num_samples: n of avg@n.
@@ -301,14 +277,17 @@ def evaluate(
       ``summarize``'s table plus ``pass_at_n``, ``by_source`` (avg@n per
       ``data_source``) and ``skipped_long_prompts``.
     """
-    ids, kept = encode_prompts(rows, tokenizer, max_prompt_length=max_prompt_length)
+    given = len(rows)
+    if any(r.token_ids is None for r in rows):
+        rows, kept = tokenize_rows(rows, tokenizer, max_prompt_length=max_prompt_length)
+    else:
+        rows, kept = list(rows), list(range(len(rows)))
     if not kept:
         raise ValueError("evaluate: no problem fits max_prompt_length")
     problems = score_problems(
         driver,
         params,
-        [rows[i] for i in kept],
-        ids,
+        rows,
         tokenizer,
         num_samples=num_samples,
         seed=eval_seed(seed),
@@ -325,7 +304,7 @@ def evaluate(
         **table,
         "pass_at_n": table["pass_at_k"][str(num_samples)],
         "by_source": {k: float(np.mean(v)) for k, v in sorted(by_source.items())},
-        "skipped_long_prompts": len(rows) - len(kept),
+        "skipped_long_prompts": given - len(kept),
     }
 
 
@@ -381,31 +360,3 @@ def load_model_any(
         cfg = yaml.safe_load(run_config.read_text()) or {}
         tok = cfg.get("tokenizer") or cfg.get("model")
     return LoadedModel(model, tok, source, str(ckpt), step)
-
-
-def make_driver(
-    model: Any,
-    *,
-    max_prompt_length: int,
-    max_response_length: int,
-    sampling: Any,
-    max_concurrent_decodes: int,
-    decode_steps: int,
-    mesh: Any = None,
-) -> Any:
-    """A ``RolloutDriver`` over a fresh engine with these shapes and sampling."""
-    from magic_jax.engine import Engine, EngineConfig
-    from magic_jax.rollout import RolloutDriver
-
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_concurrent_decodes=max_concurrent_decodes,
-            max_prefill_length=max_prompt_length,
-            max_decode_length=max_response_length,
-            decode_steps=decode_steps,
-            sampling=sampling,
-        ),
-        mesh=mesh,
-    )
-    return RolloutDriver(engine)

@@ -6,13 +6,14 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from flax import nnx
 
 from magic_jax.engine import DecodeState, Engine, Prefix, StepOutput
+from magic_jax.sampling import SamplingConfig
 
 Truncation = Literal["no_eos", "length"]
 
@@ -301,3 +302,40 @@ class RolloutDriver:
             length=length,
             finish_reason="eos" if hit_eos else "length",
         )
+
+
+def make_driver(
+    model: Any,
+    *,
+    max_prompt_length: int,
+    max_response_length: int,
+    sampling: SamplingConfig,
+    max_concurrent_decodes: int = 32,
+    decode_steps: int = 64,
+    dtype: str | None = None,
+    mesh: Any = None,
+) -> RolloutDriver:
+    """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
+
+    Training (one per stage and one for its evaluations) and the evaluation
+    commands all build their engines here.
+
+    Args:
+      model: the policy (``Qwen2``); its graph and shapes, not its weights, are used.
+      max_prompt_length / max_response_length: the engine's limits.
+      sampling: the sampling strategy.
+      max_concurrent_decodes / decode_steps: see ``EngineConfig``.
+      dtype: ``EngineConfig.dtype`` (None: the model's).
+      mesh: the device mesh (None: one device).
+    """
+    from magic_jax.engine import EngineConfig
+
+    config = EngineConfig(
+        max_concurrent_decodes=max_concurrent_decodes,
+        max_prefill_length=max_prompt_length,
+        max_decode_length=max_response_length,
+        decode_steps=decode_steps,
+        sampling=sampling,
+        dtype=dtype,
+    )
+    return RolloutDriver(Engine(model, config, mesh=mesh))

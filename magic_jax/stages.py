@@ -86,7 +86,7 @@ def build_stage(
     *,
     graphdef: Any,
     mesh: Any,
-    make_engine: Callable[[int], Any],
+    make_driver: Callable[[int], Any],
 ) -> Stage:
     """Builds stage ``index``: its prompts, prompt order, rollout driver and updater.
 
@@ -97,23 +97,22 @@ def build_stage(
       excluded: uids online filtering has dropped so far.
       graphdef: the policy's ``nnx.GraphDef``.
       mesh: the training mesh, or None.
-      make_engine: response limit T -> a decode engine with the run's slots and sampling.
+      make_driver: response limit T -> a rollout driver with the run's slots and sampling.
     """
     import jax
 
-    from magic_jax.rollout import RolloutDriver
     from magic_jax.train_step import PolicyUpdater
 
     st = config.stages[index]
     kept = online_filter(rows, set(excluded))
     seed = config.seed + 1000 * index
-    # each host reads its own slice of every step's prompts (collect.rollout_groups gathers)
+    # each host reads its own slice of every step's prompts (scoring.score_groups gathers)
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     batches = prompt_batches(kept, st.prompts_per_step, seed=seed, **hosts)
     refill = None
     if config.rollout.refill:
         refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500, **hosts)
-    driver = RolloutDriver(make_engine(st.max_response_length))
+    driver = make_driver(st.max_response_length)
     updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from magic_jax import storage
 from magic_jax.config import ConfigError, TrainConfig, to_dict
-from magic_jax.data import encode_prompts, offline_filter, read_rows
+from magic_jax.data import offline_filter, read_rows, tokenize_rows
 from magic_jax.policy import load_policy, load_tokenizer, reference_params
 from magic_jax.stages import LoopState, Schedule, Stage, build_stage, update_config
 
@@ -89,40 +89,44 @@ class Trainer:
                 d.offline_filter_samples,
                 keep_unrated=d.offline_filter_keep_unrated,
             )
-        _, kept = encode_prompts(rows, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length)
-        if len(kept) < len(rows):
-            self.log(
-                f"[data] {len(rows) - len(kept)} of {len(rows)} prompts are longer than "
-                f"data.max_prompt_length ({cfg.data.max_prompt_length} tokens) and are left out"
+        # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
+        self.rows, _ = self._tokenize(rows, "data.train")
+        if not self.rows:
+            raise ConfigError(
+                f"data.max_prompt_length: all {len(rows)} prompts are longer than "
+                f"{cfg.data.max_prompt_length} tokens"
             )
-            if not kept:
-                raise ConfigError(
-                    f"data.max_prompt_length: all {len(rows)} prompts are longer than "
-                    f"{cfg.data.max_prompt_length} tokens"
-                )
-            rows = [rows[i] for i in kept]
-        self.rows = rows
+        rows = self.rows
         self.log(
             f"[data] {n_read} prompts read, {len(rows)} after filtering; "
             f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
         )
         self._params = params
 
-    def _engine(self, max_response_length: int, sampling: Any = None):
-        """A decode engine with the run's slots and sampling (or ``sampling``), for one limit."""
-        from magic_jax.engine import Engine, EngineConfig
+    def _tokenize(self, rows: list, name: str) -> tuple[list, int]:
+        """``rows`` with their token ids, those longer than data.max_prompt_length left out."""
+        limit = self.config.data.max_prompt_length
+        kept, _ = tokenize_rows(rows, self.tokenizer, max_prompt_length=limit)
+        if len(kept) < len(rows):
+            self.log(
+                f"[data] {name}: {len(rows) - len(kept)} of {len(rows)} prompts are longer "
+                f"than data.max_prompt_length ({limit} tokens) and are left out"
+            )
+        return kept, len(rows) - len(kept)
+
+    def _driver(self, max_response_length: int, sampling: Any = None):
+        """A rollout driver with the run's slots and sampling (or ``sampling``), for one limit."""
+        from magic_jax.rollout import make_driver
 
         cfg = self.config
-        return Engine(
+        return make_driver(
             self.model,
-            EngineConfig(
-                max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-                max_prefill_length=cfg.data.max_prompt_length,
-                max_decode_length=max_response_length,
-                decode_steps=cfg.rollout.decode_steps,
-                sampling=cfg.sampling if sampling is None else sampling,
-                dtype=cfg.rollout.dtype,
-            ),
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=max_response_length,
+            sampling=cfg.sampling if sampling is None else sampling,
+            max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
+            decode_steps=cfg.rollout.decode_steps,
+            dtype=cfg.rollout.dtype,
             mesh=self.mesh,
         )
 
@@ -134,7 +138,7 @@ class Trainer:
             excluded,
             graphdef=self.graphdef,
             mesh=self.mesh,
-            make_engine=self._engine,
+            make_driver=self._driver,
         )
         self.log(stage.describe())
         return stage
@@ -355,16 +359,17 @@ class Trainer:
     ) -> dict[str, Any]:
         """avg@n on the eval set; with ``schedule``, its until rule sees the result."""
         from magic_jax.evaluate import evaluate
-        from magic_jax.rollout import RolloutDriver
 
         cfg, ev = self.config, self.config.eval
         if self._eval_driver is None:
-            self._eval_rows = read_rows(ev.data)
+            self._eval_rows, self._eval_skipped = self._tokenize(read_rows(ev.data), "eval.data")
+            if not self._eval_rows:
+                raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
             sampling = dataclasses.replace(
                 cfg.sampling, temperature=ev.temperature, top_p=ev.top_p, top_k=0, greedy=False
             )
-            self._eval_driver = RolloutDriver(self._engine(limit, sampling))
+            self._eval_driver = self._driver(limit, sampling)
         t0 = time.perf_counter()
         driver = self._eval_driver
         row = evaluate(
@@ -378,6 +383,7 @@ class Trainer:
             step=step,
             pool=pool,
         )
+        row["skipped_long_prompts"] = self._eval_skipped
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
         ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
         if ended is not None:
@@ -396,8 +402,9 @@ class Trainer:
 
         from magic_jax import rundir
         from magic_jax.buffer import pack_rollouts
-        from magic_jax.collect import collect_groups, flatten, rollout_groups
+        from magic_jax.collect import collect_groups, flatten
         from magic_jax.rewards import status_counts
+        from magic_jax.scoring import score_groups
 
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
@@ -409,14 +416,13 @@ class Trainer:
                 rows = stage.batches[k]
             else:
                 rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
-            groups, stats, wait = rollout_groups(
+            groups, stats, wait = score_groups(
                 stage.driver,
                 params,
                 rows,
                 tokenizer=self.tokenizer,
                 pool=pool,
-                group_size=st.group_size,
-                max_prompt_length=cfg.data.max_prompt_length,
+                num_samples=st.group_size,
                 # refill rounds draw other keys than round 0's prompts of the same indices
                 seed=cfg.seed + 7919 * r,
                 step=step,
@@ -445,7 +451,7 @@ class Trainer:
             rewards,
             group_size=st.group_size,
             num_groups=st.prompts_per_step,
-            advantage=cfg.advantage,
+            advantages=np.concatenate(got.advantages),
             prompt_bucket=min(64, cfg.data.max_prompt_length),
             response_bucket=min(256, st.max_response_length),
             pad_id=self.pad_id,

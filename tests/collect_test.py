@@ -7,7 +7,7 @@ import pytest
 
 from magic_jax.advantages import AdvantageConfig
 from magic_jax.buffer import pack_rollouts
-from magic_jax.collect import Group, collect_groups, flatten, mixed_groups
+from magic_jax.collect import collect_groups, flatten, mixed_groups
 from magic_jax.config import (
     ConfigError,
     DataConfig,
@@ -17,6 +17,7 @@ from magic_jax.config import (
     UntilConfig,
     load_config,
 )
+from magic_jax.scoring import Group
 from magic_jax.stages import Schedule
 from magic_jax.testing import Sample
 
@@ -78,6 +79,29 @@ def test_refill_stops_at_the_cap_and_fills_with_unmixed_groups():
     samples, rewards = flatten(got.groups)
     buf = pack_rollouts(samples, rewards, group_size=G, num_groups=D_R, response_bucket=8)
     assert buf.group_keep().tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("mask", ["none", "before", "after"])
+def test_the_collected_advantages_are_the_buffers(mask):
+    """The advantages computed once at collection are those the buffer would compute."""
+    table = [[MIXED, [1, 1, 0, 0], ALL_RIGHT, [0, 1, 1, 1]]]
+    sample_round, _ = _script(table)
+
+    def with_truncation(r):  # the last response of each group hits the limit
+        groups = sample_round(r)
+        for g in groups:
+            g.samples[-1] = dataclasses.replace(g.samples[-1], truncated=True)
+        return groups
+
+    adv = AdvantageConfig(mask=mask)
+    got = collect_groups(with_truncation, num_groups=D_R, advantage=adv)
+    samples, rewards = flatten(got.groups)
+    kw = dict(group_size=G, num_groups=D_R, response_bucket=8)
+    given = pack_rollouts(samples, rewards, advantages=np.concatenate(got.advantages), **kw)
+    computed = pack_rollouts(samples, rewards, advantage=adv, **kw)
+    np.testing.assert_allclose(given.advantages, computed.advantages, rtol=1e-6, atol=1e-6)
+    assert given.keep.tolist() == computed.keep.tolist()
+    assert got.mixed == int(computed.group_keep().sum())
 
 
 def test_without_refill_the_step_keeps_its_own_groups():
@@ -167,13 +191,13 @@ def test_new_options_are_checked_at_load(override, message):
         load_config(raw=raw, overrides=[override])
 
 
-# --------------------------------------------------------------------------- rollout_groups
+# --------------------------------------------------------------------------- score_groups
 
 
 class _Driver:
     """Scripted responses: sample j of prompt p is the digit (p + j) % 3; finishes last first."""
 
-    def run(self, params, prompts, *, num_samples, seed, step, truncation, on_sample):
+    def run(self, params, prompts, *, num_samples, seed, step, truncation, on_sample, **kw):
         out = [
             Sample(p, j, np.asarray(x, np.int32), np.asarray([(p + j) % 3], np.int32),
                    np.zeros(1, np.float32), np.zeros(1, np.float32), False, 1)
@@ -214,20 +238,21 @@ class _Pool:
         return [RewardResult.of(status(self.items[t])) for t in tickets]
 
 
-def test_rollout_groups_per_host_in_one_process_equals_the_plain_path():
+def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     """The multi-host path (gathers, own-prompt scoring, gathered verdicts) with one host:
     the same groups, every sample scored once. tests/multihost_test.py runs it on two."""
-    from magic_jax.collect import rollout_groups
-    from magic_jax.data import parse_row
+    from magic_jax.data import parse_row, tokenize_rows
+    from magic_jax.scoring import score_groups
     from magic_jax.testing import sums_rows
 
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(sums_rows(5, seed=1))]
+    rows, _ = tokenize_rows(rows, _Tokenizer(), max_prompt_length=64)
     got = {}
     for per_host in (False, True):
         pool = _Pool()
-        groups, stats, _ = rollout_groups(
-            _Driver(), None, rows, tokenizer=_Tokenizer(), pool=pool, group_size=3,
-            max_prompt_length=64, seed=0, step=0, per_host=per_host,
+        groups, stats, _ = score_groups(
+            _Driver(), None, rows, tokenizer=_Tokenizer(), pool=pool, num_samples=3,
+            seed=0, step=0, per_host=per_host,
         )  # fmt: skip
         assert stats == "stats" and len(pool.items) == 15
         got[per_host] = [

@@ -153,6 +153,7 @@ class _ScriptedDriver:
                         finish_reason="length" if j == 2 else "eos",
                     )
                 )
+                kw["on_sample"](out[-1])
         return out, None
 
 

@@ -1,0 +1,215 @@
+"""Sampling and scoring: G responses per prompt, each sent to the verifiers as it ends.
+
+This is the one path from prompts to rewarded responses. Training's rollouts
+(``collect``) and evaluation (``evaluate``, ``magic-jax eval``, ``magic-jax
+difficulty``) all call ``score_groups``: the driver decodes, every finished
+response is decoded to text and submitted to the verifier pool at once, while
+the others still decode, and the results come back grouped by prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Group:
+    """The G responses to one prompt and their rewards.
+
+    Attributes:
+      row: the prompt (a ``PromptRow``; a ``RemotePrompt`` for another host's
+        prompt in a multi-host run; anything for tests).
+      samples: G sample records (``rollout.Sample`` or duck-typed alike), in sample order.
+      rewards: [G] float32.
+      results: the verifier results (statuses, details), or None.
+      texts: the decoded responses, when kept.
+    """
+
+    row: Any
+    samples: list[Any]
+    rewards: np.ndarray
+    results: list[Any] | None = None
+    texts: list[str] | None = None
+
+    @property
+    def truncated(self) -> np.ndarray:
+        return np.asarray([bool(s.truncated) for s in self.samples])
+
+
+@dataclasses.dataclass(frozen=True)
+class RemotePrompt:
+    """A prompt another host read: only its uid is known here (online filtering's key)."""
+
+    uid: str
+
+
+class _InProcess:
+    """The pool interface over ``compute_reward`` in this thread (no worker processes)."""
+
+    def __init__(self):
+        self._results: list[Any] = []
+
+    def submit(self, item: Any) -> int:
+        from magic_jax.rewards import compute_reward
+
+        self._results.append(compute_reward(item))
+        return len(self._results) - 1
+
+    def collect(self, tickets: Sequence[int]) -> list[Any]:
+        return [self._results[t] for t in tickets]
+
+
+def score_groups(
+    driver: Any,
+    params: Any,
+    rows: Sequence[Any],
+    *,
+    tokenizer: Any,
+    num_samples: int,
+    seed: int,
+    step: int = 0,
+    pool: Any = None,
+    max_new_tokens: int | None = None,
+    truncation: str = "no_eos",
+    on_sample: Callable[[Any], None] | None = None,
+    keep_texts: bool = False,
+    per_host: bool = False,
+) -> tuple[list[Group], Any, float]:
+    """Samples ``num_samples`` responses to each row and verifies them.
+
+    Args:
+      driver: a ``RolloutDriver`` (its engine's sampling settings apply);
+        ``params`` its engine's weights.
+      rows: the prompts, tokenised (``data.tokenize_rows`` set their ``token_ids``).
+      tokenizer: decodes responses (``decode(ids, skip_special_tokens=True)``).
+      num_samples: G.
+      seed / step: sample j of prompt p draws token t with ``fold_in(seed, step, p, j, t)``.
+      pool: a ``VerifierPool``; None verifies in this thread (it must be the
+        main thread: the verifiers' timeouts use SIGALRM).
+      max_new_tokens: response limit (default: the engine's).
+      truncation: ``RolloutConfig.truncation``.
+      on_sample: called with each finished sample after its submission.
+      keep_texts: keep the decoded responses in ``Group.texts``.
+      per_host: ``rows`` is this process's slice of the step's prompts in a
+        multi-host run (see ``_gather``).
+
+    Returns:
+      (one group per row, in order; the driver's ``RolloutStats``; seconds spent
+      waiting for the verifiers after decoding ended).
+
+    Raises:
+      ValueError: a row without ``token_ids``.
+    """
+    from magic_jax.rewards import RewardItem
+
+    missing = [r.uid for r in rows if getattr(r, "token_ids", None) is None]
+    if missing:
+        raise ValueError(
+            f"score_groups: rows {missing[:3]} have no token_ids (tokenise them with "
+            f"data.tokenize_rows)"
+        )
+    pool = _InProcess() if pool is None else pool
+    ids = [np.asarray(r.token_ids, np.int32) for r in rows]
+    first, labels = 0, list(rows)
+    if per_host:
+        ids, first, labels = _gather(rows, ids)
+    mine = range(first, first + len(rows))
+    tickets: dict[tuple[int, int], int] = {}
+    texts: dict[tuple[int, int], str] = {}
+
+    def submit(s: Any) -> None:
+        if s.prompt_index in mine:  # in a multi-host run the other hosts score theirs
+            text = tokenizer.decode(s.tokens, skip_special_tokens=True)
+            item = RewardItem.from_row(rows[s.prompt_index - first].as_verl_row(), text)
+            tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+            if keep_texts:
+                texts[s.prompt_index, s.sample_index] = text
+        if on_sample is not None:
+            on_sample(s)
+
+    samples, stats = driver.run(
+        params,
+        ids,
+        num_samples=num_samples,
+        seed=seed,
+        step=step,
+        max_new_tokens=max_new_tokens,
+        truncation=truncation,
+        on_sample=submit,
+    )
+    t0 = time.perf_counter()
+    local = [s for s in samples if s.prompt_index in mine]
+    results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in local])
+    wait = time.perf_counter() - t0
+    if per_host:
+        results = _share_results(samples, local, results)
+    by_prompt: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):  # samples come ordered by (prompt, sample)
+        by_prompt.setdefault(s.prompt_index, []).append(i)
+    groups = []
+    for p, idx in sorted(by_prompt.items()):
+        keys = [(samples[i].prompt_index, samples[i].sample_index) for i in idx]
+        groups.append(
+            Group(
+                labels[p],
+                [samples[i] for i in idx],
+                np.asarray([results[i].reward for i in idx], np.float32),
+                [results[i] for i in idx],
+                [texts[k] for k in keys] if keep_texts and p in mine else None,
+            )
+        )
+    return groups, stats, wait
+
+
+def _gather(rows: Sequence[Any], ids: list[np.ndarray]) -> tuple[list[np.ndarray], int, list]:
+    """A multi-host step's whole prompt list, as every process must decode it.
+
+    Every process learns the whole step's prompts (their token ids and uids,
+    gathered in process order, which is the one-host order), so all of them run
+    the same decode programs on the same global batch; each sends only its own
+    prompts' samples to its own verifier pool (``_share_results`` then gathers
+    the rewards), so every process returns the groups one host would. Hosts
+    hold contiguous slices: this host's prompt i is the step's prompt first + i.
+
+    Returns:
+      (every prompt's ids, the index of this host's first prompt, the groups'
+      ``row`` labels: this host's rows, ``RemotePrompt`` for the others').
+    """
+    import jax
+
+    from magic_jax import distributed
+
+    counts = [int(c[0]) for c in distributed.allgather_ragged([[len(ids)]], np.int32)]
+    first = sum(counts[: jax.process_index()])
+    all_ids = distributed.allgather_ragged(ids, np.int32)
+    uids = distributed.allgather_strings([r.uid for r in rows])
+    labels = [
+        rows[p - first] if first <= p < first + len(rows) else RemotePrompt(uid)
+        for p, uid in enumerate(uids)
+    ]
+    return all_ids, first, labels
+
+
+def _share_results(samples: Sequence[Any], local: Sequence[Any], results: Sequence[Any]) -> list:
+    """Every sample's result on every host: the statuses, gathered in process order.
+
+    Samples come in (prompt, sample) order and the hosts' prompts are contiguous,
+    so the gathered statuses line up with ``samples``. A reward is a function of
+    its status; the verifier's detail stays on the host that scored it.
+    """
+    from magic_jax import distributed
+    from magic_jax.rewards import RewardResult, RewardStatus
+
+    statuses = list(RewardStatus)
+    codes = np.asarray([statuses.index(r.status) for r in results], np.int32)
+    gathered = np.concatenate(distributed.allgather_ragged([codes], np.int32))
+    own = {(s.prompt_index, s.sample_index): r for s, r in zip(local, results)}
+    return [
+        own.get((s.prompt_index, s.sample_index)) or RewardResult.of(statuses[int(c)])
+        for s, c in zip(samples, gathered)
+    ]
