@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax import sampling as sampling_lib
-from magic_jax.model import KVCache, Qwen2, abstract_model, apply_rope, check_unroll
+from magic_jax.model import KVCache, Qwen2, abstract_model, check_unroll
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 
@@ -337,9 +337,10 @@ def decode_forward(
 ) -> tuple[jax.Array, KVCache]:
     """The model's forward for one new token per row, with the decode attention above.
 
-    Every module (embedding, projections, RoPE, norms, MLP, unembedding) is the
-    model's own and the layers run through ``model.run_layers`` (one scan over
-    the stacked layers); only the attention product is arranged for T = 1.
+    The layers are the model's own ``DecoderLayer`` (run through
+    ``model.run_layers``, one scan over the stacked layers), given the decode
+    attention product (arranged for T = 1) as their ``attend``; the embedding,
+    norms and unembedding are the model's too.
     Finished rows (``~live_B``) write a padding entry (pos -1) and do not advance.
     ``unembed_VD``, when given, is the model's unembedding stored transposed,
     [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
@@ -351,42 +352,34 @@ def decode_forward(
       (logits [B, V], the cache with the token written).
     """
     cfg = model.config
-    b = tokens_B.shape[0]
-    kh, g, h = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size
     pos_B = cache.next_positions()
     at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
     pos_BS = _write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
     allowed_BS = pos_BS >= 0
 
-    def layer_fn(layer, x_BD, xs):
+    def layer_fn(layer, x_B1D, xs):
         window, k_BSKH, v_BSKH = xs
-        attn = layer.self_attn
-        y_BD = layer.input_layernorm(x_BD)
-        q_BKGH = apply_rope(
-            attn.q_proj(y_BD).reshape(b, 1, kh, g, h), pos_B[:, None], cfg.rope_theta
-        )
-        k_BKH = apply_rope(attn.k_proj(y_BD).reshape(b, 1, kh, h), pos_B[:, None], cfg.rope_theta)[
-            :, 0
-        ]
-        v_BKH = attn.v_proj(y_BD).reshape(b, kh, h)
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
-        out_BKGH = _decode_attention(
-            q_BKGH[:, 0],
-            _write_slot(k_BSKH, k_BKH, at_B),
-            _write_slot(v_BSKH, v_BKH, at_B),
-            mask_BS,
-        )
-        x_BD = x_BD + attn.o_proj(out_BKGH.reshape(b, kh * g * h).astype(x_BD.dtype))
-        x_BD = x_BD + layer.mlp(layer.post_attention_layernorm(x_BD))
-        # Only the new token's key and value leave the layer: returning the whole
-        # updated cache slice would copy every layer's cache each step.
-        return x_BD, (k_BKH, v_BKH)
 
-    x_BD = model.embed_tokens(tokens_B[:, None])[:, 0]
-    x_BD, (k_LBKH, v_LBKH) = model.run_layers(
-        layer_fn, x_BD, (model.layer_windows(), cache.k, cache.v), unroll=layer_unroll
+        def attend(q_B1KGH, k_B1KH, v_B1KH):
+            k_BKH, v_BKH = k_B1KH[:, 0], v_B1KH[:, 0]
+            out_BKGH = _decode_attention(
+                q_B1KGH[:, 0],
+                _write_slot(k_BSKH, k_BKH, at_B),
+                _write_slot(v_BSKH, v_BKH, at_B),
+                mask_BS,
+            )
+            # Only the new token's key and value leave the layer: returning the whole
+            # updated cache slice would copy every layer's cache each step.
+            return out_BKGH[:, None], (k_BKH, v_BKH)
+
+        return layer(x_B1D, pos_B[:, None], attend)
+
+    x_B1D = model.embed_tokens(tokens_B[:, None])
+    x_B1D, (k_LBKH, v_LBKH) = model.run_layers(
+        layer_fn, x_B1D, (model.layer_windows(), cache.k, cache.v), unroll=layer_unroll
     )
-    x_BD = model.norm(x_BD)
+    x_BD = model.norm(x_B1D[:, 0])
     dt = jnp.dtype(cfg.dtype)
     if unembed_VD is None:
         logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))

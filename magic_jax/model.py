@@ -455,6 +455,58 @@ def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, win
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
 
 
+def sequence_attention(
+    q_BTKGH,
+    k_BTKH,
+    v_BTKH,
+    *,
+    cache_kv,
+    positions_BT,
+    q_slot_BT,
+    key_pos_BS,
+    write_at_B,
+    window,
+    chunk,
+):
+    """The model's attention over a sequence: the T new keys and values are written
+    into the cache (when there is one) and every query attends to what it holds.
+
+    ``window`` is the layer's sliding window: None (full attention), an int, or a
+    traced () int32 when the window is per-layer data under the scan. ``chunk``
+    (``ModelConfig.attention_chunk``): longer sequences attend one query chunk at
+    a time, rematerialised in the backward pass, so the scores take [B, N, c, S]
+    memory rather than [B, N, T, S].
+
+    Returns:
+      (out [B, T, K, G, H], the layer's updated (k, v) cache, or the new keys and
+      values without a cache).
+    """
+    if cache_kv is None:
+        k_BSKH, v_BSKH = k_BTKH, v_BTKH
+    else:
+        k_BSKH = _write_rows(cache_kv[0], k_BTKH, write_at_B)
+        v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
+    attend = functools.partial(
+        _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=window
+    )
+    b, t = q_BTKGH.shape[:2]
+    if not chunk or t <= chunk:
+        return attend(q_BTKGH, q_slot_BT, positions_BT), (k_BSKH, v_BSKH)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(
+        jax.checkpoint(lambda a: attend(*a)),
+        (chunks(q_BTKGH), chunks(q_slot_BT), chunks(positions_BT)),
+    )
+    out_BTKGH = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *q_BTKGH.shape[2:])[:, :t]
+    return out_BTKGH, (k_BSKH, v_BSKH)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with q/k/v biases and RoPE."""
 
@@ -468,14 +520,14 @@ class Attention(nnx.Module):
         self.o_proj = Linear(n * h, d, bias=False, names=("q_heads", "embed"), **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
-        self.attention_chunk = config.attention_chunk
 
-    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B, window):
-        """Attends queries at cache slots ``q_slot_BT`` to the keys held in the cache.
+    def __call__(self, x_BTD, positions_BT, attend):
+        """Projects, rotates, attends with ``attend`` and projects back.
 
-        ``window`` is this layer's sliding window: None (full attention), an int,
-        or a traced () int32 when the window is per-layer data under the scan.
-        Returns the output [B, T, D] and the updated (k, v) of this layer.
+        ``attend(q_BTKGH, k_BTKH, v_BTKH) -> (out_BTKGH, kv)`` is where the keys
+        and values go: ``sequence_attention`` for a forward over a sequence, the
+        engine's one-token product for decode. Returns the output [B, T, D] and
+        the ``kv`` ``attend`` gave.
         """
         b, t, _ = x_BTD.shape
         kh, g, h = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -484,36 +536,9 @@ class Attention(nnx.Module):
         v_BTKH = self.v_proj(x_BTD).reshape(b, t, kh, h)
         q_BTKGH = apply_rope(q_BTKGH, positions_BT, self.rope_theta)
         k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_theta)
-
-        if cache_kv is None:
-            k_BSKH, v_BSKH = k_BTKH, v_BTKH
-        else:
-            k_BSKH = _write_rows(cache_kv[0], k_BTKH, write_at_B)
-            v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
-
-        attend = functools.partial(
-            _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=window
-        )
-        c = self.attention_chunk
-        if not c or t <= c:
-            out_BTKGH = attend(q_BTKGH, q_slot_BT, positions_BT)
-        else:
-            # Long sequences: one query chunk at a time, rematerialised in the backward
-            # pass, so scores take [B, N, c, S] memory rather than [B, N, T, S].
-            n = -(-t // c)
-            pad = n * c - t
-
-            def chunks(x):
-                x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
-                return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
-
-            out = jax.lax.map(
-                jax.checkpoint(lambda a: attend(*a)),
-                (chunks(q_BTKGH), chunks(q_slot_BT), chunks(positions_BT)),
-            )
-            out_BTKGH = jnp.moveaxis(out, 0, 1).reshape(b, n * c, kh, g, h)[:, :t]
-        out = self.o_proj(out_BTKGH.reshape(b, t, kh * g * h))
-        return out, (k_BSKH, v_BSKH)
+        out_BTKGH, kv = attend(q_BTKGH, k_BTKH, v_BTKH)
+        out = self.o_proj(out_BTKGH.reshape(b, t, kh * g * h).astype(x_BTD.dtype))
+        return out, kv
 
 
 class MLP(nnx.Module):
@@ -539,16 +564,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config=config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, q_slot_BT, cache_kv, key_pos_BS, write_at_B, window):
-        attn, new_kv = self.self_attn(
-            self.input_layernorm(x_BTD),
-            positions_BT,
-            q_slot_BT,
-            cache_kv,
-            key_pos_BS,
-            write_at_B,
-            window,
-        )
+    def __call__(self, x_BTD, positions_BT, attend):
+        """The layer on [B, T, D]; ``attend`` as in ``Attention``. Returns (x, its kv)."""
+        attn, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, attend)
         x_BTD = x_BTD + attn
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD, new_kv
@@ -700,7 +718,17 @@ class Qwen2(nnx.Module):
 
         def layer_fn(layer, x_BTD, xs):
             window, kv = xs
-            x_BTD, new_kv = layer(x_BTD, positions, q_slot_BT, kv, key_pos_BS, write_at_B, window)
+            attend = functools.partial(
+                sequence_attention,
+                cache_kv=kv,
+                positions_BT=positions,
+                q_slot_BT=q_slot_BT,
+                key_pos_BS=key_pos_BS,
+                write_at_B=write_at_B,
+                window=window,
+                chunk=self.config.attention_chunk,
+            )
+            x_BTD, new_kv = layer(x_BTD, positions, attend)
             # Without a cache nothing leaves the layer but x: the keys and values of
             # every layer would otherwise be stacked as outputs.
             return x_BTD, (None if kv is None else new_kv)
