@@ -33,7 +33,8 @@ from magic_jax.engine import Engine, EngineConfig, decode_chunk_fn
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.sampling import SamplingConfig
 from magic_jax.testing import Sample
-from magic_jax.train_step import PolicyUpdater, UpdateConfig
+from magic_jax.train_state import UpdateConfig
+from magic_jax.updater import PolicyUpdater
 
 PROMPT, RESPONSE, GROUPS, G = 16, 48, 2, 4
 

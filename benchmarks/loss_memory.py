@@ -29,7 +29,9 @@ import numpy as np
 from magic_jax.buffer import RolloutBuffer
 from magic_jax.entropy import token_logprobs_and_entropy, token_logprobs_and_entropy_naive
 from magic_jax.losses import LossConfig, policy_loss
-from magic_jax.train_step import OptimizerConfig, PolicyUpdater, UpdateConfig
+from magic_jax.optim import OptimizerConfig
+from magic_jax.train_state import UpdateConfig
+from magic_jax.updater import PolicyUpdater
 
 GIB = 2**30
 

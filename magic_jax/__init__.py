@@ -25,8 +25,8 @@ _LAZY = {
     "EngineConfig": "magic_jax.engine",
     "RolloutDriver": "magic_jax.rollout",
     "SamplingConfig": "magic_jax.sampling",
-    "PolicyUpdater": "magic_jax.train_step",
-    "UpdateConfig": "magic_jax.train_step",
+    "PolicyUpdater": "magic_jax.updater",
+    "UpdateConfig": "magic_jax.train_state",
     "VerifierPool": "magic_jax.rewards",
 }
 

@@ -300,12 +300,8 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     from magic_jax.model import abstract_model
     from magic_jax.sharding import TRAIN_RULES, model_shardings
     from magic_jax.stages import update_config
-    from magic_jax.train_step import (
-        TrainState,
-        default_update_layer_unroll,
-        make_optimizer,
-        opt_state_shardings,
-    )
+    from magic_jax.train_state import TrainState, opt_state_shardings
+    from magic_jax.train_step import default_update_layer_unroll, make_optimizer
 
     # the update as it compiles on the slice's platform, not this host's
     platform = mesh.devices.flat[0].platform

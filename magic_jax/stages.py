@@ -61,7 +61,7 @@ class Stage:
 
 def update_config(config: TrainConfig, index: int) -> Any:
     """The ``UpdateConfig`` of stage ``index``: its D_T and KL weight, the run's other options."""
-    from magic_jax.train_step import UpdateConfig
+    from magic_jax.train_state import UpdateConfig
 
     st = config.stages[index]
     return UpdateConfig(
@@ -101,7 +101,7 @@ def build_stage(
     """
     import jax
 
-    from magic_jax.train_step import PolicyUpdater
+    from magic_jax.updater import PolicyUpdater
 
     st = config.stages[index]
     kept = online_filter(rows, set(excluded))

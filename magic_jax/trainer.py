@@ -226,7 +226,7 @@ class Trainer:
         )
         from magic_jax.monitor import Monitor
         from magic_jax.rewards import VerifierPool
-        from magic_jax.train_step import init_train_state
+        from magic_jax.train_state import init_train_state
 
         cfg = self.config
         self._setup()

@@ -107,7 +107,8 @@ def _update_inputs():
 def test_update_step_matches_the_cpu(gpu):
     pytest.importorskip("optax")
     from magic_jax.losses import LossConfig
-    from magic_jax.train_step import PolicyUpdater, UpdateConfig
+    from magic_jax.train_state import UpdateConfig
+    from magic_jax.updater import PolicyUpdater
 
     cfg = ModelConfig(
         vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -56,7 +56,8 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     from magic_jax.losses import LossConfig
     from magic_jax.optim import OptimizerConfig
     from magic_jax.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
-    from magic_jax.train_step import PolicyUpdater, UpdateConfig
+    from magic_jax.train_state import UpdateConfig
+    from magic_jax.updater import PolicyUpdater
 
     assert jax.device_count() == 8 and jax.process_count() == num_processes
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))

@@ -20,15 +20,9 @@ from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.optim import OptimizerConfig
 from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh
 from magic_jax.testing import Sample, assert_fp32_close
-from magic_jax.train_step import (
-    PolicyUpdater,
-    TrainState,
-    UpdateConfig,
-    init_train_state,
-    live_first,
-    loss_and_grads,
-    train_step,
-)
+from magic_jax.train_state import TrainState, UpdateConfig, init_train_state
+from magic_jax.train_step import live_first, loss_and_grads, train_step
+from magic_jax.updater import PolicyUpdater
 
 V, G = 64, 4
 CFG = ModelConfig(

@@ -19,13 +19,9 @@ from magic_jax.losses import LossConfig
 from magic_jax.model import ModelConfig, Qwen2
 from magic_jax.stages import update_config
 from magic_jax.testing import assert_fp32_close
-from magic_jax.train_step import (
-    PolicyUpdater,
-    UpdateConfig,
-    default_update_layer_unroll,
-    loss_and_grads,
-    update_graphdef,
-)
+from magic_jax.train_state import UpdateConfig
+from magic_jax.train_step import default_update_layer_unroll, loss_and_grads, update_graphdef
+from magic_jax.updater import PolicyUpdater
 
 V, G = 64, 4
 CFG = ModelConfig(
