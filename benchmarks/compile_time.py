@@ -29,8 +29,10 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.buffer import pack_rollouts
-from magic_jax.engine import Engine, EngineConfig, decode_chunk_fn
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.decode import decode_chunk_fn
+from magic_jax.engine import Engine, EngineConfig
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.sampling import SamplingConfig
 from magic_jax.testing import Sample
 from magic_jax.train_state import UpdateConfig

@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.engine import Engine, EngineConfig, default_layer_unroll
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
 

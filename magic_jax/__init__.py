@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "ModelConfig": "magic_jax.model",
+    "ModelConfig": "magic_jax.model_config",
     "Qwen2": "magic_jax.model",
     "KVCache": "magic_jax.model",
-    "PRESETS": "magic_jax.model",
+    "PRESETS": "magic_jax.model_config",
     "load_hf": "magic_jax.convert",
     "save_hf": "magic_jax.convert",
     "MeshConfig": "magic_jax.sharding",

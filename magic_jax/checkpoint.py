@@ -29,7 +29,8 @@ from magic_jax import storage
 from magic_jax.rundir import RunDirError, _write_atomic
 
 if TYPE_CHECKING:
-    from magic_jax.model import ModelConfig, Qwen2
+    from magic_jax.model import Qwen2
+    from magic_jax.model_config import ModelConfig
     from magic_jax.sharding import Rules
 
 CONFIG_FILE = "model_config.json"
@@ -81,7 +82,7 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored beside a checkpoint."""
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
 
     cfg_path = storage.path(path) / CONFIG_FILE
     if not cfg_path.exists():

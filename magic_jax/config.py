@@ -23,7 +23,7 @@ from typing import Any, Literal
 from magic_jax.advantages import AdvantageConfig
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
-from magic_jax.model import check_unroll
+from magic_jax.model_config import check_unroll
 from magic_jax.optim import OptimizerConfig
 from magic_jax.rewards.pool import PoolConfig
 from magic_jax.sampling import SamplingConfig

@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from magic_jax.model import ModelConfig, Qwen2, abstract_model
+from magic_jax.model import Qwen2, abstract_model
+from magic_jax.model_config import ModelConfig
 from magic_jax.sharding import TRAIN_RULES, Rules, model_shardings
 
 log = logging.getLogger(__name__)

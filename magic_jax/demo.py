@@ -184,7 +184,8 @@ def build_default(
     from flax import nnx
 
     from magic_jax.convert import save_hf
-    from magic_jax.model import ModelConfig, Qwen2, count_params
+    from magic_jax.model import Qwen2, count_params
+    from magic_jax.model_config import ModelConfig
     from magic_jax.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
     from magic_jax.tasks import addition
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magic_jax.engine import DecodeState, Engine, Prefix, decode_step
+from magic_jax.decode import DecodeState, Prefix, decode_step
+from magic_jax.engine import Engine
 from magic_jax.sampling import SamplingConfig, sample_key
 
 # ----------------------------------------------------------------------------- shim

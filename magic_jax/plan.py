@@ -156,7 +156,7 @@ def resolve_model(model: str, param_dtype: str, preset: str | None = None):
     """
     import json
 
-    from magic_jax.model import PRESETS, ModelConfig
+    from magic_jax.model_config import PRESETS, ModelConfig
 
     dtypes = dict(param_dtype=param_dtype, dtype=param_dtype)
     if preset is not None:
@@ -401,7 +401,7 @@ def plan_stage(
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from magic_jax.engine import decode_step, prefill_fn
+    from magic_jax.decode import decode_step, prefill_fn
     from magic_jax.sharding import BATCH_AXES
     from magic_jax.train_step import loss_and_grads, train_step
 

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from magic_jax.engine import DecodeState, Engine, Prefix, StepOutput
+from magic_jax.decode import DecodeState, Prefix, StepOutput
+from magic_jax.engine import Engine
 from magic_jax.sampling import SamplingConfig
 
 Truncation = Literal["no_eos", "length"]

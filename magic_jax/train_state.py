@@ -20,7 +20,7 @@ from magic_jax.entropy import (
     init_entropy_control,
 )
 from magic_jax.losses import LossConfig
-from magic_jax.model import RematPolicy, check_unroll
+from magic_jax.model_config import RematPolicy, check_unroll
 from magic_jax.optim import OptimizerConfig, make_optimizer
 from magic_jax.sharding import replicated
 

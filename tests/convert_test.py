@@ -189,7 +189,8 @@ _STREAM_SCRIPT = textwrap.dedent("""
 
 def _write_big_checkpoint(path):
     from magic_jax.convert import hf_names
-    from magic_jax.model import ModelConfig, abstract_model
+    from magic_jax.model import abstract_model
+    from magic_jax.model_config import ModelConfig
 
     cfg = ModelConfig(
         vocab_size=8192,

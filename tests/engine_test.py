@@ -8,8 +8,10 @@ import torch
 from flax import nnx
 
 from magic_jax.convert import load_hf
-from magic_jax.engine import Engine, EngineConfig, decode_forward
-from magic_jax.model import KVCache, ModelConfig, Qwen2
+from magic_jax.decode import decode_forward
+from magic_jax.engine import Engine, EngineConfig
+from magic_jax.model import KVCache, Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
 from magic_jax.sharding import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh, model_shardings

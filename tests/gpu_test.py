@@ -14,7 +14,8 @@ from flax import nnx
 
 from magic_jax.engine import Engine, EngineConfig
 from magic_jax.entropy import token_logprobs_and_entropy
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.sampling import SamplingConfig
 
 pytestmark = pytest.mark.gpu

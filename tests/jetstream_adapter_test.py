@@ -12,7 +12,8 @@ pytest.importorskip("grpc")
 
 from magic_jax import jetstream_adapter
 from magic_jax.engine import Engine, EngineConfig
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
 

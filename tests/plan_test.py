@@ -67,7 +67,8 @@ def _hand_param_bytes(fsdp: int, tensor: int) -> int:
     axis over tensor; norms are replicated."""
     from flax import nnx
 
-    from magic_jax.model import ModelConfig, Qwen2
+    from magic_jax.model import Qwen2
+    from magic_jax.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf_config(HF)
     state = nnx.state(jax.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))), nnx.Param)
@@ -108,7 +109,7 @@ def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
 
 @needs_libtpu
 def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
     from magic_jax.plan import plan_stage
 
     config = load_config(_run(tmp_path))
@@ -131,7 +132,7 @@ def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
 
 @needs_libtpu
 def test_optimizer_state_is_sharded_like_the_parameters(tmp_path):
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
     from magic_jax.plan import plan_stage
 
     config = load_config(_run(tmp_path))
@@ -171,7 +172,7 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
 
 @needs_libtpu
 def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
     from magic_jax.plan import plan_stage
 
     # 4 layers of 576-token rows: what the backward keeps of each layer outweighs one
@@ -200,7 +201,7 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
 
 @needs_libtpu
 def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path, capsys):
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
     from magic_jax.plan import plan_stage
 
     model = ModelConfig.from_hf_config(HF)
@@ -222,7 +223,7 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path,
 
 @needs_libtpu
 def test_a_stage_that_does_not_fit_gets_the_smallest_slice_that_does(tmp_path):
-    from magic_jax.model import ModelConfig
+    from magic_jax.model_config import ModelConfig
     from magic_jax.plan import CHIPS, plan_stage, smallest_fit
     from magic_jax.sharding import MeshConfig
 

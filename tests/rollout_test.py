@@ -12,7 +12,8 @@ from scipy import stats
 from magic_jax.buffer import pack_rollouts
 from magic_jax.engine import Engine, EngineConfig
 from magic_jax.losses import LossConfig
-from magic_jax.model import KVCache, ModelConfig, Qwen2
+from magic_jax.model import KVCache, Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.rollout import RolloutDriver
 from magic_jax.sampling import SamplingConfig
 from magic_jax.train_step import compute_logprobs

@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from magic_jax.convert import load_hf
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.sharding import (
     SAMPLE_RULES,
     TRAIN_RULES,

@@ -6,7 +6,8 @@ from flax import nnx
 
 from magic_jax.data import parse_row, render_r1
 from magic_jax.evaluate import evaluate
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.rewards import math_reward
 from magic_jax.rollout import Sample
 from magic_jax.sft import SFTConfig, SFTTrainer, pack_sft, sft_loss

@@ -16,7 +16,8 @@ from magic_jax.advantages import AdvantageConfig
 from magic_jax.buffer import pack_rollouts
 from magic_jax.entropy import EntropyControlConfig
 from magic_jax.losses import LossConfig
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.optim import OptimizerConfig
 from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh
 from magic_jax.testing import Sample, assert_fp32_close

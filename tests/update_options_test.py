@@ -16,7 +16,8 @@ from flax import nnx
 from magic_jax.buffer import pack_rollouts
 from magic_jax.config import ConfigError, load_config
 from magic_jax.losses import LossConfig
-from magic_jax.model import ModelConfig, Qwen2
+from magic_jax.model import Qwen2
+from magic_jax.model_config import ModelConfig
 from magic_jax.stages import update_config
 from magic_jax.testing import assert_fp32_close
 from magic_jax.train_state import UpdateConfig
