@@ -88,11 +88,11 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     cfg = load_config(
         CONFIGS / "default.yaml", ["rollout.dtype=bfloat16", f"output_dir={tmp_path / 'run'}"]
     )
-    trainer = Trainer.__new__(Trainer)  # only what _engine reads
+    trainer = Trainer.__new__(Trainer)  # only what _driver reads
     trainer.config = cfg
     from magic_jax.policy import load_policy
 
     trainer.model = load_policy(cfg.model, cfg.param_dtype, None)
     trainer.mesh = None
-    engine = trainer._engine(44)
+    engine = trainer._driver(44).engine
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
