@@ -303,7 +303,7 @@ def checkpoint_kind(path: str | os.PathLike, *, option: str = "model") -> tuple[
     """What ``path`` names, without loading it: ``(kind, checkpoint directory)``.
 
     The one answer to "what kind of checkpoint is this", for training
-    (``policy.load_policy``) and evaluation (``evaluate.load_model_any``).
+    (``policy.load_policy``) and evaluation (``policy.load_model_any``).
     ``kind`` is ``"hf"`` (``config.json``), ``"orbax"`` (a ``save_model``
     directory), or ``"run"``: a training checkpoint ``RUN/checkpoints/step_N``,
     or a run directory, which names its newest checkpoint that verifies.

@@ -185,9 +185,9 @@ def estimate_difficulty(
       The histogram (also in ``histogram.json``).
     """
     from magic_jax.data import _raw_rows
-    from magic_jax.evaluate import load_model_any, score_problems
+    from magic_jax.evaluate import score_problems
     from magic_jax.monitor import Progress
-    from magic_jax.policy import load_tokenizer
+    from magic_jax.policy import load_model_any, load_tokenizer
     from magic_jax.rewards import PoolConfig, VerifierPool
     from magic_jax.rollout import make_driver
     from magic_jax.sampling import SamplingConfig

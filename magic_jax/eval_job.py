@@ -220,7 +220,8 @@ def run_eval(
     if unknown:
         raise ValueError(f"--n names {sorted(unknown)}, not among the data sets")
     sampling = SamplingConfig(temperature=options.temperature, top_p=options.top_p)
-    from magic_jax.evaluate import load_model_any, score_problems
+    from magic_jax.evaluate import score_problems
+    from magic_jax.policy import load_model_any
     from magic_jax.rollout import make_driver
     from magic_jax.sharding import mesh_from_text
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -113,3 +114,53 @@ def reference_params(config: Any, params: Any, mesh: Any) -> Any:
         )
     # the policy's dtypes (fp32 master weights): one compute path for both forwards
     return jax.tree.map(lambda r, p: r.astype(p.dtype), ref, params)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model to sample from, with where it came from.
+
+    Attributes:
+      model: the ``Qwen2`` module.
+      tokenizer_dir: where its tokenizer is (None: not known; pass one).
+      source: ``"hf"``, ``"orbax"`` (a ``save_model`` directory) or ``"run"``
+        (a training checkpoint).
+      checkpoint: the directory the weights were read from.
+      step: the training step of a run checkpoint (None otherwise).
+    """
+
+    model: Any
+    tokenizer_dir: str | None
+    source: str
+    checkpoint: str
+    step: int | None = None
+
+
+def load_model_any(
+    path: str | os.PathLike, *, dtype: str = "float32", mesh: Any = None
+) -> LoadedModel:
+    """Loads a Hugging Face directory, a magic_jax model, or a run's (newest) checkpoint.
+
+    Args:
+      path: see ``checkpoint.checkpoint_kind``.
+      dtype: parameter dtype of a Hugging Face checkpoint.
+      mesh: place the parameters on this mesh (default: one device).
+    """
+    from magic_jax.checkpoint import checkpoint_kind, load_model, read_trainer_state
+
+    source, ckpt = checkpoint_kind(path)
+    if source == "hf":
+        return LoadedModel(load_policy(ckpt, dtype, mesh), str(ckpt), source, str(ckpt))
+    model = load_model(ckpt, mesh=mesh)
+    if source == "orbax":
+        tok = str(ckpt) if (ckpt / "tokenizer.json").exists() else None
+        return LoadedModel(model, tok, source, str(ckpt))
+    step = read_trainer_state(ckpt)["next_step"]
+    run_config = ckpt.parent.parent / "config.yaml"
+    tok = None
+    if run_config.exists():
+        import yaml
+
+        cfg = yaml.safe_load(run_config.read_text()) or {}
+        tok = cfg.get("tokenizer") or cfg.get("model")
+    return LoadedModel(model, tok, source, str(ckpt), step)

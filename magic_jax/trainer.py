@@ -189,11 +189,11 @@ class Trainer:
     def _open_run_dir(self, stack: contextlib.ExitStack, raw: dict[str, Any]) -> int:
         """Claims and locks the run directory for ``stack``'s life and checks a resume
         against it; returns 1 when the run has finished before (nothing to do), else 0."""
-        from magic_jax import rundir
+        from magic_jax import rundir, runlock
         from magic_jax.checkpoint import read_trainer_state, step_dirs
 
         cfg = self.config
-        stack.enter_context(rundir.run_directory(self.out))
+        stack.enter_context(runlock.run_directory(self.out))
         old = rundir.stored_config(self.out)
         newest = step_dirs(self.out)[-1:]
         done, current = 0, None

@@ -148,8 +148,8 @@ def test_eval_command_reports_what_the_trainers_evaluation_does(files, tmp_path)
     """``evaluate`` (the trainer's in-run call) and the command give one table."""
     from magic_jax.data import read_rows
     from magic_jax.eval_job import EvalOptions, run_eval
-    from magic_jax.evaluate import evaluate, load_model_any
-    from magic_jax.policy import load_tokenizer
+    from magic_jax.evaluate import evaluate
+    from magic_jax.policy import load_model_any, load_tokenizer
     from magic_jax.rollout import make_driver
     from magic_jax.sampling import SamplingConfig
 

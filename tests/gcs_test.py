@@ -23,7 +23,7 @@ from resume_test import OVERRIDES, _cfg, assert_same_run
 from resume_test import reference as reference  # a fixture, used by name
 from trainer_test import files as files  # a fixture, used by name
 
-from magic_jax import rundir, storage
+from magic_jax import rundir, runlock, storage
 from magic_jax.checkpoint import latest_good_checkpoint, step_dirs
 
 
@@ -202,11 +202,11 @@ def test_prompt_data_reads_from_the_bucket_in_every_format(gcs, files, tmp_path)
 
 def test_a_second_run_on_the_same_bucket_path_is_refused(gcs, files, bucket_run):
     # the finished run's directory, held by a live run (this process renews the lease)
-    with rundir.GcsRunLock(storage.path(bucket_run), lease_s=3):
+    with runlock.GcsRunLock(storage.path(bucket_run), lease_s=3):
         t0 = time.monotonic()
         got = _cli(["train", "run.yaml", *(x for o in OVERRIDES for x in ("--set", o)),
                     "--set", f"output_dir={bucket_run}"], files,
-                   {rundir.LEASE_ENV: "3"})  # fmt: skip
+                   {runlock.LEASE_ENV: "3"})  # fmt: skip
         waited = time.monotonic() - t0
     assert got.returncode == 2, got.stderr[-2000:]
     err = got.stderr.strip().splitlines()[-1]
@@ -217,10 +217,10 @@ def test_a_second_run_on_the_same_bucket_path_is_refused(gcs, files, bucket_run)
 def test_a_lapsed_lease_is_taken_over_and_its_old_owner_stops(gcs, tmp_path):
     run = gcs.uri("lease")
     # a run killed with its lock held: a lease nobody renews
-    dead = rundir.GcsRunLock(run, lease_s=1)
+    dead = runlock.GcsRunLock(run, lease_s=1)
     assert dead._write(0)
     t0 = time.monotonic()
-    with rundir.GcsRunLock(run, lease_s=1) as lock:
+    with runlock.GcsRunLock(run, lease_s=1) as lock:
         assert time.monotonic() - t0 < 10
         holder = json.loads(lock._blob().download_as_bytes())
         assert holder["owner"] == lock._owner
@@ -228,18 +228,18 @@ def test_a_lapsed_lease_is_taken_over_and_its_old_owner_stops(gcs, tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from magic_jax import rundir
-            with rundir.GcsRunLock({run!r}, lease_s=1.5):
+            from magic_jax import runlock
+            with runlock.GcsRunLock({run!r}, lease_s=1.5):
                 print("held", flush=True)
                 time.sleep(30)
             """)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
     )  # fmt: skip
     assert child.stdout.readline().strip() == "held"
-    taker = rundir.GcsRunLock(run, lease_s=60)
+    taker = runlock.GcsRunLock(run, lease_s=60)
     gen, _ = taker._read()
     assert taker._write(gen)  # as if its lease had lapsed
-    assert child.wait(timeout=20) == rundir.LOST_LOCK_EXIT
+    assert child.wait(timeout=20) == runlock.LOST_LOCK_EXIT
     assert "another process took over this run" in child.stderr.read()
 
 
@@ -293,7 +293,7 @@ def test_kill_9_after_a_checkpoint_then_resume_from_the_bucket(gcs, files, bucke
     out = gcs.uri("killed")
     cmd = ["train", "run.yaml", *(x for o in OVERRIDES for x in ("--set", o)),
            "--set", f"output_dir={out}", "--set", f"model={bucket_model}"]  # fmt: skip
-    env = {rundir.KILL_AT_ENV: "step:3", rundir.LEASE_ENV: "4"}
+    env = {rundir.KILL_AT_ENV: "step:3", runlock.LEASE_ENV: "4"}
     killed = _cli(cmd, files, env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [p.name for _, p in step_dirs(out)][-1] == "step_00000002"

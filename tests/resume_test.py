@@ -22,7 +22,8 @@ from trainer_test import files as files  # a fixture, used by name
 from magic_jax import rundir
 from magic_jax.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
 from magic_jax.cli import main
-from magic_jax.rundir import RunDirError, RunLock
+from magic_jax.rundir import RunDirError
+from magic_jax.runlock import RunLock
 from magic_jax.trainer import Trainer
 
 # evaluation on the training prompts every 2 steps; fp32 export for bitwise comparison
@@ -368,8 +369,7 @@ def test_a_run_directory_is_a_model_for_training_and_evaluation(reference):
     from flax import nnx
 
     from magic_jax.checkpoint import checkpoint_kind
-    from magic_jax.evaluate import load_model_any
-    from magic_jax.policy import load_policy
+    from magic_jax.policy import load_model_any, load_policy
 
     kind, ckpt = checkpoint_kind(reference)
     assert (kind, ckpt.name) == ("run", "step_00000004")

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from magic_jax import rundir
-from magic_jax.rundir import RunDirError, RunLock, claim_run_dir
+from magic_jax.rundir import RunDirError, claim_run_dir
+from magic_jax.runlock import RunLock
 
 
 def test_claim_creates_marks_and_accepts_its_own_directory(tmp_path):
@@ -52,7 +53,7 @@ def test_claim_refuses_a_read_only_directory(tmp_path):
 def _hold_lock(path):
     code = (
         "import sys, time\n"
-        "from magic_jax.rundir import RunLock\n"
+        "from magic_jax.runlock import RunLock\n"
         f"RunLock({str(path)!r}).acquire()\n"
         "print('locked', flush=True)\n"
         "time.sleep(120)\n"
