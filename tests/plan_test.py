@@ -9,7 +9,7 @@ import yaml
 
 from magic_jax.cli import main
 from magic_jax.config import load_config
-from magic_jax.plan import PlanError, libtpu_available, parse_topology
+from magic_jax.topology import PlanError, libtpu_available, parse_topology
 
 needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="libtpu not installed (make test-tpu runs these)"
@@ -54,11 +54,12 @@ def _run(tmp_path, **over):
     return path
 
 
-def _mesh(topology, **axes):
-    from magic_jax.plan import _mesh, topology_devices
+def _slice_mesh(topology, **axes):
     from magic_jax.sharding import MeshConfig
+    from magic_jax.stage_plan import mesh_for
+    from magic_jax.topology import topology_devices
 
-    return _mesh(topology_devices(topology), MeshConfig(**axes))
+    return mesh_for(topology_devices(topology), MeshConfig(**axes))
 
 
 def _hand_param_bytes(fsdp: int, tensor: int) -> int:
@@ -110,17 +111,17 @@ def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
 @needs_libtpu
 def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
     from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import plan_stage
+    from magic_jax.stage_plan import plan_stage
 
     config = load_config(_run(tmp_path))
     model = ModelConfig.from_hf_config(HF)
     full = model.num_params() * 4
     # Pure data parallelism: every device holds everything.
-    p = plan_stage(config, 0, model, _mesh("v5e:2x2", data=4, fsdp=1), compile=False)
+    p = plan_stage(config, 0, model, _slice_mesh("v5e:2x2", data=4, fsdp=1), compile=False)
     assert p.params == full == _hand_param_bytes(1, 1)
     assert p.opt_state == 2 * full + 4  # Adam's mu and nu, and its int32 count
     # fsdp 2 x tensor 2.
-    p = plan_stage(config, 0, model, _mesh("v5e:2x2", fsdp=2, tensor=2), compile=False)
+    p = plan_stage(config, 0, model, _slice_mesh("v5e:2x2", fsdp=2, tensor=2), compile=False)
     assert p.params == _hand_param_bytes(2, 2) < full
     assert p.grads == p.params
     # KV cache: slots x (prompt + T) x K x H per layer for k and v, slots over fsdp,
@@ -133,14 +134,14 @@ def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
 @needs_libtpu
 def test_optimizer_state_is_sharded_like_the_parameters(tmp_path):
     from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import plan_stage
+    from magic_jax.stage_plan import plan_stage
 
     config = load_config(_run(tmp_path))
     p = plan_stage(
         config,
         0,
         ModelConfig.from_hf_config(HF),
-        _mesh("v5e:2x2", fsdp=2, tensor=2),
+        _slice_mesh("v5e:2x2", fsdp=2, tensor=2),
         compile=False,
     )
     assert p.opt_state == 2 * p.params + 4
@@ -173,7 +174,7 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
 @needs_libtpu
 def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
     from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import plan_stage
+    from magic_jax.stage_plan import plan_stage
 
     # 4 layers of 576-token rows: what the backward keeps of each layer outweighs one
     # layer's working set (at the 2-layer, 192-token size above XLA's temporaries are
@@ -182,7 +183,7 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(hf))
     model = ModelConfig.from_hf_config(hf)
-    mesh = _mesh("v5e:2x2", fsdp=2, tensor=2)
+    mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
     stage = {
         "steps": 1,
         "max_response_length": 512,
@@ -202,10 +203,10 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
 @needs_libtpu
 def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path, capsys):
     from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import plan_stage
+    from magic_jax.stage_plan import plan_stage
 
     model = ModelConfig.from_hf_config(HF)
-    mesh = _mesh("v5e:2x2", fsdp=2, tensor=2)
+    mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
     plans = {
         d: plan_stage(load_config(_run(tmp_path, rollout={"max_concurrent_decodes": 16,
                                                           "dtype": d})), 0, model, mesh)
@@ -224,8 +225,10 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path,
 @needs_libtpu
 def test_a_stage_that_does_not_fit_gets_the_smallest_slice_that_does(tmp_path):
     from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import CHIPS, plan_stage, smallest_fit
+    from magic_jax.plan import smallest_fit
     from magic_jax.sharding import MeshConfig
+    from magic_jax.stage_plan import plan_stage
+    from magic_jax.topology import CHIPS
 
     # 1024 slots x (64 + 1984) cache slots x 2 layers x (k, v) x 2 kv heads x 256 x 4 bytes
     # = 16 GiB of KV cache on one v5e chip (16 GiB); a quarter of it on 2x2.
@@ -244,7 +247,7 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_slice_that_does(tmp_path):
     model = ModelConfig.from_hf_config(hf)
     # The sharded terms alone are over one chip's HBM (compiling a program over HBM
     # makes XLA try hard to fit it: minutes; the CLI does it, the test need not).
-    p = plan_stage(config, 0, model, _mesh("v5e:1x1", fsdp=1), compile=False)
+    p = plan_stage(config, 0, model, _slice_mesh("v5e:1x1", fsdp=1), compile=False)
     hbm = 16 * 2**30
     assert p.kv_cache > hbm and p.dominant() == "KV cache"
     name, q = smallest_fit(config, 0, model, MeshConfig(fsdp=-1), CHIPS["v5e"], hbm, 1, p)
