@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from magic_jax import storage
-from magic_jax.config import ConfigError, TrainConfig, to_dict
+from magic_jax.config import ConfigError, TrainConfig
+from magic_jax.config_dict import to_dict
 from magic_jax.data import offline_filter, read_rows, tokenize_rows
 from magic_jax.policy import load_policy, load_tokenizer, reference_params
 from magic_jax.stages import LoopState, Schedule, Stage, build_stage, update_config

@@ -1,0 +1,188 @@
+"""Plain dicts (YAML) to and from the config dataclasses, with errors that name the
+field; dotted command-line overrides."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the option's path."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _same_kind(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is the container kind ``tp`` takes (mapping or list)."""
+    origin = typing.get_origin(tp)
+    if isinstance(value, Mapping):
+        return origin is dict or dataclasses.is_dataclass(tp)
+    if isinstance(value, list | tuple):
+        return origin is tuple
+    return False
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        options = [a for a in args if a is not type(None)]
+        errors, same_kind = [], []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+                if _same_kind(option, value):
+                    same_kind.append(str(e))
+        if len(same_kind) == 1:  # a mapping given where a mapping fits: its own error
+            raise ConfigError(same_kind[0])
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of "
+                          f"{[_type_name(o) for o in options]}")  # fmt: skip
+    if value is None:
+        raise ConfigError(f"{path}: must not be null")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            if args and args[-1] is Ellipsis and isinstance(value, str):
+                value = [value]  # a single path where a list is expected
+            else:
+                raise ConfigError(f"{path}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_tp, value_tp = args if args else (Any, Any)
+        return {
+            _convert(key_tp, k, f"{path}.{k}"): _convert(value_tp, v, f"{path}.{k}")
+            for k, v in value.items()
+        }
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"{path}: expected one of {[e.value for e in tp]}, got {value!r}"
+            ) from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Builds dataclass ``cls`` from a nested mapping, checking keys, types and values.
+
+    Raises:
+      ConfigError: naming the dotted path of the first bad option.
+    """
+    where = path or cls.__name__
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of options, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(
+            f"{path + '.' if path else ''}{key}: unknown option of {cls.__name__}; "
+            f"expected one of {sorted(fields)}"
+        )
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing required option {missing[0]!r}")
+    kwargs = {k: _convert(hints[k], v, f"{path + '.' if path else ''}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        # the whole run's checks name their options' paths themselves
+        raise ConfigError(f"{where}: {e}" if path else str(e)) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain YAML/JSON values (enums as their strings)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Applies ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place.
+
+    List items are addressed by index: ``stages.1.steps=100``.
+    """
+    import yaml
+
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r}: expected key.path=value")
+    key, text = assignment.split("=", 1)
+    value = yaml.safe_load(text)
+    parts = key.strip().split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {assignment!r}: {here} is not an item of the list")
+            node = node[int(part)]
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        if not isinstance(node, dict | list):
+            raise ConfigError(f"override {assignment!r}: {here} is not a mapping or list")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {assignment!r}: {key} is not an item of the list")
+        node[int(last)] = value
+    else:
+        node[last] = value
