@@ -56,8 +56,8 @@ gpu-test:
 # The runs behind notebooks/: every missing (ablation arm, seed), resumable, about 1.5 min per
 # run on 2 cores; then notebooks/figures/ (one PNG per ablation and summary.md).
 ablations: setup
-	$(BIN)/python -m magic_jax.ablations run
-	$(BIN)/python -m magic_jax.ablations figures
+	$(BIN)/python -m magic_jax.experiments.ablations run
+	$(BIN)/python -m magic_jax.experiments.ablations figures
 
 lint: setup
 	$(BIN)/ruff check .

@@ -62,5 +62,5 @@ setup(
         "jetstream": ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"],
         "notebooks": ["jupyter", "jupytext", "matplotlib"],
     },
-    entry_points={"console_scripts": ["magic-jax=magic_jax.cli:main"]},
+    entry_points={"console_scripts": ["magic-jax=magic_jax.jobs.cli:main"]},
 )

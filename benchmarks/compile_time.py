@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magic_jax.buffer import pack_rollouts
-from magic_jax.decode import decode_chunk_fn
-from magic_jax.engine import Engine, EngineConfig
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.sampling import SamplingConfig
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.rollout.decode import decode_chunk_fn
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.testing import Sample
-from magic_jax.train_state import UpdateConfig
-from magic_jax.updater import PolicyUpdater
+from magic_jax.update.buffer import pack_rollouts
+from magic_jax.update.state import UpdateConfig
+from magic_jax.update.updater import PolicyUpdater
 
 PROMPT, RESPONSE, GROUPS, G = 16, 48, 2, 4
 

@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magic_jax.buffer import RolloutBuffer
-from magic_jax.entropy import token_logprobs_and_entropy, token_logprobs_and_entropy_naive
-from magic_jax.losses import LossConfig, policy_loss
-from magic_jax.optim import OptimizerConfig
-from magic_jax.train_state import UpdateConfig
-from magic_jax.updater import PolicyUpdater
+from magic_jax.update.buffer import RolloutBuffer
+from magic_jax.update.entropy import token_logprobs_and_entropy, token_logprobs_and_entropy_naive
+from magic_jax.update.losses import LossConfig, policy_loss
+from magic_jax.update.optim import OptimizerConfig
+from magic_jax.update.state import UpdateConfig
+from magic_jax.update.updater import PolicyUpdater
 
 GIB = 2**30
 
@@ -124,7 +124,7 @@ def jax_update(
 ):
     from flax import nnx
 
-    from magic_jax.convert import load_hf
+    from magic_jax.model.convert import load_hf
 
     model = load_hf(model_dir)
     graphdef, params = nnx.split(model, nnx.Param)

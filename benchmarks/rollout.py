@@ -31,11 +31,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from magic_jax.engine import Engine, EngineConfig, default_layer_unroll
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.rollout import RolloutDriver
-from magic_jax.sampling import SamplingConfig
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig, default_layer_unroll
+from magic_jax.rollout.sampling import SamplingConfig
 
 W2_PATTERN = (32, 128, 32, 512, 32, 128, 32, 128)  # per group of 8, interleaved
 
@@ -54,7 +54,7 @@ def _peer(model, prompts_np, limits, batch, peer_batches, threads):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from magic_jax.convert import save_hf
+    from magic_jax.model.convert import save_hf
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:

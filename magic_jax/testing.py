@@ -97,7 +97,7 @@ def make_char_tokenizer(
     chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,()\n\\{}$^_", **kw: Any
 ):
     """A character-level tokenizer with the R1-Distill markers (see ``tasks.vocab``)."""
-    from magic_jax.tasks.vocab import char_tokenizer
+    from magic_jax.data.tasks.vocab import char_tokenizer
 
     return char_tokenizer(chars, **kw)
 

@@ -20,13 +20,13 @@
 # Arms: the default (15 steps at T = 44, then 15 at T = 64) and 30 steps at T = 64.
 #
 # Every run is an ordinary `magic-jax train` run of the embedded default
-# (`configs/default.yaml`, 15 + 15 steps here) made by `magic_jax.ablations`; this notebook
+# (`configs/default.yaml`, 15 + 15 steps here) made by `magic_jax.experiments.ablations`; this notebook
 # only reads the committed summaries in `results/runs/` (and trains whatever is missing
 # first). Set `MAGIC_JAX_NOTEBOOK_STEPS=1` for a smoke run of the whole notebook with one
 # step per stage (its results go to `results/budget-1/`).
 
 # %%
-from magic_jax import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations
 
 ABLATION = "multi_stage"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet

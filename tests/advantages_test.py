@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from magic_jax.advantages import (
+from magic_jax.update.advantages import (
     TruncationMask,
     count_loss_tokens,
     group_advantages,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magic_jax.checkpoint import (
+from magic_jax.run.checkpoint import (
     BAD_CHECKPOINTS,
     MANIFEST,
     TRAINER_STATE,
@@ -19,7 +19,7 @@ from magic_jax.checkpoint import (
     verify_checkpoint,
     write_manifest,
 )
-from magic_jax.rundir import RunDirError
+from magic_jax.run.rundir import RunDirError
 
 
 def _state(step):

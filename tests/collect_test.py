@@ -5,10 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from magic_jax.advantages import AdvantageConfig
-from magic_jax.buffer import pack_rollouts
-from magic_jax.collect import collect_groups, flatten, mixed_groups
-from magic_jax.config import (
+from magic_jax.rollout.collect import collect_groups, flatten, mixed_groups
+from magic_jax.rollout.scoring import Group
+from magic_jax.run.config import (
     ConfigError,
     DataConfig,
     EvalConfig,
@@ -17,9 +16,10 @@ from magic_jax.config import (
     UntilConfig,
     load_config,
 )
-from magic_jax.scoring import Group
-from magic_jax.stages import Schedule
+from magic_jax.run.stages import Schedule
 from magic_jax.testing import Sample
+from magic_jax.update.advantages import AdvantageConfig
+from magic_jax.update.buffer import pack_rollouts
 
 G, D_R = 4, 4
 
@@ -241,8 +241,8 @@ class _Pool:
 def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     """The multi-host path (gathers, own-prompt scoring, gathered verdicts) with one host:
     the same groups, every sample scored once. tests/multihost_test.py runs it on two."""
-    from magic_jax.data import parse_row, tokenize_rows
-    from magic_jax.scoring import score_groups
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.rollout.scoring import score_groups
     from magic_jax.testing import sums_rows
 
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(sums_rows(5, seed=1))]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from magic_jax.config import load_config
+from magic_jax.run.config import load_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -51,8 +51,8 @@ def test_recipe_loads_with_the_released_schedule(name):
 
 
 def test_offline_filter_options_reach_the_filter(tmp_path):
-    from magic_jax.config import ConfigError
-    from magic_jax.data import offline_filter, parse_row
+    from magic_jax.data.rows import offline_filter, parse_row
+    from magic_jax.run.config import ConfigError
 
     cfg = load_config(CONFIGS / "skywork-or1-7b.yaml", ["data.offline_filter_keep_unrated=false"])
     assert cfg.data.offline_filter_keep_unrated is False
@@ -80,8 +80,8 @@ def test_offline_filter_options_reach_the_filter(tmp_path):
 
 
 def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
-    from magic_jax.config import ConfigError
-    from magic_jax.trainer import Trainer
+    from magic_jax.run.config import ConfigError
+    from magic_jax.run.trainer import Trainer
 
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
@@ -90,7 +90,7 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     )
     trainer = Trainer.__new__(Trainer)  # only what _driver reads
     trainer.config = cfg
-    from magic_jax.policy import load_policy
+    from magic_jax.run.policy import load_policy
 
     trainer.model = load_policy(cfg.model, cfg.param_dtype, None)
     trainer.mesh = None

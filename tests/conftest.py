@@ -72,7 +72,7 @@ def shard(model, mesh, rules):
     import jax
     from flax import nnx
 
-    from magic_jax.sharding import model_shardings
+    from magic_jax.model.sharding import model_shardings
 
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, model_shardings(state, mesh, rules)))

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from magic_jax import cli
-from magic_jax.convert import (
+from magic_jax.jobs import cli
+from magic_jax.model.convert import (
     INDEX_FILE,
     CheckpointError,
     SafetensorsFile,
@@ -173,8 +173,8 @@ ALLOWANCE_MB = 64
 _STREAM_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp
-    from magic_jax.convert import load_hf
-    from magic_jax.model import count_params
+    from magic_jax.model.convert import load_hf
+    from magic_jax.model.qwen2 import count_params
     def rss(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):
@@ -188,9 +188,9 @@ _STREAM_SCRIPT = textwrap.dedent("""
 
 
 def _write_big_checkpoint(path):
-    from magic_jax.convert import hf_names
-    from magic_jax.model import abstract_model
-    from magic_jax.model_config import ModelConfig
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.convert import hf_names
+    from magic_jax.model.qwen2 import abstract_model
 
     cfg = ModelConfig(
         vocab_size=8192,
@@ -235,7 +235,7 @@ def test_streaming_load_peak_memory(tmp_path):
 def test_orbax_checkpoints_of_both_layouts_load(hf_dir, tmp_path):
     """A stacked save loads stacked; a checkpoint written before the layers were stacked
     (per-layer parameters, no ``scan_layers`` in its config) still loads, as the loop model."""
-    from magic_jax.checkpoint import CONFIG_FILE, load_model, save_model
+    from magic_jax.run.checkpoint import CONFIG_FILE, load_model, save_model
 
     hf, src = hf_dir
     want = torch_logits(hf, IDS)

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from magic_jax.data import (
+from magic_jax.data.rows import (
     AccuracyTracker,
     DataError,
     encode_prompts,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from magic_jax import cli, demo
-from magic_jax.config import load_config
-from magic_jax.data import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
+from magic_jax.data.rows import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
+from magic_jax.jobs import cli, demo
+from magic_jax.run.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,8 +40,8 @@ def test_default_config_is_the_shipped_recipe():
 def test_shipped_model_is_a_small_hf_checkpoint_with_r1_markers():
     from transformers import AutoModelForCausalLM
 
-    from magic_jax.convert import load_hf
-    from magic_jax.trainer import load_tokenizer
+    from magic_jax.model.convert import load_hf
+    from magic_jax.run.trainer import load_tokenizer
 
     size = sum(p.stat().st_size for p in demo.MODEL_DIR.iterdir())
     assert size <= 20 * 2**20

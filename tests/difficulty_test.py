@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from magic_jax.cli import main
-from magic_jax.data import DataError, offline_filter, parse_row, read_rows
-from magic_jax.difficulty import with_difficulty
+from magic_jax.data.rows import DataError, offline_filter, parse_row, read_rows
+from magic_jax.jobs.cli import main
+from magic_jax.jobs.difficulty import with_difficulty
 
 
 def _row(i, a, b, **extra):

@@ -10,7 +10,7 @@ before a fenced block.
   running a job: ``make T`` (T is a target of the Makefile), ``magic-jax ...`` (parsed by
   the CLI's own argparse; a config and its ``--set`` overrides are loaded and checked),
   ``tpu_scripts/launch.sh ...`` (run with ``--dry-run``: every gcloud command printed,
-  none run; the command after ``--`` checked as above), ``python -m magic_jax.ablations
+  none run; the command after ``--`` checked as above), ``python -m magic_jax.experiments.ablations
   SUB ...`` (its options appear in ``SUB --help``), ``python FILE`` and ``pytest FILE...``
   (the files exist). Any other command in a marked block fails the test.
 """
@@ -134,8 +134,8 @@ def _make_targets() -> set[str]:
 
 
 def _check_magic_jax(args: list[str]) -> None:
-    from magic_jax.cli import build_parser
-    from magic_jax.config import load_config
+    from magic_jax.jobs.cli import build_parser
+    from magic_jax.run.config import load_config
 
     try:
         ns = build_parser().parse_args(args)
@@ -167,11 +167,11 @@ def _check_launch(args: list[str], tmp_path: Path) -> None:
 
 def _check_ablations(args: list[str]) -> None:
     sub = args[0]
-    proc = _python(["-m", "magic_jax.ablations", sub, "--help"], timeout=120)
+    proc = _python(["-m", "magic_jax.experiments.ablations", sub, "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for flag in (a for a in args[1:] if a.startswith("--")):
         found = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", proc.stdout)
-        assert found, f"python -m magic_jax.ablations {sub}: no {flag}"
+        assert found, f"python -m magic_jax.experiments.ablations {sub}: no {flag}"
 
 
 def _check_command(words: list[str], tmp_path: Path) -> None:
@@ -186,7 +186,7 @@ def _check_command(words: list[str], tmp_path: Path) -> None:
         _check_launch(args, tmp_path)
     elif cmd == "bash" and args and args[0].endswith("tpu_scripts/launch.sh"):
         _check_launch(args[1:], tmp_path)
-    elif name.startswith("python") and args[:2] == ["-m", "magic_jax.ablations"]:
+    elif name.startswith("python") and args[:2] == ["-m", "magic_jax.experiments.ablations"]:
         _check_ablations(args[2:])
     elif name.startswith("python") or name == "pytest":
         files = [a for a in args if not a.startswith("-")]

@@ -7,14 +7,20 @@ import pytest
 import torch
 from flax import nnx
 
-from magic_jax.convert import load_hf
-from magic_jax.decode import decode_forward
-from magic_jax.engine import Engine, EngineConfig
-from magic_jax.model import KVCache, Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.rollout import RolloutDriver
-from magic_jax.sampling import SamplingConfig
-from magic_jax.sharding import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh, model_shardings
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.convert import load_hf
+from magic_jax.model.qwen2 import KVCache, Qwen2
+from magic_jax.model.sharding import (
+    SAMPLE_RULES,
+    TRAIN_RULES,
+    MeshConfig,
+    make_mesh,
+    model_shardings,
+)
+from magic_jax.rollout.decode import decode_forward
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.testing import TINY_CONFIGS, make_hf_model, save_hf_model
 
 GREEDY = SamplingConfig(greedy=True)

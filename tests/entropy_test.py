@@ -6,7 +6,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from magic_jax.entropy import (
+from magic_jax.update.entropy import (
     EntropyControlConfig,
     EntropyControlState,
     EntropyEstimator,

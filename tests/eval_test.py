@@ -11,8 +11,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from magic_jax.cli import main
-from magic_jax.evaluate import ProblemResult, k_values, pass_at_k, summarize
+from magic_jax.jobs.cli import main
+from magic_jax.rollout.evaluate import ProblemResult, k_values, pass_at_k, summarize
 
 AIME = ["tests/data/aime24.parquet", "tests/data/aime25.parquet"]
 
@@ -146,16 +146,16 @@ def test_eval_on_the_aime_files_resumes_and_checks_its_protocol(files, tmp_path)
 
 def test_eval_command_reports_what_the_trainers_evaluation_does(files, tmp_path):
     """``evaluate`` (the trainer's in-run call) and the command give one table."""
-    from magic_jax.data import read_rows
-    from magic_jax.eval_job import EvalOptions, run_eval
-    from magic_jax.evaluate import evaluate
-    from magic_jax.policy import load_model_any, load_tokenizer
-    from magic_jax.rollout import make_driver
-    from magic_jax.sampling import SamplingConfig
+    from magic_jax.data.rows import read_rows
+    from magic_jax.jobs.eval import EvalOptions, run_eval
+    from magic_jax.rollout.driver import make_driver
+    from magic_jax.rollout.evaluate import evaluate
+    from magic_jax.rollout.sampling import SamplingConfig
+    from magic_jax.run.policy import load_model_any, load_tokenizer
 
     shapes = {"max_prompt_length": 16, "max_response_length": 3, "max_concurrent_decodes": 8,
               "decode_steps": 4}  # fmt: skip
-    from magic_jax.tfds_data import prepare_dataset
+    from magic_jax.data.tfds import prepare_dataset
 
     opts = EvalOptions(default_num_samples=8, chunk=100, seed=3, workers=1, **shapes)
     data = [str(files / "sums.jsonl")]
@@ -191,8 +191,8 @@ def test_eval_of_a_run_directory_matches_the_trainers_evaluation(files, tmp_path
     command reads the run's newest checkpoint; the run's event files load in TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from magic_jax.config import load_config
-    from magic_jax.trainer import Trainer
+    from magic_jax.run.config import load_config
+    from magic_jax.run.trainer import Trainer
 
     raw = {
         "model": str(files / "model"),

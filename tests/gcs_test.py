@@ -23,8 +23,9 @@ from resume_test import OVERRIDES, _cfg, assert_same_run
 from resume_test import reference as reference  # a fixture, used by name
 from trainer_test import files as files  # a fixture, used by name
 
-from magic_jax import rundir, runlock, storage
-from magic_jax.checkpoint import latest_good_checkpoint, step_dirs
+from magic_jax import storage
+from magic_jax.run import rundir, runlock
+from magic_jax.run.checkpoint import latest_good_checkpoint, step_dirs
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def bucket_model(gcs, files):
 def _cli(args, cwd, env_over=None, **kw):
     env = dict(os.environ, **(env_over or {}))
     return subprocess.run(
-        [sys.executable, "-m", "magic_jax.cli", *args], cwd=cwd, env=env, capture_output=True,
+        [sys.executable, "-m", "magic_jax.jobs.cli", *args], cwd=cwd, env=env, capture_output=True,
         text=True, **kw,
     )  # fmt: skip
 
@@ -80,7 +81,7 @@ def _cli(args, cwd, env_over=None, **kw):
 @pytest.fixture(scope="module")
 def bucket_run(gcs, files, bucket_model, tmp_path_factory):
     """The resume tests' reference run, with its model and run directory on gs://."""
-    from magic_jax.trainer import Trainer
+    from magic_jax.run.trainer import Trainer
 
     out = gcs.uri("run")
     Trainer(_cfg(files, out, f"model={bucket_model}"), log=lambda s: None).run()
@@ -122,7 +123,7 @@ def test_the_newest_checkpoint_with_a_corrupted_object_falls_back(bucket_run, gc
 
 
 def test_records_on_the_bucket_are_rewritten_whole_and_trimmed_on_resume(gcs):
-    from magic_jax.monitor import Records
+    from magic_jax.run.monitor import Records
 
     path = storage.path(gcs.uri("records")) / "metrics.jsonl"
     rec = Records(path)
@@ -144,7 +145,7 @@ def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, re
                                                                    files, tmp_path):  # fmt: skip
     from safetensors.numpy import load_file
 
-    from magic_jax.cli import main
+    from magic_jax.jobs.cli import main
 
     hf = gcs.uri("hf")
     assert main(["export", bucket_run, hf, "--dtype", "float32"]) == 0  # its newest checkpoint
@@ -176,8 +177,8 @@ def test_prompt_data_reads_from_the_bucket_in_every_format(gcs, files, tmp_path)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from magic_jax.data import DataError, read_rows
-    from magic_jax.tfds_data import prepare_dataset
+    from magic_jax.data.rows import DataError, read_rows
+    from magic_jax.data.tfds import prepare_dataset
 
     rows = [json.loads(x) for x in (files / "train.jsonl").read_text().splitlines()]
     want = read_rows(files / "train.jsonl")
@@ -228,7 +229,7 @@ def test_a_lapsed_lease_is_taken_over_and_its_old_owner_stops(gcs, tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from magic_jax import runlock
+            from magic_jax.run import runlock
             with runlock.GcsRunLock({run!r}, lease_s=1.5):
                 print("held", flush=True)
                 time.sleep(30)

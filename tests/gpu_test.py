@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from magic_jax.engine import Engine, EngineConfig
-from magic_jax.entropy import token_logprobs_and_entropy
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.sampling import SamplingConfig
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
+from magic_jax.update.entropy import token_logprobs_and_entropy
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def _np_logp_entropy(h, w, tgt):
 def test_logits_match_transformers_in_bf16(gpu, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from magic_jax.convert import load_hf
+    from magic_jax.model.convert import load_hf
     from magic_jax.testing import make_hf_model, save_hf_model, torch_logits
 
     hf = make_hf_model(
@@ -88,8 +88,8 @@ def test_chunked_logprobs_and_entropy(gpu):
 
 
 def _update_inputs():
-    from magic_jax.buffer import pack_rollouts
     from magic_jax.testing import Sample
+    from magic_jax.update.buffer import pack_rollouts
 
     rng = np.random.default_rng(1)
     samples, rewards = [], []
@@ -107,9 +107,9 @@ def _update_inputs():
 
 def test_update_step_matches_the_cpu(gpu):
     pytest.importorskip("optax")
-    from magic_jax.losses import LossConfig
-    from magic_jax.train_state import UpdateConfig
-    from magic_jax.updater import PolicyUpdater
+    from magic_jax.update.losses import LossConfig
+    from magic_jax.update.state import UpdateConfig
+    from magic_jax.update.updater import PolicyUpdater
 
     cfg = ModelConfig(
         vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

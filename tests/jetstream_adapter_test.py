@@ -10,12 +10,12 @@ from flax import nnx
 pytest.importorskip("jetstream")
 pytest.importorskip("grpc")
 
-from magic_jax import jetstream_adapter
-from magic_jax.engine import Engine, EngineConfig
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.rollout import RolloutDriver
-from magic_jax.sampling import SamplingConfig
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.rollout import jetstream_adapter
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
 
 BOS, EOS = 1, 2
 CFG = ModelConfig(

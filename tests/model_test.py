@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from magic_jax.convert import load_hf
-from magic_jax.model import KVCache, Qwen2, abstract_model, count_params
-from magic_jax.model_config import PRESETS, ModelConfig
+from magic_jax.model.config import PRESETS, ModelConfig
+from magic_jax.model.convert import load_hf
+from magic_jax.model.qwen2 import KVCache, Qwen2, abstract_model, count_params
 from magic_jax.testing import (
     TINY_CONFIGS,
     assert_fp32_close,

@@ -149,14 +149,14 @@ def _train(root, out, n, port, *more):
     def argv(i):
         env = [f"MAGIC_JAX_COORDINATOR=localhost:{port}", f"MAGIC_JAX_NUM_PROCESSES={n}",
                f"MAGIC_JAX_PROCESS_ID={i}"] if n > 1 else []  # fmt: skip
-        return ["env", *env, sys.executable, "-m", "magic_jax.cli", "train",
+        return ["env", *env, sys.executable, "-m", "magic_jax.jobs.cli", "train",
                 str(root / "run.yaml"), "--set", f"output_dir={out}", *more]  # fmt: skip
 
     return argv
 
 
 def _records(out):
-    from magic_jax import rundir
+    from magic_jax.run import rundir
 
     return [
         {k: v for k, v in r.items() if not k.startswith("t_") and k != "rollout_tokens_per_s"}
@@ -276,8 +276,9 @@ def test_train_on_two_hosts_writes_a_verified_checkpoint_to_the_bucket(
 
     from conftest import GcsEmulator
 
-    from magic_jax import rundir, storage
-    from magic_jax.checkpoint import MANIFEST, verify_checkpoint
+    from magic_jax import storage
+    from magic_jax.run import rundir
+    from magic_jax.run.checkpoint import MANIFEST, verify_checkpoint
 
     emulator = GcsEmulator(tmp_path / "emulator.log")
     try:

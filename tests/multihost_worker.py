@@ -50,14 +50,14 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     from jax.experimental import multihost_utils
 
     from magic_jax import distributed
-    from magic_jax.buffer import pack_rollouts
-    from magic_jax.convert import load_hf
-    from magic_jax.engine import Engine, EngineConfig
-    from magic_jax.losses import LossConfig
-    from magic_jax.optim import OptimizerConfig
-    from magic_jax.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
-    from magic_jax.train_state import UpdateConfig
-    from magic_jax.updater import PolicyUpdater
+    from magic_jax.model.convert import load_hf
+    from magic_jax.model.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
+    from magic_jax.rollout.engine import Engine, EngineConfig
+    from magic_jax.update.buffer import pack_rollouts
+    from magic_jax.update.losses import LossConfig
+    from magic_jax.update.optim import OptimizerConfig
+    from magic_jax.update.state import UpdateConfig
+    from magic_jax.update.updater import PolicyUpdater
 
     assert jax.device_count() == 8 and jax.process_count() == num_processes
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from magic_jax import ablation_report as ar
-from magic_jax import ablations
-from magic_jax.config import load_config
-from magic_jax.report import load_run
+from magic_jax.experiments import ablation_report as ar
+from magic_jax.experiments import ablations
+from magic_jax.jobs.report import load_run
+from magic_jax.run.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))

@@ -7,9 +7,9 @@ import jax
 import pytest
 import yaml
 
-from magic_jax.cli import main
-from magic_jax.config import load_config
-from magic_jax.topology import PlanError, libtpu_available, parse_topology
+from magic_jax.jobs.cli import main
+from magic_jax.jobs.topology import PlanError, libtpu_available, parse_topology
+from magic_jax.run.config import load_config
 
 needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="libtpu not installed (make test-tpu runs these)"
@@ -55,9 +55,9 @@ def _run(tmp_path, **over):
 
 
 def _slice_mesh(topology, **axes):
-    from magic_jax.sharding import MeshConfig
-    from magic_jax.stage_plan import mesh_for
-    from magic_jax.topology import topology_devices
+    from magic_jax.jobs.stage_plan import mesh_for
+    from magic_jax.jobs.topology import topology_devices
+    from magic_jax.model.sharding import MeshConfig
 
     return mesh_for(topology_devices(topology), MeshConfig(**axes))
 
@@ -68,8 +68,8 @@ def _hand_param_bytes(fsdp: int, tensor: int) -> int:
     axis over tensor; norms are replicated."""
     from flax import nnx
 
-    from magic_jax.model import Qwen2
-    from magic_jax.model_config import ModelConfig
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.qwen2 import Qwen2
 
     cfg = ModelConfig.from_hf_config(HF)
     state = nnx.state(jax.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))), nnx.Param)
@@ -100,7 +100,7 @@ def test_topology_names_and_errors(tmp_path, capsys):
 
 
 def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
-    from magic_jax.plan import _split_micro_batch
+    from magic_jax.jobs.plan import _split_micro_batch
 
     config = load_config(_run(tmp_path))  # micro-batches of 8 rows, mini-batches of 16
     assert _split_micro_batch(config, 16, 4) is config
@@ -110,8 +110,8 @@ def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
 
 @needs_libtpu
 def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
-    from magic_jax.model_config import ModelConfig
-    from magic_jax.stage_plan import plan_stage
+    from magic_jax.jobs.stage_plan import plan_stage
+    from magic_jax.model.config import ModelConfig
 
     config = load_config(_run(tmp_path))
     model = ModelConfig.from_hf_config(HF)
@@ -133,8 +133,8 @@ def test_param_and_optimizer_bytes_match_a_hand_count(tmp_path):
 
 @needs_libtpu
 def test_optimizer_state_is_sharded_like_the_parameters(tmp_path):
-    from magic_jax.model_config import ModelConfig
-    from magic_jax.stage_plan import plan_stage
+    from magic_jax.jobs.stage_plan import plan_stage
+    from magic_jax.model.config import ModelConfig
 
     config = load_config(_run(tmp_path))
     p = plan_stage(
@@ -149,7 +149,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(tmp_path):
 
 @needs_libtpu
 def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
-    from magic_jax.plan import plan_run
+    from magic_jax.jobs.plan import plan_run
 
     config = load_config(_run(tmp_path))
     plan = plan_run(config, "v5e:2x2")
@@ -173,8 +173,8 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
 
 @needs_libtpu
 def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
-    from magic_jax.model_config import ModelConfig
-    from magic_jax.stage_plan import plan_stage
+    from magic_jax.jobs.stage_plan import plan_stage
+    from magic_jax.model.config import ModelConfig
 
     # 4 layers of 576-token rows: what the backward keeps of each layer outweighs one
     # layer's working set (at the 2-layer, 192-token size above XLA's temporaries are
@@ -202,8 +202,8 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
 
 @needs_libtpu
 def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path, capsys):
-    from magic_jax.model_config import ModelConfig
-    from magic_jax.stage_plan import plan_stage
+    from magic_jax.jobs.stage_plan import plan_stage
+    from magic_jax.model.config import ModelConfig
 
     model = ModelConfig.from_hf_config(HF)
     mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
@@ -224,11 +224,11 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path,
 
 @needs_libtpu
 def test_a_stage_that_does_not_fit_gets_the_smallest_slice_that_does(tmp_path):
-    from magic_jax.model_config import ModelConfig
-    from magic_jax.plan import smallest_fit
-    from magic_jax.sharding import MeshConfig
-    from magic_jax.stage_plan import plan_stage
-    from magic_jax.topology import CHIPS
+    from magic_jax.jobs.plan import smallest_fit
+    from magic_jax.jobs.stage_plan import plan_stage
+    from magic_jax.jobs.topology import CHIPS
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.sharding import MeshConfig
 
     # 1024 slots x (64 + 1984) cache slots x 2 layers x (k, v) x 2 kv heads x 256 x 4 bytes
     # = 16 GiB of KV cache on one v5e chip (16 GiB); a quarter of it on 2x2.

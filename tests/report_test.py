@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from magic_jax.cli import main
-from magic_jax.monitor import Monitor, Progress
+from magic_jax.jobs.cli import main
+from magic_jax.run.monitor import Monitor, Progress
 
 
 def _row(step, stage, k, rng):
@@ -89,7 +89,7 @@ def test_progress_prints_plain_lines_with_eta():
 def test_report_of_two_runs(tmp_path):
     from PIL import Image
 
-    from magic_jax.report import PANELS, load_run, make_figures
+    from magic_jax.jobs.report import PANELS, load_run, make_figures
 
     _write_run(tmp_path / "a", 0)
     _write_run(tmp_path / "b", 1, stage_steps=(2, 2), target=0.3)

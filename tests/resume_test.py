@@ -3,7 +3,7 @@
 Every interrupted run here is compared with one uninterrupted run of the same
 config: metric and evaluation records (all but wall-clock fields), the
 summary, and the final weights bit for bit. Kills are real signals to a
-``python -m magic_jax.cli train`` subprocess; ``MAGIC_JAX_KILL_AT=point:step``
+``python -m magic_jax.jobs.cli train`` subprocess; ``MAGIC_JAX_KILL_AT=point:step``
 makes it SIGKILL itself at a named point, so each kill lands where it says.
 """
 
@@ -19,12 +19,12 @@ import pytest
 from trainer_test import _config
 from trainer_test import files as files  # a fixture, used by name
 
-from magic_jax import rundir
-from magic_jax.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
-from magic_jax.cli import main
-from magic_jax.rundir import RunDirError
-from magic_jax.runlock import RunLock
-from magic_jax.trainer import Trainer
+from magic_jax.jobs.cli import main
+from magic_jax.run import rundir
+from magic_jax.run.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
+from magic_jax.run.rundir import RunDirError
+from magic_jax.run.runlock import RunLock
+from magic_jax.run.trainer import Trainer
 
 # evaluation on the training prompts every 2 steps; fp32 export for bitwise comparison
 OVERRIDES = (
@@ -114,7 +114,7 @@ def test_stage_boundary_split_equals_the_uninterrupted_run(files, reference):
 def test_resume_at_a_stage_boundary_applies_online_filtering(files, monkeypatch):
     """A prompt solved every time in stage 0 leaves stage 1's prompt set, whether the run
     goes straight on or resumes from the checkpoint written at stage 0's end."""
-    from magic_jax.data import AccuracyTracker
+    from magic_jax.data.rows import AccuracyTracker
 
     # a random tiny policy solves nothing every time: let the first prompt count as solved
     monkeypatch.setattr(AccuracyTracker, "solved", lambda self: set(sorted(self.counts)[:1]))
@@ -281,7 +281,7 @@ def test_export_reads_a_training_checkpoint(reference, tmp_path):
 
 def _train_cmd(out, *more):
     sets = [x for o in (*OVERRIDES, f"output_dir={out}", *more) for x in ("--set", o)]
-    return [sys.executable, "-m", "magic_jax.cli", "train", "run.yaml", *sets]
+    return [sys.executable, "-m", "magic_jax.jobs.cli", "train", "run.yaml", *sets]
 
 
 def _kill_then_resume(files, out, point, *more):
@@ -368,8 +368,8 @@ def test_a_run_directory_is_a_model_for_training_and_evaluation(reference):
     directory names its newest good checkpoint, for ``model:`` as for ``magic-jax eval``."""
     from flax import nnx
 
-    from magic_jax.checkpoint import checkpoint_kind
-    from magic_jax.policy import load_model_any, load_policy
+    from magic_jax.run.checkpoint import checkpoint_kind
+    from magic_jax.run.policy import load_model_any, load_policy
 
     kind, ckpt = checkpoint_kind(reference)
     assert (kind, ckpt.name) == ("run", "step_00000004")

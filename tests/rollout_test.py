@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from magic_jax.buffer import pack_rollouts
-from magic_jax.engine import Engine, EngineConfig
-from magic_jax.losses import LossConfig
-from magic_jax.model import KVCache, Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.rollout import RolloutDriver
-from magic_jax.sampling import SamplingConfig
-from magic_jax.train_step import compute_logprobs
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import KVCache, Qwen2
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
+from magic_jax.update.buffer import pack_rollouts
+from magic_jax.update.losses import LossConfig
+from magic_jax.update.step import compute_logprobs
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
@@ -305,7 +305,9 @@ def test_truncation_modes(model):
 
 
 def test_sample_is_frozen_dataclass_with_trainer_fields():
-    names = {f.name for f in dataclasses.fields(__import__("magic_jax.rollout").rollout.Sample)}
+    from magic_jax.rollout.driver import Sample
+
+    names = {f.name for f in dataclasses.fields(Sample)}
     assert {
         "prompt_index",
         "sample_index",

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from magic_jax import rundir
-from magic_jax.rundir import RunDirError, claim_run_dir
-from magic_jax.runlock import RunLock
+from magic_jax.run import rundir
+from magic_jax.run.rundir import RunDirError, claim_run_dir
+from magic_jax.run.runlock import RunLock
 
 
 def test_claim_creates_marks_and_accepts_its_own_directory(tmp_path):
@@ -53,7 +53,7 @@ def test_claim_refuses_a_read_only_directory(tmp_path):
 def _hold_lock(path):
     code = (
         "import sys, time\n"
-        "from magic_jax.runlock import RunLock\n"
+        "from magic_jax.run.runlock import RunLock\n"
         f"RunLock({str(path)!r}).acquire()\n"
         "print('locked', flush=True)\n"
         "time.sleep(120)\n"
@@ -91,7 +91,7 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers(capfd):
 
 
 def test_kill_point_kills_only_at_its_point(tmp_path):
-    code = "from magic_jax.rundir import kill_point as k\nk('update', 2)\nk('update', 3)\n"
+    code = "from magic_jax.run.rundir import kill_point as k\nk('update', 2)\nk('update', 3)\n"
     env = dict(os.environ, MAGIC_JAX_KILL_AT="update:3")
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -signal.SIGKILL
     env["MAGIC_JAX_KILL_AT"] = "update:4"

@@ -1,4 +1,4 @@
-"""Tests for magic_jax.sampling against NumPy references and sampled frequencies."""
+"""Tests for magic_jax.rollout.sampling against NumPy references and sampled frequencies."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from magic_jax import sampling
-from magic_jax.sampling import SamplingConfig
+from magic_jax.rollout import sampling
+from magic_jax.rollout.sampling import SamplingConfig
 
 
 def _np_log_softmax(z):

@@ -10,10 +10,10 @@ from conftest import shard
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from magic_jax.convert import load_hf
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.sharding import (
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.convert import load_hf
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.model.sharding import (
     SAMPLE_RULES,
     TRAIN_RULES,
     MeshConfig,

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from magic_jax.data import parse_row, render_r1
-from magic_jax.evaluate import evaluate
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
+from magic_jax.data.rows import parse_row, render_r1
+from magic_jax.data.tasks import addition
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rewards import math_reward
-from magic_jax.rollout import Sample
-from magic_jax.sft import SFTConfig, SFTTrainer, pack_sft, sft_loss
-from magic_jax.tasks import addition
+from magic_jax.rollout.driver import Sample
+from magic_jax.rollout.evaluate import evaluate
+from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, sft_loss
 
 
 def test_worked_solution_carries_column_by_column():
@@ -192,7 +192,7 @@ def test_saved_task_tokenizer_loads_back_exactly(tmp_path):
     """Beside a Qwen2 config.json, AutoTokenizer would substitute Qwen2's own class."""
     import json
 
-    from magic_jax.policy import load_tokenizer
+    from magic_jax.run.policy import load_tokenizer
 
     tok = addition.tokenizer()
     tok.save_pretrained(tmp_path)

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from magic_jax.cli import main
-from magic_jax.data import prompt_batches, read_rows
-from magic_jax.tfds_data import TfdsRows, is_tfds_dir
+from magic_jax.data.rows import prompt_batches, read_rows
+from magic_jax.data.tfds import TfdsRows, is_tfds_dir
+from magic_jax.jobs.cli import main
 
 
 def _row(i, with_index=True):
@@ -49,9 +49,9 @@ def prepared(sources):
     out = root / "prepared"
     code = (
         "import sys\n"
-        "from magic_jax.cli import main\n"
+        "from magic_jax.jobs.cli import main\n"
         f"assert main(['prepare-data', *{files!r}, '--out', {str(out)!r}]) == 0\n"
-        "from magic_jax.data import read_rows\n"
+        "from magic_jax.data.rows import read_rows\n"
         f"assert len(read_rows({str(out)!r})) == 17\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
     )

@@ -12,18 +12,18 @@ import pytest
 from conftest import shard
 from flax import nnx
 
-from magic_jax.advantages import AdvantageConfig
-from magic_jax.buffer import pack_rollouts
-from magic_jax.entropy import EntropyControlConfig
-from magic_jax.losses import LossConfig
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.optim import OptimizerConfig
-from magic_jax.sharding import TRAIN_RULES, MeshConfig, make_mesh
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.model.sharding import TRAIN_RULES, MeshConfig, make_mesh
 from magic_jax.testing import Sample, assert_fp32_close
-from magic_jax.train_state import TrainState, UpdateConfig, init_train_state
-from magic_jax.train_step import live_first, loss_and_grads, train_step
-from magic_jax.updater import PolicyUpdater
+from magic_jax.update.advantages import AdvantageConfig
+from magic_jax.update.buffer import pack_rollouts
+from magic_jax.update.entropy import EntropyControlConfig
+from magic_jax.update.losses import LossConfig
+from magic_jax.update.optim import OptimizerConfig
+from magic_jax.update.state import TrainState, UpdateConfig, init_train_state
+from magic_jax.update.step import live_first, loss_and_grads, train_step
+from magic_jax.update.updater import PolicyUpdater
 
 V, G = 64, 4
 CFG = ModelConfig(
@@ -440,7 +440,7 @@ def test_update_runs_n_sgd_steps_and_advances_controller(model, tmp_path):
 
 def test_split_mini_batches_even_and_fixed_size():
     """The report's D_R / D_T equal mini-batches vs verl's ceil(kept / D_T)."""
-    from magic_jax.buffer import split_mini_batches
+    from magic_jax.update.buffer import split_mini_batches
 
     rng = np.random.default_rng(0)
     for d_r, d_t in ((8, 2), (12, 4), (16, 16), (256, 128)):

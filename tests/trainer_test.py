@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
-from magic_jax.checkpoint import latest_good_checkpoint as latest_checkpoint
-from magic_jax.cli import main
-from magic_jax.config import ConfigError, load_config
-from magic_jax.trainer import Trainer
+from magic_jax.jobs.cli import main
+from magic_jax.run.checkpoint import latest_good_checkpoint as latest_checkpoint
+from magic_jax.run.config import ConfigError, load_config
+from magic_jax.run.trainer import Trainer
 
 # The model is a tiny one over one-digit sums (magic_jax.testing.save_sums_model).
 
@@ -126,8 +126,8 @@ def test_resume_reproduces_the_uninterrupted_run(files, straight):
 
 
 def test_online_filter_drops_prompts_solved_in_the_previous_stage(files, tmp_path):
-    from magic_jax.data import AccuracyTracker, read_rows
-    from magic_jax.stages import excluded_after
+    from magic_jax.data.rows import AccuracyTracker, read_rows
+    from magic_jax.run.stages import excluded_after
 
     cfg = _config(files, tmp_path / "x")
     rows = read_rows(files / "train.jsonl")
@@ -199,7 +199,7 @@ def test_kl_against_the_frozen_reference_per_stage(files):
     import jax
     from flax import nnx
 
-    from magic_jax.policy import load_policy
+    from magic_jax.run.policy import load_policy
 
     cfg = _config(files, "kl", "stages.0.kl_beta=0.5", "loss.kl_reference=model", "export_hf=false")
     assert cfg.loss.kl_reference == str(files / "model")
@@ -218,7 +218,7 @@ def test_kl_against_the_frozen_reference_per_stage(files):
 def test_reference_defaults_to_a_copy_of_the_initial_weights(files, tmp_path):
     import jax.numpy as jnp
 
-    from magic_jax.policy import reference_params
+    from magic_jax.run.policy import reference_params
 
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
     assert reference_params(_config(files, tmp_path), params, None) is None

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from magic_jax.buffer import pack_rollouts
-from magic_jax.config import ConfigError, load_config
-from magic_jax.losses import LossConfig
-from magic_jax.model import Qwen2
-from magic_jax.model_config import ModelConfig
-from magic_jax.stages import update_config
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.run.config import ConfigError, load_config
+from magic_jax.run.stages import update_config
 from magic_jax.testing import assert_fp32_close
-from magic_jax.train_state import UpdateConfig
-from magic_jax.train_step import default_update_layer_unroll, loss_and_grads, update_graphdef
-from magic_jax.updater import PolicyUpdater
+from magic_jax.update.buffer import pack_rollouts
+from magic_jax.update.losses import LossConfig
+from magic_jax.update.state import UpdateConfig
+from magic_jax.update.step import default_update_layer_unroll, loss_and_grads, update_graphdef
+from magic_jax.update.updater import PolicyUpdater
 
 V, G = 64, 4
 CFG = ModelConfig(

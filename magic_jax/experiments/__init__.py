@@ -1,0 +1,1 @@
+"""The experiment runner behind the notebooks: the ablations and their report."""

@@ -1,0 +1,443 @@
+"""The ablations' figures and verdicts: seed means with their spread, effect sizes, one table.
+
+Every quantity is read from the committed run summaries
+(``magic_jax.experiments.ablations``), never from a notebook's own state, so
+``python -m magic_jax.experiments.ablations figures`` redraws exactly what the
+notebooks show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from magic_jax.experiments import ablations
+from magic_jax.jobs.report import Run, colors
+
+# A run's one-number outcomes (seed by seed), by name: (description, function).
+
+
+def _evals(run: Run) -> list[dict[str, Any]]:
+    return [e for e in run.evals if isinstance(e.get("accuracy"), int | float)]
+
+
+def final_accuracy(run: Run) -> float:
+    """Held-out avg@n at the last evaluation."""
+    return float(_evals(run)[-1]["accuracy"])
+
+
+def mean_accuracy(run: Run) -> float:
+    """Held-out avg@n averaged over every evaluation after step 0 (area under the curve)."""
+    ev = [e["accuracy"] for e in _evals(run) if e["step"] > 0]
+    return float(sum(ev) / len(ev)) if ev else math.nan
+
+
+def _stage_rows(run: Run, stage: int | None) -> list[dict[str, Any]]:
+    return [m for m in run.metrics if stage is None or m.get("stage") == stage]
+
+
+def mean_entropy(run: Run) -> float:
+    """Token entropy of the rollouts, averaged over all steps (lower: faster collapse)."""
+    v = [m["entropy"] for m in run.metrics]
+    return float(sum(v) / len(v))
+
+
+def late_entropy(run: Run) -> float:
+    """Token entropy averaged over the last third of the steps."""
+    v = [m["entropy"] for m in run.metrics]
+    tail = v[-max(1, len(v) // 3) :]
+    return float(sum(tail) / len(tail))
+
+
+def late_target_gap(run: Run) -> float:
+    """Mean |entropy - target| over the last third of the steps (target from the config)."""
+    target = float((run.config.get("entropy") or {}).get("target", 0.0))
+    v = [abs(m["entropy"] - target) for m in run.metrics]
+    tail = v[-max(1, len(v) // 3) :]
+    return float(sum(tail) / len(tail))
+
+
+def stage1_truncated(run: Run) -> float:
+    """Fraction of rollouts truncated, averaged over the first stage's steps."""
+    v = [m["truncated_fraction"] for m in _stage_rows(run, 0)]
+    return float(sum(v) / len(v))
+
+
+def stage1_accuracy(run: Run) -> float:
+    """Held-out avg@n at the last evaluation inside the first stage."""
+    last = max((m["step"] for m in _stage_rows(run, 0)), default=0) + 1
+    ev = [e for e in _evals(run) if e["step"] <= last]
+    return float(ev[-1]["accuracy"])
+
+
+def rollout_tokens(run: Run) -> float:
+    """Response tokens sampled over the whole run (millions): sum of mean length x samples."""
+    g = None
+    for st in run.config.get("stages") or []:
+        g = st.get("group_size", g)
+    g = g or 1
+    tot = 0.0
+    for m in run.metrics:
+        n = (m.get("prompts", 0) + m.get("extra_rollouts", 0) / g) * g
+        tot += m["response_length_mean"] * n
+    return tot / 1e6
+
+
+def stage2_ref_kl(run: Run) -> float:
+    """KL to the reference policy averaged over the second stage's steps."""
+    v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
+    return float(sum(v) / len(v)) if v else math.nan
+
+
+def stage2_ref_kl_drift(run: Run) -> float:
+    """Second-stage KL to the reference: last 5 steps minus first 5 (< 0: pulled back)."""
+    v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
+    if len(v) < 2:
+        return math.nan
+    k = min(5, len(v) // 2)
+    return float(sum(v[-k:]) / k - sum(v[:k]) / k)
+
+
+def max_grad_norm(run: Run) -> float:
+    """Largest gradient norm of the run (instability shows here first)."""
+    return float(max(m.get("grad_norm", 0.0) for m in run.metrics))
+
+
+OUTCOMES: dict[str, Callable[[Run], float]] = {
+    "final accuracy": final_accuracy,
+    "mean accuracy": mean_accuracy,
+    "mean entropy": mean_entropy,
+    "late entropy": late_entropy,
+    "late |entropy - target|": late_target_gap,
+    "stage-1 truncated fraction": stage1_truncated,
+    "stage-1 accuracy": stage1_accuracy,
+    "rollout tokens (M)": rollout_tokens,
+    "stage-2 KL to reference": stage2_ref_kl,
+    "stage-2 KL drift": stage2_ref_kl_drift,
+    "max grad norm": max_grad_norm,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One directional prediction of the report: ``arm`` minus ``reference`` in ``outcome``.
+
+    Attributes:
+      outcome: a key of ``OUTCOMES``.
+      reference / arm: arm keys; ``reference`` None compares ``arm`` with 0.
+      sign: the report's predicted sign of (arm - reference): -1, +1, or 0 for "the same".
+      tolerance: for sign 0, the largest |difference| that counts as the same.
+    """
+
+    outcome: str
+    reference: str | None
+    arm: str
+    sign: int
+    tolerance: float = 0.0
+
+
+# The report's predictions, per ablation.
+CHECKS: dict[str, tuple[Check, ...]] = {
+    "temperature": (
+        Check("mean entropy", "baseline", "temp-0.6", -1),
+        Check("final accuracy", "baseline", "temp-0.6", -1),
+    ),
+    "off_policy": (
+        Check("mean entropy", "baseline", "nsgd4-minibatch", -1),
+        Check("final accuracy", "baseline", "nsgd4-minibatch", -1),
+        Check("mean entropy", "baseline", "nsgd4-reuse", -1),
+        Check("final accuracy", "baseline", "nsgd4-reuse", -1),
+    ),
+    "entropy_control": (
+        Check("late entropy", "ent-fixed-0.5", "ent-fixed-0.005", -1),
+        Check("late entropy", "ent-fixed-0.5", "ent-fixed-5", +1),
+        Check("late |entropy - target|", "ent-fixed-0.005", "ent-adaptive-0.2", -1),
+        Check("late |entropy - target|", "ent-fixed-5", "ent-adaptive-0.2", -1),
+    ),
+    "adv_mask": (
+        Check("stage-1 truncated fraction", "baseline", "mask-before", +1),
+        Check("stage-1 accuracy", "baseline", "mask-before", -1),
+        Check("stage-1 truncated fraction", "baseline", "mask-after", +1),
+    ),
+    "clip_higher": (
+        Check("mean entropy", "clip-0.2-nsgd4", "clip-0.25-nsgd4", +1),
+        Check("mean entropy", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
+        Check("max grad norm", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
+    ),
+    "kl": (
+        # with beta 0 the reference is not even built (no KL measured): the pull is read
+        # from the KL arm's own KL over stage 2
+        Check("stage-2 KL drift", None, "kl-1e-3", -1),
+        Check("final accuracy", "baseline", "kl-1e-3", -1),
+        Check("stage-2 KL to reference", "kl-1e-3", "kl-0.1", -1),
+        Check("stage-2 KL drift", None, "kl-0.1", -1),
+        Check("final accuracy", "baseline", "kl-0.1", -1),
+    ),
+    "multi_stage": (
+        Check("final accuracy", "single-T64", "baseline", 0, tolerance=0.02),
+        Check("rollout tokens (M)", "single-T64", "baseline", -1),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """A check's result over seeds.
+
+    Attributes:
+      check: the prediction.
+      reference / arm: the outcome of each seed.
+      diff: mean(arm) - mean(reference).
+      se: its standard error, sqrt(s_a^2 / n_a + s_r^2 / n_r) (0 with one seed each).
+      verdict: "reproduced", "not reproduced" or "inconclusive".
+    """
+
+    check: Check
+    reference: list[float]
+    arm: list[float]
+    diff: float
+    se: float
+    verdict: str
+
+    def text(self, labels: Mapping[str, str] | None = None) -> str:
+        lab = labels or {}
+        r, a = (
+            lab.get(self.check.reference, self.check.reference or "0"),
+            lab.get(self.check.arm, self.check.arm),
+        )
+        return (
+            f"{self.check.outcome}: {a} {_mean(self.arm):.3f} vs {r} {_mean(self.reference):.3f} "
+            f"(diff {self.diff:+.3f} +- {self.se:.3f}, "
+            f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict}"
+        )
+
+
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v) if v else math.nan
+
+
+def _var(v: Sequence[float]) -> float:
+    if len(v) < 2:
+        return 0.0
+    m = _mean(v)
+    return sum((x - m) ** 2 for x in v) / (len(v) - 1)
+
+
+def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Effect:
+    """Compares two arms' per-seed outcomes against the predicted sign.
+
+    A difference counts when it exceeds twice its standard error (and, with fewer than
+    2 seeds on a side, the verdict is "inconclusive"). For sign 0 ("the same"), the
+    prediction holds when |diff| + 2 se <= tolerance and fails when |diff| - 2 se > tolerance.
+    """
+    diff = _mean(arm) - _mean(reference)
+    se = math.sqrt(_var(arm) / max(len(arm), 1) + _var(reference) / max(len(reference), 1))
+    if min(len(arm), len(reference)) < 2 or math.isnan(diff):
+        verdict = "inconclusive"
+    elif check.sign == 0:
+        if abs(diff) + 2 * se <= check.tolerance:
+            verdict = "reproduced"
+        elif abs(diff) - 2 * se > check.tolerance:
+            verdict = "not reproduced"
+        else:
+            verdict = "inconclusive"
+    elif abs(diff) <= 2 * se or diff == 0:
+        verdict = "inconclusive"
+    else:
+        verdict = "reproduced" if (diff > 0) == (check.sign > 0) else "not reproduced"
+    return Effect(check, list(reference), list(arm), diff, se, verdict)
+
+
+def effects(
+    ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
+) -> list[Effect]:
+    """Every check of ``ablation`` on the finished runs."""
+    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
+    out = []
+    for c in CHECKS[ablation]:
+        fn = OUTCOMES[c.outcome]
+        if c.reference is None:
+            arm = [fn(r) for r in runs.get(c.arm, [])]
+            out.append(judge(c, [0.0] * len(arm), arm))
+            continue
+        out.append(
+            judge(
+                c, [fn(r) for r in runs.get(c.reference, [])], [fn(r) for r in runs.get(c.arm, [])]
+            )
+        )
+    return out
+
+
+def outcome_table(
+    ablation: str, runs: Mapping[str, Sequence[Run]], outcomes: Sequence[str]
+) -> list[list[str]]:
+    """Rows ``[arm label, seeds, outcome mean +- std ...]`` for printing."""
+    ab = ablations.ABLATIONS[ablation]
+    rows = []
+    for arm in ab.arms:
+        rs = runs.get(arm.key, [])
+        row = [arm.label, str(len(rs))]
+        for o in outcomes:
+            v = [OUTCOMES[o](r) for r in rs]
+            row.append(f"{_mean(v):.3f} +- {math.sqrt(_var(v)):.3f}" if v else "-")
+        rows.append(row)
+    return rows
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- figures
+
+# (metric key, title, from evaluations?)
+PANELS: tuple[tuple[str, str, bool], ...] = (
+    ("entropy", "token entropy (nats); dashed: target", False),
+    ("alpha", "entropy coefficient alpha", False),
+    ("accuracy", "held-out avg@n", True),
+    ("response_length_mean", "mean response length (tokens)", False),
+    ("truncated_fraction", "truncated fraction", False),
+    ("reward", "rollout reward", False),
+)
+
+
+def _band(
+    runs: Sequence[Run], key: str, evals: bool
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min and max over runs of ``key`` (steps every run has)."""
+    per = [dict(zip(*r.series(key, evals=evals))) for r in runs]
+    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    mean = [_mean([p[s] for p in per]) for s in steps]
+    lo = [min(p[s] for p in per) for s in steps]
+    hi = [max(p[s] for p in per) for s in steps]
+    return steps, mean, lo, hi
+
+
+def plot_arms(ax: Any, runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str], key: str,
+              *, evals: bool = False) -> None:  # fmt: skip
+    """One colour per arm: the seed mean as a line, the seeds' min-max as a band."""
+    arms = [k for k in runs if runs[k]]
+    for arm, color in zip(arms, colors(len(arms))):
+        steps, mean, lo, hi = _band(runs[arm], key, evals)
+        if not steps:
+            continue
+        ax.plot(steps, mean, color=color, linewidth=1.5, marker="o" if evals else None,
+                markersize=3, label=f"{labels.get(arm, arm)} (n={len(runs[arm])})")  # fmt: skip
+        if len(runs[arm]) > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.18, linewidth=0)
+        if key == "entropy":
+            ent = runs[arm][0].config.get("entropy") or {}
+            if ent.get("mode", "adaptive") == "adaptive" and "target" in ent:
+                ax.axhline(float(ent["target"]), color=color, linestyle="--", linewidth=0.9)
+
+
+def ablation_figure(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
+                    results: Any = None) -> Any:  # fmt: skip
+    """A 2 x 3 matplotlib figure (Agg) of one ablation: every arm's seed mean and spread."""
+    from matplotlib.figure import Figure
+
+    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
+    ab = ablations.ABLATIONS[ablation]
+    labels = {a.key: a.label for a in ab.arms}
+    fig = Figure(figsize=(13.5, 6.6), dpi=90)
+    axes = fig.subplots(2, 3)
+    for ax, (key, title, evals) in zip(axes.flat, PANELS):
+        plot_arms(ax, runs, labels, key, evals=evals)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key == "entropy":
+            ax.set_yscale("log")
+    stage_steps = sorted({
+        m["step"] for rs in runs.values() for r in rs[:1]
+        for prev, m in zip(r.metrics, r.metrics[1:]) if m.get("stage") != prev.get("stage")
+    })  # fmt: skip
+    for ax in axes.flat:
+        for s in stage_steps:
+            ax.axvline(s, color="0.5", linestyle=":", linewidth=0.9)
+    axes.flat[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{ab.title}: seed mean (line) and min-max (band); dotted: stage change",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
+def verdict(effs: Sequence[Effect]) -> str:
+    """One word for an ablation: every check reproduced, any failed, or otherwise inconclusive."""
+    vs = {e.verdict for e in effs}
+    if vs == {"reproduced"}:
+        return "reproduced"
+    if "not reproduced" in vs:
+        return "not reproduced" if "reproduced" not in vs else "partly reproduced"
+    return "partly reproduced (rest inconclusive)" if "reproduced" in vs else "inconclusive"
+
+
+def summary_rows(results: Any = None) -> list[list[str]]:
+    """The README table: ablation, claim, arms, seeds, effects, verdict."""
+    rows = []
+    for key, ab in ablations.ABLATIONS.items():
+        runs = ablations.load_arm_runs(key, results)
+        effs = effects(key, runs, results)
+        labels = {a.key: a.label for a in ab.arms}
+        seeds = "/".join(str(len(runs[a.key])) for a in ab.arms)
+        rows.append([
+            key, ab.claim, "; ".join(a.label for a in ab.arms), seeds,
+            "<br>".join(e.text(labels) for e in effs), verdict(effs),
+        ])  # fmt: skip
+    return rows
+
+
+def summary_table(results: Any = None) -> str:
+    """The Markdown table of ``summary_rows`` (``notebooks/README.md`` holds it verbatim)."""
+    header = ["ablation", "report's claim", "arms", "seeds per arm", "effects (mean diff +- se)",
+              "verdict"]  # fmt: skip
+    return format_table(header, summary_rows(results))
+
+
+def write_figures(
+    results: str | os.PathLike, out: str | os.PathLike, names: Sequence[str] | None = None
+) -> Path:
+    """``<ablation>.png`` per ablation with finished runs and ``summary.md``; returns ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for key in names or ablations.ABLATIONS:
+        runs = ablations.load_arm_runs(key, results)
+        if not any(runs.values()):
+            continue
+        fig = ablation_figure(key, runs)
+        fig.savefig(out / f"{key}.png")
+    (out / "summary.md").write_text(summary_table(results) + "\n")
+    return out
+
+
+def describe(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
+             results: Any = None) -> str:  # fmt: skip
+    """What a notebook prints: each arm's outcomes (seed mean +- std), each check of the
+    report's claim with its effect size and verdict, and the command that re-runs each arm."""
+    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
+    ab = ablations.ABLATIONS[ablation]
+    labels = {a.key: a.label for a in ab.arms}
+    names = list(
+        dict.fromkeys(["final accuracy", "mean entropy", *(c.outcome for c in CHECKS[ablation])])
+    )
+    effs = effects(ablation, runs)
+    lines = [
+        f"{ab.title}. Report: {ab.claim}",
+        "",
+        format_table(["arm", "seeds", *names], outcome_table(ablation, runs, names)),
+        "",
+        *(f"- {e.text(labels)}" for e in effs),
+        "",
+        f"verdict: {verdict(effs)}",
+        "",
+        "re-run an arm (skips seeds already in notebooks/results/runs):",
+        *(f"  {ablations.rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,534 @@
+"""The report's entropy-dynamics ablations on the embedded default: arms, a resumable runner.
+
+Each (arm, seed) is an ordinary ``magic-jax train`` run of ``configs/default.yaml``
+with ``--set`` overrides, in its own directory under ``<results>/raw/`` (git-ignored:
+checkpoints, TensorBoard files). When a run finishes, its records (``metrics.jsonl``,
+``eval.jsonl``, ``config.yaml``) and a ``run.json`` (the command, the wall time) are
+copied to ``<results>/runs/<arm>/seed<k>/``: a small directory that
+``magic_jax.jobs.report.load_run`` reads and that is committed. Runs already there are
+skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
+built over several sessions::
+
+    python -m magic_jax.experiments.ablations run                  # every missing (arm, seed)
+    python -m magic_jax.experiments.ablations run --ablation temperature --seeds 0
+    python -m magic_jax.experiments.ablations status
+
+A short budget for smoke runs (CI executes the notebooks this way):
+``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
+with results in ``<results>/budget-1/`` unless ``MAGIC_JAX_NOTEBOOK_RESULTS`` names a
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+STEPS_ENV = "MAGIC_JAX_NOTEBOOK_STEPS"
+RESULTS_ENV = "MAGIC_JAX_NOTEBOOK_RESULTS"
+
+# Steps per stage of every ablation run: the default's two stages (T 44, then T 64)
+# shortened from 30 + 30 steps, which the style flip and the entropy fall need far less
+# than (they happen within the first 10 steps), so that 3 seeds of every arm fit in about
+# an hour on 2 CPU cores.
+STAGE_STEPS = 15
+# Three seeds for the claims the report rests most on (temperature, N_SGD, entropy control,
+# clip-higher), two for the others: the whole set is 35 runs.
+SEEDS = (0, 1, 2)
+SEEDS_SECONDARY = (0, 1)
+# Evaluation every 5 steps, avg@2 over the 256 held-out problems: 512 samples (standard
+# error about 2 points at 50%), 4 s of a 2-core machine each.
+EVAL_OVERRIDES = ("eval.every=5", "eval.num_samples=2")
+# What every ablation run sets beside its arm: no Hugging Face export (the runs are
+# compared, not released) and one checkpoint per stage (resume after a kill).
+RUN_OVERRIDES = ("export_hf=false", f"checkpoint_every={STAGE_STEPS}", "keep_checkpoints=1")
+
+# The default's stage fields, for arms that replace the whole schedule.
+_STAGE_FIELDS = "prompts_per_step: 16, mini_batch_groups: 16, group_size: 8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One configuration of an ablation.
+
+    Attributes:
+      key: unique among all ablations; names the run directories (``runs/<key>/seed<k>``).
+        Arms with the same key are the same runs (the baseline serves several ablations).
+      label: legend text.
+      overrides: ``--set`` assignments on top of ``configs/default.yaml``.
+      stages: ``None`` for the default's two stages (T 44, T 64), or the (name, T) of each
+        stage of a schedule that replaces them; each stage gets ``STAGE_STEPS`` x
+        (2 / number of stages) steps, so every arm trains the same number of steps.
+    """
+
+    key: str
+    label: str
+    overrides: tuple[str, ...] = ()
+    stages: tuple[tuple[str, int], ...] | None = None
+
+    def step_overrides(self, stage_steps: int) -> tuple[str, ...]:
+        """The ``--set`` fixing each stage's steps (``stage_steps`` per default stage)."""
+        if self.stages is None:
+            return (f"stages.0.steps={stage_steps}", f"stages.1.steps={stage_steps}")
+        each = 2 * stage_steps // len(self.stages)
+        items = ", ".join(
+            f"{{name: {name}, steps: {each}, max_response_length: {t}, {_STAGE_FIELDS}}}"
+            for name, t in self.stages
+        )
+        return (f"stages=[{items}]",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    """One of the report's claims and the arms that test it.
+
+    Attributes:
+      key: short name (``temperature``); the notebook is ``notebooks/NN_<key>.py``.
+      title: one line.
+      claim: the report's claim, in words.
+      arms: the arms, the reference arm first.
+      seeds: seeds per arm.
+    """
+
+    key: str
+    title: str
+    claim: str
+    arms: tuple[Arm, ...]
+    seeds: tuple[int, ...] = SEEDS
+
+    def arm(self, key: str) -> Arm:
+        for a in self.arms:
+            if a.key == key:
+                return a
+        raise KeyError(f"ablation {self.key!r} has no arm {key!r} (arms: {self.arm_keys})")
+
+    @property
+    def arm_keys(self) -> list[str]:
+        return [a.key for a in self.arms]
+
+
+# N_SGD = D_R / D_T = 16 / 4 = 4 optimizer steps per rollout batch, by mini-batches.
+_NSGD4 = ("stages.0.mini_batch_groups=4", "stages.1.mini_batch_groups=4")
+
+BASELINE = Arm(
+    "baseline",
+    "default: T=1.0, N_SGD=1, adaptive (target 0.1), eps_high 0.28, mask none, KL 0",
+)
+
+ABLATIONS: dict[str, Ablation] = {
+    a.key: a
+    for a in (
+        Ablation(
+            "temperature",
+            "Rollout temperature 0.6 vs 1.0",
+            "Lower rollout temperature gives lower entropy and worse later learning.",
+            (
+                Arm("baseline", "temperature 1.0"),
+                Arm(
+                    "temp-0.6",
+                    "temperature 0.6",
+                    ("sampling.temperature=0.6", "loss.temperature=0.6"),
+                ),
+            ),
+        ),
+        Ablation(
+            "off_policy",
+            "On-policy N_SGD = 1 vs off-policy N_SGD = 4 (more mini-batches, or reuse)",
+            "Off-policy updates (N_SGD > 1) collapse entropy faster and test worse.",
+            (
+                Arm("baseline", "N_SGD 1 (D_T = D_R = 16)"),
+                Arm("nsgd4-minibatch", "N_SGD 4 by mini-batches (D_T 4)", _NSGD4),
+                Arm("nsgd4-reuse", "N_SGD 4 by reuse (N_reuse 4)", ("num_reuse=4",)),
+            ),
+        ),
+        Ablation(
+            "entropy_control",
+            "Fixed entropy coefficients vs adaptive control",
+            "Fixed coefficients collapse (small) or explode (large) the entropy; "
+            "adaptive control holds it near the target.",
+            (
+                Arm("baseline", "default adaptive: delta 0.002, max coef 0.02"),
+                Arm(
+                    "ent-fixed-0.005",
+                    "fixed 0.005",
+                    ("entropy.mode=fixed", "entropy.init_coef=0.005", "entropy.max_coef=null"),
+                ),
+                Arm(
+                    "ent-fixed-0.5",
+                    "fixed 0.5",
+                    ("entropy.mode=fixed", "entropy.init_coef=0.5", "entropy.max_coef=null"),
+                ),
+                Arm(
+                    "ent-fixed-5",
+                    "fixed 5",
+                    ("entropy.mode=fixed", "entropy.init_coef=5.0", "entropy.max_coef=null"),
+                ),
+                # The default's controller needs 10 steps to reach 0.02, a coefficient far
+                # too small to move this model's entropy (fixed 0.5 barely does, fixed 5
+                # explodes it; delta 0.05 reached 1.3 in 30 steps with no effect, seed 0);
+                # this one can reach that range within the run.
+                Arm(
+                    "ent-adaptive-0.2",
+                    "adaptive: delta 0.2, no cap",
+                    ("entropy.delta=0.2", "entropy.max_coef=null"),
+                ),
+            ),
+        ),
+        Ablation(
+            "adv_mask",
+            "Advantage mask for truncated responses: none / before / after",
+            "In a short-T stage, masking 'before' raises the truncated fraction and lowers "
+            "overall accuracy.",
+            (
+                Arm("baseline", "mask none"),
+                Arm("mask-before", "mask before", ("advantage.mask=before",)),
+                Arm("mask-after", "mask after", ("advantage.mask=after",)),
+            ),
+            seeds=SEEDS_SECONDARY,
+        ),
+        Ablation(
+            "clip_higher",
+            "Clip-higher eps_high 0.2 / 0.25 / 0.28, off-policy (N_SGD 4 by mini-batches)",
+            "A higher eps_high slows the entropy collapse; too high is unstable.",
+            # On-policy (N_SGD 1) the ratio is 1 at the only optimizer step and no clip binds:
+            # eps_high cannot matter there, so the arms use the off-policy ablation's D_T 4.
+            (
+                Arm("clip-0.2-nsgd4", "eps_high 0.2", (*_NSGD4, "loss.eps_high=0.2")),
+                Arm("clip-0.25-nsgd4", "eps_high 0.25", (*_NSGD4, "loss.eps_high=0.25")),
+                Arm("nsgd4-minibatch", "eps_high 0.28"),
+            ),
+        ),
+        Ablation(
+            "kl",
+            "KL beta 1e-3 vs 0 in the second stage",
+            "A KL term (beta 1e-3) in a later stage pulls the policy back toward the "
+            "reference and stalls learning.",
+            (
+                Arm("baseline", "beta 0"),
+                Arm("kl-1e-3", "beta 1e-3 in stage 2", ("stages.1.kl_beta=0.001",)),
+                # 100 times the report's beta: does the pull show at all at this scale?
+                Arm("kl-0.1", "beta 0.1 in stage 2", ("stages.1.kl_beta=0.1",)),
+            ),
+            seeds=SEEDS_SECONDARY,
+        ),
+        Ablation(
+            "multi_stage",
+            "Multi-stage T 44 -> 64 vs one stage at T 64, equal steps",
+            "Short-then-long T reaches the same final accuracy as one long stage with fewer "
+            "rollout tokens.",
+            (
+                Arm("baseline", "T 44 then T 64"),
+                Arm("single-T64", "T 64 throughout", stages=(("T64", 64),)),
+            ),
+            seeds=SEEDS_SECONDARY,
+        ),
+    )
+}
+
+
+# --------------------------------------------------------------------------- where and how
+
+
+def step_budget() -> int | None:
+    """``MAGIC_JAX_NOTEBOOK_STEPS`` as steps per stage (smoke runs), or None."""
+    text = os.environ.get(STEPS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"{STEPS_ENV}={text!r}: expected a positive number of steps per stage")
+    return int(text)
+
+
+def default_results() -> Path:
+    """``notebooks/results`` of this checkout: found from the working directory upwards."""
+    here = Path.cwd().resolve()
+    for d in (here, *here.parents):
+        if d.name == "notebooks" and (d / "results").is_dir():
+            return d / "results"
+        if (d / "notebooks" / "results").is_dir():
+            return d / "notebooks" / "results"
+    return here / "notebooks" / "results"
+
+
+def results_dir(results: str | os.PathLike | None = None) -> Path:
+    """Where runs go: ``results``, else ``$MAGIC_JAX_NOTEBOOK_RESULTS``, else
+    ``notebooks/results`` (``notebooks/results/budget-N`` with a step budget)."""
+    if results is not None:
+        return Path(results).resolve()
+    env = os.environ.get(RESULTS_ENV, "").strip()
+    if env:
+        return Path(env).resolve()
+    budget = step_budget()
+    base = default_results()
+    return base if budget is None else base / f"budget-{budget}"
+
+
+def train_config() -> Path:
+    """The embedded default's config file (``configs/default.yaml``, shipped in the package)."""
+    from magic_jax.jobs.demo import CONFIG_FILE
+
+    return Path(CONFIG_FILE)
+
+
+def overrides_for(arm: Arm, seed: int, budget: int | None = None) -> list[str]:
+    """Every ``--set`` of one run except ``output_dir``."""
+    steps = STAGE_STEPS if budget is None else budget
+    evals = EVAL_OVERRIDES if budget is None else (f"eval.every={steps}", "eval.num_samples=1")
+    ckpt = RUN_OVERRIDES if budget is None else ("export_hf=false", f"checkpoint_every={steps}")
+    return [*evals, *ckpt, *arm.step_overrides(steps), *arm.overrides, f"seed={seed}"]
+
+
+def raw_dir(results: Path, arm: Arm, seed: int) -> Path:
+    return results / "raw" / arm.key / f"seed{seed}"
+
+
+def summary_dir(results: Path, arm: Arm, seed: int) -> Path:
+    return results / "runs" / arm.key / f"seed{seed}"
+
+
+def train_command(
+    arm: Arm,
+    seed: int,
+    output_dir: str | os.PathLike,
+    budget: int | None = None,
+    *,
+    config: str | os.PathLike | None = None,
+) -> list[str]:
+    """The ``magic-jax train`` command line of one run (a list of arguments).
+
+    ``config`` defaults to ``configs/default.yaml`` as typed in a checkout (the file the
+    package ships, ``train_config()``).
+    """
+    cmd = ["magic-jax", "train", str(config or "configs/default.yaml")]
+    for o in [*overrides_for(arm, seed, budget), f"output_dir={output_dir}"]:
+        cmd += ["--set", o]
+    return cmd
+
+
+def rerun_command(ablation: str, arm: Arm, seed: int) -> str:
+    """One shell command that (re)builds this arm's seed under ``notebooks/results``."""
+    return (
+        f"python -m magic_jax.experiments.ablations run --ablation {ablation} "
+        f"--arm {arm.key} --seeds {seed}"
+    )
+
+
+def is_done(results: Path, arm: Arm, seed: int) -> bool:
+    return (summary_dir(results, arm, seed) / "run.json").exists()
+
+
+RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml")
+
+
+def _collect(raw: Path, dest: Path, record: dict) -> None:
+    """Copies a finished run's records to ``dest`` (through a temporary directory, then renamed)."""
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in RECORD_FILES:
+        if (raw / name).exists():
+            shutil.copy2(raw / name, tmp / name)
+    (tmp / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def _recorded_seconds(raw: Path) -> float:
+    """Seconds of training steps and evaluations a run's records account for."""
+    total = 0.0
+    for name, keys in (("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s")),
+                       ("eval.jsonl", ("t_eval_s",))):  # fmt: skip
+        p = raw / name
+        for line in p.read_text().splitlines() if p.exists() else []:
+            if line.strip():
+                row = json.loads(line)
+                total += sum(float(row.get(k, 0.0)) for k in keys)
+    return total
+
+
+def run_one(
+    ablation: str,
+    arm: Arm,
+    seed: int,
+    results: Path,
+    *,
+    budget: int | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Trains one (arm, seed) in a fresh ``magic-jax train`` process; returns its summary dir.
+
+    Raises:
+      RuntimeError: the run failed (its log is at ``<raw dir>/train.log``; the raw
+        directory is kept, so a second call resumes it).
+    """
+    raw = raw_dir(results, arm, seed)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    cmd = train_command(arm, seed, raw, budget, config=train_config())
+    cmd[0:1] = [sys.executable, "-m", "magic_jax.jobs.cli"]
+    log(f"[ablations] {ablation}/{arm.key} seed {seed}: training in {raw}")
+    t0 = time.perf_counter()
+    logfile = raw.with_name(raw.name + ".log")
+    with open(logfile, "ab") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = logfile.read_text(errors="replace").splitlines()[-5:]
+        raise RuntimeError(
+            f"{ablation}/{arm.key} seed {seed}: magic-jax train exited {proc.returncode} "
+            f"(log {logfile}):\n" + "\n".join(tail)
+        )
+    record = {
+        "ablation": ablation,
+        "arm": arm.key,
+        "label": arm.label,
+        "seed": seed,
+        "overrides": overrides_for(arm, seed, budget),
+        "command": shlex.join(train_command(arm, seed, "<dir>", budget)),
+        "rerun": rerun_command(ablation, arm, seed),
+        # this call's wall time (a resumed or already finished run: only the rest), and the
+        # run's own step and evaluation time from its records
+        "wall_s": round(wall, 1),
+        "steps_and_evals_s": round(_recorded_seconds(raw), 1),
+        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "step_budget": budget,
+    }
+    dest = summary_dir(results, arm, seed)
+    _collect(raw, dest, record)
+    log(f"[ablations] {ablation}/{arm.key} seed {seed}: done in {wall:.0f}s -> {dest}")
+    return dest
+
+
+def plan_runs(
+    names: Sequence[str] | None = None,
+    arms: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    budget: int | None = None,
+) -> list[tuple[str, Arm, int]]:
+    """(ablation, arm, seed) of every run asked for, seed-major (all arms' seed 0 first),
+    each shared arm once."""
+    for n in names or ():
+        if n not in ABLATIONS:
+            raise KeyError(f"no ablation {n!r} (known: {', '.join(ABLATIONS)})")
+    chosen = [ABLATIONS[n] for n in (names or ABLATIONS)]
+    if arms:
+        known = {a.key for ab in chosen for a in ab.arms}
+        for a in arms:
+            if a not in known:
+                raise KeyError(
+                    f"no arm {a!r} in {[ab.key for ab in chosen]} (arms: {sorted(known)})"
+                )
+    all_seeds = sorted({s for ab in chosen for s in ab.seeds})
+    if seeds is None:
+        seeds = all_seeds[:1] if budget is not None else all_seeds
+    out, seen = [], set()
+    for seed in seeds:
+        for ab in chosen:
+            if seed not in ab.seeds and budget is None and not arms:
+                continue
+            for arm in ab.arms:
+                if (arms and arm.key not in arms) or (arm.key, seed) in seen:
+                    continue
+                seen.add((arm.key, seed))
+                out.append((ab.key, arm, seed))
+    return out
+
+
+def ensure(
+    names: Sequence[str] | None = None,
+    *,
+    arms: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    results: str | os.PathLike | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Runs every missing (ablation, arm, seed) asked for; returns the results directory.
+
+    With ``MAGIC_JAX_NOTEBOOK_STEPS`` set, each stage runs that many steps and only the
+    first seed is run (unless ``seeds`` says otherwise).
+    """
+    budget = step_budget()
+    where = results_dir(results)
+    todo = [r for r in plan_runs(names, arms, seeds, budget) if not is_done(where, r[1], r[2])]
+    if todo:
+        log(f"[ablations] {len(todo)} run(s) to do in {where}")
+    for ab, arm, seed in todo:
+        run_one(ab, arm, seed, where, budget=budget, log=log)
+    return where
+
+
+def load_arm_runs(ablation: str, results: str | os.PathLike | None = None) -> dict[str, list]:
+    """``{arm key: [report.Run of each finished seed]}`` of one ablation (arms in order)."""
+    from magic_jax.jobs.report import load_run
+
+    where = results_dir(results)
+    ab = ABLATIONS[ablation]
+    out = {}
+    for arm in ab.arms:
+        runs = []
+        for seed in ab.seeds:
+            d = summary_dir(where, arm, seed)
+            if (d / "run.json").exists():
+                runs.append(load_run(d, name=f"{arm.label} (seed {seed})"))
+        out[arm.key] = runs
+    return out
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _status(results: Path) -> None:
+    budget = step_budget()
+    for ab, arm, seed in plan_runs(budget=budget):
+        done = is_done(results, arm, seed)
+        wall = ""
+        if done:
+            rec = json.loads((summary_dir(results, arm, seed) / "run.json").read_text())
+            wall = f" ({rec.get('steps_and_evals_s') or 0:.0f}s of steps and evaluations)"
+        print(f"{'done' if done else 'todo'}  {ab:16s} {arm.key:24s} seed {seed}{wall}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m magic_jax.experiments.ablations", description=__doc__.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train every missing (arm, seed)")
+    r.add_argument("--ablation", action="append", help="only these ablations (repeatable)")
+    r.add_argument("--arm", action="append", help="only these arms (repeatable)")
+    r.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
+    r.add_argument("--results", help="results directory (default notebooks/results)")
+    s = sub.add_parser("status", help="which runs are done")
+    s.add_argument("--results")
+    f = sub.add_parser("figures", help="one PNG per ablation and the summary table")
+    f.add_argument("--results")
+    f.add_argument("--out", default=None, help="figure directory (default <results>/../figures)")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            ensure(args.ablation, arms=args.arm, seeds=args.seeds, results=args.results)
+        elif args.cmd == "status":
+            _status(results_dir(args.results))
+        else:
+            from magic_jax.experiments.ablation_report import write_figures
+
+            where = results_dir(args.results)
+            out = Path(args.out) if args.out else where.parent / "figures"
+            print(write_figures(where, out))
+    except (KeyError, ValueError, RuntimeError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""The ``magic-jax`` command line: training, evaluation, difficulty, reports, checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _check_new_dir(path: str, option: str) -> None:
+    """Refuses, before any work, an output directory that exists or lies under a file."""
+    from pathlib import Path
+
+    from magic_jax import storage
+
+    if storage.is_gcs(path):
+        storage.check(path, what=option)
+        if storage.path(path).exists():
+            raise FileExistsError(f"{option} {path}: exists; refusing to overwrite it")
+        return
+    p = Path(path).absolute()
+    if p.exists():
+        raise FileExistsError(f"{option} {p}: exists; refusing to overwrite it")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {p}: {parent} is a file, not a directory")
+            break
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from magic_jax import storage
+    from magic_jax.model.convert import load_hf
+    from magic_jax.model.qwen2 import count_params
+    from magic_jax.model.sharding import mesh_from_text
+    from magic_jax.run.checkpoint import save_model
+
+    _check_new_dir(args.out, "out")
+    t0 = time.perf_counter()
+    hf_dir = storage.local_copy(args.hf_dir, what="hf_dir")  # gs://: a local copy, once
+    model = load_hf(hf_dir, dtype=args.dtype, mesh=mesh_from_text(args.mesh))
+    out = save_model(model, args.out)
+    print(
+        f"converted {args.hf_dir} -> {out}: {count_params(model):,} parameters "
+        f"({args.dtype}) in {time.perf_counter() - t0:.1f}s"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import jax
+
+    from magic_jax import storage
+    from magic_jax.model.convert import save_hf
+    from magic_jax.model.sharding import mesh_from_text
+    from magic_jax.run.checkpoint import CHECKPOINTS, latest_good_checkpoint, load_model
+
+    t0 = time.perf_counter()
+    storage.check(args.ckpt, what="ckpt")
+    storage.check(args.out, what="out")
+    ckpt = storage.path(args.ckpt)
+    if (ckpt / CHECKPOINTS).is_dir():  # a run directory: its newest good checkpoint
+        found = latest_good_checkpoint(ckpt, log=lambda s: print(s, file=sys.stderr))
+        if found is None:
+            raise FileNotFoundError(f"{ckpt}: the run has no checkpoint yet")
+        ckpt = found
+    model = load_model(ckpt, mesh=mesh_from_text(args.mesh))
+    with storage.staged(args.out, upload=jax.process_index() == 0) as local:
+        save_hf(model, local, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    out = args.out
+    print(f"exported {ckpt} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from magic_jax.jobs.demo import compare_sft, run_default
+
+    sets = [f"output_dir={args.workdir}", f"seed={args.seed}", *(args.set or ())]
+    summary = run_default(sets)
+    out = Path(summary["output_dir"])
+    if args.compare_sft and "accuracy_after" in summary:
+        sft = compare_sft(summary["model"], summary["wall_s"], seed=args.seed)
+        row = {
+            "seed": args.seed,
+            "before": summary["accuracy_before"],
+            "after": summary["accuracy_after"],
+            "sft_continuation": sft["after"]["accuracy"],
+            "wall_s": summary["wall_s"],
+            "sft": sft,
+        }
+        (out / "compare_sft.json").write_text(json.dumps(row, indent=2) + "\n")
+        print(
+            f"[compare] seed {args.seed}: MAGIC {row['before']:.3f} -> {row['after']:.3f}, "
+            f"SFT continuation for the same {row['wall_s']:.0f}s -> {row['sft_continuation']:.3f}"
+        )
+    return 0
+
+
+def _default_config() -> str:
+    from magic_jax.jobs.demo import CONFIG_FILE
+
+    return str(CONFIG_FILE)
+
+
+def _build_default(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.demo import BuildConfig, build_default
+
+    build_default(args.out, BuildConfig(seed=args.seed))
+    return 0
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from magic_jax.data.tfds import prepare_dataset
+
+    t0 = time.perf_counter()
+    out = prepare_dataset(args.rows, args.out)
+    print(f"prepared {out} in {time.perf_counter() - t0:.1f}s (data.train: {args.out})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from magic_jax.run.config import load_config
+    from magic_jax.run.rundir import STOP_EXIT_CODES
+    from magic_jax.run.trainer import Trainer
+
+    if args.stop_after is not None and args.stop_after <= 0:
+        raise ValueError(f"--stop-after {args.stop_after}: must be a positive number of steps")
+    if args.config is None and args.stop_after is None:  # the embedded default
+        from magic_jax.jobs.demo import run_default
+
+        summary = run_default(args.set or ())
+    else:
+        config = load_config(args.config or _default_config(), args.set or ())
+        summary = Trainer(config).run(stop_after=args.stop_after)
+    stopped = summary.get("stopped_by")
+    return 0 if stopped is None else STOP_EXIT_CODES[getattr(signal, stopped)]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import os
+
+    # The plan compiles for a TPU slice described by libtpu; this machine's own
+    # accelerator (if any) is not needed, and probing for one only prints warnings.
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from magic_jax.jobs.plan import format_plan, plan_run
+    from magic_jax.model.sharding import MeshConfig
+    from magic_jax.run.config import load_config
+
+    config = load_config(args.config, args.set or ())
+    mesh = None
+    if args.mesh:
+        try:
+            kw = {k.strip(): int(v) for k, v in (p.split("=") for p in args.mesh.split(","))}
+            mesh = MeshConfig(**kw)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--mesh {args.mesh!r}: {e}") from None
+    stages = None if args.stage is None else [args.stage]
+    if stages and not 0 <= args.stage < len(config.stages):
+        raise ValueError(f"--stage {args.stage}: the config has {len(config.stages)} stage(s)")
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.quiet else None
+    t0 = time.perf_counter()
+    result = plan_run(
+        config,
+        args.topology,
+        mesh_config=mesh,
+        preset=args.preset,
+        stages=stages,
+        search=not args.no_search,
+        log=log,
+    )
+    shown = [args.config, "--topology", args.topology]
+    shown += ["--mesh", args.mesh] if args.mesh else []
+    shown += ["--stage", str(args.stage)] if args.stage is not None else []
+    shown += [a for kv in args.set or () for a in ("--set", kv)]
+    print("magic-jax plan " + " ".join(shown))
+    print(format_plan(result))
+    if log:
+        log(f"planned in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.eval import EvalOptions, parse_n, run_eval
+
+    named, default = parse_n(args.n or ())
+    options = EvalOptions(
+        num_samples=named,
+        default_num_samples=default,
+        max_response_length=args.max_response_length,
+        max_prompt_length=args.max_prompt_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk=args.chunk,
+        limit=args.limit,
+        keep_responses=args.responses,
+        **_engine_options(args),
+    )
+    run_eval(args.model, args.data, args.out, options)
+    print(f"per-problem lines and summary.md in {args.out}")
+    return 0
+
+
+def _estimate_difficulty(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.difficulty import DEFAULT_SAMPLES, DifficultyOptions, estimate_difficulty
+    from magic_jax.jobs.eval import parse_n
+
+    named, default = parse_n(args.samples or ())
+    if default is not None:
+        raise ValueError(f"--samples {default}: give ABILITY=N, e.g. --samples math=16")
+    options = DifficultyOptions(
+        model_name=args.model_name,
+        samples=DEFAULT_SAMPLES | named,
+        max_response_length=args.max_response_length,
+        max_prompt_length=args.max_prompt_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk=args.chunk,
+        **_engine_options(args),
+    )
+    estimate_difficulty(args.model, args.data, args.out, options)
+    print(f"rated rows in {args.out}/rated, filtered rows in {args.out}/filtered")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.report import write_report
+
+    out = write_report(args.runs, args.output, names=args.name)
+    print(f"report: {out}")
+    return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {
+        "tokenizer": args.tokenizer,
+        "param_dtype": args.param_dtype,
+        "mesh": args.mesh,
+        "max_concurrent_decodes": args.max_concurrent_decodes,
+        "decode_steps": args.decode_steps,
+        "workers": args.workers,
+    }
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_response_length: int) -> None:
+    p.add_argument("model", help="Hugging Face dir, magic_jax model, run dir or run checkpoint")
+    p.add_argument("data", nargs="+", help="Parquet / JSON-lines files (or dirs) of verl rows")
+    p.add_argument("--max-response-length", type=int, default=max_response_length)
+    p.add_argument("--max-prompt-length", type=int, default=2048, help="longer prompts skipped")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chunk", type=int, help="prompts per resumable chunk (default 256 // n; fixes the seeds)"
+    )
+    p.add_argument("--tokenizer", help="tokenizer dir (default: the model's)")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.add_argument("--max-concurrent-decodes", type=int, default=64, help="decode slots")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps per host trip")
+    p.add_argument("--workers", type=int, help="verifier processes (default: one per CPU)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint dir -> orbax checkpoint")
+    p.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    p.add_argument("out", help="new orbax checkpoint directory")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (fp32 master weights by default)",
+    )
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face checkpoint dir")
+    p.add_argument(
+        "ckpt",
+        help="a checkpoint written by convert, a training checkpoint (RUN/checkpoints/step_N), "
+        "or a run directory (its newest good checkpoint)",
+    )
+    p.add_argument("out", help="output directory (loadable by transformers)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "train",
+        help="run a MAGIC training config (resumes from its output_dir)",
+        description="Runs a training config; a run directory that has checkpoints resumes "
+        "from the newest good one. SIGINT / SIGTERM stop after the current step with a "
+        "checkpoint (exit status 130 / 143); errors exit with status 2.",
+    )
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run configuration (see configs/); default: configs/default.yaml, the "
+        "embedded default run, which ends with a report and a before -> after line",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override an option, e.g. --set loss.eps_high=0.28 --set stages.0.steps=10",
+    )
+    p.add_argument(
+        "--stop-after", type=int, help="stop after this many steps in all (resumable; >= 1)"
+    )
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="per-device memory and roofline time of each stage on a TPU slice (needs libtpu)",
+    )
+    p.add_argument("config", help="YAML run configuration (see configs/)")
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
+    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: the config's mesh)")
+    p.add_argument("--preset", help="model preset when the config's model is not here")
+    p.add_argument("--stage", type=int, help="plan only this stage (index)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
+    p.add_argument("--no-search", action="store_true", help="do not look for a slice that fits")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser(
+        "demo",
+        help="the default run in a directory of your choice, then supervised training from the "
+        "same base model for the same wall time (the baseline MAGIC must beat)",
+    )
+    p.add_argument(
+        "--workdir",
+        default="runs/demo",
+        help="run directory (new, empty, or a run of this project to resume; never deleted)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
+    p.add_argument(
+        "--no-compare-sft",
+        dest="compare_sft",
+        action="store_false",
+        help="skip the supervised-continuation baseline",
+    )
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "build-default",
+        help="rebuild the shipped base model and problems of the default run (from a seed)",
+    )
+    p.add_argument("--out", required=True, help="directory (e.g. magic_jax/assets/default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_build_default)
+
+    p = sub.add_parser(
+        "eval", help="avg@n and pass@k of a model on data sets (resumable per-problem output)"
+    )
+    _add_sampling_args(p, 32768)
+    p.add_argument(
+        "--n",
+        action="append",
+        metavar="[SET=]N",
+        help="samples per problem, per data set (file stem) or for all: --n aime24=32 --n 4 "
+        "(default 32 for math sets, 4 for code)",
+    )
+    p.add_argument("--limit", type=int, help="only the first LIMIT problems of each set")
+    p.add_argument("--responses", action="store_true", help="write response texts too")
+    p.add_argument("--out", default="eval_out", help="output directory (resumed if present)")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "estimate-difficulty",
+        help="N samples per prompt -> extra_info.model_difficulty, filtered rows, histogram",
+    )
+    _add_sampling_args(p, 32768)
+    p.add_argument(
+        "--samples",
+        action="append",
+        metavar="ABILITY=N",
+        help="N per ability (default math=16, code=8)",
+    )
+    p.add_argument("--model-name", help="key under model_difficulty (default: model dir name)")
+    p.add_argument("--out", required=True, help="output directory (resumed if present)")
+    p.set_defaults(func=_estimate_difficulty)
+
+    p = sub.add_parser("report", help="curves of one or more runs: PNGs and one HTML page")
+    p.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, eval.jsonl)")
+    p.add_argument("-o", "--output", default="report.html", help="HTML page; PNGs beside it")
+    p.add_argument(
+        "--name", action="append", help="legend name of each run, in order (default: dir name)"
+    )
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "prepare-data", help="verl rows (Parquet / JSON lines) -> an array_record tfds dataset"
+    )
+    p.add_argument("rows", nargs="+", help="files or directories of verl rows")
+    p.add_argument("--out", required=True, help="new dataset directory (data.train may name it)")
+    p.set_defaults(func=_prepare_data)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from magic_jax.data.rows import DataError
+    from magic_jax.model.convert import CheckpointError
+
+    if args.command in ("train", "demo", "build-default", "eval", "estimate-difficulty"):
+        from magic_jax import compile_cache
+
+        compile_cache.enable()
+    try:
+        return args.func(args)
+    except (CheckpointError, DataError, ValueError, OSError) as e:
+        # one line naming what is wrong; OSError covers unwritable or misplaced outputs
+        print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"magic-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

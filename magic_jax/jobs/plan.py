@@ -1,0 +1,223 @@
+"""Whether a run fits a Cloud TPU slice: each stage's programs compiled ahead of time for it.
+
+With ``jax[tpu]`` (libtpu) installed, ``jax.experimental.topologies`` gives the
+devices of a TPU slice to compile for on any machine. For each stage of a run
+configuration, ``plan`` compiles, at the model's real shapes (abstract arrays:
+no weight is materialised) and the run's mesh and batch sizes:
+
+* the update step (one mini-batch of D_T * G rows, micro-batched as configured),
+  and one micro-batch alone (XLA's cost analysis counts a loop body once);
+* the engine's prefill (one prompt of ``max_prompt_length``) and decode step
+  (``max_concurrent_decodes`` slots over a cache of prompt + T).
+
+XLA's memory analysis of those programs, with the exact per-device sizes of
+the sharded parameters, optimizer state and KV cache, gives the per-device
+memory of the two phases of a training step; XLA's cost analysis gives a
+roofline time (decode: bytes / HBM bandwidth; update: flops / peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from magic_jax.jobs.stage_plan import StagePlan, mesh_for, plan_stage, resolve_model
+from magic_jax.jobs.topology import Chip, GiB, PlanError, parse_topology, topology_devices
+
+# --------------------------------------------------------------------------- the model
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+# --------------------------------------------------------------------------- a run
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """A run's stages on one slice, and for each stage that does not fit, the
+    smallest slice of the same chip that does (None: none up to the largest);
+    ``remat`` and ``compute_dtype`` are the update's, ``rollout_dtype`` the engine's (the
+    run's options)."""
+
+    topology: str
+    chip: Chip
+    devices: int
+    chips: int
+    model: Any
+    stages: list[StagePlan]
+    fits_on: dict[str, tuple[str, StagePlan] | None]
+    remat: str = "none"
+    compute_dtype: str = "float32"
+    rollout_dtype: str = "float32"
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.chip.hbm_gib * GiB * self.chips / self.devices
+
+
+def smallest_fit(
+    config: Any, index: int, model_config: Any, mesh_config: Any, chip: Chip, hbm: float,
+    above: int, compiled: StagePlan,
+) -> tuple[str, StagePlan] | None:  # fmt: skip
+    """The smallest slice of ``chip`` larger than ``above`` chips where stage ``index`` fits.
+
+    Candidates are screened with their exact sharded terms and the compiled
+    plan's temporaries scaled by rows per device (per micro-batch for the
+    update, decode slots for the engine); the first that passes is compiled to
+    confirm. A micro-batch that does not split over a candidate's data x fsdp
+    devices is raised to the smallest size that does (the plan prints it).
+    """
+    from magic_jax.model.sharding import MeshConfig
+
+    if -1 not in mesh_config.sizes():  # let fsdp take the extra chips
+        mesh_config = MeshConfig(data=mesh_config.data, fsdp=-1, tensor=mesh_config.tensor)
+    n_old = compiled.mesh["data"] * compiled.mesh["fsdp"]
+    for shape in chip.topologies:
+        name = f"{chip.name}:{shape}"
+        if math.prod(int(s) for s in shape.split("x")) <= above:
+            continue
+        devices = topology_devices(name)
+        try:
+            mesh = mesh_for(devices, mesh_config)
+            n_new = mesh.shape["data"] * mesh.shape["fsdp"]
+            cfg = _split_micro_batch(config, compiled.rows, n_new)
+            p = plan_stage(cfg, index, model_config, mesh, compile=False)
+        except ValueError:  # the mesh or the batch does not split over this slice
+            continue
+        rows_per_device = (p.micro_batch / n_new) / (compiled.micro_batch / n_old)
+        p.activations = int(compiled.activations * rows_per_device)
+        p.decode_temps = int(compiled.decode_temps * n_old / n_new)
+        if p.peak() <= hbm:
+            p = plan_stage(cfg, index, model_config, mesh)
+            if p.peak() <= hbm:
+                return name, p
+    return None
+
+
+def _split_micro_batch(config: Any, rows: int, devices: int) -> Any:
+    """``config`` with a micro-batch size that splits over ``devices`` row shards: the
+    configured one, else the smallest multiple of both that divides ``rows``."""
+    micro = config.micro_batch_size
+    if micro is None or micro % devices == 0:
+        return config
+    m = math.lcm(micro, devices)
+    return dataclasses.replace(config, micro_batch_size=m) if rows % m == 0 else config
+
+
+def plan_run(
+    config: Any,
+    topology: str,
+    *,
+    mesh_config: Any = None,
+    preset: str | None = None,
+    stages: Sequence[int] | None = None,
+    search: bool = True,
+    log: Any = None,
+) -> RunPlan:
+    """Plans ``config`` (a ``TrainConfig``) on the TPU slice ``topology``.
+
+    Args:
+      config: the run.
+      topology: e.g. ``v5p:4x4x4``.
+      mesh_config: the mesh (default: the run's, else all devices on fsdp).
+      preset: model preset, when ``config.model`` is not a checkpoint here.
+      stages: indices of the stages to plan (default all).
+      search: for a stage that does not fit, look for the smallest slice that does.
+      log: a callable for progress lines.
+    """
+    from magic_jax.model.sharding import MeshConfig
+
+    chip, chips = parse_topology(topology)
+    devices = topology_devices(topology)
+    mesh_config = mesh_config or config.mesh or MeshConfig()
+    try:
+        mesh = mesh_for(devices, mesh_config)
+    except ValueError as e:
+        raise PlanError(f"--mesh on {topology} ({len(devices)} devices): {e}") from None
+    model_config = resolve_model(config.model, config.param_dtype, preset)
+    out = RunPlan(topology, chip, len(devices), chips, model_config, [], {})
+    out.remat = config.remat
+    out.compute_dtype = config.compute_dtype or model_config.dtype
+    out.rollout_dtype = config.rollout.dtype or model_config.dtype
+    for i in stages if stages is not None else range(len(config.stages)):
+        if log:
+            log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
+        p = plan_stage(config, i, model_config, mesh)
+        out.stages.append(p)
+        if search and p.peak() > out.hbm_bytes:
+            if log:
+                log(f"stage {p.stage} does not fit: looking for the smallest {chip.name} slice")
+            out.fits_on[p.stage] = smallest_fit(
+                config, i, model_config, mesh_config, chip, out.hbm_bytes, chips, p
+            )
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:9.2f}"
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as printed by ``magic-jax plan``."""
+    c, mc = plan.chip, plan.model
+    per_chip = plan.devices // plan.chips
+    bw = c.hbm_gbps * 1e9 / per_chip
+    peak = c.bf16_tflops * 1e12 / per_chip
+    lines = [
+        f"model: {mc.num_params() / 1e9:.2f}B parameters, L {mc.num_layers}, D {mc.hidden_size}, "
+        f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
+        f"remat {plan.remat}; rollout: weights, compute and KV cache {plan.rollout_dtype}",
+        f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
+        f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
+        f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
+    ]
+    for p in plan.stages:
+        mesh = " x ".join(f"{k} {v}" for k, v in p.mesh.items())
+        lines += [
+            "",
+            f"stage {p.stage}: T {p.response_length}; mesh {mesh}; update: {p.rows} rows "
+            f"in micro-batches of {p.micro_batch}, {p.sgd_steps} optimizer step(s) per step",
+            f"  {'per device, GiB':<30}{'update':>9}{'rollout':>9}",
+        ]
+        for label, (u, r) in p.terms().items():
+            lines.append(f"  {label:<30}{_gib(u)}{_gib(r)}".replace("     0.00", "        -"))
+        hbm = plan.hbm_bytes
+        verdict = "fits" if p.peak() <= hbm else "DOES NOT FIT"
+        lines.append(
+            f"  {'total':<30}{_gib(p.update_total)}{_gib(p.rollout_total)}"
+            f"  of {hbm / GiB:.2f}: {verdict}"
+        )
+        if p.over_hbm:
+            lines.append(
+                f"  XLA refused the {' and '.join(p.over_hbm)} program(s) for this chip "
+                "(over HBM); their temporaries above are the sizes XLA stated"
+            )
+        t_dec = max(p.decode_bytes / bw, p.decode_flops / peak)
+        t_upd = max(p.update_flops, p.model_flops) / peak
+        full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
+        lines += [
+            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read, "
+            f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
+            f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
+            f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
+            f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
+            f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
+            f"{t_upd:.1f} s at the bf16 peak; x {p.sgd_steps} per step",
+        ]
+        if p.peak() > hbm:
+            lines.append(f"  largest term: {p.dominant()}")
+            if p.stage in plan.fits_on:
+                fit = plan.fits_on[p.stage]
+                if fit is None:
+                    lines.append(f"  no {c.name} slice up to {c.topologies[-1]} fits it")
+                else:
+                    name, q = fit
+                    m = " x ".join(f"{k} {v}" for k, v in q.mesh.items())
+                    lines.append(
+                        f"  smallest {c.name} slice that fits: {name} (mesh {m}, micro-batches "
+                        f"of {q.micro_batch}): peak {q.peak() / GiB:.2f} GiB per device (compiled)"
+                    )
+    return "\n".join(lines)

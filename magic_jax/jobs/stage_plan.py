@@ -1,0 +1,398 @@
+"""One stage of a run on a slice: its update and decode programs compiled ahead of time at
+the model's real shapes, with XLA's memory and cost analyses."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from magic_jax.jobs.topology import PlanError
+
+
+def resolve_model(model: str, param_dtype: str, preset: str | None = None):
+    """The ``ModelConfig`` a run loads, as the trainer builds it (compute dtype = param dtype;
+    the update applies the run's ``remat`` and ``compute_dtype`` on top, see
+    ``train_step.update_graphdef``).
+
+    ``model`` is read when it is a checkpoint directory here (Hugging Face
+    ``config.json`` or a magic_jax checkpoint); otherwise its name picks a preset
+    (``.../DeepSeek-R1-Distill-Qwen-7B`` -> ``r1-distill-qwen-7b``), or ``preset`` does.
+    """
+    import json
+
+    from magic_jax.model.config import PRESETS, ModelConfig
+
+    dtypes = dict(param_dtype=param_dtype, dtype=param_dtype)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise PlanError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[preset], **dtypes)
+    p = Path(model)
+    if (p / "config.json").is_file():
+        return ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()), **dtypes)
+    if (p / "model_config.json").is_file():
+        from magic_jax.run.checkpoint import read_model_config
+
+        return read_model_config(p)
+    key = p.name.lower().removeprefix("deepseek-")
+    if key in PRESETS:
+        return dataclasses.replace(PRESETS[key], **dtypes)
+    raise PlanError(
+        f"model: {model} is not a checkpoint directory here and its name matches no preset "
+        f"({', '.join(sorted(PRESETS))}); pass --preset NAME"
+    )
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded abstract arrays (the first device's shards)."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize  # also extended (PRNG key) dtypes
+    return total
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    import jax
+
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """Per-device bytes and roofline figures of one stage on one mesh.
+
+    Memory (bytes per device): ``params`` and ``opt_state`` (the train state,
+    resident all along), ``grads`` (the accumulated gradient: the params' shapes
+    and shardings), ``activations`` (the rest of the update step's XLA
+    temporaries), ``batch`` (the mini-batch), ``engine_params`` (the weights in
+    the sampling layout), ``kv_cache``, ``decode_temps`` (the larger of the
+    decode step's and the prefill's temporaries and outputs).
+
+    Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
+    ``model_flops`` (6 x parameters x its tokens), ``decode_bytes`` and
+    ``decode_flops`` of one decode step over the full cache; ``slots`` decode
+    slots, ``samples`` = D_R x G responses per training step. ``over_hbm``
+    names the programs XLA refused to compile for the chip (too large): their
+    temporaries are the sizes XLA's error stated, their costs unknown (0).
+    """
+
+    stage: str
+    response_length: int
+    mesh: dict[str, int]
+    rows: int
+    micro_batch: int
+    sgd_steps: int
+    params: int
+    opt_state: int
+    grads: int
+    activations: int
+    batch: int
+    engine_params: int
+    kv_cache: int
+    decode_temps: int
+    update_flops: float = 0.0
+    model_flops: float = 0.0
+    decode_bytes: float = 0.0
+    decode_flops: float = 0.0
+    slots: int = 0
+    samples: int = 0
+    compiled: bool = True
+    over_hbm: tuple[str, ...] = ()
+
+    @property
+    def update_total(self) -> int:
+        return self.params + self.opt_state + self.grads + self.activations + self.batch
+
+    @property
+    def rollout_total(self) -> int:
+        return self.params + self.opt_state + self.engine_params + self.kv_cache + self.decode_temps
+
+    def peak(self) -> int:
+        return max(self.update_total, self.rollout_total)
+
+    def terms(self) -> dict[str, tuple[int, int]]:
+        """Label -> (bytes in the update phase, bytes in the rollout phase)."""
+        return {
+            "parameters (train layout)": (self.params, self.params),
+            "optimizer state": (self.opt_state, self.opt_state),
+            "gradients": (self.grads, 0),
+            "activations/temporaries": (self.activations, 0),
+            "update batch": (self.batch, 0),
+            "weights (engine layout)": (0, self.engine_params),
+            "KV cache": (0, self.kv_cache),
+            "decode/prefill temporaries": (0, self.decode_temps),
+        }
+
+    def dominant(self) -> str:
+        """The largest term of the phase with the larger peak."""
+        col = 0 if self.update_total >= self.rollout_total else 1
+        return max(self.terms().items(), key=lambda kv: kv[1][col])[0]
+
+
+def mesh_for(devices: Sequence[Any], mesh_config: Any):
+    import jax
+
+    from magic_jax.model.sharding import MESH_AXES
+
+    shape = mesh_config.resolve(len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=list(devices))
+    except NotImplementedError:  # an axis that is no product of physical axes (4 on 8x8)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
+
+
+def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:
+    """The abstract train state on ``mesh``, placed as the trainer places it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from magic_jax.model.qwen2 import abstract_model
+    from magic_jax.model.sharding import TRAIN_RULES, model_shardings
+    from magic_jax.run.stages import update_config
+    from magic_jax.update.entropy import init_entropy_control
+    from magic_jax.update.state import TrainState, opt_state_shardings
+    from magic_jax.update.step import default_update_layer_unroll, make_optimizer
+
+    # the update as it compiles on the slice's platform, not this host's
+    platform = mesh.devices.flat[0].platform
+    ucfg = update_config(config, index)
+    if ucfg.layer_unroll is None:
+        ucfg = dataclasses.replace(ucfg, layer_unroll=default_update_layer_unroll(platform))
+    graphdef, params = nnx.split(abstract_model(model_config), nnx.Param)
+    params = _abstract(params, model_shardings(params, mesh, TRAIN_RULES))
+    repl = NamedSharding(mesh, PartitionSpec())
+    tx = make_optimizer(ucfg.optimizer)
+    # placed as init_train_state places it: moments like their parameters
+    opt_sh = opt_state_shardings(tx, params, mesh)
+    scalars = jax.eval_shape(lambda: init_entropy_control(ucfg.entropy))
+    state = TrainState(
+        params=params,
+        opt_state=_abstract(jax.eval_shape(tx.init, params), opt_sh),
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl),
+        skipped=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl),
+        entropy=_abstract(scalars, jax.tree.map(lambda _: repl, scalars)),
+    )
+    # The frozen reference policy (KL on) is a second copy of the weights, read only.
+    ref = params if ucfg.loss.kl_beta > 0 else None
+    return dict(graphdef=graphdef, config=ucfg, state=state, ref=ref)
+
+
+def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:
+    """The stage's engine (as the trainer builds it) with abstract weights and decode state."""
+    import jax
+
+    from magic_jax.model.qwen2 import abstract_model
+    from magic_jax.rollout.engine import Engine, EngineConfig
+
+    model = abstract_model(model_config)
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_concurrent_decodes=config.rollout.max_concurrent_decodes,
+            max_prefill_length=config.data.max_prompt_length,
+            max_decode_length=config.stages[index].max_response_length,
+            decode_steps=config.rollout.decode_steps,
+            sampling=config.sampling,
+            dtype=config.rollout.dtype,
+        ),
+        mesh=mesh,
+    )
+    params = _abstract(engine.abstract_params, engine.param_shardings)
+    state = _abstract(jax.eval_shape(engine.init_decode_state), engine.state_shardings())
+    return dict(engine=engine, params=params, state=state)
+
+
+def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
+    """An abstract mini-batch of ``rows`` rows, padded as ``pack_rollouts`` pads them."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from magic_jax.model.sharding import BATCH_AXES
+    from magic_jax.update.buffer import RolloutBuffer
+
+    st = config.stages[index]
+    p = 64 * math.ceil(config.data.max_prompt_length / 64)
+    rb = min(256, st.max_response_length)
+    r = rb * math.ceil(st.max_response_length / rb)
+    sh = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+    def a(shape, dtype):
+        return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sh)
+
+    i32, f32 = np.int32, np.float32
+    return RolloutBuffer(
+        tokens=a((p + r,), i32),
+        positions=a((p + r,), i32),
+        attention_mask=a((p + r,), i32),
+        response_mask=a((r,), f32),
+        old_logprobs=a((r,), f32),
+        entropies=a((r,), f32),
+        rewards=a((), f32),
+        truncated=a((), bool),
+        group_ids=a((), i32),
+        advantages=a((), f32),
+        keep=a((), bool),
+        valid=a((), bool),
+        group_size=st.group_size,
+    )
+
+
+def plan_stage(
+    config: Any, index: int, model_config: Any, mesh: Any, *, compile: bool = True
+) -> StagePlan:
+    """Measures stage ``index`` on ``mesh`` (see the module doc).
+
+    With ``compile=False`` only the sharded terms (parameters, optimizer state,
+    gradients, engine weights, KV cache) are filled in; temporaries are 0.
+    """
+    import functools
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from magic_jax.model.sharding import BATCH_AXES
+    from magic_jax.rollout.decode import decode_step, prefill_fn
+    from magic_jax.update.step import loss_and_grads, train_step
+
+    st = config.stages[index]
+    t = _train_state(config, index, model_config, mesh)
+    e = _engine(config, index, model_config, mesh)
+    rows = st.mini_batch_groups * st.group_size
+    ucfg = t["config"]
+    n_rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % n_rows:
+        raise PlanError(
+            f"stages[{index}]: a mini-batch's D_T x G = {rows} rows do not split over "
+            f"data x fsdp = {n_rows} devices"
+        )
+    micro = min(ucfg.micro_batch_size or rows, rows)
+    if micro % n_rows:
+        raise PlanError(
+            f"micro_batch_size: a micro-batch of {micro} rows does not split over "
+            f"data x fsdp = {n_rows} devices"
+        )
+    params = shard_bytes(t["state"].params)
+    batch = _batch(config, index, rows, mesh)
+    out = StagePlan(
+        stage=st.name or str(index),
+        response_length=st.max_response_length,
+        mesh=dict(mesh.shape),
+        rows=rows,
+        micro_batch=micro,
+        sgd_steps=st.prompts_per_step // st.mini_batch_groups * ucfg.num_reuse,
+        params=params,
+        opt_state=shard_bytes(t["state"].opt_state),
+        grads=params,
+        activations=0,
+        batch=shard_bytes(batch),
+        engine_params=shard_bytes(e["params"]),
+        kv_cache=shard_bytes(e["state"]),
+        decode_temps=0,
+        slots=config.rollout.max_concurrent_decodes,
+        samples=st.prompts_per_step * st.group_size,
+        compiled=compile,
+    )
+    if not compile:
+        return out
+    repl = NamedSharding(mesh, PartitionSpec())
+    alpha = jax.ShapeDtypeStruct((), "float32", sharding=repl)
+    rows_sh = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    state_sh = jax.tree.map(lambda x: x.sharding, t["state"])
+    kw = dict(graphdef=t["graphdef"], config=ucfg, ref_params=t["ref"])
+
+    def step(state, batch, alpha):  # as PolicyUpdater compiles it
+        new, metrics = train_step(state, batch, alpha, batch_sharding=rows_sh, **kw)
+        return jax.lax.with_sharding_constraint(new, state_sh), metrics
+
+    update = _compile(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
+    # XLA's cost analysis counts a loop body once, the micro-batch loop's and the
+    # scanned layers' alike: the flops come from one micro-batch compiled alone with
+    # its layers unrolled (the memory figures above are the scanned program's).
+    flat = _train_state(config, index, dataclasses.replace(model_config, scan_layers=False), mesh)
+    one = jax.jit(
+        functools.partial(
+            loss_and_grads, graphdef=flat["graphdef"], config=ucfg, ref_params=flat["ref"]
+        )
+    )
+    micro_c = _compile(one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha))
+    engine = e["engine"]
+    decode = _compile(
+        jax.jit(
+            functools.partial(decode_step, engine.graphdef, sampling=config.sampling),
+            donate_argnums=1,
+            out_shardings=(engine.state_shardings(), None),
+        ).lower(e["params"], e["state"], engine.eos_array)
+    )
+    prompt = jax.ShapeDtypeStruct((config.data.max_prompt_length,), "int32", sharding=repl)
+    length = jax.ShapeDtypeStruct((), "int32", sharding=repl)
+    prefill = jax.jit(functools.partial(prefill_fn, engine.graphdef))
+    prefill = _compile(prefill.lower(e["params"], prompt, length))
+
+    n_micro = rows // micro
+    out.over_hbm = tuple(
+        name
+        for name, c in (("update", update), ("decode", decode), ("prefill", prefill))
+        if c.over_hbm
+    )
+    out.activations = max(0, update.temp - out.grads)
+    out.decode_temps = max(decode.temp, prefill.temp + prefill.output)
+    p_len = batch.tokens.shape[1]
+    out.model_flops = 6.0 * model_config.num_params() * rows * p_len / mesh.size
+    if update.compiled is not None and micro_c.compiled is not None:
+        # the optimizer's few flops per parameter are left out
+        out.update_flops = n_micro * micro_c.cost("flops")
+    # Every weight and cache byte is read once per step, whatever XLA reports.
+    out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
+    out.decode_flops = decode.cost("flops")
+    return out
+
+
+@dataclasses.dataclass
+class _Program:
+    """A compiled program's per-device memory, or what XLA said it needs when over HBM."""
+
+    compiled: Any
+    temp: int
+    output: int
+    over_hbm: bool
+
+    def cost(self, key: str) -> float:
+        if self.compiled is None:
+            return 0.0
+        ca = self.compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, list | tuple) else ca
+        return float((ca or {}).get(key, 0.0))
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def _compile(lowered: Any) -> _Program:
+    """Compiles for the TPU; a program over HBM is refused by XLA with its temporaries' size."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        c = lowered.compile()
+    except JaxRuntimeError as e:
+        m = re.search(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+            raise
+        return _Program(None, int(float(m[1]) * _UNITS[m[2]]), 0, True)
+    ma = c.memory_analysis()
+    return _Program(c, ma.temp_size_in_bytes, ma.output_size_in_bytes, False)

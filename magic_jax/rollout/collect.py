@@ -1,0 +1,125 @@
+"""One step's rollout groups: rejection sampling, optionally with DAPO's refill rounds.
+
+Rejection sampling (SPEC item 2) keeps the groups whose rewards are mixed
+(some advantage non-zero). Without refill, as in the report, the step trains on
+what is left of its D_R groups. With refill (DAPO's dynamic sampling), the step
+samples further rounds of D_R prompts while fewer than D_R mixed groups are in
+hand, up to a cap of rounds, and trains on D_R mixed groups when it found them.
+The buffer always holds exactly D_R groups (unmixed ones fill the places no
+mixed group took, and are dropped by the keep mask as usual), so every jitted
+shape stays the same whatever the rounds found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from magic_jax.rollout.scoring import Group
+from magic_jax.update.advantages import AdvantageConfig, group_advantages, group_keep_mask
+
+
+@dataclasses.dataclass
+class Collected:
+    """What a step's rollouts produced.
+
+    Attributes:
+      groups: the D_R (or fewer) groups the buffer is packed from, mixed ones first.
+      advantages: [G] float32 per group of ``groups``: the group advantages,
+        computed once here (rejection sampling decides by them and the buffer
+        takes them as they are).
+      every: every group sampled in the step, in order (metrics, online filtering).
+      rounds: refill rounds run beyond the first (0 without refill).
+      extra_rollouts: responses sampled in those rounds.
+      mixed: mixed-reward groups found over all rounds.
+    """
+
+    groups: list[Group]
+    advantages: list[np.ndarray]
+    every: list[Group]
+    rounds: int
+    extra_rollouts: int
+    mixed: int
+
+
+def advantages_of(groups: Sequence[Group], advantage: AdvantageConfig) -> list[np.ndarray]:
+    """Each group's [G] advantages (``advantages.group_advantages``)."""
+    sizes = {len(g.samples) for g in groups}
+    if len(sizes) > 1:
+        return [a for g in groups for a in advantages_of([g], advantage)]
+    if not groups:
+        return []
+    r = np.stack([g.rewards for g in groups])
+    t = np.stack([g.truncated for g in groups])
+    adv = group_advantages(r, t, mask=advantage.mask, eps=advantage.eps, ddof=advantage.ddof)
+    return list(np.asarray(adv, np.float32))
+
+
+def mixed_groups(groups: Sequence[Group], advantage: AdvantageConfig) -> np.ndarray:
+    """[N] bool: the groups rejection sampling keeps (some non-zero advantage)."""
+    return _mixed(advantages_of(groups, advantage))
+
+
+def _mixed(advantages: Sequence[np.ndarray]) -> np.ndarray:
+    if not advantages:
+        return np.zeros(0, bool)
+    if len({len(a) for a in advantages}) > 1:
+        return np.concatenate([_mixed([a]) for a in advantages])
+    return np.asarray(group_keep_mask(np.stack(advantages)))
+
+
+def collect_groups(
+    sample_round: Callable[[int], list[Group]],
+    *,
+    num_groups: int,
+    advantage: AdvantageConfig,
+    refill: bool = False,
+    max_rounds: int = 0,
+) -> Collected:
+    """Samples round 0, then (with ``refill``) more rounds until D_R groups are mixed.
+
+    Args:
+      sample_round: round r -> its groups (round 0 is the step's own D_R prompts;
+        later rounds are further prompts, a function of the step and r).
+      num_groups: D_R.
+      advantage: the advantage options (they decide which groups are mixed).
+      refill: sample further rounds while fewer than D_R groups are mixed.
+      max_rounds: the cap of rounds beyond the first.
+
+    Returns:
+      The groups to pack (at most D_R: the first D_R mixed ones in sampling
+      order, then unmixed ones of the earliest rounds) and the step's counts.
+    """
+    every = list(sample_round(0))
+    adv = advantages_of(every, advantage)
+    mixed = list(_mixed(adv))
+    rounds = extra = 0
+    while refill and sum(mixed) < num_groups and rounds < max_rounds:
+        rounds += 1
+        more = list(sample_round(rounds))
+        extra += sum(len(g.samples) for g in more)
+        every += more
+        adv += advantages_of(more, advantage)
+        mixed = list(_mixed(adv))
+    if not refill:
+        n = num_groups
+        return Collected(every[:n], adv[:n], every, 0, 0, int(sum(mixed)))
+    keep = [i for i, m in enumerate(mixed) if m][:num_groups]
+    rest = [i for i, m in enumerate(mixed) if not m][: num_groups - len(keep)]
+    chosen = keep + rest
+    return Collected(
+        [every[i] for i in chosen], [adv[i] for i in chosen], every, rounds, extra, int(sum(mixed))
+    )
+
+
+def flatten(groups: Sequence[Group]) -> tuple[list[Any], np.ndarray]:
+    """The samples of ``groups`` renumbered so group i is prompt i, and their rewards
+    (``pack_rollouts``' input; ``np.concatenate(Collected.advantages)`` lines up with them)."""
+    samples, rewards = [], []
+    for i, g in enumerate(groups):
+        samples += [dataclasses.replace(s, prompt_index=i) for s in g.samples]
+        rewards.append(np.asarray(g.rewards, np.float32))
+    return samples, np.concatenate(rewards) if rewards else np.zeros(0, np.float32)

@@ -1,0 +1,422 @@
+"""The decode engine's compiled programs, as pure functions: prefill, insert, the
+one-token forward over the KV cache and the on-device decode loop (``engine.Engine``
+binds and compiles them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from magic_jax.model.qwen2 import KVCache, Qwen2
+from magic_jax.rollout import sampling as sampling_lib
+from magic_jax.rollout.sampling import SamplingConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prefilled prompt, ready to be inserted into any number of slots.
+
+    Attributes:
+      cache: KV cache of one row, [1, P] slots (P the prefill bucket).
+      length: () int32 true prompt length (slots past it are padding).
+      logits: [V] float32 logits of the first response token.
+    """
+
+    cache: KVCache
+    length: jax.Array
+    logits: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a decode step transforms; rows are decode slots.
+
+    Attributes:
+      cache: the preallocated KV cache [B, S].
+      tokens: [B] int32 last sampled token of each slot (fed next step).
+      keys: [B] base PRNG key of each slot's sample.
+      steps: [B] int32 response tokens sampled so far.
+      max_new: [B] int32 response length limit of each slot.
+      done: [B] bool, True for a finished or empty slot.
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    keys: jax.Array
+    steps: jax.Array
+    max_new: jax.Array
+    done: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """Per-slot results of decode steps: [B] for one step, [n, B] for a chunk.
+
+    ``valid`` marks slots that were live and produced ``tokens`` in that step;
+    ``done`` whether the slot finished with it.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    entropies: jax.Array
+    sampling_logprobs: jax.Array
+    valid: jax.Array
+    done: jax.Array
+
+
+def _eos_hit(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
+    return jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)
+
+
+def prefill_fn(
+    graphdef: nnx.GraphDef, params: nnx.State, tokens_P: jax.Array, length: jax.Array
+) -> Prefix:
+    """Runs a right-padded prompt [P] through the model into a one-row cache.
+
+    Only the last real position is unembedded: the rest of the prompt's logits are
+    never used, and at a large vocabulary they cost as much as the layers.
+    """
+    model: Qwen2 = nnx.merge(graphdef, params)
+    p = tokens_P.shape[0]
+    mask_1P = (jnp.arange(p) < length)[None]
+    cache = KVCache.init(model.config, 1, p)
+    hidden_1PD, cache = model(
+        tokens_P[None], attention_mask=mask_1P, cache=cache, return_hidden=True
+    )
+    # Decode writes the response from the true length on, over the padding.
+    cache = dataclasses.replace(cache, lengths=length[None].astype(jnp.int32))
+    dt = jnp.dtype(model.config.dtype)
+    h_D = jax.lax.dynamic_index_in_dim(hidden_1PD[0], length - 1, keepdims=False)
+    logits_V = jnp.dot(h_D.astype(dt), model.unembedding().astype(dt))
+    return Prefix(cache=cache, length=length.astype(jnp.int32), logits=logits_V.astype(jnp.float32))
+
+
+def insert_fn(
+    prefix: Prefix,
+    state: DecodeState,
+    slot: jax.Array,
+    key: jax.Array,
+    max_new: jax.Array,
+    eos_E: jax.Array,
+    *,
+    sampling: SamplingConfig,
+) -> tuple[DecodeState, sampling_lib.Draw]:
+    """Copies ``prefix`` into row ``slot`` in place and samples the first response token."""
+    first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
+    c = state.cache
+
+    def put(buf_LBSKH, row_L1PKH):
+        at = (0, slot, 0, 0, 0)
+        return jax.lax.dynamic_update_slice(buf_LBSKH, row_L1PKH.astype(buf_LBSKH.dtype), at)
+
+    pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
+    pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
+    cache = KVCache(
+        k=put(c.k, prefix.cache.k),
+        v=put(c.v, prefix.cache.v),
+        pos=jax.lax.dynamic_update_slice(c.pos, pos_1S, (slot, 0)),
+        lengths=c.lengths.at[slot].set(prefix.length),
+    )
+    done = _eos_hit(first.tokens, eos_E)[0] | (max_new <= 1)
+    state = DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(first.tokens[0]),
+        keys=state.keys.at[slot].set(key),
+        steps=state.steps.at[slot].set(1),
+        max_new=state.max_new.at[slot].set(max_new),
+        done=state.done.at[slot].set(done),
+    )
+    return state, jax.tree.map(lambda x: x[0], first)
+
+
+def insert_group_fn(
+    prefix: Prefix,
+    state: DecodeState,
+    slots_n: jax.Array,
+    seed: jax.Array,
+    step: jax.Array,
+    prompt: jax.Array,
+    samples_n: jax.Array,
+    max_new_n: jax.Array,
+    eos_E: jax.Array,
+    *,
+    sampling: SamplingConfig,
+) -> tuple[DecodeState, sampling_lib.Draw]:
+    """``insert_fn`` for n samples of one prompt in one call, their keys made on device.
+
+    Sample i goes to ``slots_n[i]`` with the base key ``fold_in(seed, step, prompt,
+    samples_n[i])`` (``sampling.sample_key``), exactly as n separate inserts would.
+    Returns the state and the n first draws, stacked.
+    """
+    draws = []
+    for i in range(slots_n.shape[0]):
+        key = sampling_lib.sample_key(seed, step, prompt, samples_n[i])
+        state, d = insert_fn(prefix, state, slots_n[i], key, max_new_n[i], eos_E, sampling=sampling)
+        draws.append(d)
+    return state, jax.tree.map(lambda *x: jnp.stack(x), *draws)
+
+
+def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.Array:
+    """Writes ``new_BX[b]`` at slot ``at_B[b]`` of row b (in place under donation)."""
+    zeros = (0,) * (buf_BSX.ndim - 2)
+    return jax.vmap(lambda r, n, i: jax.lax.dynamic_update_slice(r, n[None], (i, *zeros)))(
+        buf_BSX, new_BX.astype(buf_BSX.dtype), at_B
+    )
+
+
+def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
+    """One query per row against the whole cache, without relayouting the cache.
+
+    A [B, K, ...]-batched einsum over the [B, S, K, H] cache makes XLA transpose the
+    whole cache every layer and step (measured: most of the decode step at long
+    S on CPU). Here both products keep the cache as stored, [B, S*K, H] and
+    [B, S, K*H], and compute every (query head, kv head) pair; the K x K blocks
+    off the diagonal are discarded (K x the score flops, which are tiny at T = 1).
+    """
+    b, kh, g, h = q_BKGH.shape
+    s = k_BSKH.shape[1]
+    # The query takes the cache's dtype, so the program holds no float32 copy of a
+    # bf16 cache; both products accumulate in fp32.
+    q_BNH = q_BKGH.reshape(b, kh * g, h).astype(k_BSKH.dtype)
+    scores_BMN = jnp.einsum(
+        "bmh,bnh->bmn",
+        k_BSKH.reshape(b, s * kh, h),
+        q_BNH,
+        preferred_element_type=jnp.float32,
+    )  # M = (S, K'), N = (K, G)
+    eye_KK = jnp.eye(kh, dtype=bool)
+    scores_BSKKG = scores_BMN.reshape(b, s, kh, kh, g)  # [b, s, k', k, g]
+    scores_BKGS = jnp.sum(
+        jnp.where(eye_KK[None, None, :, :, None], scores_BSKKG, 0.0), axis=2
+    ).transpose(0, 2, 3, 1)
+    scores_BKGS = scores_BKGS * (h**-0.5)
+    scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BNS = jax.nn.softmax(scores_BKGS, axis=-1).reshape(b, kh * g, s).astype(v_BSKH.dtype)
+    out_BNKH = jnp.einsum(
+        "bns,bsm->bnm",
+        probs_BNS,
+        v_BSKH.reshape(b, s, kh * h),
+        preferred_element_type=jnp.float32,
+    ).reshape(b, kh, g, kh, h)
+    return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
+
+
+def decode_forward(
+    model: Qwen2,
+    tokens_B: jax.Array,
+    live_B: jax.Array,
+    cache: KVCache,
+    unembed_VD: jax.Array | None = None,
+    *,
+    layer_unroll: int | bool = 1,
+) -> tuple[jax.Array, KVCache]:
+    """The model's forward for one new token per row, with the decode attention above.
+
+    The layers are the model's own ``DecoderLayer`` (run through
+    ``model.run_layers``, one scan over the stacked layers), given the decode
+    attention product (arranged for T = 1) as their ``attend``; the embedding,
+    norms and unembedding are the model's too.
+    Finished rows (``~live_B``) write a padding entry (pos -1) and do not advance.
+    ``unembed_VD``, when given, is the model's unembedding stored transposed,
+    [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
+    (measured 10 vs 19 ms at B 32, D 512, V 32768), and transposing per call
+    would cost more than it saves (37 ms), so the caller makes it once per weights.
+    ``layer_unroll``: see ``EngineConfig.layer_unroll``.
+
+    Returns:
+      (logits [B, V], the cache with the token written).
+    """
+    cfg = model.config
+    pos_B = cache.next_positions()
+    at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
+    pos_BS = _write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    allowed_BS = pos_BS >= 0
+
+    def layer_fn(layer, x_B1D, xs):
+        window, k_BSKH, v_BSKH = xs
+        mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
+
+        def attend(q_B1KGH, k_B1KH, v_B1KH):
+            k_BKH, v_BKH = k_B1KH[:, 0], v_B1KH[:, 0]
+            out_BKGH = _decode_attention(
+                q_B1KGH[:, 0],
+                _write_slot(k_BSKH, k_BKH, at_B),
+                _write_slot(v_BSKH, v_BKH, at_B),
+                mask_BS,
+            )
+            # Only the new token's key and value leave the layer: returning the whole
+            # updated cache slice would copy every layer's cache each step.
+            return out_BKGH[:, None], (k_BKH, v_BKH)
+
+        return layer(x_B1D, pos_B[:, None], attend)
+
+    x_B1D = model.embed_tokens(tokens_B[:, None])
+    x_B1D, (k_LBKH, v_LBKH) = model.run_layers(
+        layer_fn, x_B1D, (model.layer_windows(), cache.k, cache.v), unroll=layer_unroll
+    )
+    x_BD = model.norm(x_B1D[:, 0])
+    dt = jnp.dtype(cfg.dtype)
+    if unembed_VD is None:
+        logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
+    else:
+        logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
+    lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
+    write = jax.vmap(_write_slot, in_axes=(0, 0, None))
+    new = KVCache(
+        k=write(cache.k, k_LBKH, at_B),
+        v=write(cache.v, v_LBKH, at_B),
+        pos=pos_BS,
+        lengths=lengths_B,
+    )
+    return logits_BV, new
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    eos_E: jax.Array,
+    *,
+    sampling: SamplingConfig,
+    unembed_VD: jax.Array | None = None,
+    layer_unroll: int | bool = 1,
+) -> tuple[DecodeState, StepOutput]:
+    """One token for every live slot: feed the last token, sample the next.
+
+    ``eos_E`` [E] int32 holds the ids that end a response (E may be 0);
+    ``unembed_VD`` is passed on to ``decode_forward``.
+    """
+    model: Qwen2 = nnx.merge(graphdef, params)
+    live_B = ~state.done
+    logits_BV, cache = decode_forward(
+        model, state.tokens, live_B, state.cache, unembed_VD, layer_unroll=layer_unroll
+    )
+    keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
+    d = sampling_lib.draw(logits_BV, keys_B, sampling)
+    steps_B = state.steps + live_B.astype(jnp.int32)
+    finished_B = live_B & (_eos_hit(d.tokens, eos_E) | (steps_B >= state.max_new))
+    new = dataclasses.replace(
+        state,
+        cache=cache,
+        tokens=jnp.where(live_B, d.tokens, state.tokens),
+        steps=steps_B,
+        done=state.done | finished_B,
+    )
+    return new, StepOutput(*d, valid=live_B, done=finished_B)
+
+
+def _take_rows(state: DecodeState, rows_b: jax.Array | None, attend: int) -> DecodeState:
+    """The sub-state of ``rows_b`` (all rows if None) with the cache cut to ``attend`` slots."""
+
+    def take(x, axis=0):
+        return x if rows_b is None else jnp.take(x, rows_b, axis=axis)
+
+    c = state.cache
+    cache = KVCache(
+        k=take(c.k, axis=1)[:, :, :attend],
+        v=take(c.v, axis=1)[:, :, :attend],
+        pos=take(c.pos)[:, :attend],
+        lengths=take(c.lengths),
+    )
+    rest = {f: take(getattr(state, f)) for f in ("tokens", "keys", "steps", "max_new", "done")}
+    return DecodeState(cache=cache, **rest)
+
+
+def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) -> DecodeState:
+    """Writes ``sub`` (from ``_take_rows``) back into ``state`` in place."""
+    attend = sub.cache.max_len
+
+    def put(full, part):
+        if rows_b is None:
+            return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+        return full.at[rows_b, :attend].set(part)
+
+    def put_kv(full_LBSKH, part_LbsKH):
+        if rows_b is None:
+            return jax.lax.dynamic_update_slice(full_LBSKH, part_LbsKH, (0,) * full_LBSKH.ndim)
+        return full_LBSKH.at[:, rows_b, :attend].set(part_LbsKH)
+
+    def put_vec(full, part):
+        return part if rows_b is None else full.at[rows_b].set(part)
+
+    c, s = state.cache, sub.cache
+    cache = KVCache(
+        k=put_kv(c.k, s.k),
+        v=put_kv(c.v, s.v),
+        pos=put(c.pos, s.pos),
+        lengths=put_vec(c.lengths, s.lengths),
+    )
+    rest = {
+        f: put_vec(getattr(state, f), getattr(sub, f))
+        for f in ("tokens", "keys", "steps", "max_new", "done")
+    }
+    return DecodeState(cache=cache, **rest)
+
+
+def decode_chunk_fn(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    unembed_VD: jax.Array | None,
+    rows_b: jax.Array | None,
+    stop_on_free: jax.Array,
+    min_live: jax.Array,
+    eos_E: jax.Array,
+    *,
+    num_steps: int,
+    attend: int,
+    sampling: SamplingConfig,
+    layer_unroll: int | bool = 1,
+) -> tuple[DecodeState, StepOutput, jax.Array]:
+    """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
+
+    The loop runs on rows ``rows_b`` (all if None) with the cache cut to its first
+    ``attend`` slots, and stops when: every row is done; ``stop_on_free`` (an int32
+    count, 0 = never) rows finished (so the host can refill them: a whole group
+    at once); at most ``min_live`` rows are live (so
+    the host can compact); or a live row reached ``attend``. ``unembed_VD`` is
+    ``Engine.decode_unembedding(params)``, or None for the model's own layout.
+
+    Returns:
+      (state, outputs [num_steps, b] (rows past the step count are invalid), steps run).
+    """
+    sub = _take_rows(state, rows_b, attend)
+    b = sub.tokens.shape[0]
+    done0_b = sub.done
+    zf = jnp.zeros((num_steps, b), jnp.float32)
+    zb = jnp.zeros((num_steps, b), bool)
+    outs0 = StepOutput(jnp.zeros((num_steps, b), jnp.int32), zf, zf, zf, zb, zb)
+
+    def cond(carry):
+        i, sub, _ = carry
+        live = ~sub.done
+        longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
+        freed = jnp.sum(sub.done & ~done0_b)
+        return (
+            (i < num_steps)
+            & (jnp.sum(live) > min_live)
+            & ~((stop_on_free > 0) & (freed >= stop_on_free))
+            & (longest < attend)
+        )
+
+    def body(carry):
+        i, sub, outs = carry
+        sub, out = decode_step(
+            graphdef,
+            params,
+            sub,
+            eos_E,
+            sampling=sampling,
+            unembed_VD=unembed_VD,
+            layer_unroll=layer_unroll,
+        )
+        outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
+        return i + 1, sub, outs
+
+    n, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), sub, outs0))
+    return _put_rows(state, sub, rows_b), outs, n

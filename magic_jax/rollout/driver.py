@@ -1,0 +1,342 @@
+"""RL rollouts: G samples per prompt with continuous batching over the engine's slots."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+
+from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
+from magic_jax.rollout.engine import Engine
+from magic_jax.rollout.sampling import SamplingConfig
+
+Truncation = Literal["no_eos", "length"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One response of the policy to one prompt.
+
+    Attributes:
+      prompt_index: index of the prompt in the rollout's prompt list.
+      sample_index: index of this sample in its group, in [0, G).
+      prompt_tokens: [P] int32 prompt ids.
+      tokens: [L] int32 response ids, EOS included when the response has one.
+      logprobs: [L] float32 behaviour log-prob of each response token under the
+        temperature-scaled full distribution (what the trainer recomputes).
+      entropies: [L] float32 entropy of that distribution at each token.
+      sampling_logprobs: [L] float32 log-prob under the distribution sampled from
+        (after top-k / top-p; equal to ``logprobs`` when they are off).
+      truncated: see ``Truncation``: no EOS within the limit (``"no_eos"``) or
+        length equal to the limit, EOS counted (``"length"``, the reference code).
+      length: L, exact.
+      finish_reason: ``"eos"`` or ``"length"``.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    entropies: np.ndarray
+    sampling_logprobs: np.ndarray
+    truncated: bool
+    length: int
+    finish_reason: Literal["eos", "length"]
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Where a rollout's time went (seconds) and how full the decode batch was.
+
+    ``prefill_s`` / ``insert_s`` are exact only with ``profile=True`` (else the
+    work is asynchronous and lands in ``decode_s``). ``slot_steps`` counts rows
+    computed per device step (the batch run), ``tokens`` the useful ones;
+    ``by_batch`` maps a decode batch size to [steps, seconds] spent at it.
+    """
+
+    tokens: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    insert_s: float = 0.0
+    decode_s: float = 0.0
+    host_s: float = 0.0
+    chunks: int = 0
+    steps: int = 0
+    slot_steps: int = 0
+    prefills: int = 0
+    by_batch: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+
+
+class _Pending:
+    """A sample's growing response on the host."""
+
+    def __init__(self, p: int, j: int, limit: int):
+        self.p, self.j, self.limit = p, j, limit
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class RolloutDriver:
+    """Samples groups of responses with continuous batching over an ``Engine``.
+
+    Each prompt is prefilled once and its G samples are inserted into slots as
+    they free up; a slot is refilled as soon as its sequence ends (EOS or its
+    limit), so long responses never idle the batch. Sample ``j`` of prompt ``p``
+    draws token ``t`` with ``fold_in(seed, step, p, j, t)``, so results do not
+    depend on slots or scheduling. The decode state (KV cache) is allocated once
+    and reused across calls.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._state: DecodeState | None = None
+
+    def run(
+        self,
+        params: nnx.State,
+        prompts: Sequence[np.ndarray],
+        *,
+        num_samples: int = 1,
+        seed: int = 0,
+        step: int = 0,
+        max_new_tokens: int | np.ndarray | None = None,
+        truncation: Truncation = "no_eos",
+        profile: bool = False,
+        on_sample: Callable[[Sample], None] | None = None,
+    ) -> tuple[list[Sample], RolloutStats]:
+        """Generates ``num_samples`` responses for each prompt.
+
+        Args:
+          params: parameters in the engine's (sampling) layout.
+          prompts: token id arrays, one per prompt.
+          num_samples: G, samples per prompt.
+          seed / step: randomness is ``fold_in(seed, step, prompt, sample, token)``.
+          max_new_tokens: response limit T: an int, or [num_prompts, G] per sample;
+            default the engine's ``max_decode_length``.
+          truncation: how ``Sample.truncated`` is counted.
+          profile: block after each prefill and insert so their time is exact.
+          on_sample: called with each sample as soon as it ends, while the others
+            still decode (e.g. to submit it to a ``VerifierPool``). An exception
+            it raises ends the rollout.
+
+        Returns:
+          (samples ordered by (prompt, sample), stats).
+        """
+        if truncation not in ("no_eos", "length"):
+            raise ValueError(f"truncation must be 'no_eos' or 'length', got {truncation!r}")
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        eng, cfg = self.engine, self.engine.config
+        b_max, s_max = cfg.max_concurrent_decodes, cfg.cache_length
+        limits = np.broadcast_to(
+            np.asarray(
+                cfg.max_decode_length if max_new_tokens is None else max_new_tokens, np.int64
+            ),
+            (len(prompts), num_samples),
+        )
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        stats = RolloutStats()
+        t_start = time.perf_counter()
+        state = self._state if self._state is not None else eng.init_decode_state()
+        unembed_VD = eng.decode_unembedding(params)
+        self._state = None  # donated below; restored at the end
+
+        queue = collections.deque((p, j) for p in range(len(prompts)) for j in range(num_samples))
+        prefixes: dict[int, Prefix] = {}
+        slot_of: list[_Pending | None] = [None] * b_max
+        slot_len = np.zeros(b_max, np.int64)  # mirrors the cache's per-row lengths
+        first_draws: list[tuple[list[_Pending], list[int], object]] = []
+        done: list[Sample] = []
+        eos = set(eng.eos_ids)
+        sizes = cfg.compact_sizes()
+
+        def finish(pend: _Pending, slot: int):
+            sample = self._to_sample(pend, prompts, eos, truncation)
+            done.append(sample)
+            slot_of[slot] = None
+            if on_sample is not None:
+                on_sample(sample)
+
+        while queue or any(s is not None for s in slot_of):
+            t0 = time.perf_counter()
+            free = collections.deque(s for s in range(b_max) if slot_of[s] is None)
+            while queue and free:
+                p, j = queue[0]
+                # A whole group into free slots is one call; anything else one per sample
+                # (two compiled shapes).
+                n = num_samples if j == 0 and len(free) >= num_samples else 1
+                if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
+                    n = 1
+                entries = [queue.popleft() for _ in range(n)]
+                slots = [free.popleft() for _ in range(n)]
+                if p not in prefixes:
+                    tp = time.perf_counter()
+                    prefixes[p] = eng.prefill(params, prompts[p])
+                    if profile:
+                        jax.block_until_ready(prefixes[p])
+                    stats.prefill_s += time.perf_counter() - tp
+                    stats.prefills += 1
+                last = entries[-1][1] == num_samples - 1
+                prefix = prefixes.pop(p) if last else prefixes[p]
+                pends = [_Pending(p, jj, int(limits[p, jj])) for _, jj in entries]
+                ti = time.perf_counter()
+                state, first = eng.insert_group(
+                    prefix,
+                    state,
+                    slots,
+                    seed=seed,
+                    step=step,
+                    prompt=p,
+                    samples=[jj for _, jj in entries],
+                    max_new_tokens=[x.limit for x in pends],
+                )
+                if profile:
+                    jax.block_until_ready(state)
+                stats.insert_s += time.perf_counter() - ti
+                for pend, slot in zip(pends, slots):
+                    slot_of[slot], slot_len[slot] = pend, len(prompts[p])
+                first_draws.append((pends, slots, first))
+            # Token 0 was sampled at insert; fetch those now (one transfer for all).
+            fetched = jax.device_get([f for _, _, f in first_draws])
+            for (pends, slots, _), f in zip(first_draws, fetched):
+                for i, (pend, slot) in enumerate(zip(pends, slots)):
+                    pend.parts.append(tuple(np.atleast_1d(x[i]) for x in f))
+                    if int(f.tokens[i]) in eos or pend.limit <= 1:
+                        finish(pend, slot)
+            first_draws.clear()
+            live = [s for s in range(b_max) if slot_of[s] is not None]
+            if not live:
+                stats.host_s += time.perf_counter() - t0
+                continue
+
+            rows, min_live = None, 0
+            if cfg.compact_batch and not queue:
+                b = min(x for x in sizes if x >= len(live))
+                if b < b_max:
+                    spare = [s for s in range(b_max) if slot_of[s] is None]
+                    rows = np.asarray(live + spare[: b - len(live)], np.int32)
+                # Stop the chunk once the live rows fit the next size down.
+                min_live = max([x for x in sizes if x < b], default=0)
+            longest = int(slot_len[live].max())
+            attend = s_max
+            if cfg.cache_bucket:
+                attend = min(s_max, _round_up(longest + 1, cfg.cache_bucket))
+            stats.host_s += time.perf_counter() - t0
+
+            td = time.perf_counter()
+            state, outs, n = eng.generate_chunk(
+                params,
+                state,
+                unembed_VD=unembed_VD,
+                rows=rows,
+                attend=attend,
+                # refill once a whole group's slots are free (one insert call), or
+                # what the queue still holds
+                stop_on_free=min(len(queue), num_samples),
+                min_live=min_live,
+            )
+            n = int(n)
+            outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
+            dt = time.perf_counter() - td
+            stats.decode_s += dt
+            at = stats.by_batch.setdefault(b_max if rows is None else len(rows), [0, 0.0])
+            at[0] += n
+            at[1] += dt
+
+            t1 = time.perf_counter()
+            cols = range(b_max) if rows is None else rows
+            stats.chunks += 1
+            stats.steps += n
+            stats.slot_steps += n * len(cols)
+            for c, slot in enumerate(cols):
+                pend = slot_of[slot]
+                if pend is None:
+                    continue
+                v = outs.valid[:, c]
+                k = int(v.sum())
+                if k:
+                    slot_len[slot] += k
+                    pend.parts.append(
+                        (
+                            outs.tokens[v, c],
+                            outs.logprobs[v, c],
+                            outs.entropies[v, c],
+                            outs.sampling_logprobs[v, c],
+                        )
+                    )
+                if outs.done[:, c].any():
+                    finish(pend, slot)
+            stats.host_s += time.perf_counter() - t1
+
+        self._state = state
+        samples = sorted(done, key=lambda s: (s.prompt_index, s.sample_index))
+        stats.tokens = sum(s.length for s in samples)
+        stats.wall_s = time.perf_counter() - t_start
+        return samples, stats
+
+    @staticmethod
+    def _to_sample(pend: _Pending, prompts, eos: set[int], truncation: Truncation) -> Sample:
+        tokens, logp, ent, slp = (np.concatenate(x) for x in zip(*pend.parts))
+        tokens = tokens.astype(np.int32)
+        hit_eos = len(tokens) > 0 and int(tokens[-1]) in eos
+        length = len(tokens)
+        truncated = not hit_eos if truncation == "no_eos" else length == pend.limit
+        return Sample(
+            prompt_index=pend.p,
+            sample_index=pend.j,
+            prompt_tokens=prompts[pend.p],
+            tokens=tokens,
+            logprobs=logp.astype(np.float32),
+            entropies=ent.astype(np.float32),
+            sampling_logprobs=slp.astype(np.float32),
+            truncated=bool(truncated),
+            length=length,
+            finish_reason="eos" if hit_eos else "length",
+        )
+
+
+def make_driver(
+    model: Any,
+    *,
+    max_prompt_length: int,
+    max_response_length: int,
+    sampling: SamplingConfig,
+    max_concurrent_decodes: int = 32,
+    decode_steps: int = 64,
+    dtype: str | None = None,
+    mesh: Any = None,
+) -> RolloutDriver:
+    """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
+
+    Training (one per stage and one for its evaluations) and the evaluation
+    commands all build their engines here.
+
+    Args:
+      model: the policy (``Qwen2``); its graph and shapes, not its weights, are used.
+      max_prompt_length / max_response_length: the engine's limits.
+      sampling: the sampling strategy.
+      max_concurrent_decodes / decode_steps: see ``EngineConfig``.
+      dtype: ``EngineConfig.dtype`` (None: the model's).
+      mesh: the device mesh (None: one device).
+    """
+    from magic_jax.rollout.engine import EngineConfig
+
+    config = EngineConfig(
+        max_concurrent_decodes=max_concurrent_decodes,
+        max_prefill_length=max_prompt_length,
+        max_decode_length=max_response_length,
+        decode_steps=decode_steps,
+        sampling=sampling,
+        dtype=dtype,
+    )
+    return RolloutDriver(Engine(model, config, mesh=mesh))

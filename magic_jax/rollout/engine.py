@@ -1,0 +1,455 @@
+"""Decode-slot inference engine over Qwen2 (JetStream API): prefill, insert, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from magic_jax.model.config import check_unroll
+from magic_jax.model.qwen2 import KVCache, Qwen2, abstract_model
+from magic_jax.model.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
+from magic_jax.rollout import sampling as sampling_lib
+from magic_jax.rollout.decode import (
+    DecodeState,
+    Prefix,
+    StepOutput,
+    decode_chunk_fn,
+    decode_step,
+    insert_fn,
+    insert_group_fn,
+    prefill_fn,
+)
+from magic_jax.rollout.sampling import SamplingConfig
+
+ENGINE_DTYPES = (None, "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Shapes and schedule of the decode engine.
+
+    Attributes:
+      max_concurrent_decodes: B, the number of decode slots (fixed; the KV cache
+        is preallocated for all of them).
+      max_prefill_length: longest prompt in tokens.
+      max_decode_length: longest response in tokens (the stage's T).
+      prefill_buckets: prompt lengths are right-padded up to the first bucket that
+        fits (one compilation per bucket). Default: powers of two from 16, then
+        ``max_prefill_length``.
+      decode_steps: most decode steps run on device per host round trip.
+      cache_bucket: the attended cache length is the longest live row rounded up
+        to a multiple of this (one compilation per length); 0 attends the whole cache.
+      compact_batch: once no request waits, decode only the live rows, in a batch
+        of the next size in ``compact_sizes()`` (one compilation per size).
+      sampling: the sampling strategy.
+      eos_ids: ids that end a response; None takes the model config's.
+      layer_unroll: how the decode step runs the stacked layers: ``True`` inlines
+        every layer (static weight slices), an int n unrolls the layer scan n at
+        a time, 1 is a plain scan. None takes ``default_layer_unroll()`` for
+        the platform. Logits are the same either way; only speed and compile
+        time change.
+      dtype: the engine's weight, compute and KV-cache dtype (``"bfloat16"`` or
+        ``"float32"``), independent of the policy's master weights: the weights
+        are cast when they are placed (``Engine.load_params``). None keeps the
+        model's own. Norms, softmax, RoPE and the sampling distribution stay fp32.
+    """
+
+    max_concurrent_decodes: int = 32
+    max_prefill_length: int = 1024
+    max_decode_length: int = 1024
+    prefill_buckets: tuple[int, ...] = ()
+    decode_steps: int = 64
+    cache_bucket: int = 128
+    compact_batch: bool = True
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    eos_ids: tuple[int, ...] | None = None
+    layer_unroll: int | bool | None = None
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}"
+            )
+        check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
+        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.decode_steps <= 0:
+            raise ValueError(f"EngineConfig.decode_steps must be positive, got {self.decode_steps}")
+        if self.cache_bucket < 0:
+            raise ValueError(f"EngineConfig.cache_bucket must be >= 0, got {self.cache_bucket}")
+        if any(b <= 0 for b in self.prefill_buckets) or list(self.prefill_buckets) != sorted(
+            set(self.prefill_buckets)
+        ):
+            raise ValueError(
+                f"EngineConfig.prefill_buckets must be increasing positive lengths, "
+                f"got {self.prefill_buckets}"
+            )
+        if self.prefill_buckets and self.prefill_buckets[-1] < self.max_prefill_length:
+            raise ValueError(
+                f"EngineConfig.prefill_buckets' largest ({self.prefill_buckets[-1]}) is below "
+                f"max_prefill_length ({self.max_prefill_length})"
+            )
+
+    @property
+    def cache_length(self) -> int:
+        """S, slots per row of the KV cache: the longest prompt plus the longest response."""
+        return self.max_prefill_length + self.max_decode_length
+
+    def compact_sizes(self) -> tuple[int, ...]:
+        """Batch sizes for compacted decoding: halvings of the slots down to a sixteenth.
+
+        Each size is one compiled decode loop, so there are at most five. A
+        decode step's cost grows slowly with its rows (weights are read once per
+        step whatever the rows), so the rows a halving leaves idle cost little,
+        and below B/16 live rows the step runs at B/16 (measured in
+        benchmarks/rollout.py: W2's long tail).
+        """
+        b = self.max_concurrent_decodes
+        sizes, s = {b}, b
+        while s % 2 == 0 and s // 2 >= max(1, b // 16):
+            s //= 2
+            sizes.add(s)
+        return tuple(sorted(sizes))
+
+    def buckets(self) -> tuple[int, ...]:
+        if self.prefill_buckets:
+            return self.prefill_buckets
+        out, b = [], 16
+        while b < self.max_prefill_length:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_prefill_length)
+
+
+# Measured default of ``EngineConfig.layer_unroll`` per platform. CPU (2-core AMD EPYC,
+# benchmarks/rollout.py W1, 58M model, batch 32): a plain scan 18.5 ms per decode step,
+# unroll 2 22.3 ms, every layer inlined 29.7 ms, unstacked layers in a Python loop
+# 24.8 ms: the scan stays. GPU and TPU were not measured: they keep the scan too until
+# a measurement says otherwise (set the option to compare).
+LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
+
+
+def default_layer_unroll(platform: str | None = None) -> int | bool:
+    """The decode loop's layer unroll for ``platform`` (default: jax's default backend)."""
+    return LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+@functools.cache
+def _compiled(
+    name: str, graphdef: nnx.GraphDef, shardings: Any, sampling: SamplingConfig, statics: tuple
+) -> Any:
+    """The jitted engine functions, shared by every engine with the same model graph,
+    shardings and static settings (so a new engine per stage does not recompile)."""
+    kw = dict(statics)
+    # What the host reads (sampled tokens, log-probs, step counts; a few KB) comes back
+    # replicated on every device: with several processes, each one then holds all of
+    # it and reads it locally (np.asarray of a slot-sharded output would need devices
+    # of other processes), and every process makes the same scheduling decisions.
+    host = None if shardings is None else NamedSharding(shardings.tokens.mesh, PartitionSpec())
+    if name == "prefill":
+        return jax.jit(functools.partial(prefill_fn, graphdef))
+    if name == "unembed_VD":
+        return jax.jit(lambda params: nnx.merge(graphdef, params).unembedding().T)
+    if name == "insert":
+        fn = functools.partial(insert_fn, sampling=sampling)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
+    if name == "insert_group":
+        fn = functools.partial(insert_group_fn, sampling=sampling)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
+    if name == "generate":
+        fn = functools.partial(decode_step, graphdef, sampling=sampling, **kw)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
+    fn = functools.partial(decode_chunk_fn, graphdef, sampling=sampling, **kw)
+    return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host, host))
+
+
+class Engine:
+    """Prefill / insert / generate over ``max_concurrent_decodes`` slots.
+
+    The JetStream contract, natively: ``prefill`` turns a prompt into a
+    ``Prefix``; ``insert`` copies it into a free slot of the preallocated
+    ``DecodeState`` (in place: the state is donated); ``generate`` runs one decode
+    step for all slots, ``generate_chunk`` several without a host round trip.
+    Parameters are placed with the sampling rule table (tensor parallel) and the
+    slots split over the data axes of ``mesh``.
+    """
+
+    def __init__(
+        self,
+        model: Qwen2,
+        config: EngineConfig,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = SAMPLE_RULES,
+    ):
+        self.config = config
+        mc = model.config
+        if config.dtype is not None and (mc.param_dtype, mc.dtype) != (config.dtype,) * 2:
+            # the engine's own graph in its dtype; the policy's weights are cast to it
+            mc = dataclasses.replace(mc, param_dtype=config.dtype, dtype=config.dtype)
+            model = abstract_model(mc)
+        self.model_config = mc
+        self.graphdef, abstract = nnx.split(model)
+        self._abstract_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract
+        )
+        self._mesh, self._rules = mesh, rules
+        self.param_shardings = None if mesh is None else model_shardings(abstract, mesh, rules)
+        self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
+        self._shardings = self.state_shardings()
+        self._cast = None
+        eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
+        if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
+            # A mesh of compile-only devices (magic_jax.jobs.plan) holds no data: shapes only.
+            self._eos_E = jax.ShapeDtypeStruct(
+                eos_E.shape, eos_E.dtype, sharding=self._sharding((), ())
+            )
+        else:
+            self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
+
+    @property
+    def layer_unroll(self) -> int | bool:
+        """The decode loop's layer unroll (the config's, or the platform default)."""
+        u = self.config.layer_unroll
+        if u is None:
+            platform = None if self._mesh is None else self._mesh.devices.flat[0].platform
+            u = default_layer_unroll(platform)
+        return u
+
+    @property
+    def eos_array(self) -> jax.Array:
+        """[E] int32 ids that end a response, on device (E may be 0)."""
+        return self._eos_E
+
+    def _fn(self, name: str, **statics: Any) -> Any:
+        key = tuple(statics.items())
+        return _compiled(name, self.graphdef, self._shardings, self.config.sampling, key)
+
+    # ------------------------------------------------------------------ placement
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._mesh
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    def _sharding(self, names: tuple, shape: tuple) -> NamedSharding | None:
+        if self._mesh is None:
+            return None
+        return NamedSharding(self._mesh, logical_to_spec(names, self._rules, self._mesh, shape))
+
+    def state_shardings(self) -> DecodeState | None:
+        """Shardings of the decode state: slots over the data axes, kv heads over tensor."""
+        if self._mesh is None:
+            return None
+        cfg, mc = self.config, self.model_config
+        b, s = cfg.max_concurrent_decodes, cfg.cache_length
+        kv = self._sharding(
+            ("layers", "batch", None, "kv_heads", None),
+            (mc.num_layers, b, s, mc.num_kv_heads, mc.head_size),
+        )
+        vec = self._sharding(("batch",), (b,))
+        return DecodeState(
+            cache=KVCache(
+                k=kv,
+                v=kv,
+                pos=self._sharding(("batch", None), (b, s)),
+                lengths=vec,
+            ),
+            tokens=vec,
+            keys=vec,
+            steps=vec,
+            max_new=vec,
+            done=vec,
+        )
+
+    @property
+    def abstract_params(self) -> nnx.State:
+        """Shapes and dtypes of the engine's weights (``ShapeDtypeStruct`` leaves)."""
+        return self._abstract_params
+
+    def load_params(self, model_or_params: Qwen2 | nnx.State) -> nnx.State:
+        """The parameters of a model (or a state), cast to the engine's dtype and placed
+        with the sampling shardings: one compiled program, so the trainer's shards move
+        by collectives on device (never through the host) and no second full-precision
+        copy is made. The trainer's arrays are left intact."""
+        params = (
+            nnx.state(model_or_params)
+            if isinstance(model_or_params, nnx.Module)
+            else model_or_params
+        )
+        want = jnp.dtype(self.model_config.param_dtype)
+        same = all(x.dtype == want for x in jax.tree.leaves(params) if _is_float(x))
+        if same and self.param_shardings is None:
+            return params
+        if self.mesh is not None:
+            mesh_devices = set(self.mesh.devices.flat)
+            if any(set(x.sharding.device_set) != mesh_devices for x in jax.tree.leaves(params)):
+                # weights on other devices (a model loaded on one device): placed first,
+                # since one program cannot take inputs and give outputs on different devices
+                params = jax.device_put(params, self.param_shardings)
+                if same:
+                    return params
+        if self._cast is None:
+            self._cast = jax.jit(
+                lambda p: jax.tree.map(lambda x: x.astype(want) if _is_float(x) else x, p),
+                out_shardings=self.param_shardings,
+            )
+        return self._cast(params)
+
+    def init_decode_state(self) -> DecodeState:
+        """All slots empty (done), the KV cache preallocated."""
+        cfg, b = self.config, self.config.max_concurrent_decodes
+
+        def make():
+            return DecodeState(
+                cache=KVCache.init(self.model_config, b, cfg.cache_length),
+                tokens=jnp.zeros((b,), jnp.int32),
+                keys=jax.random.split(jax.random.key(0), b),
+                steps=jnp.zeros((b,), jnp.int32),
+                max_new=jnp.zeros((b,), jnp.int32),
+                done=jnp.ones((b,), bool),
+            )
+
+        return jax.jit(make, out_shardings=self.state_shardings())()
+
+    # ------------------------------------------------------------------ the contract
+
+    def prefill(self, params: nnx.State, tokens: Any, *, true_length: int | None = None) -> Prefix:
+        """Prefills one prompt (1-D token ids; padding past ``true_length`` ignored)."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n = len(tokens) if true_length is None else int(true_length)
+        if not 0 < n <= self.config.max_prefill_length:
+            raise ValueError(
+                f"prompt length {n} is not in [1, max_prefill_length="
+                f"{self.config.max_prefill_length}]"
+            )
+        bucket = next(b for b in self.config.buckets() if b >= n)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:n] = tokens[:n]
+        return self._fn("prefill")(params, jnp.asarray(padded), jnp.int32(n))
+
+    def insert(
+        self,
+        prefix: Prefix,
+        state: DecodeState,
+        slot: int,
+        *,
+        key: jax.Array,
+        max_new_tokens: int | None = None,
+    ) -> tuple[DecodeState, sampling_lib.Draw]:
+        """Puts ``prefix`` in ``slot`` (donating ``state``) and samples token 0 with
+        ``fold_in(key, 0)``; returns the new state and that token's ``Draw``."""
+        limit = self.config.max_decode_length if max_new_tokens is None else max_new_tokens
+        if not 0 < limit <= self.config.max_decode_length:
+            raise ValueError(
+                f"max_new_tokens {limit} is not in [1, {self.config.max_decode_length}]"
+            )
+        return self._fn("insert")(
+            prefix, state, jnp.int32(slot), key, jnp.int32(limit), self._eos_E
+        )
+
+    def insert_group(
+        self,
+        prefix: Prefix,
+        state: DecodeState,
+        slots: Any,
+        *,
+        seed: int,
+        step: int,
+        prompt: int,
+        samples: Any,
+        max_new_tokens: Any,
+    ) -> tuple[DecodeState, sampling_lib.Draw]:
+        """Puts ``prefix`` in several ``slots`` in one call (donating ``state``).
+
+        Sample ``samples[i]`` goes to ``slots[i]`` with the key
+        ``sample_key(seed, step, prompt, samples[i])`` and its own limit
+        ``max_new_tokens[i]``; the same as one ``insert`` per sample. Returns
+        the new state and the first draws, stacked [n].
+        """
+        slots = np.asarray(slots, np.int32).reshape(-1)
+        samples = np.asarray(samples, np.int32).reshape(-1)
+        limits = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape)
+        bad = limits[(limits <= 0) | (limits > self.config.max_decode_length)]
+        if bad.size:
+            raise ValueError(
+                f"max_new_tokens {int(bad[0])} is not in [1, {self.config.max_decode_length}]"
+            )
+        return self._fn("insert_group")(
+            prefix,
+            state,
+            slots,
+            np.int32(seed),
+            np.int32(step),
+            np.int32(prompt),
+            samples,
+            np.ascontiguousarray(limits),
+            self._eos_E,
+        )
+
+    def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """One decode step for every slot (donates ``state``)."""
+        return self._fn("generate", layer_unroll=self.layer_unroll)(params, state, self._eos_E)
+
+    def decode_unembedding(self, params: nnx.State) -> jax.Array:
+        """The unembedding of ``params`` as [V, D], on device, for ``generate_chunk``.
+
+        Make it once per weights (it is a copy of the [D, V] matrix): the decode
+        loop's logits are faster from this layout on CPU.
+        """
+        return self._fn("unembed_VD")(params)
+
+    def generate_chunk(
+        self,
+        params: nnx.State,
+        state: DecodeState,
+        *,
+        unembed_VD: jax.Array | None = None,
+        rows: np.ndarray | None = None,
+        attend: int | None = None,
+        stop_on_free: bool | int = False,
+        min_live: int = 0,
+    ) -> tuple[DecodeState, StepOutput, jax.Array]:
+        """Up to ``decode_steps`` decode steps in one call; see ``decode_chunk_fn``.
+
+        ``stop_on_free``: stop once this many rows finished (True: one; False: never).
+
+        ``unembed_VD`` from ``decode_unembedding(params)`` speeds the logits up.
+        """
+        attend = self.config.cache_length if attend is None else attend
+        fn = self._fn(
+            "chunk",
+            num_steps=self.config.decode_steps,
+            attend=attend,
+            layer_unroll=self.layer_unroll,
+        )
+        rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
+        return fn(
+            params,
+            state,
+            unembed_VD,
+            rows_b,
+            jnp.int32(int(stop_on_free)),
+            jnp.int32(min_live),
+            self._eos_E,
+        )

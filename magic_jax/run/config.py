@@ -1,0 +1,431 @@
+"""Training-run configuration: typed dataclasses read from YAML, with named errors.
+
+A run is described by one YAML file (see ``configs/``): the model, data,
+stages of the multi-stage schedule (SPEC item 9) and every option of the
+objective, sampler, verifier pool and mesh. ``load_config`` checks it against
+the dataclasses below: an unknown key, a wrong type or a bad value raises
+``ConfigError`` naming its dotted path (``stages[1].max_response_length``).
+``--set key.path=value`` overrides apply to the raw YAML before the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from magic_jax.model.config import check_unroll
+from magic_jax.model.sharding import MeshConfig
+from magic_jax.rewards.pool import PoolConfig
+from magic_jax.rollout.sampling import SamplingConfig
+from magic_jax.run.config_dict import ConfigError, apply_override, from_dict
+from magic_jax.update.advantages import AdvantageConfig
+from magic_jax.update.entropy import EntropyControlConfig
+from magic_jax.update.losses import LossConfig
+from magic_jax.update.optim import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UntilConfig:
+    """Rules that end a stage before its step budget (``steps`` stays the cap).
+
+    Either rule set ends the stage when it holds; the switch is logged in the
+    metrics (``stage_end``) and kept in checkpoints, so a resumed run switches
+    at the same step.
+
+    Attributes:
+      truncated_below: end once the truncated fraction of the rollouts stays
+        under this for ``truncated_steps`` consecutive steps (the report moves
+        to a longer context when few responses hit the limit, or the reverse).
+      truncated_steps: k of that rule.
+      eval_patience: end after this many evaluations in a row with no gain in
+        avg@n over the best of the stage so far (needs ``eval``).
+      eval_min_gain: a gain under this does not count.
+    """
+
+    truncated_below: float | None = None
+    truncated_steps: int = 1
+    eval_patience: int | None = None
+    eval_min_gain: float = 0.0
+
+    def __post_init__(self):
+        if self.truncated_below is None and self.eval_patience is None:
+            raise ValueError("set truncated_below or eval_patience (or drop until)")
+        if self.truncated_below is not None and not 0 < self.truncated_below <= 1:
+            raise ValueError(f"truncated_below must be in (0, 1], got {self.truncated_below}")
+        if self.truncated_steps < 1:
+            raise ValueError(f"truncated_steps must be >= 1, got {self.truncated_steps}")
+        if self.eval_patience is not None and self.eval_patience < 1:
+            raise ValueError(f"eval_patience must be >= 1, got {self.eval_patience}")
+        if self.eval_min_gain < 0:
+            raise ValueError(f"eval_min_gain must be >= 0, got {self.eval_min_gain}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """One stage of the multi-stage schedule (SPEC item 9).
+
+    Attributes:
+      steps: training steps in this stage (its budget).
+      max_response_length: T, the response limit of this stage's rollouts.
+      prompts_per_step: D_R, prompts sampled per training step.
+      mini_batch_groups: D_T, prompts per optimizer step (N_SGD = D_R / D_T * N_reuse).
+      group_size: G, responses per prompt.
+      name: a label for logs.
+      kl_beta: this stage's KL weight; None = ``loss.kl_beta`` (the report's
+        ablation runs one stage with KL and the next without).
+      until: rules that end the stage early (``steps`` is then the cap).
+    """
+
+    steps: int
+    max_response_length: int
+    prompts_per_step: int
+    mini_batch_groups: int
+    group_size: int
+    name: str = ""
+    kl_beta: float | None = None
+    until: UntilConfig | None = None
+
+    def __post_init__(self):
+        for f in ("steps", "max_response_length", "prompts_per_step", "mini_batch_groups"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (group advantages), got {self.group_size}")
+        if self.kl_beta is not None and self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.mini_batch_groups > self.prompts_per_step:
+            raise ValueError(
+                f"mini_batch_groups ({self.mini_batch_groups}) exceeds prompts_per_step "
+                f"({self.prompts_per_step})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training prompts.
+
+    Attributes:
+      train: files or directories of verl rows (``.parquet`` / ``.jsonl``).
+      max_prompt_length: longer prompts are dropped (counted in the log).
+      offline_filter_model: with ``offline_filter_samples``, drop prompts this
+        model solved 0 or N of N times (``extra_info.model_difficulty``, as
+        ``magic-jax estimate-difficulty`` writes it).
+      offline_filter_samples: N of the difficulty table per ``ability``
+        (``{math: 16, code: 8}``, the report's), or one N for every ability.
+      offline_filter_keep_unrated: keep (default) or drop prompts that have no
+        entry for ``offline_filter_model``.
+      online_filter: at each new stage, drop prompts whose accuracy in the
+        previous stage was 1 (SPEC item 10).
+    """
+
+    train: tuple[str, ...]
+    max_prompt_length: int = 1024
+    offline_filter_model: str | None = None
+    offline_filter_samples: int | dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"math": 16, "code": 8}
+    )
+    offline_filter_keep_unrated: bool = True
+    online_filter: bool = True
+
+    def __post_init__(self):
+        if not self.train:
+            raise ValueError("train must name at least one file or directory")
+        n = self.offline_filter_samples
+        for ability, v in n.items() if isinstance(n, dict) else [("", n)]:
+            if v <= 0:
+                where = f"[{ability}]" if ability else ""
+                raise ValueError(f"offline_filter_samples{where} must be positive, got {v}")
+        if self.max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Decode engine settings (the sampling distribution itself is ``sampling``).
+
+    Attributes:
+      max_concurrent_decodes: decode slots.
+      decode_steps: decode steps per host round trip.
+      truncation: ``"no_eos"`` (report) or ``"length"`` (reference code).
+      refill: DAPO's dynamic sampling: while fewer than D_R groups have mixed
+        rewards, sample another D_R prompts (up to ``refill_max_rounds`` extra
+        rounds) and train on D_R mixed groups. Off by default, as in the report
+        (rejection sampling without refill).
+      refill_max_rounds: cap of extra rounds per step.
+      dtype: the decode engine's weights, matmuls and KV cache: ``bfloat16``
+        (half the bytes a decode step reads) or ``float32``; null = the model's
+        own (``param_dtype``). Independent of the trainer's master weights, which
+        are cast when the engine takes them each step; the trainer recomputes
+        log-probs in its own precision, and ``sampler_*`` metrics log the
+        mismatch (``loss.tis_cap`` corrects for it).
+    """
+
+    max_concurrent_decodes: int = 64
+    decode_steps: int = 64
+    truncation: Literal["no_eos", "length"] = "no_eos"
+    refill: bool = False
+    refill_max_rounds: int = 4
+    dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self):
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
+        if self.truncation not in ("no_eos", "length"):
+            raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
+        if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:
+            raise ValueError("max_concurrent_decodes and decode_steps must be positive")
+        if self.refill_max_rounds < 1:
+            raise ValueError(f"refill_max_rounds must be >= 1, got {self.refill_max_rounds}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """avg@n evaluation during training (SPEC item 13).
+
+    Attributes:
+      data: files or directories of verl rows.
+      every: steps between evaluations (also before the first and after the last).
+      num_samples: n of avg@n.
+      max_response_length: response limit; default the longest stage T.
+      temperature / top_p: the evaluation's sampling, the report's protocol (1 and 1) by
+        default whatever the rollouts use, so that runs with different rollout
+        temperatures are measured alike.
+    """
+
+    data: tuple[str, ...]
+    every: int = 50
+    num_samples: int = 4
+    max_response_length: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.data:
+            raise ValueError("data must name at least one file or directory")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"temperature must be > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
+            )
+        if self.every <= 0 or self.num_samples <= 0:
+            raise ValueError("every and num_samples must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A whole training run.
+
+    Attributes:
+      model: a Hugging Face checkpoint directory (config.json + safetensors) or
+        a magic_jax orbax checkpoint (``model_config.json`` + ``state/``).
+      tokenizer: directory of a Hugging Face tokenizer; default ``model``.
+      output_dir: checkpoints, ``metrics.jsonl``, the resolved config and the
+        final Hugging Face export go here; a run in a directory with
+        checkpoints resumes from the newest.
+      stages: the multi-stage schedule, in order.
+      data, rollout, sampling, advantage, loss, entropy, optimizer, rewards, mesh, eval:
+        the options of each part (see their classes).
+      micro_batch_size: sequences per micro-batch (gradient accumulation).
+      num_reuse: N_reuse, passes over each rollout buffer.
+      mini_batch_split: ``"even"`` (the report's N_SGD = D_R / D_T * N_reuse:
+        the kept groups in exactly D_R / D_T mini-batches of equal size) or
+        ``"fixed-size"`` (verl's ceil(kept / D_T) mini-batches of D_T groups,
+        the last one possibly a few groups at full weight).
+      param_dtype: ``float32`` master weights (default) or ``bfloat16``.
+      remat: what the update's backward pass keeps of each decoder layer's
+        forward: ``none`` (every activation: fastest, the most memory),
+        ``full`` (only each layer's input; the layer runs again in the backward,
+        about a third more update flops, activations of one layer at a time) or
+        ``dots_saveable`` (the matmul outputs; the elementwise work runs again).
+        The results are the same up to rounding; ``magic-jax plan`` shows the
+        memory each needs.
+      compute_dtype: matmul dtype of the update's forward and backward (and of
+        the trainer's recomputed log-probs): ``float32``, ``bfloat16`` (half the
+        activations, the MXU's native input), or null = the model's own
+        (``param_dtype`` for a Hugging Face checkpoint). Master weights, gradients and
+        optimizer state stay ``param_dtype``; softmax, norms, RoPE, log-probs
+        and the loss stay fp32; the rollout engine samples in the model's own dtype.
+      update_layer_unroll: how the update runs the stacked layers (the scan's
+        ``unroll``: ``true`` inlines every layer, an int n unrolls n at a time, 1
+        is a plain scan); null = the platform's measured default
+        (``train_step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
+        elsewhere). Same values either way; speed and compile time change.
+      seed: data order and sampling randomness.
+      checkpoint_every: steps between checkpoints (and at each stage's end).
+      keep_checkpoints: newest checkpoints kept.
+      export_hf: write the final policy as a Hugging Face checkpoint.
+      export_dtype: its dtype (bf16, as released checkpoints; fp32 for tiny models).
+    """
+
+    model: str
+    output_dir: str
+    stages: tuple[StageConfig, ...]
+    data: DataConfig
+    tokenizer: str | None = None
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    rewards: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    mesh: MeshConfig | None = None
+    eval: EvalConfig | None = None
+    micro_batch_size: int | None = None
+    num_reuse: int = 1
+    mini_batch_split: Literal["even", "fixed-size"] = "even"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots_saveable"] = "none"
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    update_layer_unroll: int | bool | None = None
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    export_hf: bool = True
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("stages must list at least one stage")
+        if self.loss.temperature != self.sampling.temperature:
+            raise ValueError(
+                f"loss.temperature ({self.loss.temperature}) must equal sampling.temperature "
+                f"({self.sampling.temperature}): the trainer recomputes the sampler's log-probs"
+            )
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        if self.remat not in ("none", "full", "dots_saveable"):
+            raise ValueError(f"remat must be none, full or dots_saveable, got {self.remat!r}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
+            )
+        check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
+        if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
+            raise ValueError("checkpoint_every and keep_checkpoints must be positive")
+        if self.num_reuse <= 0:
+            raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
+        for i, st in enumerate(self.stages):
+            if self.mini_batch_split == "even" and st.prompts_per_step % st.mini_batch_groups:
+                raise ValueError(
+                    f"stages[{i}]: prompts_per_step ({st.prompts_per_step}) must be a multiple "
+                    f"of mini_batch_groups ({st.mini_batch_groups}) with mini_batch_split "
+                    "'even' (or set mini_batch_split: fixed-size)"
+                )
+            if st.until is not None and st.until.eval_patience is not None and self.eval is None:
+                raise ValueError(f"stages[{i}].until.eval_patience needs an eval section")
+        ref = self.loss.kl_reference
+        if ref is not None and not str(ref).startswith("gs://") and not os.path.isdir(ref):
+            raise ValueError(f"loss.kl_reference: {ref} is not a directory")
+
+    def kl_beta(self, stage: int) -> float:
+        """The KL weight of stage ``stage`` (its own, else ``loss.kl_beta``)."""
+        st = self.stages[stage]
+        return self.loss.kl_beta if st.kl_beta is None else st.kl_beta
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether some stage has a KL term (and so the run needs a reference policy)."""
+        return any(self.kl_beta(i) > 0 for i in range(len(self.stages)))
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(stage index, step within the stage) of global step ``step``."""
+        for i, s in enumerate(self.stages):
+            if step < s.steps:
+                return i, step
+            step -= s.steps
+        return len(self.stages), 0
+
+
+# --------------------------------------------------------------------------- dict <-> dataclass
+
+
+# --------------------------------------------------------------------------- files and overrides
+
+
+# A path option starting with this names a file shipped inside the magic_jax package
+# (the default run's model and data), so the default config runs from any directory.
+PACKAGE_PREFIX = "package:"
+
+# Every option that names a file or directory, as dotted paths into the raw config.
+PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data", "loss.kl_reference")
+
+
+def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
+    """Makes the option at ``dotted`` absolute (relative to the working directory);
+    ``gs://`` URIs stay as they are."""
+
+    def absolute(p: Any) -> Any:
+        if isinstance(p, str) and p.startswith(PACKAGE_PREFIX):
+            return str(Path(__file__).resolve().parents[1] / p[len(PACKAGE_PREFIX) :])
+        if isinstance(p, str) and p.startswith("gs://"):
+            return p.rstrip("/")  # a Cloud Storage URI stays as given
+        if isinstance(p, (str, os.PathLike)) and str(p):
+            return os.path.abspath(os.path.expanduser(os.fspath(p)))
+        return p
+
+    *parents, last = dotted.split(".")
+    node: Any = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return
+    v = node[last]
+    node[last] = [absolute(t) for t in v] if isinstance(v, (list, tuple)) else absolute(v)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    raw: Mapping[str, Any] | None = None,
+) -> TrainConfig:
+    """Reads a YAML run configuration (or a raw mapping), applies overrides, checks it.
+
+    Every path option (``model``, ``tokenizer``, ``output_dir``, ``data.train``,
+    ``eval.data``) is resolved once, here, to an absolute path: a relative one
+    is taken relative to the working directory, as paths typed on a command
+    line are (orbax and the worker processes need absolute paths); one that
+    starts with ``package:`` relative to the installed ``magic_jax`` package.
+
+    Raises:
+      ConfigError: an unreadable file or a bad option (named by its path).
+    """
+    import copy
+
+    import yaml
+
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of options, got a {type(loaded).__name__}"
+            )
+        raw = loaded
+    raw = copy.deepcopy(dict(raw or {}))
+    for o in overrides:
+        apply_override(raw, o)
+    # The trainer recomputes the sampler's log-probs: one temperature for both.
+    sampling = raw.get("sampling")
+    if isinstance(sampling, dict) and "temperature" in sampling:
+        loss = raw.setdefault("loss", {}) or {}
+        raw["loss"] = loss
+        loss.setdefault("temperature", sampling["temperature"])
+
+    for key in PATH_OPTIONS:
+        _resolve_path_option(raw, key)
+    try:
+        return from_dict(TrainConfig, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None

@@ -1,0 +1,275 @@
+"""Stages of the multi-stage schedule: when one ends, building the next, what changes.
+
+A stage (SPEC item 9) fixes the response limit T, the batch sizes D_R / D_T / G,
+its KL weight and a step budget. The train state (weights, optimizer, entropy
+controller, step) carries across stages; what a new stage changes is built
+here: its prompt set (online filtering drops the prompts solved every time in
+the previous stage, SPEC item 10), its prompt order, its decode engine and its
+jitted update step. A stage ends on its step budget or earlier on its
+``until`` rules; ``Schedule`` tracks where the run is and is saved with every
+checkpoint, so a resumed run switches stages at the same steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
+from magic_jax.run.config import StageConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class Stage:
+    """The working parts of one stage.
+
+    Attributes:
+      index: position in ``TrainConfig.stages``.
+      config: the stage's options.
+      rows: its prompts (after online filtering).
+      excluded: uids dropped by online filtering up to this stage (saved with checkpoints).
+      batches: ``prompt_batches``: element k is stage step k's prompts (this
+        host's slice of them in a multi-host run).
+      refill_batches: with ``rollout.refill``, element ``k * R + r - 1`` is the
+        prompts of refill round r of stage step k (R = ``refill_max_rounds``);
+        a second order of the same prompts, so every round is a function of
+        (k, r) alone and a resumed run samples the same. None without refill.
+      driver: the ``RolloutDriver`` over an engine with this stage's T.
+      updater: the ``PolicyUpdater`` with this stage's D_T and loss options.
+    """
+
+    index: int
+    config: StageConfig
+    rows: list[PromptRow]
+    excluded: list[str]
+    batches: Any
+    driver: Any
+    updater: Any
+    refill_batches: Any = None
+
+    def describe(self) -> str:
+        """One log line: the stage's shape and prompt count."""
+        st = self.config
+        return (
+            f"[stage {self.index}{' ' + st.name if st.name else ''}] T {st.max_response_length}, "
+            f"D_R {st.prompts_per_step}, D_T {st.mini_batch_groups}, G {st.group_size}, "
+            f"{st.steps} steps; {len(self.rows)} prompts "
+            f"({len(self.excluded)} dropped by online filtering)"
+        )
+
+
+def update_config(config: TrainConfig, index: int) -> Any:
+    """The ``UpdateConfig`` of stage ``index``: its D_T and KL weight, the run's other options."""
+    from magic_jax.update.state import UpdateConfig
+
+    st = config.stages[index]
+    return UpdateConfig(
+        mini_batch_groups=st.mini_batch_groups,
+        mini_batch_split=config.mini_batch_split,
+        micro_batch_size=config.micro_batch_size,
+        num_reuse=config.num_reuse,
+        remat=config.remat,
+        compute_dtype=config.compute_dtype,
+        layer_unroll=config.update_layer_unroll,
+        loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
+        entropy=config.entropy,
+        optimizer=config.optimizer,
+    )
+
+
+def build_stage(
+    config: TrainConfig,
+    index: int,
+    rows: Sequence[PromptRow],
+    excluded: Sequence[str],
+    *,
+    graphdef: Any,
+    mesh: Any,
+    make_driver: Callable[[int], Any],
+) -> Stage:
+    """Builds stage ``index``: its prompts, prompt order, rollout driver and updater.
+
+    Args:
+      config: the run.
+      index: the stage.
+      rows: every training prompt of the run (after offline filtering).
+      excluded: uids online filtering has dropped so far.
+      graphdef: the policy's ``nnx.GraphDef``.
+      mesh: the training mesh, or None.
+      make_driver: response limit T -> a rollout driver with the run's slots and sampling.
+    """
+    import jax
+
+    from magic_jax.update.updater import PolicyUpdater
+
+    st = config.stages[index]
+    kept = online_filter(rows, set(excluded))
+    seed = config.seed + 1000 * index
+    # each host reads its own slice of every step's prompts (scoring.score_groups gathers)
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = prompt_batches(kept, st.prompts_per_step, seed=seed, **hosts)
+    refill = None
+    if config.rollout.refill:
+        refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500, **hosts)
+    driver = make_driver(st.max_response_length)
+    updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
+    return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
+
+
+def excluded_after(
+    config: TrainConfig, excluded: Sequence[str], tracker: AccuracyTracker
+) -> list[str]:
+    """The uids the next stage drops: those dropped so far, plus (with
+    ``data.online_filter``) the prompts solved every time in the stage that ended."""
+    if not config.data.online_filter:
+        return list(excluded)
+    return sorted(set(excluded) | tracker.solved())
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Where the run is in its stages, and the state of the current stage's ``until`` rules.
+
+    Plain JSON (``state_dict``), stored in each checkpoint's trainer state under
+    ``"schedule"``.
+
+    Attributes:
+      index: the current stage (``len(stages)`` once the last one ended).
+      start: the global step at which it began; stage step k = step - start.
+      low_truncation_steps: consecutive steps with the truncated fraction under
+        ``until.truncated_below``.
+      best_eval: the best avg@n of the stage so far (None before its first evaluation).
+      evals_without_gain: evaluations in a row without a gain over ``best_eval``.
+      switches: every stage end so far: ``{"stage", "step", "reason"}``.
+    """
+
+    index: int = 0
+    start: int = 0
+    low_truncation_steps: int = 0
+    best_eval: float | None = None
+    evals_without_gain: int = 0
+    switches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def finished(self, config: TrainConfig) -> bool:
+        return self.index >= len(config.stages)
+
+    def stage_step(self, step: int) -> int:
+        """k, the step within the current stage, of global step ``step``."""
+        return step - self.start
+
+    def after_step(
+        self, config: TrainConfig, next_step: int, truncated_fraction: float
+    ) -> str | None:
+        """Counts a finished step; returns why the stage ends now, or None.
+
+        Args:
+          config: the run.
+          next_step: the global step that comes next (the finished one + 1).
+          truncated_fraction: the finished step's fraction of truncated responses.
+        """
+        st = config.stages[self.index]
+        until = st.until
+        if until is not None and until.truncated_below is not None:
+            low = truncated_fraction < until.truncated_below
+            self.low_truncation_steps = self.low_truncation_steps + 1 if low else 0
+            if self.low_truncation_steps >= until.truncated_steps:
+                return (
+                    f"truncated fraction under {until.truncated_below} for "
+                    f"{until.truncated_steps} step(s)"
+                )
+        if next_step - self.start >= st.steps:
+            return f"step budget of {st.steps}"
+        return None
+
+    def after_eval(self, config: TrainConfig, accuracy: float) -> str | None:
+        """Counts an evaluation of the current stage; returns why the stage ends now, or None."""
+        if self.finished(config):
+            return None
+        until = config.stages[self.index].until
+        if until is None or until.eval_patience is None:
+            return None
+        if self.best_eval is None or accuracy > self.best_eval + until.eval_min_gain:
+            self.best_eval = accuracy
+            self.evals_without_gain = 0
+            return None
+        self.evals_without_gain += 1
+        if self.evals_without_gain >= until.eval_patience:
+            return f"no eval gain for {until.eval_patience} evaluation(s)"
+        return None
+
+    def advance(self, step: int, reason: str) -> None:
+        """Ends the current stage at global step ``step``; the next one starts there."""
+        self.switches.append({"stage": self.index, "step": step, "reason": reason})
+        self.index += 1
+        self.start = step
+        self.low_truncation_steps = 0
+        self.best_eval = None
+        self.evals_without_gain = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Schedule:
+        return cls(**state)
+
+    @classmethod
+    def from_step(cls, config: TrainConfig, step: int) -> Schedule:
+        """The schedule of a run without ``until`` rules at global step ``step``
+        (checkpoints written before the schedule was stored)."""
+        index, k = config.stage_at(step)
+        return cls(index=index, start=step - k)
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the training loop is, beside the train state; saved as a checkpoint's
+    ``trainer.json`` (``meta``) and read back on resume (``from_meta``).
+
+    Attributes:
+      step: the next global step.
+      schedule: the stage and its ``until`` rules' counters.
+      tracker: the current stage's per-prompt accuracy (for online filtering).
+      excluded: uids dropped by online filtering so far.
+    """
+
+    step: int = 0
+    schedule: Schedule = dataclasses.field(default_factory=Schedule)
+    tracker: AccuracyTracker = dataclasses.field(default_factory=AccuracyTracker)
+    excluded: list[str] = dataclasses.field(default_factory=list)
+
+    def end_stage(self, config: TrainConfig, reason: str) -> None:
+        """The stage switch at ``step``: online filtering, fresh statistics."""
+        self.schedule.advance(self.step, reason)
+        self.excluded = excluded_after(config, self.excluded, self.tracker)
+        self.tracker.reset()
+
+    def meta(self) -> dict[str, Any]:
+        """Plain JSON for ``trainer.json``."""
+        return {
+            "next_step": self.step,
+            "stage": self.schedule.index,
+            "excluded": list(self.excluded),
+            "tracker": self.tracker.state_dict(),
+            # stage switches (until rules) and the rules' counters, so a resume switches alike
+            "schedule": self.schedule.state_dict(),
+        }
+
+    @classmethod
+    def from_meta(cls, config: TrainConfig, meta: dict[str, Any]) -> LoopState:
+        """The loop state of a checkpoint's ``trainer.json`` (checked by
+        ``checkpoint.read_trainer_state``)."""
+        loop = cls(
+            step=meta["next_step"],
+            tracker=AccuracyTracker.from_state_dict(meta["tracker"]),
+            excluded=list(meta["excluded"]),
+        )
+        if "schedule" in meta:
+            loop.schedule = Schedule.from_state_dict(meta["schedule"])
+        else:  # written before stages could end early: the stage follows from the step
+            loop.schedule = Schedule.from_step(config, loop.step)
+            if loop.schedule.index != meta["stage"]:
+                loop.excluded = excluded_after(config, loop.excluded, loop.tracker)
+                loop.tracker.reset()
+        return loop

@@ -1,0 +1,536 @@
+"""The MAGIC training loop: stages, rollouts, rewards, updates, metrics, checkpoints, resume.
+
+One training step k (SPEC items 1-12): take step k's D_R prompts, sample G
+responses each with the continuous-batching engine (each finished response goes
+to the verifier pool at once; ``collect`` adds refill rounds when asked), pack
+the rollout buffer with group advantages and rejection sampling, run the N_SGD
+optimizer steps of ``PolicyUpdater.update`` (which measures e_k, applies the
+adaptive entropy coefficient and, with KL on, reads the frozen reference
+policy), then log one line of metrics. Stages (``stages``) change the response
+limit T, the batch sizes and the KL weight, and end on their step budget or
+``until`` rules; the train state (weights, optimizer, entropy controller, step)
+carries across them, and at each new stage the prompts solved every time in
+the previous one are dropped (online filtering).
+
+Checkpoints (``magic_jax.run.checkpoint``) hold the whole train state plus the
+loop's own state (``trainer.json``: next step, stage, per-prompt accuracy of the
+stage, the filtered prompt set) and a manifest of checksums. A run started in a
+directory that has checkpoints resumes from the newest one that verifies, and
+because step k's prompts and sampling keys are functions of k alone, the
+resumed run computes what the uninterrupted one would have. The run directory
+is claimed and locked for the run's life (``magic_jax.run.rundir``); SIGINT and
+SIGTERM stop the loop after the current step with a checkpoint.
+
+Multi-host (``mesh`` set, under ``jax.distributed``): every process runs this
+same loop (``magic_jax.distributed`` says what they agree on and how); process
+0 alone owns the run directory and writes records, all take part in
+checkpoints and the export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from magic_jax import storage
+from magic_jax.data.rows import offline_filter, read_rows, tokenize_rows
+from magic_jax.run.config import ConfigError, TrainConfig
+from magic_jax.run.config_dict import to_dict
+from magic_jax.run.policy import load_policy, load_tokenizer, reference_params
+from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, update_config
+
+logger = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+EVALS = "eval.jsonl"
+
+
+class Trainer:
+    """Runs a ``TrainConfig`` to the end of its last stage, resuming if it can.
+
+    Example:
+      summary = Trainer(load_config("configs/tiny.yaml")).run()
+    """
+
+    def __init__(self, config: TrainConfig, *, log: Callable[[str], None] = print):
+        self.config = config
+        self.log = log
+        self.out = storage.path(config.output_dir, what="output_dir")
+        self._eval_driver = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self) -> None:
+        from flax import nnx
+
+        from magic_jax.model.sharding import make_mesh
+
+        cfg = self.config
+        self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
+        self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = 0
+        self.graphdef, params = nnx.split(self.model, nnx.Param)
+        rows = read_rows(cfg.data.train)
+        n_read = len(rows)
+        if cfg.data.offline_filter_model:
+            d = cfg.data
+            rows = offline_filter(
+                rows,
+                d.offline_filter_model,
+                d.offline_filter_samples,
+                keep_unrated=d.offline_filter_keep_unrated,
+            )
+        # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
+        self.rows, _ = self._tokenize(rows, "data.train")
+        if not self.rows:
+            raise ConfigError(
+                f"data.max_prompt_length: all {len(rows)} prompts are longer than "
+                f"{cfg.data.max_prompt_length} tokens"
+            )
+        rows = self.rows
+        self.log(
+            f"[data] {n_read} prompts read, {len(rows)} after filtering; "
+            f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
+        )
+        self._params = params
+
+    def _tokenize(self, rows: list, name: str) -> tuple[list, int]:
+        """``rows`` with their token ids, those longer than data.max_prompt_length left out."""
+        limit = self.config.data.max_prompt_length
+        kept, _ = tokenize_rows(rows, self.tokenizer, max_prompt_length=limit)
+        if len(kept) < len(rows):
+            self.log(
+                f"[data] {name}: {len(rows) - len(kept)} of {len(rows)} prompts are longer "
+                f"than data.max_prompt_length ({limit} tokens) and are left out"
+            )
+        return kept, len(rows) - len(kept)
+
+    def _driver(self, max_response_length: int, sampling: Any = None):
+        """A rollout driver with the run's slots and sampling (or ``sampling``), for one limit."""
+        from magic_jax.rollout.driver import make_driver
+
+        cfg = self.config
+        return make_driver(
+            self.model,
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=max_response_length,
+            sampling=cfg.sampling if sampling is None else sampling,
+            max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
+            decode_steps=cfg.rollout.decode_steps,
+            dtype=cfg.rollout.dtype,
+            mesh=self.mesh,
+        )
+
+    def _stage(self, index: int, excluded: list[str]) -> Stage:
+        stage = build_stage(
+            self.config,
+            index,
+            self.rows,
+            excluded,
+            graphdef=self.graphdef,
+            mesh=self.mesh,
+            make_driver=self._driver,
+        )
+        self.log(stage.describe())
+        return stage
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, *, stop_after: int | None = None) -> dict[str, Any]:
+        """Trains to the end of the last stage; returns a summary (also in ``summary.json``).
+
+        The output directory is claimed (``rundir.claim_run_dir``) and locked
+        for the run. A run that finished all its steps before says so and
+        changes nothing. A resumed run checks its config against the stored one
+        (``rundir.check_resume_config``) and continues from the newest
+        checkpoint that verifies.
+
+        Args:
+          stop_after: stop (with a checkpoint) once this global step count is
+            reached, e.g. to split a run into jobs; the next ``run`` resumes.
+
+        Returns:
+          The summary, built from the run directory's records;
+          ``summary["stopped_by"]`` names the signal that stopped the run early.
+
+        Raises:
+          ConfigError: a bad ``stop_after`` or a config or data problem.
+          RunDirError: the directory is not usable (not ours, locked, a changed
+            config, no usable checkpoint).
+        """
+        from magic_jax import distributed
+        from magic_jax.model.sharding import maybe_initialize_distributed
+        from magic_jax.run import rundir
+
+        cfg = self.config
+        if stop_after is not None and stop_after <= 0:
+            raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
+        if cfg.mesh is not None:
+            # before anything asks jax for devices or the process index
+            maybe_initialize_distributed()
+        raw = to_dict(cfg)
+        with contextlib.ExitStack() as stack:
+            # Process 0 claims, locks and checks the directory; the others start once it
+            # has (on_primary is a barrier) and never write into it themselves.
+            finished = distributed.on_primary(lambda: self._open_run_dir(stack, raw))
+            if finished:
+                return rundir.finished_summary(self.out, cfg.total_steps) or {}
+            signals = stack.enter_context(rundir.StopSignals())
+            return self._run(stop_after, signals)
+
+    def _open_run_dir(self, stack: contextlib.ExitStack, raw: dict[str, Any]) -> int:
+        """Claims and locks the run directory for ``stack``'s life and checks a resume
+        against it; returns 1 when the run has finished before (nothing to do), else 0."""
+        from magic_jax.run import rundir, runlock
+        from magic_jax.run.checkpoint import read_trainer_state, step_dirs
+
+        cfg = self.config
+        stack.enter_context(runlock.run_directory(self.out))
+        old = rundir.stored_config(self.out)
+        newest = step_dirs(self.out)[-1:]
+        done, current = 0, None
+        if newest:
+            done = newest[0][0]
+            with contextlib.suppress(rundir.RunDirError):  # judged again before restoring
+                current = read_trainer_state(newest[0][1])["stage"]
+        if old is not None and done > 0:
+            for change in rundir.check_resume_config(old, raw, done, current):
+                self.log(f"[resume] changed {change}")
+        finished = rundir.finished_summary(self.out, cfg.total_steps)
+        if finished is not None:
+            self.log(
+                f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
+                f"(use a new output_dir for a new run)"
+            )
+            return 1
+        rundir.write_config(self.out, raw)
+        return 0
+
+    def _run(self, stop_after: int | None, signals: Any) -> dict[str, Any]:
+        import signal
+
+        from magic_jax import distributed
+        from magic_jax.rewards import VerifierPool
+        from magic_jax.run import rundir
+        from magic_jax.run.checkpoint import (
+            TrainCheckpoints,
+            latest_good_checkpoint,
+            read_trainer_state,
+            step_path,
+        )
+        from magic_jax.run.monitor import Monitor
+        from magic_jax.update.state import init_train_state
+
+        cfg = self.config
+        self._setup()
+        # the KL reference: the initial weights (copied before any update) or loss.kl_reference
+        self.ref_params = reference_params(cfg, self._params, self.mesh)
+        if self.ref_params is not None:
+            self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
+        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
+        del self._params
+        loop = LoopState()
+        primary = distributed.is_primary()
+
+        def newest_good() -> int:
+            found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
+            return -1 if found is None else int(found.name.removeprefix("step_"))
+
+        # Process 0 verifies the checksums and sets bad checkpoints aside; every process
+        # then restores the step it chose (orbax restores on all processes at once).
+        chosen = distributed.on_primary(newest_good)
+        found = None if chosen < 0 else step_path(self.out, chosen)
+        ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
+        if found is not None:
+            loop = LoopState.from_meta(cfg, read_trainer_state(found))
+            state = ckpts.restore(state, found)
+            self.log(f"[resume] {found}: continuing at step {loop.step}")
+        step, schedule = loop.step, loop.schedule
+        dropped = rundir.trim_records(self.out, step) if primary else {}
+        if any(dropped.values()):
+            self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
+        saved = step
+        stage: Stage | None = None
+        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        self._monitor = Monitor(
+            self.out,
+            stage_steps=[s.steps for s in cfg.stages],
+            start_step=step,
+            log=self.log,
+            primary=primary,
+        )
+        self.log = self._monitor.write  # the run's other lines print above the progress bar
+        # the stop signal every process agrees on (0: none), asked once per step
+        stop = distributed.max_int(signals.received or 0)
+        try:
+            with self._monitor, VerifierPool(cfg.rewards) as pool:
+                if cfg.eval is not None and step == 0:
+                    self._evaluate(state, 0, pool, schedule)
+                while step < end and not schedule.finished(cfg) and not stop:
+                    if stage is None or stage.index != schedule.index:
+                        stage = self._stage(schedule.index, loop.excluded)
+                    k = schedule.stage_step(step)
+                    state, row = self._step(state, stage, step, k, pool, loop.tracker)
+                    step = loop.step = step + 1
+                    ended = schedule.after_step(cfg, step, row["truncated_fraction"])
+                    if ended is not None:
+                        row["stage_end"] = ended
+                    self._monitor.step(row, _format(row))
+                    rundir.kill_point("step", step)
+                    stop = distributed.max_int(signals.received or 0)
+                    if not stop and distributed.preemption_notice(step):
+                        self.log(f"[stop] preemption notice at step {step}")
+                        stop = int(signal.SIGTERM)
+                    last = ended is not None and schedule.index == len(cfg.stages) - 1
+                    if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
+                        ev = self._evaluate(state, step, pool, None if ended else schedule)
+                        ended = ended or ev.get("stage_end")
+                    if ended is not None:
+                        # the stage switch: online filtering, fresh statistics (checkpointed)
+                        self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
+                        loop.end_stage(cfg, ended)
+                    if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
+                        self._save(ckpts, state, loop)
+                        saved = step
+        finally:
+            ckpts.close()
+        summary = rundir.build_summary(
+            self.out,
+            # a run whose last stage ended on an until rule is finished at that step
+            total_steps=step if schedule.finished(cfg) else cfg.total_steps,
+            planned_steps=cfg.total_steps,
+            optimizer_steps=int(state.step),
+            skipped_updates=int(state.skipped),
+            entropy_coef=float(state.entropy.coef),
+        )
+        if stop:
+            name = signal.Signals(stop).name
+            summary["stopped_by"] = name
+            self.log(
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
+                f"run the same command to resume"
+            )
+        elif schedule.finished(cfg) and cfg.export_hf:
+            # every process gathers the weights tensor by tensor; process 0 writes them
+            summary["hf_export"] = str(self._export(state))
+        if primary:
+            rundir.write_summary(self.out, summary)
+        return summary
+
+    def _save(self, ckpts, state, loop: LoopState) -> Path:
+        import jax
+
+        jax.block_until_ready(state)
+        # the records up to this step are durable before the checkpoint that implies them
+        self._monitor.flush()
+        return ckpts.save(loop.step, state, loop.meta(), self.model.config)
+
+    def _export(self, state: Any) -> Path:
+        """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from magic_jax.model.convert import save_hf
+
+        out = self.out / "hf_final"
+        primary = jax.process_index() == 0
+        if primary:
+            storage.remove_tree(out)  # this run's own earlier export
+        with storage.staged(out, upload=primary) as local:
+            save_hf(
+                nnx.merge(self.graphdef, state.params),
+                local,
+                dtype=jnp.dtype(self.config.export_dtype),
+            )
+            if primary:
+                self.tokenizer.save_pretrained(local)
+        return out
+
+    def _evaluate(
+        self, state: Any, step: int, pool: Any, schedule: Schedule | None = None
+    ) -> dict[str, Any]:
+        """avg@n on the eval set; with ``schedule``, its until rule sees the result."""
+        from magic_jax.rollout.evaluate import evaluate
+
+        cfg, ev = self.config, self.config.eval
+        if self._eval_driver is None:
+            self._eval_rows, self._eval_skipped = self._tokenize(read_rows(ev.data), "eval.data")
+            if not self._eval_rows:
+                raise ConfigError("eval.data: no problem fits data.max_prompt_length")
+            limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
+            sampling = dataclasses.replace(
+                cfg.sampling, temperature=ev.temperature, top_p=ev.top_p, top_k=0, greedy=False
+            )
+            self._eval_driver = self._driver(limit, sampling)
+        t0 = time.perf_counter()
+        driver = self._eval_driver
+        row = evaluate(
+            driver,
+            driver.engine.load_params(state.params),
+            self._eval_rows,
+            self.tokenizer,
+            num_samples=ev.num_samples,
+            max_prompt_length=cfg.data.max_prompt_length,
+            seed=cfg.seed,
+            step=step,
+            pool=pool,
+        )
+        row["skipped_long_prompts"] = self._eval_skipped
+        row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
+        ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
+        if ended is not None:
+            row["stage_end"] = ended
+        self._monitor.eval(
+            row,
+            f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
+            f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
+            f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f} "
+            f"({row['t_eval_s']:.1f}s)",
+        )
+        return row
+
+    def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
+        import jax
+
+        from magic_jax.rewards import status_counts
+        from magic_jax.rollout.collect import collect_groups, flatten
+        from magic_jax.rollout.scoring import score_groups
+        from magic_jax.run import rundir
+        from magic_jax.update.buffer import pack_rollouts
+
+        cfg, st = self.config, stage.config
+        t0 = time.perf_counter()
+        params = stage.driver.engine.load_params(state.params)
+        waits, rollouts = [], []
+
+        def sample_round(r: int):
+            if r == 0:
+                rows = stage.batches[k]
+            else:
+                rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
+            groups, stats, wait = score_groups(
+                stage.driver,
+                params,
+                rows,
+                tokenizer=self.tokenizer,
+                pool=pool,
+                num_samples=st.group_size,
+                # refill rounds draw other keys than round 0's prompts of the same indices
+                seed=cfg.seed + 7919 * r,
+                step=step,
+                truncation=cfg.rollout.truncation,
+                on_sample=lambda s: rundir.kill_point("rollout", step),
+                per_host=jax.process_count() > 1,
+            )
+            rollouts.append(stats)
+            waits.append(wait)
+            return groups
+
+        got = collect_groups(
+            sample_round,
+            num_groups=st.prompts_per_step,
+            advantage=cfg.advantage,
+            refill=cfg.rollout.refill,
+            max_rounds=cfg.rollout.refill_max_rounds,
+        )
+        params = None  # the engine's copy of the weights is not needed for the update
+        t1 = time.perf_counter()
+        for g in got.every:
+            tracker.record(g.row.uid, g.rewards)
+        samples, rewards = flatten(got.groups)
+        buffer = pack_rollouts(
+            samples,
+            rewards,
+            group_size=st.group_size,
+            num_groups=st.prompts_per_step,
+            advantages=np.concatenate(got.advantages),
+            prompt_bucket=min(64, cfg.data.max_prompt_length),
+            response_bucket=min(256, st.max_response_length),
+            pad_id=self.pad_id,
+        )
+        t2 = time.perf_counter()
+        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        rundir.kill_point("update", step)  # the update is dispatched, not yet done
+        jax.block_until_ready(state.params)
+        t3 = time.perf_counter()
+        every = [s for g in got.every for s in g.samples]
+        all_rewards = np.concatenate([g.rewards for g in got.every])
+        lengths = np.asarray([s.length for s in every])
+        truncated = np.asarray([s.truncated for s in every])
+        counts = status_counts([r for g in got.every for r in g.results or ()])
+
+        def mean(key):
+            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
+
+        def first(key):  # the first optimizer step's value: the policy the sampler ran
+            return float(m[key][0]) if key in m and np.size(m[key]) else None
+
+        return state, {
+            "step": step,
+            "stage": stage.index,
+            "stage_step": k,
+            "max_response_length": st.max_response_length,
+            "prompts": len(got.every),
+            "reward": float(all_rewards.mean()),
+            "accuracy_not_truncated": (
+                float(all_rewards[~truncated].mean()) if (~truncated).any() else 0.0
+            ),
+            "truncated_fraction": float(truncated.mean()),
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": int(lengths.max()),
+            "entropy": m["buffer_entropy"],
+            "alpha": m["alpha"],
+            "entropy_coef_next": m["entropy_coef_next"],
+            "kept_group_fraction": m["kept_group_fraction"],
+            "mixed_groups": got.mixed,
+            "refill_rounds": got.rounds,
+            "extra_rollouts": got.extra_rollouts,
+            "sgd_steps": m["num_sgd_steps"],
+            "loss": mean("loss"),
+            "clipfrac_low": mean("clipfrac_low"),
+            "clipfrac_high": mean("clipfrac_high"),
+            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
+            "approx_kl": mean("approx_kl"),
+            "kl_beta": cfg.kl_beta(stage.index),
+            "ref_kl": mean("ref_kl"),
+            "sampler_ratio_mean": first("sampler_ratio_mean"),
+            "sampler_ratio_max": first("sampler_ratio_max"),
+            "sampler_kl": first("sampler_kl"),
+            "sampler_abs_log_ratio_mean": first("sampler_abs_log_ratio_mean"),
+            "sampler_abs_log_ratio_max": first("sampler_abs_log_ratio_max"),
+            **(
+                {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
+                if cfg.loss.tis_cap is not None
+                else {}
+            ),
+            "grad_norm": mean("grad_norm"),
+            "skipped_updates": int(state.skipped),
+            "reward_status": counts,
+            "rollout_tokens_per_s": sum(r.tokens for r in rollouts)
+            / max(sum(r.wall_s for r in rollouts), 1e-9),
+            "t_rollout_s": t1 - t0 - sum(waits),
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + sum(waits),
+        }
+
+
+def _format(row: dict[str, Any]) -> str:
+    return (
+        "[step {step}] stage {stage} reward {reward:.3f} trunc {truncated_fraction:.2f} "
+        "len {response_length_mean:.0f}/{response_length_max} entropy {entropy:.3f} "
+        "alpha {alpha:.4f} kept {kept_group_fraction:.2f} sgd {sgd_steps} "
+        "clip {clipfrac_low:.3f}/{clipfrac_high:.3f} kl {approx_kl:.2e} gnorm {grad_norm:.3f} "
+        "t_R {t_rollout_s:.1f}s t_T {t_update_s:.1f}s t_O {t_other_s:.1f}s"
+    ).format(**row)

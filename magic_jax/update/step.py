@@ -1,0 +1,316 @@
+"""The pure policy update: log-probs, micro-batched loss and grads, one AdamW step (jit it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from magic_jax.model.qwen2 import abstract_model
+from magic_jax.update.advantages import count_loss_tokens
+from magic_jax.update.buffer import RolloutBuffer
+from magic_jax.update.entropy import token_logprobs_and_entropy
+from magic_jax.update.losses import MAX_METRICS, LossConfig, policy_loss
+from magic_jax.update.optim import make_optimizer
+from magic_jax.update.state import TrainState, UpdateConfig
+
+
+@functools.lru_cache(maxsize=16)
+def _graphdef_of(model_config: Any) -> nnx.GraphDef:
+    return nnx.split(abstract_model(model_config), nnx.Param)[0]
+
+
+# The update's layer unroll per platform, measured with benchmarks/loss_memory.py (58M
+# Qwen2, 8 layers, 8 x 512 tokens, forward + backward + AdamW, 2-core CPU, 2026-11-24):
+# every layer inlined 11.0-11.2 s per step, unroll 4 12.3 s, unroll 2 11.9 s, the plain scan
+# 12.4 s. GPU and TPU were not measured: they keep the scan (which also keeps compile
+# time flat in depth) until a measurement says otherwise.
+UPDATE_LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": True}
+
+
+def default_update_layer_unroll(platform: str | None = None) -> int | bool:
+    """The update's layer unroll for ``platform`` (default: jax's default backend)."""
+    return UPDATE_LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
+
+
+def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
+    """The policy's graph with the update's ``remat``, ``compute_dtype`` and
+    ``layer_unroll`` options.
+
+    Both are static fields of the model's ``ModelConfig``: the graph of a model
+    built with the changed config takes the same parameters. Works inside a trace
+    (``params`` may be tracers or ``ShapeDtypeStruct``s).
+
+    Args:
+      graphdef: the policy's ``nnx.GraphDef`` (from ``nnx.split(model, nnx.Param)``).
+      params: its parameters (only their structure is used).
+      config: update options; None fields keep the model's setting.
+    """
+    current = nnx.merge(graphdef, params).config
+    unroll = config.layer_unroll
+    changes: dict[str, Any] = {
+        "layer_unroll": default_update_layer_unroll() if unroll is None else unroll
+    }
+    if config.remat is not None:
+        changes["remat"] = config.remat
+    if config.compute_dtype is not None:
+        changes["dtype"] = config.compute_dtype
+    wanted = dataclasses.replace(current, **changes)
+    return graphdef if wanted == current else _graphdef_of(wanted)
+
+
+def compute_logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: RolloutBuffer, config: LossConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies of the response tokens of ``batch`` under ``params``.
+
+    Returns:
+      (logp_BR, ent_BR), float32 [B, R], aligned with ``batch.old_logprobs``.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden_BLD = model(
+        batch.tokens,
+        positions=batch.positions,
+        attention_mask=batch.attention_mask,
+        return_hidden=True,
+    )
+    p, r = batch.prompt_len, batch.response_len
+    # hidden at position t predicts token t + 1: response token j is predicted at P + j - 1.
+    hidden_BRD = hidden_BLD[:, p - 1 : p - 1 + r]
+    return token_logprobs_and_entropy(
+        hidden_BRD,
+        model.unembedding(),
+        batch.tokens[:, p:],
+        temperature=config.temperature,
+        chunk_size=config.logit_chunk,
+        compute_dtype=model.config.dtype,
+    )
+
+
+def _micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):
+    """[M, ...] -> [M / size, size, ...]; micro-batch i takes rows i, i + n, i + 2n, ...
+
+    The strided split keeps every micro-batch spread over all data shards when the
+    rows are sharded in contiguous blocks.
+    """
+    m = batch.num_rows
+    if m % size:
+        raise ValueError(f"micro_batch_size {size} does not divide the mini-batch of {m} rows")
+    n = m // size
+
+    def split(x):
+        x = x.reshape(size, n, *x.shape[1:]).swapaxes(0, 1)
+        if sharding is not None:
+            spec = PartitionSpec(None, *sharding.spec)
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, spec))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(
+    params: Any,
+    batch: RolloutBuffer,
+    alpha: jax.Array | float,
+    *,
+    graphdef: nnx.GraphDef,
+    config: UpdateConfig,
+    ref_params: Any = None,
+    batch_sharding: NamedSharding | None = None,
+    nominal_rows: int | None = None,
+    old_from_current: bool = False,
+    micro_rows: int | None = None,
+    live_micro: jax.Array | None = None,
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Mini-batch loss, gradients and metrics, accumulated over micro-batches.
+
+    T_k (and the sequence counts of the other aggregations) are taken over the
+    whole mini-batch before the micro-batch loop, so with the default global token
+    mean the result does not depend on ``micro_batch_size`` or on sharding.
+
+    Args:
+      params: policy parameters (differentiated).
+      batch: a mini-batch ``RolloutBuffer`` [M rows].
+      alpha: entropy-bonus coefficient alpha_k.
+      graphdef: the policy's ``nnx.GraphDef`` (``config.remat`` and
+        ``config.compute_dtype`` are applied to it, see ``update_graphdef``).
+      config: update options.
+      ref_params: reference-policy parameters (used iff ``config.loss.kl_beta > 0``).
+      batch_sharding: sharding of the batch rows, kept on every micro-batch.
+      nominal_rows: the nominal mini-batch in sequences (D_T x G), which
+        ``micro-token-mean`` divides by; default the batch's rows.
+      micro_rows: rows per micro-batch; default ``config.micro_batch_size``.
+      live_micro: () int32, only the first this many micro-batches hold counted
+        rows (see ``live_first``): the loop runs over those alone, so the cost
+        follows the kept rows, not the batch's shape. None runs every one.
+      old_from_current: the ratio's denominator pi_old is these ``params``
+        themselves (the trainer's log-probs before an on-policy step): take it
+        from this forward pass, stop-gradient, instead of ``batch.old_logprobs``.
+        The loss and gradients equal those of a separate pi_old pass.
+
+    Returns:
+      (loss, grads, metrics); grads have the structure of ``params``.
+    """
+    lcfg = config.loss
+    if lcfg.kl_beta > 0 and ref_params is None:
+        raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
+    graphdef = update_graphdef(graphdef, params, config)
+    mask_BR = batch.loss_mask()
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
+    num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
+    nominal = float(nominal_rows or batch.num_rows)
+
+    def micro_loss(p, mb):
+        logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg)
+        old_BR = jax.lax.stop_gradient(logp_BR) if old_from_current else mb.old_logprobs
+        ref_logp_BR = None
+        if lcfg.kl_beta > 0:
+            ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg)
+            ref_logp_BR = jax.lax.stop_gradient(ref_logp_BR)
+        return policy_loss(
+            logp_BR,
+            old_BR,
+            mb.advantages,
+            mb.loss_mask(),
+            ent_BR,
+            alpha=alpha,
+            config=lcfg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            nominal_seqs=nominal,
+            ref_logp_BT=ref_logp_BR,
+            behaviour_logp_BT=mb.behaviour_logprobs,
+        )
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    size = micro_rows or config.micro_batch_size or batch.num_rows
+    if size >= batch.num_rows and live_micro is None:
+        (loss, metrics), grads = grad_fn(params, batch)
+        return loss, grads, metrics
+    micro = _micro_batches(batch, min(size, batch.num_rows), batch_sharding)
+    n_micro = micro.tokens.shape[0]
+
+    def body(i, acc):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+        (loss, m), g = grad_fn(params, mb)
+        acc_g, acc_loss, acc_m = acc
+        # ratio maxima combine by max (>= 0, so 0 starts them); token sums by sum
+        acc_m = {
+            k: jnp.maximum(acc_m[k], v) if k in MAX_METRICS else acc_m[k] + v for k, v in m.items()
+        }
+        return jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_m
+
+    _, m_shapes = jax.eval_shape(micro_loss, params, jax.tree.map(lambda x: x[0], micro))
+    init = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.float32),
+        {k: jnp.zeros(v.shape, v.dtype) for k, v in m_shapes.items()},
+    )
+    n = n_micro if live_micro is None else jnp.minimum(jnp.int32(live_micro), n_micro)
+    grads, loss, metrics = jax.lax.fori_loop(0, n, body, init)
+    return loss, grads, metrics
+
+
+def live_first(num_rows: int, micro_rows: int, live_rows: int) -> tuple[np.ndarray, int]:
+    """A row order that puts ``live_rows`` rows into the first micro-batches.
+
+    ``_micro_batches`` gives micro-batch i the rows i, i + n, i + 2n, ... (n
+    micro-batches). Row j of the returned order is the ``order[j]``-th row of a
+    batch whose live rows come first, so micro-batch i holds rows
+    ``i * micro_rows ... (i + 1) * micro_rows - 1`` of that batch.
+
+    Returns:
+      (order [num_rows], the micro-batches that hold live rows).
+    """
+    n = num_rows // micro_rows
+    order = np.arange(num_rows).reshape(n, micro_rows).T.reshape(-1)
+    return order, -(-live_rows // micro_rows)
+
+
+def train_step(
+    state: TrainState,
+    batch: RolloutBuffer,
+    alpha: jax.Array | float,
+    *,
+    graphdef: nnx.GraphDef,
+    config: UpdateConfig,
+    ref_params: Any = None,
+    batch_sharding: NamedSharding | None = None,
+    nominal_rows: int | None = None,
+    old_from_current: bool = False,
+    micro_rows: int | None = None,
+    live_micro: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
+
+    A non-finite loss or gradient leaves params and optimizer state untouched and
+    increments ``state.skipped``; a mini-batch with no counted token is a no-op.
+
+    Args:
+      state: the train state.
+      batch: a mini-batch ``RolloutBuffer`` [M rows].
+      alpha: entropy-bonus coefficient alpha_k of this training step.
+      graphdef: the policy's ``nnx.GraphDef``.
+      config: update options.
+      ref_params: the frozen reference policy, needed iff ``config.loss.kl_beta > 0``.
+      batch_sharding: sharding of the batch rows (None when unsharded).
+      nominal_rows / old_from_current / micro_rows / live_micro: see ``loss_and_grads``.
+
+    Returns:
+      (new state, metrics): loss, pg_loss, clipfrac_low/high/dual, ratio_mean/max,
+      entropy, approx_kl (to the behaviour policy), ref_kl (with KL on), alpha,
+      grad_norm (before clipping), num_tokens, num_seqs, applied, skipped, step.
+    """
+    loss, grads, metrics = loss_and_grads(
+        state.params,
+        batch,
+        alpha,
+        graphdef=graphdef,
+        config=config,
+        ref_params=ref_params,
+        batch_sharding=batch_sharding,
+        nominal_rows=nominal_rows,
+        old_from_current=old_from_current,
+        micro_rows=micro_rows,
+        live_micro=live_micro,
+    )
+    num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
+    finite = jnp.isfinite(loss) & jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    )
+    apply = finite & (num_tokens > 0)
+    tx = make_optimizer(config.optimizer)
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    def pick(new, old):
+        return jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+
+    skipped = state.skipped + (~finite).astype(jnp.int32)
+    step = state.step + apply.astype(jnp.int32)
+    new_state = dataclasses.replace(
+        state,
+        params=pick(new_params, state.params),
+        opt_state=pick(new_opt, state.opt_state),
+        step=step,
+        skipped=skipped,
+    )
+    metrics = dict(metrics)
+    metrics.update(
+        loss=loss,
+        alpha=jnp.asarray(alpha, jnp.float32),
+        grad_norm=optax.tree.norm(grads),
+        num_tokens=num_tokens,
+        num_seqs=(batch.loss_mask().sum(-1) > 0).sum(),
+        applied=apply,
+        skipped=skipped,
+        step=step,
+    )
+    return new_state, metrics

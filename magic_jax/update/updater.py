@@ -1,0 +1,245 @@
+"""The update's host loop: ``PolicyUpdater`` runs a rollout buffer's passes and
+mini-batches through the compiled ``train_step`` and advances the entropy controller."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from magic_jax.model.sharding import batch_sharding, data_shards
+from magic_jax.update.buffer import RolloutBuffer, split_mini_batches
+from magic_jax.update.entropy import entropy_coefficient, measure_entropy, update_entropy_control
+from magic_jax.update.state import TrainState, UpdateConfig, init_train_state, shardings_on_mesh
+from magic_jax.update.step import compute_logprobs, live_first, train_step, update_graphdef
+
+
+class PolicyUpdater:
+    """Binds a policy graph, options and mesh to a jitted ``train_step`` and ``update``.
+
+    Example:
+      graphdef, params = nnx.split(model, nnx.Param)
+      updater = PolicyUpdater(graphdef, UpdateConfig(mini_batch_groups=64), mesh=mesh)
+      state = updater.init_state(params)
+      state, metrics = updater.update(state, buffer, jax.random.key(step))
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, config: UpdateConfig, *, mesh: Mesh | None = None):
+        self.graphdef = graphdef
+        self.config = config
+        self.mesh = mesh
+        self.batch_sharding = None if mesh is None else batch_sharding(mesh)
+        self._jitted: dict[bool, Any] = {}
+        self._logprobs = None
+
+    def init_state(self, params: Any) -> TrainState:
+        """See ``init_train_state``."""
+        return init_train_state(params, self.config, mesh=self.mesh)
+
+    def live_micro_rows(self, group_size: int) -> int | None:
+        """Rows per micro-batch of the kept-rows-only update, or None when it is off.
+
+        A mini-batch is padded to D_T groups (one compiled shape per stage) with
+        its kept groups first, and the update loops over only the micro-batches
+        that hold them (``loss_and_grads(live_micro=...)``): the cost follows what
+        rejection sampling kept. The micro-batch is ``micro_batch_size`` or,
+        unset, about an eighth of the mini-batch (whole groups). Off for the
+        ``micro-token-mean`` aggregation (its value depends on the micro split)
+        and where a micro-batch would not split over the mesh's data shards.
+        """
+        cfg = self.config
+        if cfg.loss.aggregation == "micro-token-mean":
+            return None
+        d_t = cfg.mini_batch_groups
+        rows = cfg.micro_batch_size
+        if rows is None:
+            k = max(x for x in range(1, max(1, d_t // 8) + 1) if d_t % x == 0)
+            rows = k * group_size
+        if rows % data_shards(self.mesh) or (d_t * group_size) % rows:
+            return None
+        return rows
+
+    def _compile(self, state: TrainState, old_from_current: bool, micro_rows: int | None):
+        shardings = None if self.mesh is None else shardings_on_mesh(state, self.mesh)
+
+        def step(state, batch, alpha, ref_params, live_micro):
+            new_state, metrics = train_step(
+                state,
+                batch,
+                alpha,
+                graphdef=self.graphdef,
+                config=self.config,
+                ref_params=ref_params,
+                batch_sharding=self.batch_sharding,
+                # micro-token-mean divides by the nominal D_T x G, whatever the bucket
+                nominal_rows=self.config.mini_batch_groups * batch.group_size,
+                old_from_current=old_from_current,
+                micro_rows=micro_rows,
+                live_micro=live_micro,
+            )
+            if shardings is not None:
+                # Donation aliases buffers only when the output keeps the input's layout.
+                new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+            return new_state, metrics
+
+        return jax.jit(step, donate_argnums=0)
+
+    def train_step(
+        self,
+        state: TrainState,
+        batch: RolloutBuffer,
+        alpha: float,
+        ref_params: Any = None,
+        *,
+        old_from_current: bool = False,
+        micro_rows: int | None = None,
+        live_micro: int | None = None,
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One jitted optimizer step (``state`` is donated: do not reuse it; the
+        reference ``ref_params`` is only read). ``old_from_current``,
+        ``micro_rows``, ``live_micro``: see ``loss_and_grads`` (``live_micro``
+        needs ``micro_rows``)."""
+        if self.config.loss.kl_beta == 0:
+            ref_params = None  # no reference forward, nothing to transfer
+        key = (old_from_current, micro_rows if live_micro is not None else None)
+        if key not in self._jitted:
+            self._jitted[key] = self._compile(state, *key)
+        if self.batch_sharding is not None:
+            batch = jax.device_put(batch, self.batch_sharding)
+        live = None if key[1] is None else jnp.int32(live_micro)
+        return self._jitted[key](state, batch, jnp.float32(alpha), ref_params, live)
+
+    def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
+        """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
+
+        Computed D_T groups at a time (the training mini-batch shape, so memory
+        stays that of one optimizer step's forward pass); no gradients.
+        """
+        if self._logprobs is None:
+            cfg, lcfg = self.config, self.config.loss
+            # the update's numerics (remat, compute dtype): pi_old as the update computes pi
+            self._logprobs = jax.jit(
+                lambda p, b: compute_logprobs(update_graphdef(self.graphdef, p, cfg), p, b, lcfg)[0]
+            )
+        d_t, n = self.config.mini_batch_groups, buffer.num_groups
+        out = np.zeros(buffer.response_mask.shape, np.float32)
+        for start in range(0, n, d_t):
+            groups = np.minimum(np.arange(start, start + d_t), n - 1)
+            batch = buffer.take_groups(groups)
+            if self.batch_sharding is not None:
+                batch = jax.device_put(batch, self.batch_sharding)
+            logp = np.asarray(self._logprobs(params, batch))
+            take = min(d_t, n - start) * buffer.group_size
+            out[start * buffer.group_size : start * buffer.group_size + take] = logp[:take]
+        return out
+
+    def _prepare(
+        self, state: TrainState, buffer: RolloutBuffer, one_step: bool
+    ) -> tuple[RolloutBuffer, bool]:
+        """Sets the ratio's denominator and the behaviour log-probs (SPEC item 4, TIS).
+
+        With TIS the denominator is the trainer's own pi_old. When the buffer gets
+        one optimizer step (``one_step``: on-policy) pi_old is the policy being
+        updated, so that step takes it from its own forward pass (returns True)
+        instead of a separate pass here.
+        """
+        lcfg = self.config.loss
+        behaviour = buffer.old_logprobs
+        if lcfg.behaviour_logprobs == "sampled" and buffer.sampling_logprobs is not None:
+            behaviour = buffer.sampling_logprobs
+        old, from_current = behaviour, False
+        if lcfg.tis_cap is not None:
+            if one_step:
+                from_current = True
+            else:
+                old = self.logprobs(state.params, buffer)  # the trainer's pi_old
+        buffer = dataclasses.replace(buffer, old_logprobs=old, behaviour_logprobs=behaviour)
+        return buffer, from_current
+
+    def update(
+        self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array, ref_params: Any = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """All optimizer steps of one training step over its rollout buffer.
+
+        Measures e_k over the response tokens of every valid row of the buffer
+        (before rejection sampling), sets alpha_k = c_k * 1{e_k <= target} for every
+        step, runs ``num_reuse`` shuffled passes over the kept groups, cut into
+        mini-batches by ``split_mini_batches`` (none when no group is kept: the
+        step is skipped), then advances the controller to c_{k+1} (also when no
+        group was kept).
+
+        Args:
+          state: the train state (donated).
+          buffer: the step's ``RolloutBuffer`` (numpy or jax arrays) of D_R groups.
+          rng: key for shuffling groups into mini-batches.
+          ref_params: the frozen reference policy (KL on), else None.
+
+        Returns:
+          (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
+          and scalars ``buffer_entropy``, ``alpha``, ``kept_group_fraction``,
+          ``num_sgd_steps``, ``entropy_coef_next``.
+        """
+        cfg = self.config
+        buffer = jax.tree.map(np.asarray, buffer)
+        e_k = float(
+            measure_entropy(
+                buffer.entropies,
+                buffer.old_logprobs,
+                buffer.response_mask * buffer.valid[:, None],
+                cfg.entropy.estimator,
+            )
+        )
+        alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
+        keep_N = buffer.group_keep()
+        valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
+        kept = np.flatnonzero(keep_N)
+        d_t = cfg.mini_batch_groups
+        mini_batches = []
+        for _ in range(cfg.num_reuse if len(kept) else 0):
+            rng, sub = jax.random.split(rng)
+            # a permutation of all D_R groups (one compiled shape), the kept ones in its order
+            perm = np.asarray(jax.random.permutation(sub, buffer.num_groups))
+            order = perm[keep_N[perm]]
+            mini_batches += split_mini_batches(order, buffer.num_groups, d_t, cfg.mini_batch_split)
+        buffer, from_current = self._prepare(state, buffer, one_step=len(mini_batches) == 1)
+        micro = self.live_micro_rows(buffer.group_size)
+        steps = []
+        for groups in mini_batches:
+            # pad to D_T groups (one static shape); padding rows count for nothing
+            live = np.arange(d_t) < len(groups)
+            groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
+            batch = buffer.take_groups(groups, live)
+            n_live = None
+            if micro is not None:  # kept rows into the first micro-batches; skip the rest
+                rows = int(live.sum()) * batch.group_size
+                order, n_live = live_first(batch.num_rows, micro, rows)
+                batch = jax.tree.map(lambda x, o=order: x[o], batch)
+            state, m = self.train_step(
+                state,
+                batch,
+                alpha,
+                ref_params,
+                old_from_current=from_current,
+                micro_rows=micro,
+                live_micro=n_live,
+            )
+            steps.append(m)
+        new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
+        shardings = jax.tree.map(lambda x: x.sharding, state.entropy)
+        state = dataclasses.replace(state, entropy=jax.device_put(new_ctl, shardings))
+        metrics: dict[str, Any] = {
+            k: np.stack([np.asarray(m[k]) for m in steps]) for k in (steps[0] if steps else {})
+        }
+        metrics.update(
+            buffer_entropy=e_k,
+            alpha=alpha,
+            kept_group_fraction=float(keep_N.sum() / max(valid_N.sum(), 1)),
+            num_sgd_steps=len(steps),
+            entropy_coef_next=float(state.entropy.coef),
+        )
+        return state, metrics
