@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from magic_jax.rollout.collect import collect_groups, flatten, mixed_groups
+from magic_jax.rollout.collect import flatten, mixed_groups, select_groups
 from magic_jax.rollout.scoring import Group
 from magic_jax.run.config import (
     ConfigError,
@@ -55,7 +55,7 @@ def test_refill_fills_the_batch_with_mixed_groups():
         [MIXED] * 4,
     ]
     sample_round, calls = _script(table)
-    got = collect_groups(
+    got = select_groups(
         sample_round, num_groups=D_R, advantage=AdvantageConfig(), refill=True, max_rounds=5
     )
     assert calls == [0, 1, 2]
@@ -70,7 +70,7 @@ def test_refill_fills_the_batch_with_mixed_groups():
 def test_refill_stops_at_the_cap_and_fills_with_unmixed_groups():
     table = [[ALL_WRONG, MIXED, ALL_RIGHT, ALL_WRONG]] + [[ALL_WRONG] * 4] * 5
     sample_round, calls = _script(table)
-    got = collect_groups(
+    got = select_groups(
         sample_round, num_groups=D_R, advantage=AdvantageConfig(), refill=True, max_rounds=3
     )
     assert calls == [0, 1, 2, 3] and got.rounds == 3 and got.mixed == 1
@@ -94,7 +94,7 @@ def test_the_collected_advantages_are_the_buffers(mask):
         return groups
 
     adv = AdvantageConfig(mask=mask)
-    got = collect_groups(with_truncation, num_groups=D_R, advantage=adv)
+    got = select_groups(with_truncation, num_groups=D_R, advantage=adv)
     samples, rewards = flatten(got.groups)
     kw = dict(group_size=G, num_groups=D_R, response_bucket=8)
     given = pack_rollouts(samples, rewards, advantages=np.concatenate(got.advantages), **kw)
@@ -106,7 +106,7 @@ def test_the_collected_advantages_are_the_buffers(mask):
 
 def test_without_refill_the_step_keeps_its_own_groups():
     sample_round, calls = _script([[ALL_WRONG, MIXED, ALL_RIGHT, ALL_WRONG], [MIXED] * 4])
-    got = collect_groups(sample_round, num_groups=D_R, advantage=AdvantageConfig())
+    got = select_groups(sample_round, num_groups=D_R, advantage=AdvantageConfig())
     assert calls == [0] and got.rounds == 0 and got.extra_rollouts == 0
     assert [g.row for g in got.groups] == ["r0p0", "r0p1", "r0p2", "r0p3"]
 

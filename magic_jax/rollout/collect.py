@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.rollout.scoring import Group
+from magic_jax.rollout.scoring import Group, score_groups
 from magic_jax.update.advantages import AdvantageConfig, group_advantages, group_keep_mask
 
 
@@ -35,6 +35,8 @@ class Collected:
       rounds: refill rounds run beyond the first (0 without refill).
       extra_rollouts: responses sampled in those rounds.
       mixed: mixed-reward groups found over all rounds.
+      stats: the driver's ``RolloutStats`` of each round.
+      wait_s: seconds spent waiting for the verifiers after decoding ended.
     """
 
     groups: list[Group]
@@ -43,6 +45,8 @@ class Collected:
     rounds: int
     extra_rollouts: int
     mixed: int
+    stats: list[Any] = dataclasses.field(default_factory=list)
+    wait_s: float = 0.0
 
 
 def advantages_of(groups: Sequence[Group], advantage: AdvantageConfig) -> list[np.ndarray]:
@@ -72,6 +76,73 @@ def _mixed(advantages: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def collect_groups(
+    driver: Any,
+    params: Any,
+    rounds: Sequence[Sequence[Any]],
+    *,
+    tokenizer: Any,
+    pool: Any,
+    group_size: int,
+    num_groups: int,
+    advantage: AdvantageConfig,
+    seed: int,
+    step: int,
+    refill: bool = False,
+    truncation: str = "no_eos",
+    on_sample: Callable[[Any], None] | None = None,
+    per_host: bool = False,
+) -> Collected:
+    """One step's rollouts: round 0, then (with ``refill``) further rounds until D_R
+    groups are mixed, each sampled and scored by ``scoring.score_groups``.
+
+    Args:
+      driver / params: the rollout driver and its engine's weights.
+      rounds: the prompts of each round (tokenised rows): ``rounds[0]`` the
+        step's own, ``rounds[r]`` refill round r's (at most ``len(rounds) - 1``
+        refill rounds run).
+      tokenizer / pool / truncation / on_sample / per_host: see ``score_groups``.
+      group_size: G.
+      num_groups: D_R.
+      advantage: the advantage options (they decide which groups are mixed).
+      seed / step: the sampling keys; refill round r draws with
+        ``seed + 7919 * r``, apart from round 0's prompts of the same indices.
+      refill: sample further rounds while fewer than D_R groups are mixed.
+
+    Returns:
+      ``select_groups``' result, with the driver's stats of every round and the
+      seconds spent waiting for the verifiers after decoding.
+    """
+    stats, waits = [], []
+
+    def sample_round(r: int) -> list[Group]:
+        groups, st, wait = score_groups(
+            driver,
+            params,
+            rounds[r],
+            tokenizer=tokenizer,
+            pool=pool,
+            num_samples=group_size,
+            seed=seed + 7919 * r,
+            step=step,
+            truncation=truncation,
+            on_sample=on_sample,
+            per_host=per_host,
+        )
+        stats.append(st)
+        waits.append(wait)
+        return groups
+
+    got = select_groups(
+        sample_round,
+        num_groups=num_groups,
+        advantage=advantage,
+        refill=refill,
+        max_rounds=len(rounds) - 1,
+    )
+    return dataclasses.replace(got, stats=stats, wait_s=sum(waits))
+
+
+def select_groups(
     sample_round: Callable[[int], list[Group]],
     *,
     num_groups: int,
@@ -79,7 +150,9 @@ def collect_groups(
     refill: bool = False,
     max_rounds: int = 0,
 ) -> Collected:
-    """Samples round 0, then (with ``refill``) more rounds until D_R groups are mixed.
+    """Rejection sampling with refill, over rounds of groups from ``sample_round``.
+
+    Samples round 0, then (with ``refill``) more rounds until D_R groups are mixed.
 
     Args:
       sample_round: round r -> its groups (round 0 is the step's own D_R prompts;

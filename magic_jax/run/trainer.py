@@ -405,44 +405,33 @@ class Trainer:
 
         from magic_jax.rewards import status_counts
         from magic_jax.rollout.collect import collect_groups, flatten
-        from magic_jax.rollout.scoring import score_groups
         from magic_jax.run import rundir
         from magic_jax.update.buffer import pack_rollouts
 
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
         params = stage.driver.engine.load_params(state.params)
-        waits, rollouts = [], []
-
-        def sample_round(r: int):
-            if r == 0:
-                rows = stage.batches[k]
-            else:
-                rows = stage.refill_batches[k * cfg.rollout.refill_max_rounds + r - 1]
-            groups, stats, wait = score_groups(
-                stage.driver,
-                params,
-                rows,
-                tokenizer=self.tokenizer,
-                pool=pool,
-                num_samples=st.group_size,
-                # refill rounds draw other keys than round 0's prompts of the same indices
-                seed=cfg.seed + 7919 * r,
-                step=step,
-                truncation=cfg.rollout.truncation,
-                on_sample=lambda s: rundir.kill_point("rollout", step),
-                per_host=jax.process_count() > 1,
-            )
-            rollouts.append(stats)
-            waits.append(wait)
-            return groups
-
+        rounds = [stage.batches[k]]
+        if cfg.rollout.refill:
+            first = k * cfg.rollout.refill_max_rounds
+            rounds += [
+                stage.refill_batches[first + r] for r in range(cfg.rollout.refill_max_rounds)
+            ]
         got = collect_groups(
-            sample_round,
+            stage.driver,
+            params,
+            rounds,
+            tokenizer=self.tokenizer,
+            pool=pool,
+            group_size=st.group_size,
             num_groups=st.prompts_per_step,
             advantage=cfg.advantage,
+            seed=cfg.seed,
+            step=step,
             refill=cfg.rollout.refill,
-            max_rounds=cfg.rollout.refill_max_rounds,
+            truncation=cfg.rollout.truncation,
+            on_sample=lambda s: rundir.kill_point("rollout", step),
+            per_host=jax.process_count() > 1,
         )
         params = None  # the engine's copy of the weights is not needed for the update
         t1 = time.perf_counter()
@@ -518,11 +507,11 @@ class Trainer:
             "grad_norm": mean("grad_norm"),
             "skipped_updates": int(state.skipped),
             "reward_status": counts,
-            "rollout_tokens_per_s": sum(r.tokens for r in rollouts)
-            / max(sum(r.wall_s for r in rollouts), 1e-9),
-            "t_rollout_s": t1 - t0 - sum(waits),
+            "rollout_tokens_per_s": sum(r.tokens for r in got.stats)
+            / max(sum(r.wall_s for r in got.stats), 1e-9),
+            "t_rollout_s": t1 - t0 - got.wait_s,
             "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1 + sum(waits),
+            "t_other_s": t2 - t1 + got.wait_s,
         }
 
 
