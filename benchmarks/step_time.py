@@ -54,7 +54,9 @@ def gemm_rate(n: int = 1024, reps: int = 10) -> float:
 
 def run_train(src: Path, out: Path, cache: Path, overrides: list[str]) -> tuple[float, str]:
     """``magic-jax train`` with the package at ``src``; returns (wall seconds, last line)."""
-    code = "import sys; from magic_jax.jobs.cli import main; sys.exit(main())"
+    # the command's module in that tree (it moved into magic_jax/jobs/ on 2026-11-25)
+    cli = "magic_jax.jobs.cli" if (src / "magic_jax/jobs/cli.py").exists() else "magic_jax.cli"
+    code = f"import sys; from {cli} import main; sys.exit(main())"
     cmd = [sys.executable, "-c", code, "train", "--set", f"output_dir={out}"]
     for o in overrides:
         cmd += ["--set", o]
