@@ -55,11 +55,10 @@ def _run(tmp_path, **over):
 
 
 def _slice_mesh(topology, **axes):
-    from magic_jax.jobs.stage_plan import mesh_for
     from magic_jax.jobs.topology import topology_devices
-    from magic_jax.model.sharding import MeshConfig
+    from magic_jax.model.sharding import MeshConfig, make_mesh
 
-    return mesh_for(topology_devices(topology), MeshConfig(**axes))
+    return make_mesh(MeshConfig(**axes), topology_devices(topology))
 
 
 def _hand_param_bytes(fsdp: int, tensor: int) -> int:
@@ -253,3 +252,24 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_slice_that_does(tmp_path):
     name, q = smallest_fit(config, 0, model, MeshConfig(fsdp=-1), CHIPS["v5e"], hbm, 1, p)
     assert name == "v5e:2x2" and q.mesh["fsdp"] == 4 and q.compiled
     assert q.kv_cache < p.kv_cache / 3 and q.decode_temps > 0 and q.peak() <= hbm
+
+
+@needs_libtpu
+def test_a_tensor_axis_that_splits_a_physical_axis_makes_a_mesh():
+    """tensor=4 on v6e:8x8 is no product of the 8 x 8 torus's axes: the mesh splits one,
+    and each tensor group is four chips in a row of one ring."""
+    import numpy as np
+
+    from magic_jax.jobs.topology import topology_devices
+    from magic_jax.model.sharding import MESH_AXES
+
+    with pytest.raises(NotImplementedError):  # what make_mesh used to call, and fail in
+        jax.make_mesh((1, 16, 4), MESH_AXES, devices=topology_devices("v6e:8x8"))
+    mesh = _slice_mesh("v6e:8x8", fsdp=16, tensor=4)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 16, "tensor": 4}
+    for group in mesh.devices.reshape(-1, 4):
+        coords = np.asarray([d.coords[:2] for d in group])
+        same = [len(set(coords[:, i])) == 1 for i in range(2)]
+        assert any(same), coords  # one row or one column
+        moving = coords[:, same.index(False)]
+        assert sorted(np.diff(sorted(moving)).tolist()) == [1, 1, 1], coords

@@ -23,8 +23,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from magic_jax.jobs.stage_plan import StagePlan, mesh_for, plan_stage, resolve_model
+from magic_jax.jobs.stage_plan import StagePlan, plan_stage, resolve_model
 from magic_jax.jobs.topology import Chip, GiB, PlanError, parse_topology, topology_devices
+from magic_jax.model.sharding import make_mesh
 
 # --------------------------------------------------------------------------- the model
 
@@ -81,7 +82,7 @@ def smallest_fit(
             continue
         devices = topology_devices(name)
         try:
-            mesh = mesh_for(devices, mesh_config)
+            mesh = make_mesh(mesh_config, devices)
             n_new = mesh.shape["data"] * mesh.shape["fsdp"]
             cfg = _split_micro_batch(config, compiled.rows, n_new)
             p = plan_stage(cfg, index, model_config, mesh, compile=False)
@@ -134,7 +135,7 @@ def plan_run(
     devices = topology_devices(topology)
     mesh_config = mesh_config or config.mesh or MeshConfig()
     try:
-        mesh = mesh_for(devices, mesh_config)
+        mesh = make_mesh(mesh_config, devices)
     except ValueError as e:
         raise PlanError(f"--mesh on {topology} ({len(devices)} devices): {e}") from None
     model_config = resolve_model(config.model, config.param_dtype, preset)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,22 +135,6 @@ class StagePlan:
         """The largest term of the phase with the larger peak."""
         col = 0 if self.update_total >= self.rollout_total else 1
         return max(self.terms().items(), key=lambda kv: kv[1][col])[0]
-
-
-def mesh_for(devices: Sequence[Any], mesh_config: Any):
-    import jax
-
-    from magic_jax.model.sharding import MESH_AXES
-
-    shape = mesh_config.resolve(len(devices))
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=list(devices))
-    except NotImplementedError:  # an axis that is no product of physical axes (4 on 8x8)
-        from jax.experimental import mesh_utils
-
-        grid = mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
-        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:

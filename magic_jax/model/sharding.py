@@ -103,16 +103,26 @@ class MeshConfig:
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None) -> Mesh:
     """Builds a ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices).
 
-    Uses ``jax.make_mesh`` so that TPU slices get a topology-aware device order
-    (``tensor`` on the fastest interconnect, as the innermost axis).
+    TPU devices get a topology-aware order from ``jax.make_mesh`` (``tensor`` on
+    the fastest interconnect, as the innermost axis). An axis that is no
+    product of the slice's physical axes (``tensor=4`` on a 2-D ``8x8`` torus)
+    splits a physical axis (``mesh_utils.create_device_mesh`` with
+    ``allow_split_physical_axes``): its devices are still neighbours on one
+    ring. Other devices given explicitly are used in the order given.
     """
     config = config or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
     shape = config.resolve(len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    if devices == jax.devices():
-        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    if devices != jax.devices() and devices[0].platform != "tpu":
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def maybe_initialize_distributed() -> bool:
