@@ -88,6 +88,7 @@ def bucket_run(gcs, files, bucket_model, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # a whole run on the bucket (~35 s cold, shared by three tests)
 def test_a_run_on_the_bucket_equals_the_local_run(bucket_run, reference, tmp_path):
     names = set(storage.listing(bucket_run))
     for want in (rundir.MARKER, "config.yaml", "metrics.jsonl", "eval.jsonl", "summary.json",
@@ -101,6 +102,7 @@ def test_a_run_on_the_bucket_equals_the_local_run(bucket_run, reference, tmp_pat
     assert_same_run(reference, got)
 
 
+@pytest.mark.slow  # a whole run on the bucket (~35 s cold, shared by three tests)
 def test_the_newest_checkpoint_with_a_corrupted_object_falls_back(bucket_run, gcs):
     fs = storage.gcs_fs()
     run = gcs.uri("damaged")
@@ -201,6 +203,7 @@ def test_prompt_data_reads_from_the_bucket_in_every_format(gcs, files, tmp_path)
 # --------------------------------------------------------------------------- the lock
 
 
+@pytest.mark.slow  # a whole run on the bucket (~35 s cold, shared by three tests)
 def test_a_second_run_on_the_same_bucket_path_is_refused(gcs, files, bucket_run):
     # the finished run's directory, held by a live run (this process renews the lease)
     with runlock.GcsRunLock(storage.path(bucket_run), lease_s=3):
