@@ -27,12 +27,6 @@ from magic_jax.jobs.stage_plan import StagePlan, plan_stage, resolve_model
 from magic_jax.jobs.topology import Chip, GiB, PlanError, parse_topology, topology_devices
 from magic_jax.model.sharding import make_mesh
 
-# --------------------------------------------------------------------------- the model
-
-
-# --------------------------------------------------------------------------- sizes
-
-
 # --------------------------------------------------------------------------- a run
 
 

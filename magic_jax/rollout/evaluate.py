@@ -305,6 +305,3 @@ def evaluate(
         "by_source": {k: float(np.mean(v)) for k, v in sorted(by_source.items())},
         "skipped_long_prompts": given - len(kept),
     }
-
-
-# --------------------------------------------------------------------------- models
