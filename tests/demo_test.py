@@ -138,3 +138,23 @@ def test_the_first_command_raises_accuracy(tmp_path):
     print(" ".join(cmd), "->", proc.stdout.splitlines()[-1])
     assert after >= before + 0.05, (before, after)
     assert (run / "report.html").exists()
+
+
+@pytest.mark.slow  # ~20 s: a few supervised steps, then two held-out evaluations
+def test_build_default_writes_a_loadable_model_and_its_curve(tmp_path):
+    """``build-default`` at a few steps: the model, problem files and build.json, with the
+    held-out evaluations scored through the rollout path (scoring.score_groups)."""
+    from magic_jax.run.policy import load_policy
+
+    cfg = demo.BuildConfig(worked_steps=12, mixture_steps=12, batch=4, train_problems=16,
+                           heldout_problems=8, eval_every=12, eval_samples=2,
+                           eval_problems=4)  # fmt: skip
+    info = demo.build_default(tmp_path / "b", cfg, log=lambda s: None)
+    assert {p.name for p in (tmp_path / "b").iterdir()} >= {
+        "model", "train.jsonl", "heldout.jsonl", "build.json"}  # fmt: skip
+    evals = info["evals"]
+    assert len(evals) >= 2, evals  # every 12 steps of 24 (and at the end)
+    for e in evals:
+        assert 0.0 <= e["accuracy"] <= 1.0 and 0.0 <= e["worked_share"] <= 1.0
+        assert e["entropy"] > 0.0  # a random-ish model samples with entropy
+    load_policy(str(tmp_path / "b" / "model"), "float32", None)
