@@ -249,3 +249,28 @@ def test_pool_config_validation_names_the_field():
     assert PoolConfig().workers == (os.cpu_count() or 1)
     with pytest.raises(TypeError, match="response must be a str"):
         RewardItem(response=None, ground_truth="1")
+
+
+def test_a_pool_removes_the_folders_of_killed_pools(tmp_path):
+    """A pool whose process was killed (SIGKILL) leaves its working folder; the next pool
+    on the machine removes it, and keeps those of live processes and unknown names."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"mj-verifier-pool-{gone.pid}-k1ll3d"
+    (dead / "worker-0").mkdir(parents=True)
+    live = tmp_path / f"mj-verifier-pool-{os.getpid()}-al1ve"
+    live.mkdir()
+    unknown = tmp_path / "mj-verifier-pool-0ldst"
+    unknown.mkdir()
+    config = dataclasses.replace(
+        CONFIG, num_workers=1, sandbox=dataclasses.replace(SANDBOX, tmp_root=str(tmp_path))
+    )
+    with VerifierPool(config) as pool:
+        assert pool.map([math_item(204)])[0].status == C
+        mine = {p.name for p in tmp_path.iterdir()} - {live.name, unknown.name}
+        assert len(mine) == 1 and mine.pop().startswith(f"mj-verifier-pool-{os.getpid()}-")
+    assert not dead.exists() and live.exists() and unknown.exists()
+    assert {p.name for p in tmp_path.iterdir()} == {live.name, unknown.name}

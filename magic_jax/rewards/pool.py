@@ -21,7 +21,7 @@ from typing import Any
 
 from magic_jax.rewards.dispatch import as_item, resolve_ability
 from magic_jax.rewards.math_reward import MathConfig
-from magic_jax.rewards.procs import kill_uid
+from magic_jax.rewards.procs import kill_uid, remove_orphan_dirs
 from magic_jax.rewards.sandbox import SandboxConfig
 from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
 
@@ -118,6 +118,9 @@ class _Worker:
     items: int = 0
 
 
+_TMP_PREFIX = "mj-verifier-pool-"
+
+
 class VerifierPool:
     """A pool of verifier processes with an asynchronous submit/collect API.
 
@@ -160,7 +163,11 @@ class VerifierPool:
         self._procs: set[subprocess.Popen[bytes]] = set()
         # Sandbox working directories live here, one folder per worker, so
         # that those of a killed worker can be removed.
-        self._tmp = tempfile.mkdtemp(prefix="mj-verifier-pool-", dir=self.config.sandbox.tmp_root)
+        # The name holds this process's pid: a later pool removes the folder if this
+        # process was killed (SIGKILL) before it could.
+        root = self.config.sandbox.tmp_root
+        remove_orphan_dirs(root, _TMP_PREFIX)
+        self._tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root)
         os.chmod(self._tmp, 0o711)  # sandbox uids must reach their own directories
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._tmp)
         self._thread = threading.Thread(target=self._run, name="verifier-pool", daemon=True)

@@ -58,3 +58,33 @@ def kill_uid(uid: int) -> int:
         except (OSError, StopIteration, ValueError, IndexError):
             continue
     return killed
+
+
+def remove_orphan_dirs(root: str | None, prefix: str) -> None:
+    """Removes the folders ``{prefix}{pid}-*`` in ``root`` (default: the temporary
+    directory) whose process ``pid`` is gone: a process killed with SIGKILL leaves its
+    folder. A pid that is alive, or another user's, keeps its folder."""
+    import re
+    import shutil
+    import tempfile
+
+    root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\w+", name)
+        if m is not None and not pid_alive(int(m[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

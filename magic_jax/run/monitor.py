@@ -210,10 +210,14 @@ class Monitor:
 
             logdir = str(self.out)
             if self._metrics.remote:
-                # event files are written here and uploaded whole with the records
+                # event files are written here and uploaded whole with the records; the
+                # folders of killed runs (uploaded up to their last flush) are removed
                 import tempfile
 
-                self._tb_local = Path(tempfile.mkdtemp(prefix="magic-jax-tb-"))
+                from magic_jax.rewards.procs import remove_orphan_dirs
+
+                remove_orphan_dirs(None, "magic-jax-tb-")
+                self._tb_local = Path(tempfile.mkdtemp(prefix=f"magic-jax-tb-{os.getpid()}-"))
                 logdir = str(self._tb_local)
             # tensorboardX names event files by the second: a resume within the same
             # second would reopen (and truncate) the previous file; the suffix keeps
