@@ -175,8 +175,9 @@ def select_groups(
         more = list(sample_round(rounds))
         extra += sum(len(g.samples) for g in more)
         every += more
-        adv += advantages_of(more, advantage)
-        mixed = list(_mixed(adv))
+        more_adv = advantages_of(more, advantage)
+        adv += more_adv
+        mixed += list(_mixed(more_adv))
     if not refill:
         n = num_groups
         return Collected(every[:n], adv[:n], every, 0, 0, int(sum(mixed)))
