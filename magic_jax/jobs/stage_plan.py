@@ -15,7 +15,7 @@ from magic_jax.jobs.topology import PlanError
 def resolve_model(model: str, param_dtype: str, preset: str | None = None):
     """The ``ModelConfig`` a run loads, as the trainer builds it (compute dtype = param dtype;
     the update applies the run's ``remat`` and ``compute_dtype`` on top, see
-    ``train_step.update_graphdef``).
+    ``update.step.update_graphdef``).
 
     ``model`` is read when it is a checkpoint directory here (Hugging Face
     ``config.json`` or a magic_jax checkpoint); otherwise its name picks a preset

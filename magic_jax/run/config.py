@@ -250,7 +250,7 @@ class TrainConfig:
       update_layer_unroll: how the update runs the stacked layers (the scan's
         ``unroll``: ``true`` inlines every layer, an int n unrolls n at a time, 1
         is a plain scan); null = the platform's measured default
-        (``train_step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
+        (``update.step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
         elsewhere). Same values either way; speed and compile time change.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
