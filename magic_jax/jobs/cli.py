@@ -115,6 +115,13 @@ def _build_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_world(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.world import WorldBuildConfig, build_world
+
+    build_world(args.out, WorldBuildConfig(seed=args.seed))
+    return 0
+
+
 def _prepare_data(args: argparse.Namespace) -> int:
     from magic_jax.data.tfds import prepare_dataset
 
@@ -367,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_build_default)
 
     p = sub.add_parser(
+        "build-world",
+        help="build the carry world's base model and problems (quick and checked strategies)",
+    )
+    p.add_argument("--out", required=True, help="directory (e.g. magic_jax/assets/carry)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_build_world)
+
+    p = sub.add_parser(
         "eval", help="avg@n and pass@k of a model on data sets (resumable per-problem output)"
     )
     _add_sampling_args(p, 32768)
@@ -423,7 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from magic_jax.data.rows import DataError
     from magic_jax.model.convert import CheckpointError
 
-    if args.command in ("train", "demo", "build-default", "eval", "estimate-difficulty"):
+    if args.command in (
+        "train",
+        "demo",
+        "build-default",
+        "build-world",
+        "eval",
+        "estimate-difficulty",
+    ):
         from magic_jax import compile_cache
 
         compile_cache.enable()

@@ -1,0 +1,283 @@
+"""The carry world: its shipped base model (and how it is built) and its statistics.
+
+``magic-jax build-world`` builds a 0.74M-parameter Qwen2 from a seed by
+supervised training on ``magic_jax.data.tasks.carry``: first on both
+strategies equally (``balanced_steps``: the model learns to execute each),
+then on the task's mixture, where the checked strategy is rare
+(``mixture_steps``: long enough for the strategy choice to settle, the
+supervised plateau). ``world_statistics`` measures a model on held-out
+problems: strategy and variant shares, accuracy per strategy and per carry
+count, and the token entropy of correct against wrong responses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=352,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=1e4,
+)
+MAX_PROMPT = 16  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
+MAX_RESPONSE = 80  # tokens: the longest checked solution (5 columns) is 75 with EOS
+SFT_LENGTH = 96  # the longest prompt and checked response, rounded up
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorldBuildConfig:
+    """How the carry world's base model is built.
+
+    Attributes:
+      seed: model initialisation, problems and strategy choices.
+      balanced_steps: steps on both strategies half and half.
+      mixture_steps: steps on the task's mixture (``checked_share`` checked).
+      batch: examples per step.
+      learning_rate: AdamW peak rate (warm-up, then cosine decay over both phases).
+      checked_share: the mixture's share of checked solutions.
+      train_problems / heldout_problems: RL training prompts and held-out problems.
+      eval_every / eval_samples / eval_problems: plateau tracking during the build.
+    """
+
+    seed: int = 0
+    balanced_steps: int = 1200
+    mixture_steps: int = 800
+    batch: int = 32
+    learning_rate: float = 2e-3
+    checked_share: float = 0.05
+    train_problems: int = 4096
+    heldout_problems: int = 256
+    eval_every: int = 200
+    eval_samples: int = 4
+    eval_problems: int = 128
+
+
+def exact_count(share: float, batch: int, step: int) -> int:
+    """How many of step ``step``'s ``batch`` examples take a strategy of the given share:
+    exactly ``share`` of all examples up to any step (rounded down), so the mixture
+    carries no batch-to-batch sampling noise."""
+    return int(share * batch * (step + 1)) - int(share * batch * step)
+
+
+def world_statistics(
+    model: Any,
+    params: Any,
+    tok: Any,
+    rows: list[dict[str, Any]],
+    *,
+    num_samples: int = 8,
+    temperature: float = 1.0,
+    max_response_length: int = MAX_RESPONSE,
+    seed: int = 0,
+    driver: Any = None,
+) -> dict[str, Any]:
+    """Samples ``num_samples`` responses per held-out row and measures the world's figures.
+
+    Returns:
+      ``accuracy``; ``share`` and ``accuracy`` per strategy (``quick``,
+      ``checked``); ``variant_b_share`` per strategy; ``by_carries``: per carry
+      count, accuracy and the checked share; ``entropy`` (mean token entropy
+      over all response tokens), ``entropy_correct`` / ``entropy_wrong`` (the
+      same over correct and over wrong responses); ``length`` (mean response
+      tokens); ``truncated`` (share that hit T).
+    """
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.data.tasks import carry
+    from magic_jax.rollout.evaluate import eval_seed
+    from magic_jax.rollout.scoring import score_groups
+
+    if driver is None:
+        driver = world_driver(model, temperature, max_response_length)
+    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
+    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
+    groups, _, _ = score_groups(
+        driver, params, parsed, tokenizer=tok, num_samples=num_samples,
+        seed=eval_seed(seed), step=0, keep_texts=True,
+    )  # fmt: skip
+    by = defaultdict(list)  # key -> rewards
+    variant_b = defaultdict(list)
+    ent = {True: [0.0, 0], False: [0.0, 0]}
+    lengths, truncated = [], []
+    for row, g in zip(rows, groups):
+        a, b = carry.row_problem(row)
+        c = carry.carries(a, b)
+        for s, text, r in zip(g.samples, g.texts, g.rewards):
+            strategy, variant = carry.classify_in(text, a, b)
+            right = float(r) > 0.5
+            by["all"].append(float(r))
+            by[strategy].append(float(r))
+            by[("carries", c)].append(float(r))
+            by[("checked_at", c)].append(strategy == "checked")
+            variant_b[strategy].append(variant == "b")
+            ent[right][0] += float(np.sum(s.entropies[: s.length]))
+            ent[right][1] += int(s.length)
+            lengths.append(int(s.length))
+            truncated.append(bool(getattr(s, "truncated", False)))
+    n = len(by["all"])
+
+    def mean(x):
+        return float(np.mean(x)) if len(x) else float("nan")
+
+    return {
+        "accuracy": mean(by["all"]),
+        "share": {k: len(by[k]) / n for k in carry.STRATEGIES},
+        "strategy_accuracy": {k: mean(by[k]) for k in carry.STRATEGIES},
+        "variant_b_share": {k: mean(variant_b[k]) for k in carry.STRATEGIES},
+        "by_carries": {
+            c: {
+                "accuracy": mean(by[("carries", c)]),
+                "checked_share": mean(by[("checked_at", c)]),
+                "samples": len(by[("carries", c)]),
+            }
+            for c in sorted(k[1] for k in by if isinstance(k, tuple) and k[0] == "carries")
+        },
+        "entropy": (ent[True][0] + ent[False][0]) / max(ent[True][1] + ent[False][1], 1),
+        "entropy_correct": ent[True][0] / max(ent[True][1], 1),
+        "entropy_wrong": ent[False][0] / max(ent[False][1], 1),
+        "length": mean(lengths),
+        "truncated": mean(truncated),
+        "samples": n,
+    }
+
+
+def world_driver(model: Any, temperature: float = 1.0, max_response_length: int = MAX_RESPONSE):
+    """The engine the statistics sample with."""
+    from magic_jax.rollout.driver import make_driver
+    from magic_jax.rollout.sampling import SamplingConfig
+
+    return make_driver(
+        model,
+        max_prompt_length=MAX_PROMPT,
+        max_response_length=max_response_length,
+        sampling=SamplingConfig(temperature=temperature),
+        max_concurrent_decodes=128,
+    )
+
+
+def _examples(task, tok, rng: np.random.Generator, n: int, n_checked: int, exclude: set):
+    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, the first ``n_checked``
+    of them checked, none held out."""
+    from magic_jax.data.rows import render_r1
+    from magic_jax.data.tasks import carry
+
+    prompts, responses = [], []
+    while len(prompts) < n:
+        a, b = task.sample(rng)
+        if (a, b) in exclude:
+            continue
+        msgs = [{"role": "user", "content": carry.prompt(a, b)}]
+        p = tok.encode(render_r1(msgs), add_special_tokens=False)
+        strategy = "checked" if len(prompts) < n_checked else "quick"
+        variant = "b" if rng.random() < task.variant_b_share else "a"
+        r = tok.encode(carry.solution(a, b, strategy, variant), add_special_tokens=False)
+        prompts.append(np.asarray(p, np.int32))
+        responses.append(np.asarray([*r, tok.eos_token_id], np.int32))
+    return prompts, responses
+
+
+def build_world(
+    out: str | Path, config: WorldBuildConfig | None = None, *, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Builds the carry world's base model and its problem files under ``out``.
+
+    Writes ``model/`` (Hugging Face checkpoint + tokenizer, saved at every
+    evaluation), ``train.jsonl``, ``heldout.jsonl`` and ``build.json`` (the
+    settings, the held-out curve and the final model's ``world_statistics``).
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from magic_jax.data.tasks import carry
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.convert import save_hf
+    from magic_jax.model.qwen2 import Qwen2, count_params
+    from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
+
+    config = config or WorldBuildConfig()
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "build.json").exists():
+        raise FileExistsError(
+            f"{out}: not empty and not a build of this command (no build.json); "
+            f"choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    task = carry.CarryTask(checked_share=config.checked_share)
+    tok = carry.tokenizer()
+    heldout = carry.verl_rows(config.heldout_problems, seed=config.seed + 1, source="heldout")
+    held = {carry.row_problem(r) for r in heldout}
+    train = carry.verl_rows(
+        config.train_problems, seed=config.seed + 2, source="train", exclude=held
+    )
+    for name, rows in (("heldout.jsonl", heldout), ("train.jsonl", train)):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mcfg = ModelConfig(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MODEL
+    )
+    model = Qwen2(mcfg, rngs=nnx.Rngs(config.seed))
+    log(f"[build-world] {count_params(model):,} parameters, vocabulary {len(tok)} (characters)")
+    graphdef, params = nnx.split(model, nnx.Param)
+    total = config.balanced_steps + config.mixture_steps
+    sft = SFTTrainer(
+        graphdef, params, SFTConfig(learning_rate=config.learning_rate, decay_steps=total - 20)
+    )
+    rng = np.random.default_rng(config.seed + 3)
+
+    def make_batch(step):
+        if step < config.balanced_steps:
+            n_checked = exact_count(0.5, config.batch, step)
+        else:
+            n_checked = exact_count(
+                config.checked_share, config.batch, step - config.balanced_steps
+            )
+        p, r = _examples(task, tok, rng, config.batch, n_checked, held)
+        return pack_sft(p, r, length=SFT_LENGTH, pad_id=tok.pad_token_id)
+
+    driver = world_driver(model)
+    model_dir = out / "model"
+
+    def evaluate_and_save(params, step):
+        save_hf(nnx.merge(graphdef, params), model_dir, dtype=jnp.float32)
+        tok.save_pretrained(model_dir)
+        st = world_statistics(
+            model, params, tok, heldout[: config.eval_problems],
+            num_samples=config.eval_samples, driver=driver, seed=config.seed,
+        )  # fmt: skip
+        return {
+            "accuracy": st["accuracy"],
+            "checked_share": st["share"]["checked"],
+            "checked_accuracy": st["strategy_accuracy"]["checked"],
+            "quick_accuracy": st["strategy_accuracy"]["quick"],
+            "entropy": st["entropy"],
+        }
+
+    t0 = time.perf_counter()
+    res = train_sft(
+        sft, make_batch, steps=total, evaluate=evaluate_and_save,
+        eval_every=config.eval_every, log=log,
+    )  # fmt: skip
+    stats = world_statistics(
+        model, sft.params, tok, heldout, num_samples=8, driver=driver, seed=config.seed
+    )
+    info = {
+        "build": dataclasses.asdict(config),
+        "task": dataclasses.asdict(task),
+        "parameters": count_params(model),
+        "wall_s": time.perf_counter() - t0,
+        **{k: res[k] for k in ("steps", "train_s", "loss", "evals")},
+        "statistics": stats,
+    }
+    (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"[build-world] wrote {model_dir} ({res['steps']} steps, {info['wall_s']:.0f}s)")
+    return info
