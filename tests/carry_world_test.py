@@ -1,63 +1,54 @@
-"""The carry world: its task (strategies, variants, difficulty) and its build's bookkeeping."""
+"""The carry world: its task (a check-or-hurry choice per column, difficulty by carries)."""
 
 import collections
+import itertools
 
 import numpy as np
 import pytest
 
 from magic_jax.data.tasks import carry
-from magic_jax.jobs.world import exact_count
 from magic_jax.rewards import math_reward
 
 
-def test_carries_and_the_hurried_sum():
+def test_carries_needed_columns_and_the_hurried_sum():
     assert carry.carries(389, 423) == 2 and carry.hurried_sum(389, 423) == 702
-    assert carry.carries(12, 34) == 0 and carry.hurried_sum(12, 34) == 46
+    assert carry.needed(389, 423) == [True, True, True]
+    assert carry.carries(12, 34) == 0 and carry.needed(12, 34) == [False, False]
     # the top column's carry out counts; a missing digit is 0
-    assert carry.carries(95, 7) == 2 and carry.hurried_sum(95, 7) == 92
-    assert carry.carries(50, 50) == 1 and carry.hurried_sum(50, 50) == 0
-    rng = np.random.default_rng(0)
-    for _ in range(2000):
-        a, b = (int(x) for x in rng.integers(0, 100000, 2))
-        assert (carry.hurried_sum(a, b) == a + b) == (carry.carries(a, b) == 0)
+    assert carry.carries(95, 7) == 2 and carry.needed(95, 7) == [True, True]
+    assert carry.needed(1905, 12) == [False, False, False, False]
+    assert carry.needed(1905, 15) == [True, True, False, False]
 
 
-def test_solutions_in_both_strategies_and_variants():
-    assert carry.checked_solution(389, 423, "a") == (
-        "702?\n9+3=12\n8+2+1=11\n3+4+1=8\n=812\n</think>\n\\boxed{812}"
+def test_lines_check_or_hurry_each_column():
+    assert carry.solution(389, 423, [True] * 3) == (
+        "9+3=12\n8+2+1=11\n3+4+1=8\n</think>\n\\boxed{812}"
     )
-    assert carry.checked_solution(389, 423, "b").split("\n")[1:4] == [
-        "3+9=12",
-        "2+8+1=11",
-        "4+3+1=8",
-    ]
-    assert carry.quick_solution(389, 423, "a") == "</think>\n\\boxed{702}"
-    assert carry.quick_solution(389, 423, "b") == "</think>\n389+423=702\n\\boxed{702}"
-    with pytest.raises(ValueError, match="strategy"):
-        carry.solution(1, 2, "guess", "a")
+    assert carry.solution(389, 423, [False] * 3) == "2\n0\n7\n</think>\n\\boxed{702}"
+    # a hurried column drops the carry it gets; a checked top column carries into a leading 1
+    assert carry.solution(389, 423, [True, False, True]) == (
+        "9+3=12\n0\n3+4=7\n</think>\n\\boxed{702}"
+    )
+    assert carry.solution(95, 7, [True, True]) == "5+7=12\n9+0+1=10\n</think>\n\\boxed{102}"
+    with pytest.raises(ValueError, match="3 columns, got 2 choices"):
+        carry.solution(389, 423, [True, True])
 
 
-def test_the_verifier_rewards_checked_always_and_quick_exactly_without_carries():
+def test_an_answer_is_right_exactly_when_every_needed_column_is_checked():
     rng = np.random.default_rng(1)
-    task = carry.CarryTask()
-    for a, b in task.problems(150, rng):
-        truth = str(a + b)
-        for v in carry.VARIANTS:
-            assert math_reward(carry.checked_solution(a, b, v), truth).reward == 1.0
-            quick = math_reward(carry.quick_solution(a, b, v), truth).reward
-            assert quick == float(carry.carries(a, b) == 0), (a, b, v)
-
-
-def test_classify_reads_strategy_and_variant_back():
-    rng = np.random.default_rng(2)
     for a, b in carry.CarryTask().problems(300, rng):
-        for s in carry.STRATEGIES:
-            for v in carry.VARIANTS:
-                got = carry.classify_in(carry.solution(a, b, s, v), a, b)
-                x, y, _ = carry.columns(a, b)[0]
-                want = (s, "a") if (s == "checked" and x == y) else (s, v)
-                assert got == want, (a, b, s, v, got)
-    assert carry.classify("12?\n") == ("checked", "?")
+        need = carry.needed(a, b)
+        for checks in itertools.product((False, True), repeat=len(need)):
+            right = carry.answer_of(a, b, checks) == a + b
+            assert right == all(c for c, n in zip(checks, need) if n), (a, b, checks)
+            assert carry.read_checks(carry.solution(a, b, checks)) == list(checks)
+    # and the math verifier agrees
+    for a, b in carry.CarryTask().problems(40, rng):
+        n = len(carry.needed(a, b))
+        assert math_reward(carry.solution(a, b, [True] * n), str(a + b)).reward == 1.0
+        hurried = math_reward(carry.solution(a, b, [False] * n), str(a + b)).reward
+        assert hurried == float(carry.carries(a, b) == 0)
+    assert carry.read_checks("9+3=12\n8+2") is None  # truncated: the reasoning never closed
 
 
 def test_problems_spread_over_carry_counts_and_exclude_a_held_out_set():
@@ -74,28 +65,30 @@ def test_problems_spread_over_carry_counts_and_exclude_a_held_out_set():
     held = {carry.row_problem(r) for r in rows[:500]}
     more = carry.verl_rows(500, seed=4, task=task, exclude=held)
     assert not held & {carry.row_problem(r) for r in more}
-    with pytest.raises(ValueError, match="checked_share"):
-        carry.CarryTask(checked_share=2.0)
+    with pytest.raises(ValueError, match="check_rate"):
+        carry.CarryTask(check_rate=2.0)
 
 
-def test_sft_mixture_has_the_exact_share_per_step():
-    counts = [exact_count(0.05, 32, k) for k in range(1000)]
-    assert sum(counts) == 1600 and set(counts) == {1, 2}
+def test_supervised_solutions_check_columns_at_the_set_rate():
     rng = np.random.default_rng(0)
-    task = carry.CarryTask(checked_share=0.2)
-    got = [carry.classify(task.sft_response(389, 423, rng))[0] for _ in range(4000)]
-    assert abs(got.count("checked") / 4000 - 0.2) < 0.025
+    task = carry.CarryTask(check_rate=0.25)
+    checks = [
+        c for _ in range(2000) for c in carry.read_checks(task.sft_response(38905, 4231, rng))
+    ]
+    assert abs(np.mean(checks) - 0.25) < 0.02
+    assert all(carry.read_checks(task.sft_response(389, 42, rng, check_rate=1.0)))
 
 
 def test_tokenizer_covers_every_solution_with_no_unknown_token():
+    from magic_jax.jobs.world import MAX_RESPONSE
+
     tok = carry.tokenizer()
     unk = tok.convert_tokens_to_ids("<unk>")
     rng = np.random.default_rng(5)
     longest = 0
-    for a, b in carry.CarryTask().problems(200, rng):
-        for s in carry.STRATEGIES:
-            text = carry.solution(a, b, s, "b")
-            ids = tok.encode(text, add_special_tokens=False)
-            assert unk not in ids and tok.decode(ids) == text
-            longest = max(longest, len(ids) + 1)
-    assert longest <= 75  # MAX_RESPONSE = 80 leaves room for every checked solution
+    for a, b in carry.CarryTask().problems(300, rng):
+        text = carry.solution(a, b, [True] * len(carry.columns(a, b)))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert unk not in ids and tok.decode(ids) == text
+        longest = max(longest, len(ids) + 1)
+    assert longest <= MAX_RESPONSE

@@ -1,13 +1,14 @@
-"""The carry world: its shipped base model (and how it is built) and its statistics.
+"""The carry world: its base model (and how it is built) and its statistics.
 
 ``magic-jax build-world`` builds a 0.74M-parameter Qwen2 from a seed by
-supervised training on ``magic_jax.data.tasks.carry``: first on both
-strategies equally (``balanced_steps``: the model learns to execute each),
-then on the task's mixture, where the checked strategy is rare
-(``mixture_steps``: long enough for the strategy choice to settle, the
-supervised plateau). ``world_statistics`` measures a model on held-out
-problems: strategy and variant shares, accuracy per strategy and per carry
-count, and the token entropy of correct against wrong responses.
+supervised training on ``magic_jax.data.tasks.carry``: first with every
+column checked half the time (``balanced_steps``: the model learns to
+execute both kinds of line), then at the base's habit of checking a column
+with probability ``check_rate`` (``mixture_steps``: long enough for the habit
+to settle, the supervised plateau). ``world_statistics`` measures a model on
+held-out problems: how often it checks the columns that need it and the
+others, accuracy per carry count, and the token entropy of correct against
+wrong responses.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ MODEL = dict(
     rope_theta=1e4,
 )
 MAX_PROMPT = 16  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
-MAX_RESPONSE = 80  # tokens: the longest checked solution (5 columns) is 75 with EOS
-SFT_LENGTH = 96  # the longest prompt and checked response, rounded up
+MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 62 with EOS
+SFT_LENGTH = 80  # the longest prompt and response, rounded up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,12 +42,13 @@ class WorldBuildConfig:
     """How the carry world's base model is built.
 
     Attributes:
-      seed: model initialisation, problems and strategy choices.
-      balanced_steps: steps on both strategies half and half.
-      mixture_steps: steps on the task's mixture (``checked_share`` checked).
+      seed: model initialisation, problems and checking choices.
+      balanced_steps: steps where every column is checked with probability 1/2
+        (the model learns to execute both kinds of line).
+      mixture_steps: steps at the base's habit, ``check_rate`` per column.
       batch: examples per step.
       learning_rate: AdamW peak rate (warm-up, then cosine decay over both phases).
-      checked_share: the mixture's share of checked solutions.
+      check_rate: the base's probability of checking a column.
       train_problems / heldout_problems: RL training prompts and held-out problems.
       eval_every / eval_samples / eval_problems: plateau tracking during the build.
     """
@@ -56,19 +58,12 @@ class WorldBuildConfig:
     mixture_steps: int = 800
     batch: int = 32
     learning_rate: float = 2e-3
-    checked_share: float = 0.05
+    check_rate: float = 0.25
     train_problems: int = 4096
     heldout_problems: int = 256
     eval_every: int = 200
     eval_samples: int = 4
     eval_problems: int = 128
-
-
-def exact_count(share: float, batch: int, step: int) -> int:
-    """How many of step ``step``'s ``batch`` examples take a strategy of the given share:
-    exactly ``share`` of all examples up to any step (rounded down), so the mixture
-    carries no batch-to-batch sampling noise."""
-    return int(share * batch * (step + 1)) - int(share * batch * step)
 
 
 def world_statistics(
@@ -86,9 +81,10 @@ def world_statistics(
     """Samples ``num_samples`` responses per held-out row and measures the world's figures.
 
     Returns:
-      ``accuracy``; ``share`` and ``accuracy`` per strategy (``quick``,
-      ``checked``); ``variant_b_share`` per strategy; ``by_carries``: per carry
-      count, accuracy and the checked share; ``entropy`` (mean token entropy
+      ``accuracy``; ``check_rate_needed`` / ``check_rate_other``: how often
+      a column is checked among the columns that must be and among the others;
+      ``well_formed`` (share of responses with one line per column and the
+      reasoning closed); ``by_carries``: accuracy per carry count; ``entropy`` (mean token entropy
       over all response tokens), ``entropy_correct`` / ``entropy_wrong`` (the
       same over correct and over wrong responses); ``length`` (mean response
       tokens); ``truncated`` (share that hit T).
@@ -107,24 +103,26 @@ def world_statistics(
         seed=eval_seed(seed), step=0, keep_texts=True,
     )  # fmt: skip
     by = defaultdict(list)  # key -> rewards
-    variant_b = defaultdict(list)
+    rate = {True: [], False: []}  # needed column? -> checked or not
     ent = {True: [0.0, 0], False: [0.0, 0]}
-    lengths, truncated = [], []
+    lengths, truncated, lines_ok = [], [], []
     for row, g in zip(rows, groups):
         a, b = carry.row_problem(row)
         c = carry.carries(a, b)
+        need = carry.needed(a, b)
         for s, text, r in zip(g.samples, g.texts, g.rewards):
-            strategy, variant = carry.classify_in(text, a, b)
             right = float(r) > 0.5
             by["all"].append(float(r))
-            by[strategy].append(float(r))
             by[("carries", c)].append(float(r))
-            by[("checked_at", c)].append(strategy == "checked")
-            variant_b[strategy].append(variant == "b")
+            checks = carry.read_checks(text)
+            lines_ok.append(checks is not None and len(checks) == len(need))
+            if lines_ok[-1]:
+                for n, k in zip(need, checks):
+                    rate[n].append(k)
             ent[right][0] += float(np.sum(s.entropies[: s.length]))
             ent[right][1] += int(s.length)
             lengths.append(int(s.length))
-            truncated.append(bool(getattr(s, "truncated", False)))
+            truncated.append(bool(s.truncated))
     n = len(by["all"])
 
     def mean(x):
@@ -132,15 +130,11 @@ def world_statistics(
 
     return {
         "accuracy": mean(by["all"]),
-        "share": {k: len(by[k]) / n for k in carry.STRATEGIES},
-        "strategy_accuracy": {k: mean(by[k]) for k in carry.STRATEGIES},
-        "variant_b_share": {k: mean(variant_b[k]) for k in carry.STRATEGIES},
+        "check_rate_needed": mean(rate[True]),
+        "check_rate_other": mean(rate[False]),
+        "well_formed": mean(lines_ok),
         "by_carries": {
-            c: {
-                "accuracy": mean(by[("carries", c)]),
-                "checked_share": mean(by[("checked_at", c)]),
-                "samples": len(by[("carries", c)]),
-            }
+            c: {"accuracy": mean(by[("carries", c)]), "samples": len(by[("carries", c)])}
             for c in sorted(k[1] for k in by if isinstance(k, tuple) and k[0] == "carries")
         },
         "entropy": (ent[True][0] + ent[False][0]) / max(ent[True][1] + ent[False][1], 1),
@@ -166,9 +160,9 @@ def world_driver(model: Any, temperature: float = 1.0, max_response_length: int 
     )
 
 
-def _examples(task, tok, rng: np.random.Generator, n: int, n_checked: int, exclude: set):
-    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, the first ``n_checked``
-    of them checked, none held out."""
+def _examples(task, tok, rng: np.random.Generator, n: int, rate: float, exclude: set):
+    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, each column checked
+    with probability ``rate``, none held out."""
     from magic_jax.data.rows import render_r1
     from magic_jax.data.tasks import carry
 
@@ -179,9 +173,7 @@ def _examples(task, tok, rng: np.random.Generator, n: int, n_checked: int, exclu
             continue
         msgs = [{"role": "user", "content": carry.prompt(a, b)}]
         p = tok.encode(render_r1(msgs), add_special_tokens=False)
-        strategy = "checked" if len(prompts) < n_checked else "quick"
-        variant = "b" if rng.random() < task.variant_b_share else "a"
-        r = tok.encode(carry.solution(a, b, strategy, variant), add_special_tokens=False)
+        r = tok.encode(task.sft_response(a, b, rng, rate), add_special_tokens=False)
         prompts.append(np.asarray(p, np.int32))
         responses.append(np.asarray([*r, tok.eos_token_id], np.int32))
     return prompts, responses
@@ -213,7 +205,7 @@ def build_world(
             f"choose a new or empty directory"
         )
     out.mkdir(parents=True, exist_ok=True)
-    task = carry.CarryTask(checked_share=config.checked_share)
+    task = carry.CarryTask(check_rate=config.check_rate)
     tok = carry.tokenizer()
     heldout = carry.verl_rows(config.heldout_problems, seed=config.seed + 1, source="heldout")
     held = {carry.row_problem(r) for r in heldout}
@@ -235,13 +227,8 @@ def build_world(
     rng = np.random.default_rng(config.seed + 3)
 
     def make_batch(step):
-        if step < config.balanced_steps:
-            n_checked = exact_count(0.5, config.batch, step)
-        else:
-            n_checked = exact_count(
-                config.checked_share, config.batch, step - config.balanced_steps
-            )
-        p, r = _examples(task, tok, rng, config.batch, n_checked, held)
+        rate = 0.5 if step < config.balanced_steps else config.check_rate
+        p, r = _examples(task, tok, rng, config.batch, rate, held)
         return pack_sft(p, r, length=SFT_LENGTH, pad_id=tok.pad_token_id)
 
     driver = world_driver(model)
@@ -255,11 +242,8 @@ def build_world(
             num_samples=config.eval_samples, driver=driver, seed=config.seed,
         )  # fmt: skip
         return {
-            "accuracy": st["accuracy"],
-            "checked_share": st["share"]["checked"],
-            "checked_accuracy": st["strategy_accuracy"]["checked"],
-            "quick_accuracy": st["strategy_accuracy"]["quick"],
-            "entropy": st["entropy"],
+            k: st[k]
+            for k in ("accuracy", "check_rate_needed", "check_rate_other", "well_formed", "entropy")
         }
 
     t0 = time.perf_counter()

@@ -1,60 +1,64 @@
-"""Addition with a hurried strategy and a checked one: a world where exploration pays.
+"""Addition where every column is a choice: check it, or hurry it.
 
-A prompt is ``"{a}+{b}"`` (2 to 5 digit operands). A problem's difficulty is
-its number of **carries**: the columns whose digits (with the carry coming
-in) sum to 10 or more, the top column's carry out included. Problems are drawn
-with every carry count equally likely, so difficulty is spread evenly from
-easy (no carry) to hard (a carry in every column).
+A prompt is ``"{a}+{b}"`` (2 to 5 digit operands). A response works the
+columns right to left, one line per column, and at every column chooses:
 
-The supervised data answers in two strategies, each in two equally correct
-variants, so that a policy's entropy holds real choices, not only noise in
-wrong digits:
+- **check** it: write ``x+y=s`` or, with a carry coming in, ``x+y+1=s`` (6 to
+  8 characters); the column's digit is ``s mod 10`` and it carries ``s // 10``
+  into the next column;
+- **hurry** it: write only the digit ``(x + y) mod 10`` (1 character),
+  ignoring the carry coming in and passing none on.
 
-- **quick** (common, short): close the reasoning at once and box the
-  column-wise sum *without carries*, the hurried answer. Right exactly when
-  the problem has no carry. Variant ``a`` boxes it directly; variant ``b``
-  first restates the problem with it::
+Then it closes the reasoning and boxes the number its lines spell (a checked
+top column that carries adds a leading 1)::
 
-      </think>\\n\\boxed{702}                 389+423, variant a (wrong: 812)
-      </think>\\n389+423=702\\n\\boxed{702}
+    <think>
+    9+3=12      389 + 423: every column checked
+    8+2+1=11
+    3+4+1=8
+    </think>
+    \\boxed{812}
 
-- **checked** (rare, long): write the hurried answer as a guess, then work the
-  columns right to left with their carries (``9+3=12``, ``8+2+1=11``, a
-  missing digit is 0), assemble the sum, then box it: the solution checks
-  and corrects its own first answer and is always right. Variant ``a`` writes
-  each column as (digit of a)+(digit of b), variant ``b`` the other way round::
+    <think>
+    2           hurried throughout: 702, wrong
+    0
+    7
+    </think>
+    \\boxed{702}
 
-      702?
-      9+3=12
-      8+2+1=11
-      3+4+1=8
-      =812
-      </think>
-      \\boxed{812}
+The answer is right exactly when every column that takes part in a carry
+(one whose digits and incoming carry sum to 10 or more, and the column that
+receives that carry) is checked; checking any other column changes nothing
+but the length. So:
 
-The checked strategy is about four times as long as the quick one, so a
-short first-stage T truncates it on all but the shortest problems. A model
-trained on data where it is rare uses it rarely; reinforcement learning can
-only discover that it pays on hard problems while the policy still samples
-it, which is what entropy control is for.
+- a problem's difficulty is its number of **carries** (problems are drawn
+  with every carry count equally likely), and a problem with no carry is
+  solved whatever the choices;
+- correct responses differ in which of the other columns they check: real
+  diversity, and the policy's entropy sits in these choices, not only in
+  noise on wrong digits;
+- the supervised data checks each column independently with a small
+  probability (``check_rate``), so the base model rarely checks every column
+  a hard problem needs (about ``check_rate`` to the power of the columns in
+  carries), and the checked solutions are longer (up to 62 tokens against
+  26), so a short first-stage T truncates them. Reinforcement learning can
+  only learn when to check while the policy still samples checked columns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 # Every character prompts and solutions use.
-CHARS = "0123456789+=?\n\\{}boxed"
-STRATEGIES = ("quick", "checked")
-VARIANTS = ("a", "b")
+CHARS = "0123456789+=\n\\{}boxed"
 
 
 def columns(a: int, b: int) -> list[tuple[int, int, int]]:
-    """(digit of a, digit of b, carry in) per column, right to left (a missing digit is 0)."""
+    """(digit of a, digit of b, true carry in) per column, right to left (a missing digit is 0)."""
     da, db = str(a)[::-1], str(b)[::-1]
     out, carry = [], 0
     for i in range(max(len(da), len(db))):
@@ -70,93 +74,80 @@ def carries(a: int, b: int) -> int:
     return sum((x + y + c) >= 10 for x, y, c in columns(a, b))
 
 
+def needed(a: int, b: int) -> list[bool]:
+    """Per column, right to left: must it be checked for the answer to be right?
+
+    True for a column whose digits and true carry in sum to 10 or more, and
+    for a column that receives a carry.
+    """
+    return [(x + y + c) >= 10 or c == 1 for x, y, c in columns(a, b)]
+
+
 def hurried_sum(a: int, b: int) -> int:
-    """The column-wise sum of a and b with every carry dropped (right iff no carry)."""
+    """The column-wise sum with every carry dropped (every column hurried)."""
     return int("".join(str((x + y) % 10) for x, y, _ in reversed(columns(a, b))))
 
 
-def quick_solution(a: int, b: int, variant: str = "a") -> str:
-    """The quick strategy: no reasoning, the hurried sum boxed (``variant`` a or b)."""
-    n = hurried_sum(a, b)
-    said = f"{a}+{b}={n}\n" if variant == "b" else ""
-    return f"</think>\n{said}\\boxed{{{n}}}"
+def solution(a: int, b: int, checks: Sequence[bool]) -> str:
+    """The response that checks column i (right to left) where ``checks[i]``, else hurries it."""
+    cols = columns(a, b)
+    if len(checks) != len(cols):
+        raise ValueError(f"{a}+{b} has {len(cols)} columns, got {len(checks)} choices")
+    lines, digits, carry = [], [], 0
+    for (x, y, _), check in zip(cols, checks):
+        if check:
+            s = x + y + carry
+            lines.append(f"{x}+{y}" + ("+1" if carry else "") + f"={s}")
+            digits.append(s % 10)
+            carry = s // 10
+        else:
+            d = (x + y) % 10
+            lines.append(str(d))
+            digits.append(d)
+            carry = 0
+    answer = ("1" if carry else "") + "".join(map(str, reversed(digits)))
+    return "\n".join(lines) + "\n</think>\n\\boxed{" + str(int(answer)) + "}"
 
 
-def checked_solution(a: int, b: int, variant: str = "a") -> str:
-    """The checked strategy: the hurried guess, the columns with carries, the corrected sum."""
-    lines = [f"{hurried_sum(a, b)}?"]
-    for x, y, c in columns(a, b):
-        p, q = (x, y) if variant == "a" else (y, x)
-        lines.append(f"{p}+{q}" + ("+1" if c else "") + f"={x + y + c}")
-    lines.append(f"={a + b}")
-    return "\n".join(lines) + "\n</think>\n\\boxed{" + str(a + b) + "}"
+def answer_of(a: int, b: int, checks: Sequence[bool]) -> int:
+    """The number ``solution(a, b, checks)`` boxes."""
+    text = solution(a, b, checks)
+    return int(text[text.rindex("{") + 1 : -1])
 
 
-def solution(a: int, b: int, strategy: str, variant: str) -> str:
-    """A response of the given strategy and variant."""
-    if strategy == "quick":
-        return quick_solution(a, b, variant)
-    if strategy == "checked":
-        return checked_solution(a, b, variant)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+def read_checks(text: str) -> list[bool] | None:
+    """Which lines of a response's reasoning are checked (``x+y...=s``), right to left.
 
-
-def classify(text: str) -> tuple[str, str]:
-    """(strategy, variant) of a response, read from its first line(s).
-
-    A response that closes its reasoning at once is quick (variant b if it
-    restates the problem); anything else is checked (variant by the order of
-    its first column line against the prompt is not recoverable from the
-    response alone, so checked responses report variant ``"?"`` unless
-    ``classify_in`` is given the problem).
+    None when the reasoning is not closed (a truncated or malformed response).
     """
-    t = text.lstrip("\n")
-    if t.startswith("</think>"):
-        return "quick", ("b" if "+" in t.split("\\boxed", 1)[0] else "a")
-    return "checked", "?"
-
-
-def classify_in(text: str, a: int, b: int) -> tuple[str, str]:
-    """(strategy, variant) of a response to a + b; a checked one's variant from its first column."""
-    strategy, variant = classify(text)
-    if strategy == "checked":
-        x, y, _ = columns(a, b)[0]
-        lines = text.lstrip("\n").split("\n")
-        first = lines[1] if len(lines) > 1 else ""
-        if x == y:
-            variant = "a"  # both orders read the same
-        elif first.startswith(f"{y}+{x}"):
-            variant = "b"
-        elif first.startswith(f"{x}+{y}"):
-            variant = "a"
-    return strategy, variant
+    if "</think>" not in text:
+        return None
+    body = text.split("</think>", 1)[0].strip("\n")
+    return [("=" in line) for line in body.split("\n")] if body else []
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CarryTask:
-    """Operand sizes and the strategy mixture of the supervised data.
+    """Operand sizes and the checking habit of the supervised data.
 
     Attributes:
       min_digits / max_digits: each operand has a uniformly drawn number of
         digits in this range (no leading zeros).
-      checked_share: probability that a supervised example uses the checked
-        strategy (else the quick one).
-      variant_b_share: probability of variant b within either strategy.
+      check_rate: probability that a supervised solution checks a column,
+        independently per column.
     """
 
     min_digits: int = 2
     max_digits: int = 5
-    checked_share: float = 0.05
-    variant_b_share: float = 0.5
+    check_rate: float = 0.25
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(
                 f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}"
             )
-        for name in ("checked_share", "variant_b_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.check_rate <= 1.0:
+            raise ValueError(f"check_rate must be in [0, 1], got {self.check_rate}")
 
     def sample(self, rng: np.random.Generator) -> tuple[int, int]:
         """One problem (a, b): digit counts uniform, then a uniform carry count, then operands."""
@@ -186,13 +177,12 @@ class CarryTask:
         return out
 
     def sft_response(
-        self, a: int, b: int, rng: np.random.Generator, checked_share: float | None = None
+        self, a: int, b: int, rng: np.random.Generator, check_rate: float | None = None
     ) -> str:
-        """A supervised target: checked with probability ``checked_share`` (default the task's)."""
-        share = self.checked_share if checked_share is None else checked_share
-        strategy = "checked" if rng.random() < share else "quick"
-        variant = "b" if rng.random() < self.variant_b_share else "a"
-        return solution(a, b, strategy, variant)
+        """A supervised target: each column checked with probability ``check_rate``."""
+        rate = self.check_rate if check_rate is None else check_rate
+        n = len(columns(a, b))
+        return solution(a, b, [bool(x) for x in rng.random(n) < rate])
 
 
 def prompt(a: int, b: int) -> str:
