@@ -92,3 +92,29 @@ def test_tokenizer_covers_every_solution_with_no_unknown_token():
         assert unk not in ids and tok.decode(ids) == text
         longest = max(longest, len(ids) + 1)
     assert longest <= MAX_RESPONSE
+
+
+@pytest.mark.slow  # ~30 s: a few supervised steps, then held-out statistics
+def test_build_world_writes_a_loadable_model_its_curve_and_statistics(tmp_path):
+    from magic_jax.jobs.world import WorldBuildConfig, build_world
+    from magic_jax.run.policy import load_policy
+
+    cfg = WorldBuildConfig(balanced_steps=8, mixture_steps=8, batch=4, train_problems=16,
+                           heldout_problems=8, eval_every=8, eval_samples=2,
+                           eval_problems=4)  # fmt: skip
+    info = build_world(tmp_path / "w", cfg, log=lambda s: None)
+    assert {p.name for p in (tmp_path / "w").iterdir()} >= {
+        "model", "train.jsonl", "heldout.jsonl", "build.json"}  # fmt: skip
+    assert len(info["evals"]) >= 2
+    st = info["statistics"]
+    assert st["samples"] == 8 * 8 and 0.0 <= st["accuracy"] <= 1.0
+    assert st["entropy"] > 0.0 and 1 <= st["length"] <= 64
+    assert sum(v["samples"] for v in st["by_carries"].values()) == st["samples"]
+    rows = [r for r in (tmp_path / "w" / "heldout.jsonl").read_text().splitlines() if r]
+    assert len(rows) == 8
+    load_policy(str(tmp_path / "w" / "model"), "float32", None)
+    with pytest.raises(FileExistsError, match="not a build of this command"):
+        (tmp_path / "x").mkdir()
+        (tmp_path / "x" / "keep.txt").write_text("mine")
+        build_world(tmp_path / "x", cfg, log=lambda s: None)
+    assert (tmp_path / "x" / "keep.txt").read_text() == "mine"

@@ -222,7 +222,9 @@ def build_world(
     graphdef, params = nnx.split(model, nnx.Param)
     total = config.balanced_steps + config.mixture_steps
     sft = SFTTrainer(
-        graphdef, params, SFTConfig(learning_rate=config.learning_rate, decay_steps=total - 20)
+        graphdef,
+        params,
+        SFTConfig(learning_rate=config.learning_rate, decay_steps=max(total - 20, 1)),
     )
     rng = np.random.default_rng(config.seed + 3)
 
