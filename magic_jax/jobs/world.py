@@ -54,14 +54,14 @@ class WorldBuildConfig:
     """
 
     seed: int = 0
-    balanced_steps: int = 1200
+    balanced_steps: int = 3200
     mixture_steps: int = 800
     batch: int = 32
     learning_rate: float = 2e-3
     check_rate: float = 0.25
     train_problems: int = 4096
     heldout_problems: int = 256
-    eval_every: int = 200
+    eval_every: int = 400
     eval_samples: int = 4
     eval_problems: int = 128
 
