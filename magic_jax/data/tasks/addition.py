@@ -40,6 +40,9 @@ from typing import Any
 
 import numpy as np
 
+from magic_jax.data.tasks.rows import distinct_problems, sum_rows
+from magic_jax.data.tasks.rows import row_problem as row_problem  # re-exported
+
 # Every character prompts and solutions use.
 CHARS = "0123456789+=\n\\{}boxed"
 
@@ -81,14 +84,7 @@ class AdditionTask:
         self, n: int, rng: np.random.Generator, exclude: Iterable[tuple[int, int]] = ()
     ) -> list[tuple[int, int]]:
         """``n`` distinct problems, none of them in ``exclude``."""
-        seen = set(exclude)
-        out = []
-        while len(out) < n:
-            p = self.sample(rng)
-            if p not in seen:
-                seen.add(p)
-                out.append(p)
-        return out
+        return distinct_problems(self.sample, n, rng, exclude)
 
     def sft_response(self, a: int, b: int, rng: np.random.Generator) -> str:
         """A supervised target: the worked style with probability ``worked_share``."""
@@ -150,23 +146,8 @@ def verl_rows(
       exclude: problems (a, b) never to emit, e.g. a held-out set.
     """
     task = task or AdditionTask()
-    rows = []
-    for i, (a, b) in enumerate(task.problems(n, np.random.default_rng(seed), exclude)):
-        rows.append(
-            {
-                "data_source": source,
-                "prompt": [{"role": "user", "content": prompt(a, b)}],
-                "ability": "math",
-                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-                "extra_info": {"index": i, "a": a, "b": b},
-            }
-        )
-    return rows
-
-
-def row_problem(row: dict[str, Any]) -> tuple[int, int]:
-    """(a, b) of a row written by ``verl_rows``."""
-    return int(row["extra_info"]["a"]), int(row["extra_info"]["b"])
+    problems = task.problems(n, np.random.default_rng(seed), exclude)
+    return sum_rows(problems, source=source)
 
 
 def tokenizer():
