@@ -23,17 +23,9 @@ from typing import Any
 
 import numpy as np
 
-MODEL = dict(
-    hidden_size=128,
-    intermediate_size=352,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-    rope_theta=1e4,
-)
-MAX_PROMPT = 16  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
-MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 62 with EOS
+from magic_jax.jobs.demo import MAX_PROMPT, MODEL  # the default's model shape and prompts
+
+MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 60 with EOS
 SFT_LENGTH = 80  # the longest prompt and response, rounded up
 
 
