@@ -40,8 +40,8 @@ but the length. So:
 - the supervised data checks each column independently with a small
   probability (``check_rate``), so the base model rarely checks every column
   a hard problem needs (about ``check_rate`` to the power of the columns in
-  carries), and the checked solutions are longer (up to 62 tokens against
-  26), so a short first-stage T truncates them. Reinforcement learning can
+  carries), and the checked solutions are longer (up to 60 tokens against
+  22-27), so a short first-stage T truncates them. Reinforcement learning can
   only learn when to check while the policy still samples checked columns.
 """
 
