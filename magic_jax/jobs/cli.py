@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "build-world",
-        help="build the carry world's base model and problems (quick and checked strategies)",
+        help="build the carry world's base model and problems (check or hurry each column)",
     )
     p.add_argument("--out", required=True, help="directory (e.g. magic_jax/assets/carry)")
     p.add_argument("--seed", type=int, default=0)
