@@ -12,22 +12,29 @@
 # ---
 
 # %% [markdown]
-# # 04. Advantage mask for truncated responses in a short-T stage
+# # 04. Advantage mask for truncated responses in a short-T stage (carry world)
 #
 # The report: in a stage whose length limit T truncates many responses, leaving truncated
 # responses out of the advantage ('before': out of the group statistics and A = 0) removes the
-# pressure against running over T: the truncated fraction rises and overall accuracy falls. No
-# mask (the default) or 'after' (A = 0 after normalising over all responses) are the
-# alternatives.
+# pressure against running over T: the truncated fraction rises and overall training accuracy
+# falls while accuracy on the responses that fit rises (reward hacking). No mask (the report's
+# choice) or 'after' (A = 0 after normalising over all responses) are the alternatives.
 #
-# The default's first stage (T = 44) truncates the long worked solutions; the second stage
-# (T = 64) does not.
+# Measured as the report measures it: over the short-T stage's own steps, the truncated
+# fraction, the rollout reward (training accuracy at T, a truncated response scoring 0) and
+# the accuracy of the responses not truncated.
 #
-# Every run is an ordinary `magic-jax train` run of the embedded default
-# (`configs/default.yaml`, 15 + 15 steps here) made by `magic_jax.experiments.ablations`; this notebook
-# only reads the committed summaries in `results/runs/` (and trains whatever is missing
-# first). Set `MAGIC_JAX_NOTEBOOK_STEPS=1` for a smoke run of the whole notebook with one
-# step per stage (its results go to `results/budget-1/`).
+# The world is the carry world (`configs/carry.yaml`, docs/carry-world.md), where response
+# length is the policy's choice: checking a column adds a line, and stage 1's T = 32 truncates
+# responses that check most columns of a long problem (all solutions fit stage 2's T = 64).
+# No arm has an entropy bonus (only the mask differs), so the reference arm is the central
+# claim's no-bonus arm (notebook 00). 5 paired seeds per arm, 150 + 150 steps.
+#
+# Every run is an ordinary `magic-jax train configs/carry.yaml` run made by
+# `magic_jax.experiments.ablations`; this notebook only reads the committed summaries in
+# `results/runs/` (and trains whatever is missing first). Set `MAGIC_JAX_NOTEBOOK_STEPS=1` for
+# a smoke run of the whole notebook with one step per stage (its results go to
+# `results/budget-1/`).
 
 # %%
 from magic_jax.experiments import ablation_report, ablations
@@ -49,8 +56,8 @@ fig
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (a difference counts when it is more than twice its standard error), and
-# one command per arm to re-run it.
+# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# re-run it.
 
 # %%
 print(ablation_report.describe(ABLATION, runs))
@@ -58,11 +65,4 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# Not reproduced (2 seeds): with `before` the stage-1 truncated fraction is unchanged (46.5 vs
-# 46.8%) and stage-1 accuracy is higher, not lower (94.7 vs 92.2%, +0.025 +- 0.010). Here a
-# truncated response is a worked solution of a long problem, and all of that problem's worked
-# samples are truncated: those groups score 0 and are dropped by rejection sampling whatever the
-# mask. In the mixed groups left, an unmasked truncated response gets a negative advantage that
-# pushes the first token toward the quick (wrong) style; masking removes that push. The report's
-# mechanism, learning to write less to fit T, needs responses whose length the model can choose;
-# in this task the problem sets it.
+# (Filled in from the committed runs.)

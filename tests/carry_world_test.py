@@ -118,3 +118,36 @@ def test_build_world_writes_a_loadable_model_its_curve_and_statistics(tmp_path):
         (tmp_path / "x" / "keep.txt").write_text("mine")
         build_world(tmp_path / "x", cfg, log=lambda s: None)
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
+
+
+def test_the_shipped_base_has_the_worlds_structure():
+    """The base in magic_jax/assets/carry, as its build measured it (256 held-out x 8)."""
+    import json
+
+    from magic_jax.jobs.world import CARRY_BUILD
+
+    info = json.loads(CARRY_BUILD.read_text())
+    st = info["statistics"]
+    assert info["build"]["seed"] == 0 and st["samples"] == 256 * 8
+    assert info["parameters"] < 1_000_000  # the model file stays small (< 20 MB)
+    # the better strategy is rare: a quarter of the carry columns checked, few right answers
+    assert 0.15 < st["check_rate_needed"] < 0.35 and 0.15 < st["accuracy"] < 0.3
+    # hurrying is right with no carry and wrong with carries: headroom at every difficulty
+    acc = {int(c): v["accuracy"] for c, v in st["by_carries"].items()}
+    assert acc[0] > 0.9 and max(acc[c] for c in (2, 3, 4, 5)) < 0.05
+    assert st["well_formed"] > 0.99 and st["truncated"] == 0.0
+
+
+def test_model_statistics_reads_a_saved_model_and_a_rows_file():
+    import json
+
+    from magic_jax.jobs.world import CARRY_ASSETS, model_statistics
+
+    rows = [json.loads(x) for x in (CARRY_ASSETS / "heldout.jsonl").read_text().splitlines()][:24]
+    st = model_statistics(CARRY_ASSETS / "model", rows, num_samples=2, seed=3)
+    assert st["samples"] == 48 and 0.0 <= st["accuracy"] <= 1.0
+    assert st["well_formed"] > 0.9 and 18 <= st["length"] <= 64
+    again = model_statistics(
+        CARRY_ASSETS / "model", CARRY_ASSETS / "heldout.jsonl", num_samples=1, seed=3
+    )
+    assert again["samples"] == 256

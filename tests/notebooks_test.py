@@ -28,27 +28,40 @@ def _all_arms():
 
 
 @pytest.mark.parametrize("ablation,arm", _all_arms(), ids=lambda x: getattr(x, "key", x))
-def test_every_arm_is_a_valid_default_run_of_equal_length(ablation, arm, tmp_path):
+def test_every_arm_is_a_valid_run_of_its_world_of_equal_length(ablation, arm, tmp_path):
+    world = ablations.ABLATIONS[ablation].world_spec
     cfg = load_config(
-        ablations.train_config(),
-        [*ablations.overrides_for(arm, 1), f"output_dir={tmp_path}"],
+        ablations.train_config(world.key),
+        [*ablations.overrides_for(arm, 1, world=world.key), f"output_dir={tmp_path}"],
     )
-    assert cfg.total_steps == 2 * ablations.STAGE_STEPS
-    assert cfg.seed == 1 and cfg.export_hf is False
+    assert cfg.total_steps == 2 * world.stage_steps
+    # the carry world's runs export their final model: its statistics are measured
+    assert cfg.seed == 1 and cfg.export_hf is world.statistics
     small = load_config(
-        ablations.train_config(),
-        [*ablations.overrides_for(arm, 0, budget=1), f"output_dir={tmp_path}"],
+        ablations.train_config(world.key),
+        [*ablations.overrides_for(arm, 0, budget=1, world=world.key), f"output_dir={tmp_path}"],
     )
-    assert small.total_steps == 2
+    assert small.total_steps == 2 and small.export_hf is world.statistics
+
+
+def test_each_world_runs_the_config_a_checkout_names():
+    for w in ablations.WORLDS.values():
+        assert (ROOT / w.config).read_text() == ablations.train_config(w.key).read_text()
 
 
 def test_arms_change_what_they_claim(tmp_path):
     def cfg(key):
-        arm = next(a for _, a in _all_arms() if a.key == key)
+        ab, arm = next((ab, a) for ab, a in _all_arms() if a.key == key)
+        world = ablations.ABLATIONS[ab].world
         return load_config(
-            ablations.train_config(), [*ablations.overrides_for(arm, 0), f"output_dir={tmp_path}"]
+            ablations.train_config(world),
+            [*ablations.overrides_for(arm, 0, world=world), f"output_dir={tmp_path}"],
         )
 
+    assert cfg("carry-none").entropy.mode == "fixed" and cfg("carry-none").entropy.init_coef == 0
+    assert cfg("carry-fixed-0.005").entropy.init_coef == 0.005
+    adaptive = cfg("carry-adaptive").entropy
+    assert adaptive.mode == "adaptive" and adaptive.max_coef is None
     base = cfg("baseline")
     assert base.sampling.temperature == 1.0 and base.num_reuse == 1
     assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6
@@ -95,14 +108,48 @@ def test_step_budget_and_results_dir(monkeypatch, tmp_path):
         (+1, [1.0, 1.1, 0.9], [0.5, 0.6, 0.4], "not reproduced"),
         (-1, [1.0, 0.2, 0.6], [0.5, 0.9, 0.1], "inconclusive"),
         (-1, [1.0], [0.5], "inconclusive"),
-        (0, [0.90, 0.91, 0.92], [0.905, 0.915, 0.91], "reproduced"),
+        (-1, [1.0, 1.0, 1.0], [0.5, 0.5, 0.5], "inconclusive"),  # no spread: no p-value
+        # p = 0.07: more than 2 standard errors apart, yet not p < 0.05
+        (-1, [1.0, 1.2, 0.8], [0.6, 0.8, 0.4], "inconclusive"),
+        (0, [0.90, 0.91, 0.92], [0.905, 0.911, 0.908], "reproduced"),
+        (0, [0.90, 0.91, 0.92], [0.90, 0.93, 0.96], "inconclusive"),  # interval too wide
         (0, [0.90, 0.91, 0.92], [0.70, 0.71, 0.72], "not reproduced"),
     ],
 )
 def test_judge(sign, ref, arm, want):
-    e = ar.judge(ar.Check("final accuracy", "a", "b", sign, tolerance=0.02), ref, arm)
+    e = ar.judge(ar.Check("final accuracy", "a", "b", sign, tolerance=0.03), ref, arm)
     assert e.verdict == want
     assert e.diff == pytest.approx(sum(arm) / len(arm) - sum(ref) / len(ref))
+
+
+def test_welch_interval_and_p_agree_with_scipy():
+    from scipy import stats
+
+    ref, arm = [0.61, 0.55, 0.70, 0.64, 0.58], [0.71, 0.80, 0.66, 0.75]
+    se, low, high, p = ar.welch(ref, arm)
+    want = stats.ttest_ind(arm, ref, equal_var=False)
+    assert p == pytest.approx(want.pvalue, rel=1e-9)
+    ci = want.confidence_interval(0.95)
+    assert (low, high) == (pytest.approx(ci.low, rel=1e-9), pytest.approx(ci.high, rel=1e-9))
+    diff = sum(arm) / len(arm) - sum(ref) / len(ref)
+    assert low < diff < high and se > 0
+
+
+def test_identical_arms_are_found_by_their_rollouts(tmp_path):
+    ab = ablations.ABLATIONS["temperature"]
+    base, cold = ab.arms
+    for seed in (0, 1):
+        _fake_run(ablations.summary_dir(tmp_path, base, seed), base, seed, 0.4, 0.9)
+        # seed 0: the same rollouts (the loss may differ); seed 1: different entropy
+        ent = 0.4 if seed == 0 else 0.3
+        _fake_run(ablations.summary_dir(tmp_path, cold, seed), cold, seed, ent, 0.9)
+    runs = ablations.load_arm_runs("temperature", tmp_path)
+    assert ar.identical_arms(runs) == [("baseline", "temp-0.6", [0])]
+    labels = {a.key: a.label for a in ab.arms}
+    assert ar.identical_text(runs, labels) == [
+        "temperature 1.0 and temperature 0.6 are identical step for step in seed 0"
+    ]
+    assert "identical step for step in seed 0" in ar.describe("temperature", runs)
 
 
 def _fake_run(d: Path, arm, seed: int, entropy: float, acc: float) -> None:
@@ -143,7 +190,7 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
 def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
     bad = ablations.Arm("bad", "bad", ("sampling.temperature=banana",))
     with pytest.raises(RuntimeError, match=r"x/bad seed 0: magic-jax train exited 2 \(log "):
-        ablations.run_one("x", bad, 0, tmp_path)
+        ablations.run_one("x", bad, 0, tmp_path, world="default")
     assert not ablations.is_done(tmp_path, bad, 0)
     assert "sampling.temperature" in (tmp_path / "raw" / "bad" / "seed0.log").read_text()
 
@@ -159,11 +206,15 @@ def test_committed_summaries_match_the_current_arms(record):
     arm = next(a for _, a in _all_arms() if a.key == rec["arm"])
     assert record.parent == ablations.summary_dir(COMMITTED, arm, rec["seed"])
     assert rec["step_budget"] is None
-    assert rec["overrides"] == ablations.overrides_for(arm, rec["seed"])
-    assert rec["command"].startswith("magic-jax train configs/default.yaml --set ")
+    world = ablations.ABLATIONS[rec["ablation"]].world_spec
+    assert rec["overrides"] == ablations.overrides_for(arm, rec["seed"], world=world.key)
+    assert rec["command"].startswith(f"magic-jax train {world.config} --set ")
     run = load_run(record.parent)
-    assert [m["step"] for m in run.metrics] == list(range(2 * ablations.STAGE_STEPS))
-    assert run.evals[-1]["step"] == 2 * ablations.STAGE_STEPS
+    assert [m["step"] for m in run.metrics] == list(range(2 * world.stage_steps))
+    assert run.evals[-1]["step"] == 2 * world.stage_steps
+    if world.statistics:
+        stats = json.loads((record.parent / "world.json").read_text())
+        assert stats["samples"] == 256 * ablations.WORLD_SAMPLES
 
 
 def test_the_notebooks_readme_holds_the_table_of_the_committed_runs():

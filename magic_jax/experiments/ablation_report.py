@@ -67,6 +67,21 @@ def stage1_truncated(run: Run) -> float:
     return float(sum(v) / len(v))
 
 
+def stage1_reward(run: Run) -> float:
+    """Training accuracy at the first stage's T: rollout reward averaged over its steps
+    (a truncated response scores 0)."""
+    v = [m["reward"] for m in _stage_rows(run, 0)]
+    return float(sum(v) / len(v))
+
+
+def stage1_accuracy_not_truncated(run: Run) -> float:
+    """Accuracy of the responses that fit the first stage's T, averaged over its steps."""
+    v = [m["accuracy_not_truncated"] for m in _stage_rows(run, 0)
+         if isinstance(m.get("accuracy_not_truncated"), int | float)
+         and not math.isnan(m["accuracy_not_truncated"])]  # fmt: skip
+    return float(sum(v) / len(v)) if v else math.nan
+
+
 def stage1_accuracy(run: Run) -> float:
     """Held-out avg@n at the last evaluation inside the first stage."""
     last = max((m["step"] for m in _stage_rows(run, 0)), default=0) + 1
@@ -107,6 +122,34 @@ def max_grad_norm(run: Run) -> float:
     return float(max(m.get("grad_norm", 0.0) for m in run.metrics))
 
 
+def _world(run: Run) -> dict[str, Any]:
+    """The run's ``world.json`` (carry world: the final model's statistics), or {}."""
+    import json
+
+    p = Path(run.path) / "world.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def final_check_rate(run: Run) -> float:
+    """Carry world: share of the columns in a carry that the final model checks (the better
+    strategy: an answer is right exactly when all of them are), held-out problems at T 64."""
+    return float(_world(run).get("check_rate_needed", math.nan))
+
+
+def final_check_rate_other(run: Run) -> float:
+    """Carry world: share of the columns without a carry that the final model checks
+    (checking them costs length and buys nothing: diversity among correct answers)."""
+    return float(_world(run).get("check_rate_other", math.nan))
+
+
+def alpha_off_bounds(run: Run) -> float:
+    """Share of steps whose entropy coefficient is strictly inside its bounds (0, max_coef]."""
+    cap = (run.config.get("entropy") or {}).get("max_coef")
+    v = [m.get("alpha", 0.0) for m in run.metrics]
+    inside = [a > 0 and (cap is None or a < float(cap) - 1e-12) for a in v]
+    return float(sum(inside) / len(inside)) if inside else math.nan
+
+
 OUTCOMES: dict[str, Callable[[Run], float]] = {
     "final accuracy": final_accuracy,
     "mean accuracy": mean_accuracy,
@@ -115,10 +158,15 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "late |entropy - target|": late_target_gap,
     "stage-1 truncated fraction": stage1_truncated,
     "stage-1 accuracy": stage1_accuracy,
+    "stage-1 rollout reward": stage1_reward,
+    "stage-1 non-truncated accuracy": stage1_accuracy_not_truncated,
     "rollout tokens (M)": rollout_tokens,
     "stage-2 KL to reference": stage2_ref_kl,
     "stage-2 KL drift": stage2_ref_kl_drift,
     "max grad norm": max_grad_norm,
+    "final check rate (carry columns)": final_check_rate,
+    "final check rate (other columns)": final_check_rate_other,
+    "alpha off its bounds": alpha_off_bounds,
 }
 
 
@@ -142,6 +190,12 @@ class Check:
 
 # The report's predictions, per ablation.
 CHECKS: dict[str, tuple[Check, ...]] = {
+    "central": (
+        Check("final accuracy", "carry-none", "carry-adaptive", +1),
+        Check("final accuracy", "carry-fixed-0.005", "carry-adaptive", +1),
+        Check("late entropy", "carry-none", "carry-adaptive", +1),
+        Check("final check rate (carry columns)", "carry-none", "carry-adaptive", +1),
+    ),
     "temperature": (
         Check("mean entropy", "baseline", "temp-0.6", -1),
         Check("final accuracy", "baseline", "temp-0.6", -1),
@@ -159,9 +213,10 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("late |entropy - target|", "ent-fixed-5", "ent-adaptive-0.2", -1),
     ),
     "adv_mask": (
-        Check("stage-1 truncated fraction", "baseline", "mask-before", +1),
-        Check("stage-1 accuracy", "baseline", "mask-before", -1),
-        Check("stage-1 truncated fraction", "baseline", "mask-after", +1),
+        Check("stage-1 truncated fraction", "carry-none", "carry-mask-before", +1),
+        Check("stage-1 rollout reward", "carry-none", "carry-mask-before", -1),
+        Check("stage-1 non-truncated accuracy", "carry-none", "carry-mask-before", +1),
+        Check("stage-1 truncated fraction", "carry-none", "carry-mask-after", +1),
     ),
     "clip_higher": (
         Check("mean entropy", "clip-0.2-nsgd4", "clip-0.25-nsgd4", +1),
@@ -193,6 +248,10 @@ class Effect:
       reference / arm: the outcome of each seed.
       diff: mean(arm) - mean(reference).
       se: its standard error, sqrt(s_a^2 / n_a + s_r^2 / n_r) (0 with one seed each).
+      low / high: the 95% interval of ``diff`` (Welch: Student's t with the
+        Welch-Satterthwaite degrees of freedom); nan when it cannot be formed.
+      p: Welch's two-sided p-value of diff = 0 (nan with fewer than 2 seeds a side or no
+        spread at all).
       verdict: "reproduced", "not reproduced" or "inconclusive".
     """
 
@@ -202,6 +261,9 @@ class Effect:
     diff: float
     se: float
     verdict: str
+    low: float = math.nan
+    high: float = math.nan
+    p: float = math.nan
 
     def text(self, labels: Mapping[str, str] | None = None) -> str:
         lab = labels or {}
@@ -209,11 +271,17 @@ class Effect:
             lab.get(self.check.reference, self.check.reference or "0"),
             lab.get(self.check.arm, self.check.arm),
         )
+        interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
+        p = "" if math.isnan(self.p) else f", Welch p = {_p(self.p)}"
         return (
             f"{self.check.outcome}: {a} {_mean(self.arm):.3f} vs {r} {_mean(self.reference):.3f} "
-            f"(diff {self.diff:+.3f} +- {self.se:.3f}, "
+            f"(diff {self.diff:+.3f}{interval}{p}, "
             f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict}"
         )
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-3 else "< 0.001"
 
 
 def _mean(v: Sequence[float]) -> float:
@@ -227,29 +295,91 @@ def _var(v: Sequence[float]) -> float:
     return sum((x - m) ** 2 for x in v) / (len(v) - 1)
 
 
-def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Effect:
-    """Compares two arms' per-seed outcomes against the predicted sign.
+ALPHA = 0.05  # a prediction counts as reproduced only at Welch p < 0.05
 
-    A difference counts when it exceeds twice its standard error (and, with fewer than
-    2 seeds on a side, the verdict is "inconclusive"). For sign 0 ("the same"), the
-    prediction holds when |diff| + 2 se <= tolerance and fails when |diff| - 2 se > tolerance.
+
+def welch(reference: Sequence[float], arm: Sequence[float]) -> tuple[float, float, float, float]:
+    """(se, 95% low, 95% high, two-sided p) of mean(arm) - mean(reference), Welch's t.
+
+    nan for the interval and p with fewer than 2 values a side, or when neither side varies.
+    """
+    from scipy import stats
+
+    na, nr = len(arm), len(reference)
+    va, vr = _var(arm), _var(reference)
+    se = math.sqrt(va / max(na, 1) + vr / max(nr, 1))
+    if min(na, nr) < 2 or se == 0:
+        return se, math.nan, math.nan, math.nan
+    df = (va / na + vr / nr) ** 2 / ((va / na) ** 2 / (na - 1) + (vr / nr) ** 2 / (nr - 1))
+    diff = _mean(arm) - _mean(reference)
+    half = float(stats.t.ppf(0.975, df)) * se
+    p = float(2 * stats.t.sf(abs(diff) / se, df))
+    return se, diff - half, diff + half, p
+
+
+def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Effect:
+    """Compares two arms' per-seed outcomes against the predicted sign (Welch's t).
+
+    A directional prediction is "reproduced" when the difference has the predicted sign at
+    p < 0.05 (two-sided), "not reproduced" when it has the other sign at p < 0.05, and
+    "inconclusive" otherwise (fewer than 2 seeds a side, or no spread at all). For sign 0
+    ("the same"), it holds when the 95% interval lies within +-tolerance and fails when the
+    interval lies wholly outside it.
     """
     diff = _mean(arm) - _mean(reference)
-    se = math.sqrt(_var(arm) / max(len(arm), 1) + _var(reference) / max(len(reference), 1))
-    if min(len(arm), len(reference)) < 2 or math.isnan(diff):
+    se, low, high, p = welch(reference, arm)
+    if math.isnan(p) or math.isnan(diff):
         verdict = "inconclusive"
     elif check.sign == 0:
-        if abs(diff) + 2 * se <= check.tolerance:
+        if -check.tolerance <= low and high <= check.tolerance:
             verdict = "reproduced"
-        elif abs(diff) - 2 * se > check.tolerance:
+        elif low > check.tolerance or high < -check.tolerance:
             verdict = "not reproduced"
         else:
             verdict = "inconclusive"
-    elif abs(diff) <= 2 * se or diff == 0:
+    elif p >= ALPHA:
         verdict = "inconclusive"
     else:
         verdict = "reproduced" if (diff > 0) == (check.sign > 0) else "not reproduced"
-    return Effect(check, list(reference), list(arm), diff, se, verdict)
+    return Effect(check, list(reference), list(arm), diff, se, verdict, low, high, p)
+
+
+def _seed(run: Run) -> int | None:
+    import json
+
+    p = Path(run.path) / "run.json"
+    return json.loads(p.read_text()).get("seed") if p.exists() else None
+
+
+def identical_arms(runs: Mapping[str, Sequence[Run]]) -> list[tuple[str, str, list[int]]]:
+    """Pairs of arms whose rollouts are step-for-step identical in some seed (the same
+    entropy, reward and mean response length at every step): ``(arm a, arm b, [seeds])``.
+    Such an arm tested nothing in those seeds: its setting never changed the policy (a loss
+    may still differ, e.g. where a clip that never binds moves the reported loss)."""
+    keys = ("entropy", "reward", "response_length_mean")
+    sig = {
+        arm: {_seed(r): [tuple(m.get(k) for k in keys) for m in r.metrics] for r in rs}
+        for arm, rs in runs.items()
+    }
+    out = []
+    arms = list(runs)
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            same = sorted(
+                s for s in sig[a] if s is not None and s in sig[b] and sig[a][s] == sig[b][s]
+            )
+            if same:
+                out.append((a, b, same))
+    return out
+
+
+def identical_text(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str]) -> list[str]:
+    """One line per pair of arms identical in some seed."""
+    return [
+        f"{labels.get(a, a)} and {labels.get(b, b)} are identical step for step in seed"
+        f"{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
+        for a, b, s in identical_arms(runs)
+    ]
 
 
 def effects(
@@ -369,6 +499,42 @@ def ablation_figure(ablation: str, runs: Mapping[str, Sequence[Run]] | None = No
     return fig
 
 
+def world_table(ablation: str, runs: Mapping[str, Sequence[Run]],
+                base: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+    """Carry world: the final models' strategy shares and accuracy per carry count (seed mean
+    +- std of each run's ``world.json``), with the base model's figures (``base``: its
+    ``build.json`` statistics) as the first row."""
+    ab = ablations.ABLATIONS[ablation]
+    cols = [("check_rate_needed", "checks carry columns"), ("check_rate_other", "checks others"),
+            ("accuracy", "accuracy"), ("entropy_correct", "entropy, correct"),
+            ("entropy_wrong", "entropy, wrong"), ("length", "length")]  # fmt: skip
+    carries = [str(c) for c in range(6)]
+    header = ["model", "seeds", *(c[1] for c in cols), *(f"acc, {c} carries" for c in carries)]
+
+    def cell(v: Sequence[float], digits: int = 3) -> str:
+        v = [x for x in v if not math.isnan(x)]
+        if not v:
+            return "-"
+        return f"{_mean(v):.{digits}f}" + (
+            f" +- {math.sqrt(_var(v)):.{digits}f}" if len(v) > 1 else ""
+        )
+
+    def row(name: str, stats: Sequence[Mapping[str, Any]]) -> list[str]:
+        out = [name, str(len(stats))]
+        out += [cell([float(s.get(k, math.nan)) for s in stats], 1 if k == "length" else 3)
+                for k, _ in cols]  # fmt: skip
+        out += [cell([float((s.get("by_carries") or {}).get(c, {}).get("accuracy", math.nan))
+                      for s in stats], 2) for c in carries]  # fmt: skip
+        return out
+
+    rows = [row("base (step 0)", [base])] if base else []
+    for arm in ab.arms:
+        stats = [w for w in (_world(r) for r in runs.get(arm.key, [])) if w]
+        if stats:
+            rows.append(row(f"{arm.label}, final", stats))
+    return format_table(header, rows)
+
+
 def verdict(effs: Sequence[Effect]) -> str:
     """One word for an ablation: every check reproduced, any failed, or otherwise inconclusive."""
     vs = {e.verdict for e in effs}
@@ -379,25 +545,33 @@ def verdict(effs: Sequence[Effect]) -> str:
     return "partly reproduced (rest inconclusive)" if "reproduced" in vs else "inconclusive"
 
 
+# Where a claim stays inconclusive or fails: what the world it ran in lacks for it (from
+# the runs' own numbers; shown in the table's last column).
+LIMITS: dict[str, str] = {}
+
+
 def summary_rows(results: Any = None) -> list[list[str]]:
-    """The README table: ablation, claim, arms, seeds, effects, verdict."""
+    """The README table: ablation, claim, world, arms, seeds, effects, verdict, limits."""
     rows = []
     for key, ab in ablations.ABLATIONS.items():
         runs = ablations.load_arm_runs(key, results)
         effs = effects(key, runs, results)
         labels = {a.key: a.label for a in ab.arms}
         seeds = "/".join(str(len(runs[a.key])) for a in ab.arms)
+        same = identical_text(runs, labels)
         rows.append([
-            key, ab.claim, "; ".join(a.label for a in ab.arms), seeds,
-            "<br>".join(e.text(labels) for e in effs), verdict(effs),
+            key, ab.claim, ab.world, "; ".join(a.label for a in ab.arms), seeds,
+            "<br>".join([*(e.text(labels) for e in effs), *same]), verdict(effs),
+            LIMITS.get(key, "") if verdict(effs) != "reproduced" else "",
         ])  # fmt: skip
     return rows
 
 
 def summary_table(results: Any = None) -> str:
     """The Markdown table of ``summary_rows`` (``notebooks/README.md`` holds it verbatim)."""
-    header = ["ablation", "report's claim", "arms", "seeds per arm", "effects (mean diff +- se)",
-              "verdict"]  # fmt: skip
+    header = ["ablation", "report's claim", "world", "arms", "seeds per arm",
+              "effects (mean diff, 95% interval, Welch p)", "verdict (p < 0.05)",
+              "what this world lacks for it"]  # fmt: skip
     return format_table(header, summary_rows(results))
 
 
@@ -434,6 +608,7 @@ def describe(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
         format_table(["arm", "seeds", *names], outcome_table(ablation, runs, names)),
         "",
         *(f"- {e.text(labels)}" for e in effs),
+        *(f"- {t}" for t in identical_text(runs, labels)),
         "",
         f"verdict: {verdict(effs)}",
         "",

@@ -1,10 +1,12 @@
-"""The report's entropy-dynamics ablations on the embedded default: arms, a resumable runner.
+"""The report's entropy-dynamics ablations: arms, worlds, a resumable runner.
 
-Each (arm, seed) is an ordinary ``magic-jax train`` run of ``configs/default.yaml``
-with ``--set`` overrides, in its own directory under ``<results>/raw/`` (git-ignored:
+Each (arm, seed) is an ordinary ``magic-jax train`` run of its world's config
+(``configs/default.yaml``, the embedded default, or ``configs/carry.yaml``, the carry
+world) with ``--set`` overrides, in its own directory under ``<results>/raw/`` (git-ignored:
 checkpoints, TensorBoard files). When a run finishes, its records (``metrics.jsonl``,
-``eval.jsonl``, ``config.yaml``) and a ``run.json`` (the command, the wall time) are
-copied to ``<results>/runs/<arm>/seed<k>/``: a small directory that
+``eval.jsonl``, ``config.yaml``; in the carry world also ``world.json``, the final
+model's ``magic_jax.jobs.world.world_statistics``) and a ``run.json`` (the command, the
+wall time) are copied to ``<results>/runs/<arm>/seed<k>/``: a small directory that
 ``magic_jax.jobs.report.load_run`` reads and that is committed. Runs already there are
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
 built over several sessions::
@@ -58,6 +60,56 @@ _STAGE_FIELDS = "prompts_per_step: 16, mini_batch_groups: 16, group_size: 8"
 
 
 @dataclasses.dataclass(frozen=True)
+class World:
+    """A shipped task and base model that ablations run on.
+
+    Attributes:
+      key: ``default`` or ``carry``.
+      config: the config file as typed in a checkout (``configs/<name>.yaml``).
+      package_config: the same file shipped in the package (``assets/...``), which runs use.
+      stage_steps: steps per stage of every run.
+      eval_overrides / run_overrides: ``--set`` assignments every run of this world gets.
+      statistics: whether a finished run's final model is measured with
+        ``magic_jax.jobs.world.world_statistics`` (``world.json``; needs the HF export).
+    """
+
+    key: str
+    config: str
+    package_config: str
+    stage_steps: int
+    eval_overrides: tuple[str, ...]
+    run_overrides: tuple[str, ...]
+    statistics: bool = False
+
+
+# The carry world: 150 steps per stage, the length over which its learning happens (held-out
+# accuracy stays near the base's through stage 1 and climbs over stage 2; docs/carry-world.md),
+# held-out avg@4 on the 256 problems every 25 steps (1,024 samples: standard error about 1.5
+# points at 50%).
+CARRY_STAGE_STEPS = 150
+
+WORLDS: dict[str, World] = {
+    "default": World(
+        "default",
+        "configs/default.yaml",
+        "assets/default/default.yaml",
+        STAGE_STEPS,
+        EVAL_OVERRIDES,
+        RUN_OVERRIDES,
+    ),
+    "carry": World(
+        "carry",
+        "configs/carry.yaml",
+        "assets/carry/carry.yaml",
+        CARRY_STAGE_STEPS,
+        ("eval.every=25", "eval.num_samples=4"),
+        ("export_hf=true", "checkpoint_every=50", "keep_checkpoints=1"),
+        statistics=True,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Arm:
     """One configuration of an ablation.
 
@@ -98,6 +150,7 @@ class Ablation:
       claim: the report's claim, in words.
       arms: the arms, the reference arm first.
       seeds: seeds per arm.
+      world: a key of ``WORLDS``.
     """
 
     key: str
@@ -105,6 +158,11 @@ class Ablation:
     claim: str
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...] = SEEDS
+    world: str = "default"
+
+    @property
+    def world_spec(self) -> World:
+        return WORLDS[self.world]
 
     def arm(self, key: str) -> Arm:
         for a in self.arms:
@@ -125,9 +183,32 @@ BASELINE = Arm(
     "default: T=1.0, N_SGD=1, adaptive (target 0.1), eps_high 0.28, mask none, KL 0",
 )
 
+_NO_BONUS = ("entropy.mode=fixed", "entropy.init_coef=0.0")
+
+# Five seeds for the central claim (paired: seed k of every arm starts from the same
+# model and draws the same first prompts).
+SEEDS_CENTRAL = (0, 1, 2, 3, 4)
+
 ABLATIONS: dict[str, Ablation] = {
     a.key: a
     for a in (
+        Ablation(
+            "central",
+            "Adaptive entropy control vs a small fixed coefficient vs none, carry world",
+            "Adaptive entropy control keeps exploration alive, so learning continues and ends "
+            "higher than a run whose entropy collapses.",
+            (
+                Arm("carry-none", "no entropy bonus", _NO_BONUS),
+                Arm(
+                    "carry-fixed-0.005",
+                    "fixed alpha 0.005",
+                    ("entropy.mode=fixed", "entropy.init_coef=0.005"),
+                ),
+                Arm("carry-adaptive", "adaptive: target 0.05, delta 0.001, no cap"),
+            ),
+            seeds=SEEDS_CENTRAL,
+            world="carry",
+        ),
         Ablation(
             "temperature",
             "Rollout temperature 0.6 vs 1.0",
@@ -186,15 +267,19 @@ ABLATIONS: dict[str, Ablation] = {
         ),
         Ablation(
             "adv_mask",
-            "Advantage mask for truncated responses: none / before / after",
+            "Advantage mask for truncated responses: none / before / after, carry world",
             "In a short-T stage, masking 'before' raises the truncated fraction and lowers "
-            "overall accuracy.",
+            "overall training accuracy while raising accuracy on the responses not truncated.",
+            # The carry world, where length is the policy's choice (checking a column makes
+            # the response longer) and stage 1's T = 32 truncates long checked solutions; no
+            # entropy bonus in any arm, so the reference is the central claim's no-bonus arm.
             (
-                Arm("baseline", "mask none"),
-                Arm("mask-before", "mask before", ("advantage.mask=before",)),
-                Arm("mask-after", "mask after", ("advantage.mask=after",)),
+                Arm("carry-none", "mask none"),
+                Arm("carry-mask-before", "mask before", (*_NO_BONUS, "advantage.mask=before")),
+                Arm("carry-mask-after", "mask after", (*_NO_BONUS, "advantage.mask=after")),
             ),
-            seeds=SEEDS_SECONDARY,
+            seeds=SEEDS_CENTRAL,
+            world="carry",
         ),
         Ablation(
             "clip_higher",
@@ -273,18 +358,20 @@ def results_dir(results: str | os.PathLike | None = None) -> Path:
     return base if budget is None else base / f"budget-{budget}"
 
 
-def train_config() -> Path:
-    """The embedded default's config file (``configs/default.yaml``, shipped in the package)."""
-    from magic_jax.jobs.demo import CONFIG_FILE
-
-    return Path(CONFIG_FILE)
+def train_config(world: str = "default") -> Path:
+    """A world's config file as shipped in the package (``configs/<name>.yaml`` in a checkout)."""
+    return Path(__file__).resolve().parents[1] / WORLDS[world].package_config
 
 
-def overrides_for(arm: Arm, seed: int, budget: int | None = None) -> list[str]:
+def overrides_for(
+    arm: Arm, seed: int, budget: int | None = None, world: str = "default"
+) -> list[str]:
     """Every ``--set`` of one run except ``output_dir``."""
-    steps = STAGE_STEPS if budget is None else budget
-    evals = EVAL_OVERRIDES if budget is None else (f"eval.every={steps}", "eval.num_samples=1")
-    ckpt = RUN_OVERRIDES if budget is None else ("export_hf=false", f"checkpoint_every={steps}")
+    w = WORLDS[world]
+    steps = w.stage_steps if budget is None else budget
+    evals = w.eval_overrides if budget is None else (f"eval.every={steps}", "eval.num_samples=1")
+    export = "export_hf=true" if w.statistics else "export_hf=false"
+    ckpt = w.run_overrides if budget is None else (export, f"checkpoint_every={steps}")
     return [*evals, *ckpt, *arm.step_overrides(steps), *arm.overrides, f"seed={seed}"]
 
 
@@ -303,14 +390,15 @@ def train_command(
     budget: int | None = None,
     *,
     config: str | os.PathLike | None = None,
+    world: str = "default",
 ) -> list[str]:
     """The ``magic-jax train`` command line of one run (a list of arguments).
 
-    ``config`` defaults to ``configs/default.yaml`` as typed in a checkout (the file the
-    package ships, ``train_config()``).
+    ``config`` defaults to the world's config as typed in a checkout
+    (``configs/default.yaml``: the file the package ships, ``train_config()``).
     """
-    cmd = ["magic-jax", "train", str(config or "configs/default.yaml")]
-    for o in [*overrides_for(arm, seed, budget), f"output_dir={output_dir}"]:
+    cmd = ["magic-jax", "train", str(config or WORLDS[world].config)]
+    for o in [*overrides_for(arm, seed, budget, world), f"output_dir={output_dir}"]:
         cmd += ["--set", o]
     return cmd
 
@@ -327,7 +415,23 @@ def is_done(results: Path, arm: Arm, seed: int) -> bool:
     return (summary_dir(results, arm, seed) / "run.json").exists()
 
 
-RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml")
+RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml", "world.json")
+WORLD_SAMPLES = 4  # samples per held-out problem for a finished run's world statistics
+
+
+def measure_world(raw: Path, num_samples: int = WORLD_SAMPLES) -> dict:
+    """``world_statistics`` of a finished carry-world run's final model (its Hugging Face
+    export) on the run's held-out problems; written to ``<raw>/world.json``."""
+    import yaml
+
+    from magic_jax.data.rows import _raw_rows
+    from magic_jax.jobs.world import model_statistics
+
+    cfg = yaml.safe_load((raw / "config.yaml").read_text())
+    rows = [r for f in cfg["eval"]["data"] for _, r in _raw_rows(str(f))]
+    stats = model_statistics(raw / "hf_final", rows, num_samples=num_samples, seed=cfg["seed"])
+    (raw / "world.json").write_text(json.dumps(stats, indent=1) + "\n")
+    return stats
 
 
 def _collect(raw: Path, dest: Path, record: dict) -> None:
@@ -363,17 +467,21 @@ def run_one(
     results: Path,
     *,
     budget: int | None = None,
+    world: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Trains one (arm, seed) in a fresh ``magic-jax train`` process; returns its summary dir.
+
+    ``world`` defaults to the ablation's.
 
     Raises:
       RuntimeError: the run failed (its log is at ``<raw dir>/train.log``; the raw
         directory is kept, so a second call resumes it).
     """
+    world = world or ABLATIONS[ablation].world
     raw = raw_dir(results, arm, seed)
     raw.parent.mkdir(parents=True, exist_ok=True)
-    cmd = train_command(arm, seed, raw, budget, config=train_config())
+    cmd = train_command(arm, seed, raw, budget, config=train_config(world), world=world)
     cmd[0:1] = [sys.executable, "-m", "magic_jax.jobs.cli"]
     log(f"[ablations] {ablation}/{arm.key} seed {seed}: training in {raw}")
     t0 = time.perf_counter()
@@ -387,13 +495,17 @@ def run_one(
             f"{ablation}/{arm.key} seed {seed}: magic-jax train exited {proc.returncode} "
             f"(log {logfile}):\n" + "\n".join(tail)
         )
+    if WORLDS[world].statistics:
+        measure_world(raw, num_samples=WORLD_SAMPLES if budget is None else 1)
+        wall = time.perf_counter() - t0
     record = {
         "ablation": ablation,
         "arm": arm.key,
         "label": arm.label,
         "seed": seed,
-        "overrides": overrides_for(arm, seed, budget),
-        "command": shlex.join(train_command(arm, seed, "<dir>", budget)),
+        "world": world,
+        "overrides": overrides_for(arm, seed, budget, world),
+        "command": shlex.join(train_command(arm, seed, "<dir>", budget, world=world)),
         "rerun": rerun_command(ablation, arm, seed),
         # this call's wall time (a resumed or already finished run: only the rest), and the
         # run's own step and evaluation time from its records

@@ -25,6 +25,8 @@ import numpy as np
 
 from magic_jax.jobs.demo import MAX_PROMPT, MODEL  # the default's model shape and prompts
 
+CARRY_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "carry"
+CARRY_BUILD = CARRY_ASSETS / "build.json"  # the shipped base's build settings and statistics
 MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 60 with EOS
 SFT_LENGTH = 80  # the longest prompt and response, rounded up
 
@@ -136,6 +138,34 @@ def world_statistics(
         "truncated": mean(truncated),
         "samples": n,
     }
+
+
+def model_statistics(
+    model_dir: str | Path,
+    rows: list[dict[str, Any]] | str | Path,
+    *,
+    num_samples: int = 8,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``world_statistics`` of a saved Hugging Face model (a run's export, a built base).
+
+    ``rows``: carry-world rows, or a ``.jsonl`` file of them (a world's ``heldout.jsonl``).
+    """
+    from flax import nnx
+
+    from magic_jax.data.rows import _raw_rows
+    from magic_jax.data.tasks import carry
+    from magic_jax.model.convert import load_hf
+
+    if not isinstance(rows, list):
+        rows = [r for _, r in _raw_rows(str(rows))]
+    model = load_hf(str(model_dir))
+    _, params = nnx.split(model, nnx.Param)
+    return world_statistics(
+        model, params, carry.tokenizer(), rows,
+        num_samples=num_samples, temperature=temperature, seed=seed,
+    )  # fmt: skip
 
 
 def world_driver(model: Any, temperature: float = 1.0, max_response_length: int = MAX_RESPONSE):
