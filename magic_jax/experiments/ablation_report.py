@@ -233,8 +233,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "baseline", "kl-0.1", -1),
     ),
     "multi_stage": (
-        Check("final accuracy", "single-T64", "baseline", 0, tolerance=0.02),
-        Check("rollout tokens (M)", "single-T64", "baseline", -1),
+        Check("final accuracy", "carry-single-T64", "carry-none", 0, tolerance=0.02),
+        Check("rollout tokens (M)", "carry-single-T64", "carry-none", -1),
     ),
 }
 
