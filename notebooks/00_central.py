@@ -29,7 +29,10 @@
 #
 # Arms, 5 paired seeds each (seed k of every arm draws the same first prompts): no entropy
 # bonus; a fixed coefficient of 0.005; the adaptive controller with target 0.05 nats (0.6 x the
-# base's measured 0.086, below it as the report requires) and delta 0.001 per step, no cap.
+# base's measured 0.086, below it as the report requires) and delta 0.001 per step, no cap
+# (`configs/carry.yaml` as shipped); and the same controller with target 0.07 (0.8 x the base's
+# entropy), an arm added after seeds 0-2 of the first three showed the collapse happening in
+# stage 1, before entropy reaches 0.05 (that controller first acted at step 140-145).
 # Held-out avg@4 on the 256 held-out problems every 25 steps (temperature 1, T = 64); after
 # each run, the final model's strategy shares (`world.json`: `world_statistics` on the same
 # problems, 4 samples each).

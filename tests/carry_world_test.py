@@ -151,3 +151,25 @@ def test_model_statistics_reads_a_saved_model_and_a_rows_file():
         CARRY_ASSETS / "model", CARRY_ASSETS / "heldout.jsonl", num_samples=1, seed=3
     )
     assert again["samples"] == 256
+
+
+@pytest.mark.slow  # ~4 min: the carry world's run as docs/carry-world.md gives it
+def test_the_carry_run_as_written_climbs_from_the_base(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    exe = str(Path(sys.executable).with_name("magic-jax"))
+    out = tmp_path / "carry"
+    cmd = [exe, "train", "configs/carry.yaml", "--set", f"output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    before, after = evals[0]["accuracy"], evals[-1]["accuracy"]
+    assert evals[-1]["step"] == 300 and after >= before + 0.15, (before, after)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["alpha"] > 0 for m in metrics)  # the controller acted

@@ -62,6 +62,7 @@ def test_arms_change_what_they_claim(tmp_path):
     assert cfg("carry-fixed-0.005").entropy.init_coef == 0.005
     adaptive = cfg("carry-adaptive").entropy
     assert adaptive.mode == "adaptive" and adaptive.max_coef is None
+    assert cfg("carry-adaptive-0.07").entropy.target == 0.07 != adaptive.target
     base = cfg("baseline")
     assert base.sampling.temperature == 1.0 and base.num_reuse == 1
     assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6

@@ -195,6 +195,10 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "carry-fixed-0.005", "carry-adaptive", +1),
         Check("late entropy", "carry-none", "carry-adaptive", +1),
         Check("final check rate (carry columns)", "carry-none", "carry-adaptive", +1),
+        Check("final accuracy", "carry-none", "carry-adaptive-0.07", +1),
+        Check("final accuracy", "carry-fixed-0.005", "carry-adaptive-0.07", +1),
+        Check("late entropy", "carry-none", "carry-adaptive-0.07", +1),
+        Check("final accuracy", "carry-none", "carry-fixed-0.005", +1),
     ),
     "temperature": (
         Check("mean entropy", "baseline", "temp-0.6", -1),
@@ -233,8 +237,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "baseline", "kl-0.1", -1),
     ),
     "multi_stage": (
-        Check("final accuracy", "carry-single-T64", "carry-none", 0, tolerance=0.02),
-        Check("rollout tokens (M)", "carry-single-T64", "carry-none", -1),
+        Check("final accuracy", "single-T64", "baseline", 0, tolerance=0.02),
+        Check("rollout tokens (M)", "single-T64", "baseline", -1),
     ),
 }
 
@@ -547,7 +551,31 @@ def verdict(effs: Sequence[Effect]) -> str:
 
 # Where a claim stays inconclusive or fails: what the world it ran in lacks for it (from
 # the runs' own numbers; shown in the table's last column).
-LIMITS: dict[str, str] = {}
+LIMITS: dict[str, str] = {
+    "temperature": (
+        "Later learning to lose: the demo world is solved by step 10 (held-out 93%), 30 steps "
+        "in all. Evaluation at temperature 1 only (the report also evaluates at 0.6). At 0.6 "
+        "whole groups agree and are dropped (no refill), so that arm skips optimizer steps."
+    ),
+    "off_policy": (
+        "Seeds: the off-policy arms' final accuracy spreads over 30 points across 3 seeds, so a "
+        "12-13 point drop has p 0.07-0.1; 5 or more seeds."
+    ),
+    "entropy_control": (
+        "Uncertainty worth keeping: after the one-token style choice the demo policy's only "
+        "entropy is in which digit to write, so the arm that holds the target (delta 0.2) holds "
+        "it in wrong digits (held-out 4.4%); fixed 5's seeds spread too widely for p < 0.05."
+    ),
+    "clip_higher": (
+        "Ratios near the clip: the largest ratios of a run reach 4.6-26, the upper clip binds on "
+        "about 0.1% of tokens, and the arms' rollouts are identical step for step in some seeds."
+    ),
+    "kl": (
+        "A KL term of the loss's size: beta x KL is about 1e-4 against a surrogate loss of "
+        "0.005-0.1, so beta 1e-3 cannot pull; beta 0.1 lowers the KL (p = 0.12, 2 seeds) without "
+        "changing accuracy; 2 seeds."
+    ),
+}
 
 
 def summary_rows(results: Any = None) -> list[list[str]]:
