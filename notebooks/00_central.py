@@ -74,6 +74,16 @@ fig
 print(ablation_report.world_table(ABLATION, runs, base=base))
 
 # %% [markdown]
+# The supervised baseline: for each seed of the shipped config's run (adaptive, target 0.05),
+# supervised training continued from the same base for the same seconds of training steps, on
+# fresh solutions at the base's own habit (`magic_jax.jobs.world.sft_continuation`; made once
+# and kept in `results/sft/`).
+
+# %%
+sft = ablations.ensure_sft(ABLATION, "carry-adaptive", results=results)
+print(ablation_report.sft_comparison("carry-adaptive", runs, sft, "adaptive 0.05"))
+
+# %% [markdown]
 # The controller: the share of steps where alpha is strictly inside its bounds (above 0; there
 # is no cap), and late entropy (last third of the steps) against the target.
 

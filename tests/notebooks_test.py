@@ -246,3 +246,23 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
         assert "verdict: " in proc.stdout, nb.name
     done = sorted(p.parent.parent.name for p in tmp_path.glob("runs/*/seed0/run.json"))
     assert done == sorted({a.key for _, a in _all_arms()})
+
+
+def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path):
+    with pytest.raises(ValueError, match="temperature: a supervised baseline needs the carry"):
+        ablations.ensure_sft("temperature", "baseline", results=tmp_path)
+    ab = ablations.ABLATIONS["central"]
+    arm = ab.arm("carry-adaptive")
+    for seed in (0, 1):
+        _fake_run(ablations.summary_dir(tmp_path, arm, seed), arm, seed, 0.05, 0.9)
+    runs = ablations.load_arm_runs("central", tmp_path)
+    assert ablations.step_seconds(ablations.summary_dir(tmp_path, arm, 0)) == 0.0
+    sft = {
+        s: {"seconds": 200.0, "steps": 900, "before": {"accuracy": 0.23},
+            "after": {"accuracy": acc}}
+        for s, acc in ((0, 0.24), (1, 0.22), (7, 0.5))  # seed 7 has no run: left out
+    }  # fmt: skip
+    text = ar.sft_comparison("carry-adaptive", runs, sft, "adaptive")
+    # the fake runs end at 0.9 + 0.3 = 1.2
+    assert "| 0 | 200 | 900 | 0.230 | 0.240 | 1.200 |" in text and "| 7 |" not in text
+    assert "final accuracy: adaptive 1.200 vs SFT continuation 0.230" in text

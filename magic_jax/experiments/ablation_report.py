@@ -539,6 +539,32 @@ def world_table(ablation: str, runs: Mapping[str, Sequence[Run]],
     return format_table(header, rows)
 
 
+def sft_comparison(
+    arm: str,
+    runs: Mapping[str, Sequence[Run]],
+    sft: Mapping[int, Mapping[str, Any]],
+    label: str | None = None,
+) -> str:
+    """Carry world: each seed's run of ``arm`` against supervised training continued from the
+    base for the same seconds of training steps (``ablations.ensure_sft``), and the Welch
+    comparison of their final held-out accuracies."""
+    by_seed = {_seed(r): r for r in runs.get(arm, [])}
+    rows, rl, sup = [], [], []
+    for seed, res in sorted(sft.items()):
+        r = by_seed.get(seed)
+        if r is None:
+            continue
+        rl.append(final_accuracy(r))
+        sup.append(float(res["after"]["accuracy"]))
+        before = res["before"]["accuracy"]
+        rows.append([str(seed), f"{res['seconds']:.0f}", str(res["steps"]),
+                     f"{before:.3f}", f"{sup[-1]:.3f}", f"{rl[-1]:.3f}"])  # fmt: skip
+    table = format_table(["seed", "seconds of steps", "SFT steps", "held-out before",
+                          "after SFT", f"after {label or arm}"], rows)  # fmt: skip
+    eff = judge(Check("final accuracy", "sft", arm, +1), sup, rl)
+    return table + "\n\n" + eff.text({"sft": "SFT continuation", arm: label or arm})
+
+
 def verdict(effs: Sequence[Effect]) -> str:
     """One word for an ablation: every check reproduced, any failed, or otherwise inconclusive."""
     vs = {e.verdict for e in effs}

@@ -586,6 +586,55 @@ def ensure(
     return where
 
 
+def sft_path(results: Path, arm: Arm, seed: int) -> Path:
+    """Where the supervised baseline matched to one run goes (committed with the runs)."""
+    return results / "sft" / arm.key / f"seed{seed}.json"
+
+
+def step_seconds(summary: Path) -> float:
+    """Seconds of training steps (rollout, update, other; no evaluation) a run recorded."""
+    total = 0.0
+    for line in (summary / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            total += sum(float(row.get(k, 0.0)) for k in ("t_rollout_s", "t_update_s", "t_other_s"))
+    return total
+
+
+def ensure_sft(
+    ablation: str,
+    arm: str,
+    *,
+    results: str | os.PathLike | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[int, dict]:
+    """Carry world: for every finished seed of ``arm``, supervised training continued from the
+    base for the same seconds of training steps as that run (``world.sft_continuation``, same
+    seed), made once and kept in ``<results>/sft/<arm>/seed<k>.json``; returns them by seed."""
+    from magic_jax.jobs.world import sft_continuation
+
+    ab = ABLATIONS[ablation]
+    if not WORLDS[ab.world].statistics:
+        raise ValueError(f"{ablation}: a supervised baseline needs the carry world")
+    where = results_dir(results)
+    a = ab.arm(arm)
+    out = {}
+    for seed in ab.seeds:
+        summary, dest = summary_dir(where, a, seed), sft_path(where, a, seed)
+        if not is_done(where, a, seed):
+            continue
+        if not dest.exists():
+            seconds = step_seconds(summary)
+            log(f"[ablations] SFT continuation for {arm} seed {seed}: {seconds:.0f}s of steps")
+            budget = step_budget()
+            res = sft_continuation(seconds, seed=seed, num_samples=1 if budget else WORLD_SAMPLES)
+            res = {"arm": arm, "seed": seed, "seconds": seconds, **res}
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(json.dumps(res, indent=1) + "\n")
+        out[seed] = json.loads(dest.read_text())
+    return out
+
+
 def load_arm_runs(ablation: str, results: str | os.PathLike | None = None) -> dict[str, list]:
     """``{arm key: [report.Run of each finished seed]}`` of one ablation (arms in order)."""
     from magic_jax.jobs.report import load_run

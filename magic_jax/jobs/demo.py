@@ -442,6 +442,8 @@ def compare_sft(
     batch: int = 32,
     worked_share: float = 0.3,
     seed: int = 0,
+    examples: Callable[..., tuple[list, list]] | None = None,
+    evaluator: Callable[..., Callable[[Any, int], dict[str, Any]]] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Continues supervised training of ``model_dir`` on the task's mixture for ``seconds``.
@@ -450,6 +452,12 @@ def compare_sft(
     and avg@n at temperature 1, evaluated before and after ``seconds`` of
     training steps (evaluation time not counted). Fresh AdamW, constant
     ``learning_rate`` after a 20-step warm-up.
+
+    Another task's data and measures (the carry world's): ``examples(tok, rng, n, step,
+    held)`` returns ``n`` (prompt ids, response ids) pairs avoiding the held-out
+    problems ``held``; ``evaluator(model, tok, rows, num_samples=, seed=)`` returns
+    ``(params, step) -> {"accuracy": ..., ...}``. By default, the addition task's style
+    mixture (``worked_share``) and ``make_evaluator``.
     """
     from flax import nnx
 
@@ -462,16 +470,21 @@ def compare_sft(
     tok = load_tokenizer(model_dir)
     rows = read_rows_file(Path(heldout))
     held = {addition.row_problem(r) for r in rows}
-    task = addition.AdditionTask(worked_share=worked_share)
+    if examples is None:
+        task = addition.AdditionTask(worked_share=worked_share)
+
+        def examples(tok, rng, n, step, held):
+            return _examples(task, tok, rng, n, task.worked_in_batch(step, n), held)
+
     graphdef, params = nnx.split(model, nnx.Param)
     sft = SFTTrainer(graphdef, params, SFTConfig(learning_rate=learning_rate))
     rng = np.random.default_rng(seed + 7)
 
     def make_batch(step):
-        p, r = _examples(task, tok, rng, batch, task.worked_in_batch(step, batch), held)
+        p, r = examples(tok, rng, batch, step, held)
         return pack_sft(p, r, length=80, pad_id=tok.pad_token_id)
 
-    evaluate = make_evaluator(model, tok, rows, num_samples=num_samples, seed=seed)
+    evaluate = (evaluator or make_evaluator)(model, tok, rows, num_samples=num_samples, seed=seed)
     before = evaluate(nnx.state(model, nnx.Param), 0)
     log(f"[sft-continuation] before: held-out avg@{num_samples} {before['accuracy']:.3f}")
     res = train_sft(sft, make_batch, seconds=seconds, evaluate=evaluate, eval_every=10**9, log=log)

@@ -168,6 +168,51 @@ def model_statistics(
     )  # fmt: skip
 
 
+def sft_continuation(
+    seconds: float,
+    *,
+    seed: int = 0,
+    num_samples: int = 4,
+    model_dir: str | Path | None = None,
+    heldout: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Supervised training continued from the carry world's base for ``seconds`` (steps only).
+
+    The baseline a carry-world RL run must beat in the same wall time: fresh
+    solutions at the base's own habit (``check_rate`` of its build, the data it
+    plateaued on), batch 32, AdamW 3e-4; ``world_statistics`` of the held-out
+    problems before and after (``before`` / ``after``).
+    """
+    from magic_jax.data.tasks import carry
+    from magic_jax.jobs.demo import compare_sft
+
+    model_dir = Path(model_dir or CARRY_ASSETS / "model")
+    build = model_dir.parent / "build.json"
+    rate = json.loads(build.read_text())["build"]["check_rate"] if build.exists() else 0.25
+    task = carry.CarryTask(check_rate=rate)
+
+    def examples(tok, rng, n, step, held):
+        return _examples(task, tok, rng, n, rate, held)
+
+    def evaluator(model, tok, rows, *, num_samples, seed):
+        driver = world_driver(model)
+
+        def run(params, step):  # the scalar figures (train_sft prints them)
+            st = world_statistics(
+                model, params, tok, rows, num_samples=num_samples, seed=seed, driver=driver
+            )
+            return {k: v for k, v in st.items() if isinstance(v, float)}
+
+        return run
+
+    out = compare_sft(
+        model_dir, seconds, heldout=heldout or CARRY_ASSETS / "heldout.jsonl",
+        num_samples=num_samples, seed=seed, examples=examples, evaluator=evaluator, log=log,
+    )  # fmt: skip
+    return {**out, "check_rate": rate}
+
+
 def world_driver(model: Any, temperature: float = 1.0, max_response_length: int = MAX_RESPONSE):
     """The engine the statistics sample with."""
     from magic_jax.rollout.driver import make_driver
