@@ -27,8 +27,9 @@
 # The world is the carry world (`configs/carry.yaml`, docs/carry-world.md), where response
 # length is the policy's choice: checking a column adds a line, and stage 1's T = 32 truncates
 # responses that check most columns of a long problem (all solutions fit stage 2's T = 64).
-# No arm has an entropy bonus (only the mask differs), so the reference arm is the central
-# claim's no-bonus arm (notebook 00). 5 paired seeds per arm, 150 + 150 steps.
+# Neither arm has an entropy bonus (only the mask differs), so the reference arm is the central
+# claim's no-bonus arm (notebook 00). 5 paired seeds per arm, 150 + 150 steps. 'after' is not
+# run here (`advantage.mask=after` is an option of every config).
 #
 # Every run is an ordinary `magic-jax train configs/carry.yaml` run made by
 # `magic_jax.experiments.ablations`; this notebook only reads the committed summaries in

@@ -220,7 +220,6 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("stage-1 truncated fraction", "carry-none", "carry-mask-before", +1),
         Check("stage-1 rollout reward", "carry-none", "carry-mask-before", -1),
         Check("stage-1 non-truncated accuracy", "carry-none", "carry-mask-before", +1),
-        Check("stage-1 truncated fraction", "carry-none", "carry-mask-after", +1),
     ),
     "clip_higher": (
         Check("mean entropy", "clip-0.2-nsgd4", "clip-0.25-nsgd4", +1),
