@@ -151,6 +151,58 @@ def plan_run(
     return out
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# (label, weight dtype, KV bytes per element as a function of head_dim)
+ROLLOUT_OPTIONS: tuple[tuple[str, str, Any], ...] = (
+    ("float32", "float32", lambda h: 4.0),
+    ("bfloat16", "bfloat16", lambda h: 2.0),
+    # int8 values and one float32 scale per token and KV head
+    ("bf16 + int8 KV", "bfloat16", lambda h: 1.0 + 4.0 / h),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOption:
+    """One rollout precision's decode figures for a stage, per device (from its plan's sizes).
+
+    Attributes:
+      label: ``float32``, ``bfloat16`` or ``bf16 + int8 KV``.
+      weights / kv_cache: bytes of the engine's weights and of the whole KV cache at the
+        stage's slots and T.
+      step_bytes: bytes one decode step reads (every weight and cache byte once).
+      tokens_per_s: the HBM roofline, slots / (step_bytes / bandwidth).
+      slots_fit: decode slots at the stage's T that fit in HBM beside the train state, the
+        weights and the compiled decode temporaries (0: none).
+    """
+
+    label: str
+    weights: float
+    kv_cache: float
+    step_bytes: float
+    tokens_per_s: float
+    slots_fit: int
+
+
+def decode_options(p: StagePlan, rollout_dtype: str, head_dim: int, hbm: float,
+                   bandwidth: float) -> list[DecodeOption]:  # fmt: skip
+    """Each of ``ROLLOUT_OPTIONS`` scaled from the stage's compiled sizes in ``rollout_dtype``
+    (weights by their dtype's bytes, the cache by bytes per element; decode temporaries kept
+    as compiled). ``hbm`` and ``bandwidth`` are per device (bytes, bytes/s)."""
+    have = _DTYPE_BYTES[rollout_dtype]
+    out = []
+    for label, wdtype, kv_bytes in ROLLOUT_OPTIONS:
+        weights = p.engine_params * _DTYPE_BYTES[wdtype] / have
+        kv = p.kv_cache * kv_bytes(head_dim) / have
+        step = weights + kv
+        per_slot = kv / p.slots if p.slots else math.inf
+        room = hbm - p.params - p.opt_state - weights - p.decode_temps
+        fit = max(0, int(room // per_slot)) if per_slot > 0 else 0
+        tps = p.slots / (step / bandwidth) if step > 0 else 0.0
+        out.append(DecodeOption(label, weights, kv, step, tps, fit))
+    return out
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:9.2f}"
 
@@ -193,6 +245,20 @@ def format_plan(plan: RunPlan) -> str:
         t_dec = max(p.decode_bytes / bw, p.decode_flops / peak)
         t_upd = max(p.update_flops, p.model_flops) / peak
         full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
+        head_dim = mc.head_dim or mc.hidden_size // mc.num_heads
+        opts = decode_options(p, plan.rollout_dtype, head_dim, hbm, bw)
+        base = opts[0].step_bytes
+        lines.append(
+            f"  decode by rollout precision (sizes scaled from this plan's; {p.slots} slots at "
+            f"T {p.response_length}):"
+        )
+        for o in opts:
+            lines.append(
+                f"    {o.label:<15} weights {o.weights / GiB:6.2f} GiB, KV {o.kv_cache / GiB:6.2f} "
+                f"GiB: {o.step_bytes / 1e9:6.2f} GB/step ({base / o.step_bytes:.2f}x less than "
+                f"float32), <= {o.tokens_per_s:,.0f} tokens/s; slots that fit: {o.slots_fit}"
+            )
+        lines.append("    (int8 KV is not an engine option yet: the last line is what it would buy)")
         lines += [
             f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read, "
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "

@@ -1,0 +1,53 @@
+"""The planner's decode figures per rollout precision: arithmetic on a stage's compiled sizes."""
+
+import pytest
+
+from magic_jax.jobs.plan import decode_options
+from magic_jax.jobs.stage_plan import StagePlan
+from magic_jax.jobs.topology import GiB
+
+
+def _stage(**kw):
+    base = dict(stage="T16K", response_length=16384, mesh={"data": 8}, rows=64, micro_batch=4,
+                sgd_steps=1, params=4 * GiB, opt_state=8 * GiB, grads=4 * GiB, activations=GiB,
+                batch=0, engine_params=8 * GiB, kv_cache=8 * GiB, decode_temps=2 * GiB,
+                slots=64, decode_bytes=16 * GiB, decode_flops=1e9, samples=256)  # fmt: skip
+    return StagePlan(**{**base, **kw})
+
+
+def test_bf16_halves_and_int8_kv_quarters_the_cache_of_a_float32_plan():
+    hbm, bw = 95 * GiB, 2.765e12
+    f32, bf16, int8 = decode_options(_stage(), "float32", 128, hbm, bw)
+    assert (f32.weights, f32.kv_cache) == (8 * GiB, 8 * GiB)
+    assert (bf16.weights, bf16.kv_cache) == (4 * GiB, 4 * GiB)
+    assert int8.weights == 4 * GiB
+    assert int8.kv_cache == pytest.approx(8 * GiB * (1 + 4 / 128) / 4)  # + one f32 scale per head
+    assert f32.step_bytes / bf16.step_bytes == pytest.approx(2.0)
+    assert f32.step_bytes / int8.step_bytes > 2.5
+    assert f32.tokens_per_s == pytest.approx(64 / (16 * GiB / bw))
+    # slots: what is left beside train state, weights and temporaries, by KV bytes per slot
+    assert f32.slots_fit == int((95 - 4 - 8 - 8 - 2) * GiB // (8 * GiB / 64))
+    assert bf16.slots_fit > 2 * f32.slots_fit
+
+
+def test_a_bf16_plan_scales_up_to_float32_and_nothing_fits_when_hbm_is_short():
+    f32, bf16, _ = decode_options(_stage(), "bfloat16", 128, 95 * GiB, 1e12)
+    assert f32.weights == 16 * GiB and bf16.weights == 8 * GiB
+    tight = decode_options(_stage(), "float32", 128, 20 * GiB, 1e12)
+    assert tight[0].slots_fit == 0 and tight[1].slots_fit > 0
+
+
+def test_the_printed_plan_has_a_decode_line_per_precision():
+    from magic_jax.jobs.plan import RunPlan, format_plan
+    from magic_jax.jobs.topology import parse_topology
+    from magic_jax.model.config import ModelConfig
+
+    chip, chips = parse_topology("v5p:2x2x2")
+    mc = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2)  # fmt: skip
+    plan = RunPlan("v5p:2x2x2", chip, chips, chips, mc, [_stage()], {}, rollout_dtype="float32")
+    text = format_plan(plan)
+    assert "decode by rollout precision" in text
+    lines = [x for x in text.splitlines() if "GB/step" in x]
+    assert [x.split()[0] for x in lines] == ["float32", "bfloat16", "bf16"]
+    assert "(1.00x less than float32)" in lines[0] and "(2.00x less than float32)" in lines[1]
