@@ -258,7 +258,7 @@ def format_plan(plan: RunPlan) -> str:
                 f"GiB: {o.step_bytes / 1e9:6.2f} GB/step ({base / o.step_bytes:.2f}x less than "
                 f"float32), <= {o.tokens_per_s:,.0f} tokens/s; slots that fit: {o.slots_fit}"
             )
-        lines.append("    (int8 KV is not an engine option yet: the last line is what it would buy)")
+        lines.append("    (int8 KV is not an engine option yet: the last line is what it buys)")
         lines += [
             f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read, "
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
