@@ -67,6 +67,13 @@ def stage1_truncated(run: Run) -> float:
     return float(sum(v) / len(v))
 
 
+def stage1_mean_accuracy(run: Run) -> float:
+    """Held-out avg@n averaged over the evaluations after step 0 inside the first stage."""
+    last = max((m["step"] for m in _stage_rows(run, 0)), default=0) + 1
+    ev = [e["accuracy"] for e in _evals(run) if 0 < e["step"] <= last]
+    return float(sum(ev) / len(ev)) if ev else math.nan
+
+
 def stage1_reward(run: Run) -> float:
     """Training accuracy at the first stage's T: rollout reward averaged over its steps
     (a truncated response scores 0)."""
@@ -158,6 +165,7 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "late |entropy - target|": late_target_gap,
     "stage-1 truncated fraction": stage1_truncated,
     "stage-1 accuracy": stage1_accuracy,
+    "stage-1 mean accuracy": stage1_mean_accuracy,
     "stage-1 rollout reward": stage1_reward,
     "stage-1 non-truncated accuracy": stage1_accuracy_not_truncated,
     "rollout tokens (M)": rollout_tokens,

@@ -605,12 +605,14 @@ def ensure_sft(
     ablation: str,
     arm: str,
     *,
+    seeds: Sequence[int] | None = None,
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[int, dict]:
-    """Carry world: for every finished seed of ``arm``, supervised training continued from the
-    base for the same seconds of training steps as that run (``world.sft_continuation``, same
-    seed), made once and kept in ``<results>/sft/<arm>/seed<k>.json``; returns them by seed."""
+    """Carry world: for every finished seed of ``arm`` (of ``seeds``, default all), supervised
+    training continued from the base for the same seconds of training steps as that run
+    (``world.sft_continuation``, same seed), made once and kept in
+    ``<results>/sft/<arm>/seed<k>.json``; returns them by seed."""
     from magic_jax.jobs.world import sft_continuation
 
     ab = ABLATIONS[ablation]
@@ -619,7 +621,7 @@ def ensure_sft(
     where = results_dir(results)
     a = ab.arm(arm)
     out = {}
-    for seed in ab.seeds:
+    for seed in ab.seeds if seeds is None else seeds:
         summary, dest = summary_dir(where, a, seed), sft_path(where, a, seed)
         if not is_done(where, a, seed):
             continue
@@ -681,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     t.add_argument("--ablation", required=True)
     t.add_argument("--arm", required=True)
+    t.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
     t.add_argument("--results", help="results directory (default notebooks/results)")
     s = sub.add_parser("status", help="which runs are done")
     s.add_argument("--results")
@@ -692,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             ensure(args.ablation, arms=args.arm, seeds=args.seeds, results=args.results)
         elif args.cmd == "sft":
-            ensure_sft(args.ablation, args.arm, results=args.results)
+            ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
         elif args.cmd == "status":
             _status(results_dir(args.results))
         else:
