@@ -66,4 +66,19 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# (Filled in from the committed runs.)
+# Reproduced, all three measures at p < 0.01 (5 paired seeds each, Welch's t). Over stage 1
+# (T = 32), masking 'before' doubles the truncated fraction (56.4 vs 29.0% of rollouts,
+# p < 0.001), lowers the rollout reward, the training accuracy at T (16.8 vs 20.9%, p = 0.005),
+# and raises the accuracy of the responses that fit (41.7 vs 29.2%, p < 0.001): the report's
+# reward-hacking signature. The mechanism is visible here because length is the policy's
+# choice: without the negative advantage on truncated responses, checking spreads to long
+# problems whose checked solutions do not fit T = 32, so more responses run over.
+#
+# What the report's measure leaves out: on held-out problems at T = 64 (where nothing is
+# truncated) the masked arm is ahead through stage 1 and early stage 2 (mean held-out
+# accuracy over the run 61.6 vs 43.7%, p = 0.006; 86.5 vs 47.1% at step 200), because the
+# checking it learns at T = 32 is what the long stage needs; both end at the same accuracy
+# (89.6 vs 89.4%, p = 0.96) and the masked arm checks almost every column (99.4% of the
+# columns without a carry, against 79.0%), so it samples 10% more tokens (p = 0.007). In this
+# world the report's reason to drop the mask (worse training accuracy in the short stage) holds,
+# but the short stage's cost to the final result does not show.

@@ -585,6 +585,12 @@ def verdict(effs: Sequence[Effect]) -> str:
 # Where a claim stays inconclusive or fails: what the world it ran in lacks for it (from
 # the runs' own numbers; shown in the table's last column).
 LIMITS: dict[str, str] = {
+    "central": (
+        "A collapse that locks the better strategy out: every arm ends checking 99% of the "
+        "columns a right answer needs (short problems keep checked solutions in the samples "
+        "at T = 32), and entropy a bonus can hold up: alpha climbs to 0.13-0.24 without "
+        "lifting late entropy, so it never tracks the target."
+    ),
     "temperature": (
         "Later learning to lose: the demo world is solved by step 10 (held-out 93%), 30 steps "
         "in all. Evaluation at temperature 1 only (the report also evaluates at 0.6). At 0.6 "
