@@ -1,0 +1,420 @@
+"""The ablations' verdicts: each run's one-number outcomes, the report's predictions, and
+Welch's t on the seeds of two arms (the 95% interval of the difference and its p-value).
+
+``magic_jax.experiments.ablation_report`` draws and tabulates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from magic_jax.experiments import ablations
+from magic_jax.jobs.report import Run
+
+# A run's one-number outcomes (seed by seed), by name: (description, function).
+
+
+def _evals(run: Run) -> list[dict[str, Any]]:
+    return [e for e in run.evals if isinstance(e.get("accuracy"), int | float)]
+
+
+def final_accuracy(run: Run) -> float:
+    """Held-out avg@n at the last evaluation."""
+    return float(_evals(run)[-1]["accuracy"])
+
+
+def mean_accuracy(run: Run) -> float:
+    """Held-out avg@n averaged over every evaluation after step 0 (area under the curve)."""
+    ev = [e["accuracy"] for e in _evals(run) if e["step"] > 0]
+    return float(sum(ev) / len(ev)) if ev else math.nan
+
+
+def _stage_rows(run: Run, stage: int | None) -> list[dict[str, Any]]:
+    return [m for m in run.metrics if stage is None or m.get("stage") == stage]
+
+
+def mean_entropy(run: Run) -> float:
+    """Token entropy of the rollouts, averaged over all steps (lower: faster collapse)."""
+    v = [m["entropy"] for m in run.metrics]
+    return float(sum(v) / len(v))
+
+
+def late_entropy(run: Run) -> float:
+    """Token entropy averaged over the last third of the steps."""
+    v = [m["entropy"] for m in run.metrics]
+    tail = v[-max(1, len(v) // 3) :]
+    return float(sum(tail) / len(tail))
+
+
+def late_target_gap(run: Run) -> float:
+    """Mean |entropy - target| over the last third of the steps (target from the config)."""
+    target = float((run.config.get("entropy") or {}).get("target", 0.0))
+    v = [abs(m["entropy"] - target) for m in run.metrics]
+    tail = v[-max(1, len(v) // 3) :]
+    return float(sum(tail) / len(tail))
+
+
+def stage1_truncated(run: Run) -> float:
+    """Fraction of rollouts truncated, averaged over the first stage's steps."""
+    v = [m["truncated_fraction"] for m in _stage_rows(run, 0)]
+    return float(sum(v) / len(v))
+
+
+def stage1_mean_accuracy(run: Run) -> float:
+    """Held-out avg@n averaged over the evaluations after step 0 inside the first stage."""
+    last = max((m["step"] for m in _stage_rows(run, 0)), default=0) + 1
+    ev = [e["accuracy"] for e in _evals(run) if 0 < e["step"] <= last]
+    return float(sum(ev) / len(ev)) if ev else math.nan
+
+
+def stage1_reward(run: Run) -> float:
+    """Training accuracy at the first stage's T: rollout reward averaged over its steps
+    (a truncated response scores 0)."""
+    v = [m["reward"] for m in _stage_rows(run, 0)]
+    return float(sum(v) / len(v))
+
+
+def stage1_accuracy_not_truncated(run: Run) -> float:
+    """Accuracy of the responses that fit the first stage's T, averaged over its steps."""
+    v = [m["accuracy_not_truncated"] for m in _stage_rows(run, 0)
+         if isinstance(m.get("accuracy_not_truncated"), int | float)
+         and not math.isnan(m["accuracy_not_truncated"])]  # fmt: skip
+    return float(sum(v) / len(v)) if v else math.nan
+
+
+def stage1_accuracy(run: Run) -> float:
+    """Held-out avg@n at the last evaluation inside the first stage."""
+    last = max((m["step"] for m in _stage_rows(run, 0)), default=0) + 1
+    ev = [e for e in _evals(run) if e["step"] <= last]
+    return float(ev[-1]["accuracy"])
+
+
+def rollout_tokens(run: Run) -> float:
+    """Response tokens sampled over the whole run (millions): sum of mean length x samples."""
+    g = None
+    for st in run.config.get("stages") or []:
+        g = st.get("group_size", g)
+    g = g or 1
+    tot = 0.0
+    for m in run.metrics:
+        n = (m.get("prompts", 0) + m.get("extra_rollouts", 0) / g) * g
+        tot += m["response_length_mean"] * n
+    return tot / 1e6
+
+
+def stage2_ref_kl(run: Run) -> float:
+    """KL to the reference policy averaged over the second stage's steps."""
+    v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
+    return float(sum(v) / len(v)) if v else math.nan
+
+
+def stage2_ref_kl_drift(run: Run) -> float:
+    """Second-stage KL to the reference: last 5 steps minus first 5 (< 0: pulled back)."""
+    v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
+    if len(v) < 2:
+        return math.nan
+    k = min(5, len(v) // 2)
+    return float(sum(v[-k:]) / k - sum(v[:k]) / k)
+
+
+def max_grad_norm(run: Run) -> float:
+    """Largest gradient norm of the run (instability shows here first)."""
+    return float(max(m.get("grad_norm", 0.0) for m in run.metrics))
+
+
+def _world(run: Run) -> dict[str, Any]:
+    """The run's ``world.json`` (carry world: the final model's statistics), or {}."""
+    import json
+
+    p = Path(run.path) / "world.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def final_check_rate(run: Run) -> float:
+    """Carry world: share of the columns in a carry that the final model checks (the better
+    strategy: an answer is right exactly when all of them are), held-out problems at T 64."""
+    return float(_world(run).get("check_rate_needed", math.nan))
+
+
+def final_check_rate_other(run: Run) -> float:
+    """Carry world: share of the columns without a carry that the final model checks
+    (checking them costs length and buys nothing: diversity among correct answers)."""
+    return float(_world(run).get("check_rate_other", math.nan))
+
+
+def alpha_off_bounds(run: Run) -> float:
+    """Share of steps whose entropy coefficient is strictly inside its bounds (0, max_coef]."""
+    cap = (run.config.get("entropy") or {}).get("max_coef")
+    v = [m.get("alpha", 0.0) for m in run.metrics]
+    inside = [a > 0 and (cap is None or a < float(cap) - 1e-12) for a in v]
+    return float(sum(inside) / len(inside)) if inside else math.nan
+
+
+OUTCOMES: dict[str, Callable[[Run], float]] = {
+    "final accuracy": final_accuracy,
+    "mean accuracy": mean_accuracy,
+    "mean entropy": mean_entropy,
+    "late entropy": late_entropy,
+    "late |entropy - target|": late_target_gap,
+    "stage-1 truncated fraction": stage1_truncated,
+    "stage-1 accuracy": stage1_accuracy,
+    "stage-1 mean accuracy": stage1_mean_accuracy,
+    "stage-1 rollout reward": stage1_reward,
+    "stage-1 non-truncated accuracy": stage1_accuracy_not_truncated,
+    "rollout tokens (M)": rollout_tokens,
+    "stage-2 KL to reference": stage2_ref_kl,
+    "stage-2 KL drift": stage2_ref_kl_drift,
+    "max grad norm": max_grad_norm,
+    "final check rate (carry columns)": final_check_rate,
+    "final check rate (other columns)": final_check_rate_other,
+    "alpha off its bounds": alpha_off_bounds,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One directional prediction of the report: ``arm`` minus ``reference`` in ``outcome``.
+
+    Attributes:
+      outcome: a key of ``OUTCOMES``.
+      reference / arm: arm keys; ``reference`` None compares ``arm`` with 0.
+      sign: the report's predicted sign of (arm - reference): -1, +1, or 0 for "the same".
+      tolerance: for sign 0, the largest |difference| that counts as the same.
+    """
+
+    outcome: str
+    reference: str | None
+    arm: str
+    sign: int
+    tolerance: float = 0.0
+
+
+# The report's predictions, per ablation.
+CHECKS: dict[str, tuple[Check, ...]] = {
+    "central": (
+        Check("final accuracy", "carry-none", "carry-adaptive", +1),
+        Check("final accuracy", "carry-fixed-0.005", "carry-adaptive", +1),
+        Check("late entropy", "carry-none", "carry-adaptive", +1),
+        Check("final check rate (carry columns)", "carry-none", "carry-adaptive", +1),
+        Check("final accuracy", "carry-none", "carry-adaptive-0.07", +1),
+        Check("final accuracy", "carry-fixed-0.005", "carry-adaptive-0.07", +1),
+        Check("late entropy", "carry-none", "carry-adaptive-0.07", +1),
+        Check("final accuracy", "carry-none", "carry-fixed-0.005", +1),
+    ),
+    "temperature": (
+        Check("mean entropy", "baseline", "temp-0.6", -1),
+        Check("final accuracy", "baseline", "temp-0.6", -1),
+    ),
+    "off_policy": (
+        Check("mean entropy", "baseline", "nsgd4-minibatch", -1),
+        Check("final accuracy", "baseline", "nsgd4-minibatch", -1),
+        Check("mean entropy", "baseline", "nsgd4-reuse", -1),
+        Check("final accuracy", "baseline", "nsgd4-reuse", -1),
+    ),
+    "entropy_control": (
+        Check("late entropy", "ent-fixed-0.5", "ent-fixed-0.005", -1),
+        Check("late entropy", "ent-fixed-0.5", "ent-fixed-5", +1),
+        Check("late |entropy - target|", "ent-fixed-0.005", "ent-adaptive-0.2", -1),
+        Check("late |entropy - target|", "ent-fixed-5", "ent-adaptive-0.2", -1),
+    ),
+    "adv_mask": (
+        Check("stage-1 truncated fraction", "carry-none", "carry-mask-before", +1),
+        Check("stage-1 rollout reward", "carry-none", "carry-mask-before", -1),
+        Check("stage-1 non-truncated accuracy", "carry-none", "carry-mask-before", +1),
+    ),
+    "clip_higher": (
+        Check("mean entropy", "clip-0.2-nsgd4", "clip-0.25-nsgd4", +1),
+        Check("mean entropy", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
+        Check("max grad norm", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
+    ),
+    "kl": (
+        # with beta 0 the reference is not even built (no KL measured): the pull is read
+        # from the KL arm's own KL over stage 2
+        Check("stage-2 KL drift", None, "kl-1e-3", -1),
+        Check("final accuracy", "baseline", "kl-1e-3", -1),
+        Check("stage-2 KL to reference", "kl-1e-3", "kl-0.1", -1),
+        Check("stage-2 KL drift", None, "kl-0.1", -1),
+        Check("final accuracy", "baseline", "kl-0.1", -1),
+    ),
+    "multi_stage": (
+        Check("final accuracy", "single-T64", "baseline", 0, tolerance=0.02),
+        Check("rollout tokens (M)", "single-T64", "baseline", -1),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """A check's result over seeds.
+
+    Attributes:
+      check: the prediction.
+      reference / arm: the outcome of each seed.
+      diff: mean(arm) - mean(reference).
+      se: its standard error, sqrt(s_a^2 / n_a + s_r^2 / n_r) (0 with one seed each).
+      low / high: the 95% interval of ``diff`` (Welch: Student's t with the
+        Welch-Satterthwaite degrees of freedom); nan when it cannot be formed.
+      p: Welch's two-sided p-value of diff = 0 (nan with fewer than 2 seeds a side or no
+        spread at all).
+      verdict: "reproduced", "not reproduced" or "inconclusive".
+    """
+
+    check: Check
+    reference: list[float]
+    arm: list[float]
+    diff: float
+    se: float
+    verdict: str
+    low: float = math.nan
+    high: float = math.nan
+    p: float = math.nan
+
+    def text(self, labels: Mapping[str, str] | None = None) -> str:
+        lab = labels or {}
+        r, a = (
+            lab.get(self.check.reference, self.check.reference or "0"),
+            lab.get(self.check.arm, self.check.arm),
+        )
+        interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
+        p = "" if math.isnan(self.p) else f", Welch p = {_p(self.p)}"
+        return (
+            f"{self.check.outcome}: {a} {_mean(self.arm):.3f} vs {r} {_mean(self.reference):.3f} "
+            f"(diff {self.diff:+.3f}{interval}{p}, "
+            f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict}"
+        )
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-3 else "< 0.001"
+
+
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v) if v else math.nan
+
+
+def _var(v: Sequence[float]) -> float:
+    if len(v) < 2:
+        return 0.0
+    m = _mean(v)
+    return sum((x - m) ** 2 for x in v) / (len(v) - 1)
+
+
+ALPHA = 0.05  # a prediction counts as reproduced only at Welch p < 0.05
+
+
+def welch(reference: Sequence[float], arm: Sequence[float]) -> tuple[float, float, float, float]:
+    """(se, 95% low, 95% high, two-sided p) of mean(arm) - mean(reference), Welch's t.
+
+    nan for the interval and p with fewer than 2 values a side, or when neither side varies.
+    """
+    from scipy import stats
+
+    na, nr = len(arm), len(reference)
+    va, vr = _var(arm), _var(reference)
+    se = math.sqrt(va / max(na, 1) + vr / max(nr, 1))
+    if min(na, nr) < 2 or se == 0:
+        return se, math.nan, math.nan, math.nan
+    df = (va / na + vr / nr) ** 2 / ((va / na) ** 2 / (na - 1) + (vr / nr) ** 2 / (nr - 1))
+    diff = _mean(arm) - _mean(reference)
+    half = float(stats.t.ppf(0.975, df)) * se
+    p = float(2 * stats.t.sf(abs(diff) / se, df))
+    return se, diff - half, diff + half, p
+
+
+def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Effect:
+    """Compares two arms' per-seed outcomes against the predicted sign (Welch's t).
+
+    A directional prediction is "reproduced" when the difference has the predicted sign at
+    p < 0.05 (two-sided), "not reproduced" when it has the other sign at p < 0.05, and
+    "inconclusive" otherwise (fewer than 2 seeds a side, or no spread at all). For sign 0
+    ("the same"), it holds when the 95% interval lies within +-tolerance and fails when the
+    interval lies wholly outside it.
+    """
+    diff = _mean(arm) - _mean(reference)
+    se, low, high, p = welch(reference, arm)
+    if math.isnan(p) or math.isnan(diff):
+        verdict = "inconclusive"
+    elif check.sign == 0:
+        if -check.tolerance <= low and high <= check.tolerance:
+            verdict = "reproduced"
+        elif low > check.tolerance or high < -check.tolerance:
+            verdict = "not reproduced"
+        else:
+            verdict = "inconclusive"
+    elif p >= ALPHA:
+        verdict = "inconclusive"
+    else:
+        verdict = "reproduced" if (diff > 0) == (check.sign > 0) else "not reproduced"
+    return Effect(check, list(reference), list(arm), diff, se, verdict, low, high, p)
+
+
+def _seed(run: Run) -> int | None:
+    import json
+
+    p = Path(run.path) / "run.json"
+    return json.loads(p.read_text()).get("seed") if p.exists() else None
+
+
+def identical_arms(runs: Mapping[str, Sequence[Run]]) -> list[tuple[str, str, list[int]]]:
+    """Pairs of arms whose rollouts are step-for-step identical in some seed (the same
+    entropy, reward and mean response length at every step): ``(arm a, arm b, [seeds])``.
+    Such an arm tested nothing in those seeds: its setting never changed the policy (a loss
+    may still differ, e.g. where a clip that never binds moves the reported loss)."""
+    keys = ("entropy", "reward", "response_length_mean")
+    sig = {
+        arm: {_seed(r): [tuple(m.get(k) for k in keys) for m in r.metrics] for r in rs}
+        for arm, rs in runs.items()
+    }
+    out = []
+    arms = list(runs)
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            same = sorted(
+                s for s in sig[a] if s is not None and s in sig[b] and sig[a][s] == sig[b][s]
+            )
+            if same:
+                out.append((a, b, same))
+    return out
+
+
+def identical_text(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str]) -> list[str]:
+    """One line per pair of arms identical in some seed."""
+    return [
+        f"{labels.get(a, a)} and {labels.get(b, b)} are identical step for step in seed"
+        f"{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
+        for a, b, s in identical_arms(runs)
+    ]
+
+
+def effects(
+    ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
+) -> list[Effect]:
+    """Every check of ``ablation`` on the finished runs."""
+    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
+    out = []
+    for c in CHECKS[ablation]:
+        fn = OUTCOMES[c.outcome]
+        if c.reference is None:
+            arm = [fn(r) for r in runs.get(c.arm, [])]
+            out.append(judge(c, [0.0] * len(arm), arm))
+            continue
+        out.append(
+            judge(
+                c, [fn(r) for r in runs.get(c.reference, [])], [fn(r) for r in runs.get(c.arm, [])]
+            )
+        )
+    return out
+
+
+def verdict(effs: Sequence[Effect]) -> str:
+    """One word for an ablation: every check reproduced, any failed, or otherwise inconclusive."""
+    vs = {e.verdict for e in effs}
+    if vs == {"reproduced"}:
+        return "reproduced"
+    if "not reproduced" in vs:
+        return "not reproduced" if "reproduced" not in vs else "partly reproduced"
+    return "partly reproduced (rest inconclusive)" if "reproduced" in vs else "inconclusive"
