@@ -157,11 +157,11 @@ def measure_world(raw: Path, num_samples: int = WORLD_SAMPLES) -> dict:
     export) on the run's held-out problems; written to ``<raw>/world.json``."""
     import yaml
 
-    from magic_jax.data.rows import _raw_rows
+    from magic_jax.jobs.demo import read_rows_file
     from magic_jax.jobs.world import model_statistics
 
     cfg = yaml.safe_load((raw / "config.yaml").read_text())
-    rows = [r for f in cfg["eval"]["data"] for _, r in _raw_rows(str(f))]
+    rows = [r for f in cfg["eval"]["data"] for r in read_rows_file(Path(f))]
     stats = model_statistics(raw / "hf_final", rows, num_samples=num_samples, seed=cfg["seed"])
     (raw / "world.json").write_text(json.dumps(stats, indent=1) + "\n")
     return stats
@@ -180,12 +180,15 @@ def _collect(raw: Path, dest: Path, record: dict) -> None:
     tmp.rename(dest)
 
 
-def _recorded_seconds(raw: Path) -> float:
-    """Seconds of training steps and evaluations a run's records account for."""
+def recorded_seconds(run_dir: Path, *, evals: bool = True) -> float:
+    """Seconds of training steps (rollout, update, other) and, with ``evals``, of
+    evaluations that a run's records account for."""
+    files = [("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s"))]
+    if evals:
+        files.append(("eval.jsonl", ("t_eval_s",)))
     total = 0.0
-    for name, keys in (("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s")),
-                       ("eval.jsonl", ("t_eval_s",))):  # fmt: skip
-        p = raw / name
+    for name, keys in files:
+        p = run_dir / name
         for line in p.read_text().splitlines() if p.exists() else []:
             if line.strip():
                 row = json.loads(line)
@@ -243,7 +246,7 @@ def run_one(
         # this call's wall time (a resumed or already finished run: only the rest), and the
         # run's own step and evaluation time from its records
         "wall_s": round(wall, 1),
-        "steps_and_evals_s": round(_recorded_seconds(raw), 1),
+        "steps_and_evals_s": round(recorded_seconds(raw), 1),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "step_budget": budget,
     }
@@ -316,16 +319,6 @@ def sft_path(results: Path, arm: Arm, seed: int) -> Path:
     return results / "sft" / arm.key / f"seed{seed}.json"
 
 
-def step_seconds(summary: Path) -> float:
-    """Seconds of training steps (rollout, update, other; no evaluation) a run recorded."""
-    total = 0.0
-    for line in (summary / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            total += sum(float(row.get(k, 0.0)) for k in ("t_rollout_s", "t_update_s", "t_other_s"))
-    return total
-
-
 def ensure_sft(
     ablation: str,
     arm: str,
@@ -351,7 +344,7 @@ def ensure_sft(
         if not is_done(where, a, seed):
             continue
         if not dest.exists():
-            seconds = step_seconds(summary)
+            seconds = recorded_seconds(summary, evals=False)
             log(f"[ablations] SFT continuation for {arm} seed {seed}: {seconds:.0f}s of steps")
             budget = step_budget()
             res = sft_continuation(seconds, seed=seed, num_samples=1 if budget else WORLD_SAMPLES)

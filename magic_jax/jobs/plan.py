@@ -151,8 +151,6 @@ def plan_run(
     return out
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 # (label, weight dtype, KV bytes per element as a function of head_dim)
 ROLLOUT_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("float32", "float32", lambda h: 4.0),
@@ -189,10 +187,12 @@ def decode_options(p: StagePlan, rollout_dtype: str, head_dim: int, hbm: float,
     """Each of ``ROLLOUT_OPTIONS`` scaled from the stage's compiled sizes in ``rollout_dtype``
     (weights by their dtype's bytes, the cache by bytes per element; decode temporaries kept
     as compiled). ``hbm`` and ``bandwidth`` are per device (bytes, bytes/s)."""
-    have = _DTYPE_BYTES[rollout_dtype]
+    import jax.numpy as jnp
+
+    have = jnp.dtype(rollout_dtype).itemsize
     out = []
     for label, wdtype, kv_bytes in ROLLOUT_OPTIONS:
-        weights = p.engine_params * _DTYPE_BYTES[wdtype] / have
+        weights = p.engine_params * jnp.dtype(wdtype).itemsize / have
         kv = p.kv_cache * kv_bytes(head_dim) / have
         step = weights + kv
         per_slot = kv / p.slots if p.slots else math.inf

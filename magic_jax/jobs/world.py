@@ -154,12 +154,12 @@ def model_statistics(
     """
     from flax import nnx
 
-    from magic_jax.data.rows import _raw_rows
     from magic_jax.data.tasks import carry
+    from magic_jax.jobs.demo import read_rows_file
     from magic_jax.model.convert import load_hf
 
     if not isinstance(rows, list):
-        rows = [r for _, r in _raw_rows(str(rows))]
+        rows = read_rows_file(Path(rows))
     model = load_hf(str(model_dir))
     _, params = nnx.split(model, nnx.Param)
     return world_statistics(
