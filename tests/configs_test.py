@@ -88,8 +88,11 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
 
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
+    with pytest.raises(ConfigError, match="rollout.kv_dtype"):
+        load_config(CONFIGS / "default.yaml", ["rollout.kv_dtype=int4"])
     cfg = load_config(
-        CONFIGS / "default.yaml", ["rollout.dtype=bfloat16", f"output_dir={tmp_path / 'run'}"]
+        CONFIGS / "default.yaml",
+        ["rollout.dtype=bfloat16", "rollout.kv_dtype=int8", f"output_dir={tmp_path / 'run'}"],
     )
     trainer = Trainer.__new__(Trainer)  # only what _driver reads
     trainer.config = cfg
@@ -99,3 +102,4 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     trainer.mesh = None
     engine = trainer._driver(44).engine
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
+    assert engine.config.kv_dtype == "int8"

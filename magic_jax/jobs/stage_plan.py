@@ -192,6 +192,7 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
             decode_steps=config.rollout.decode_steps,
             sampling=config.sampling,
             dtype=config.rollout.dtype,
+            kv_dtype=config.rollout.kv_dtype,
         ),
         mesh=mesh,
     )

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from magic_jax.model.qwen2 import KVCache, Qwen2
+from magic_jax.model.qwen2 import KVCache, Qwen2, quantize_kv
 from magic_jax.rollout import sampling as sampling_lib
 from magic_jax.rollout.sampling import SamplingConfig
 
@@ -110,17 +110,23 @@ def insert_fn(
     first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
     c = state.cache
 
-    def put(buf_LBSKH, row_L1PKH):
-        at = (0, slot, 0, 0, 0)
-        return jax.lax.dynamic_update_slice(buf_LBSKH, row_L1PKH.astype(buf_LBSKH.dtype), at)
+    def put(buf_LBSX, row_L1PX):
+        at = (0, slot) + (0,) * (buf_LBSX.ndim - 2)
+        return jax.lax.dynamic_update_slice(buf_LBSX, row_L1PX.astype(buf_LBSX.dtype), at)
 
     pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
     pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
+    kv = {}
+    for name in ("k", "v"):
+        row = getattr(prefix.cache, name)
+        if c.quantized:  # the prompt's keys and values are quantized as they enter
+            row, scale = quantize_kv(row)
+            kv[f"{name}_scale"] = put(getattr(c, f"{name}_scale"), scale)
+        kv[name] = put(getattr(c, name), row)
     cache = KVCache(
-        k=put(c.k, prefix.cache.k),
-        v=put(c.v, prefix.cache.v),
         pos=jax.lax.dynamic_update_slice(c.pos, pos_1S, (slot, 0)),
         lengths=c.lengths.at[slot].set(prefix.length),
+        **kv,
     )
     done = _eos_hit(first.tokens, eos_E)[0] | (max_new <= 1)
     state = DecodeState(
@@ -169,7 +175,7 @@ def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.A
     )
 
 
-def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
+def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_scale_BSK=None):
     """One query per row against the whole cache, without relayouting the cache.
 
     A [B, K, ...]-batched einsum over the [B, S, K, H] cache makes XLA transpose the
@@ -177,15 +183,21 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
     S on CPU). Here both products keep the cache as stored, [B, S*K, H] and
     [B, S, K*H], and compute every (query head, kv head) pair; the K x K blocks
     off the diagonal are discarded (K x the score flops, which are tiny at T = 1).
+
+    An int8 cache (``k_scale_BSK`` / ``v_scale_BSK`` given) is dequantized inside
+    the products: the int8 values enter the dots, each score is multiplied by its
+    key's scale and each probability by its value's scale, so no dequantized copy
+    of the cache is made.
     """
     b, kh, g, h = q_BKGH.shape
     s = k_BSKH.shape[1]
-    # The query takes the cache's dtype, so the program holds no float32 copy of a
-    # bf16 cache; both products accumulate in fp32.
-    q_BNH = q_BKGH.reshape(b, kh * g, h).astype(k_BSKH.dtype)
+    # The query takes the cache's dtype (the compute dtype for an int8 cache), so the
+    # program holds no float32 copy of a bf16 cache; both products accumulate in fp32.
+    dt = q_BKGH.dtype if k_scale_BSK is not None else k_BSKH.dtype
+    q_BNH = q_BKGH.reshape(b, kh * g, h).astype(dt)
     scores_BMN = jnp.einsum(
         "bmh,bnh->bmn",
-        k_BSKH.reshape(b, s * kh, h),
+        k_BSKH.reshape(b, s * kh, h).astype(dt),
         q_BNH,
         preferred_element_type=jnp.float32,
     )  # M = (S, K'), N = (K, G)
@@ -194,13 +206,18 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
     scores_BKGS = jnp.sum(
         jnp.where(eye_KK[None, None, :, :, None], scores_BSKKG, 0.0), axis=2
     ).transpose(0, 2, 3, 1)
+    if k_scale_BSK is not None:
+        scores_BKGS = scores_BKGS * k_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
     scores_BKGS = scores_BKGS * (h**-0.5)
     scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BNS = jax.nn.softmax(scores_BKGS, axis=-1).reshape(b, kh * g, s).astype(v_BSKH.dtype)
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
+    if v_scale_BSK is not None:
+        probs_BKGS = probs_BKGS * v_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    probs_BNS = probs_BKGS.reshape(b, kh * g, s).astype(dt)
     out_BNKH = jnp.einsum(
         "bns,bsm->bnm",
         probs_BNS,
-        v_BSKH.reshape(b, s, kh * h),
+        v_BSKH.reshape(b, s, kh * h).astype(dt),
         preferred_element_type=jnp.float32,
     ).reshape(b, kh, g, kh, h)
     return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
@@ -237,27 +254,43 @@ def decode_forward(
     pos_BS = _write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
     allowed_BS = pos_BS >= 0
 
+    quantized = cache.quantized
+
     def layer_fn(layer, x_B1D, xs):
-        window, k_BSKH, v_BSKH = xs
+        window, k_BSKH, v_BSKH, ks_BSK, vs_BSK = xs
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
 
         def attend(q_B1KGH, k_B1KH, v_B1KH):
-            k_BKH, v_BKH = k_B1KH[:, 0], v_B1KH[:, 0]
+            new = {"k": k_B1KH[:, 0], "v": v_B1KH[:, 0]}
+            if quantized:
+                (new["k"], new["ks"]), (new["v"], new["vs"]) = map(
+                    quantize_kv, (new["k"], new["v"])
+                )
+                scales = {
+                    "k_scale_BSK": _write_slot(ks_BSK, new["ks"], at_B),
+                    "v_scale_BSK": _write_slot(vs_BSK, new["vs"], at_B),
+                }
+            else:
+                scales = {}
             out_BKGH = _decode_attention(
                 q_B1KGH[:, 0],
-                _write_slot(k_BSKH, k_BKH, at_B),
-                _write_slot(v_BSKH, v_BKH, at_B),
+                _write_slot(k_BSKH, new["k"], at_B),
+                _write_slot(v_BSKH, new["v"], at_B),
                 mask_BS,
+                **scales,
             )
             # Only the new token's key and value leave the layer: returning the whole
             # updated cache slice would copy every layer's cache each step.
-            return out_BKGH[:, None], (k_BKH, v_BKH)
+            return out_BKGH[:, None], new
 
         return layer(x_B1D, pos_B[:, None], attend)
 
     x_B1D = model.embed_tokens(tokens_B[:, None])
-    x_B1D, (k_LBKH, v_LBKH) = model.run_layers(
-        layer_fn, x_B1D, (model.layer_windows(), cache.k, cache.v), unroll=layer_unroll
+    x_B1D, new_L = model.run_layers(
+        layer_fn,
+        x_B1D,
+        (model.layer_windows(), cache.k, cache.v, cache.k_scale, cache.v_scale),
+        unroll=layer_unroll,
     )
     x_BD = model.norm(x_B1D[:, 0])
     dt = jnp.dtype(cfg.dtype)
@@ -268,10 +301,12 @@ def decode_forward(
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
     write = jax.vmap(_write_slot, in_axes=(0, 0, None))
     new = KVCache(
-        k=write(cache.k, k_LBKH, at_B),
-        v=write(cache.v, v_LBKH, at_B),
+        k=write(cache.k, new_L["k"], at_B),
+        v=write(cache.v, new_L["v"], at_B),
         pos=pos_BS,
         lengths=lengths_B,
+        k_scale=write(cache.k_scale, new_L["ks"], at_B) if quantized else None,
+        v_scale=write(cache.v_scale, new_L["vs"], at_B) if quantized else None,
     )
     return logits_BV, new
 
@@ -316,12 +351,17 @@ def _take_rows(state: DecodeState, rows_b: jax.Array | None, attend: int) -> Dec
     def take(x, axis=0):
         return x if rows_b is None else jnp.take(x, rows_b, axis=axis)
 
+    def take_kv(x_LBSX):
+        return None if x_LBSX is None else take(x_LBSX, axis=1)[:, :, :attend]
+
     c = state.cache
     cache = KVCache(
-        k=take(c.k, axis=1)[:, :, :attend],
-        v=take(c.v, axis=1)[:, :, :attend],
+        k=take_kv(c.k),
+        v=take_kv(c.v),
         pos=take(c.pos)[:, :attend],
         lengths=take(c.lengths),
+        k_scale=take_kv(c.k_scale),
+        v_scale=take_kv(c.v_scale),
     )
     rest = {f: take(getattr(state, f)) for f in ("tokens", "keys", "steps", "max_new", "done")}
     return DecodeState(cache=cache, **rest)
@@ -336,10 +376,12 @@ def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) ->
             return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
         return full.at[rows_b, :attend].set(part)
 
-    def put_kv(full_LBSKH, part_LbsKH):
+    def put_kv(full_LBSX, part_LbsX):
+        if full_LBSX is None:
+            return None
         if rows_b is None:
-            return jax.lax.dynamic_update_slice(full_LBSKH, part_LbsKH, (0,) * full_LBSKH.ndim)
-        return full_LBSKH.at[:, rows_b, :attend].set(part_LbsKH)
+            return jax.lax.dynamic_update_slice(full_LBSX, part_LbsX, (0,) * full_LBSX.ndim)
+        return full_LBSX.at[:, rows_b, :attend].set(part_LbsX)
 
     def put_vec(full, part):
         return part if rows_b is None else full.at[rows_b].set(part)
@@ -350,6 +392,8 @@ def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) ->
         v=put_kv(c.v, s.v),
         pos=put(c.pos, s.pos),
         lengths=put_vec(c.lengths, s.lengths),
+        k_scale=put_kv(c.k_scale, s.k_scale),
+        v_scale=put_kv(c.v_scale, s.v_scale),
     )
     rest = {
         f: put_vec(getattr(state, f), getattr(sub, f))

@@ -314,6 +314,7 @@ def make_driver(
     max_concurrent_decodes: int = 32,
     decode_steps: int = 64,
     dtype: str | None = None,
+    kv_dtype: str | None = None,
     mesh: Any = None,
 ) -> RolloutDriver:
     """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
@@ -327,6 +328,7 @@ def make_driver(
       sampling: the sampling strategy.
       max_concurrent_decodes / decode_steps: see ``EngineConfig``.
       dtype: ``EngineConfig.dtype`` (None: the model's).
+      kv_dtype: ``EngineConfig.kv_dtype`` (None: the cache in ``dtype``).
       mesh: the device mesh (None: one device).
     """
     from magic_jax.rollout.engine import EngineConfig
@@ -338,5 +340,6 @@ def make_driver(
         decode_steps=decode_steps,
         sampling=sampling,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     return RolloutDriver(Engine(model, config, mesh=mesh))

@@ -161,6 +161,10 @@ class RolloutConfig:
         are cast when the engine takes them each step; the trainer recomputes
         log-probs in its own precision, and ``sampler_*`` metrics log the
         mismatch (``loss.tis_cap`` corrects for it).
+      kv_dtype: ``int8`` stores the engine's KV cache as int8 with a float32 scale
+        per token and kv head, dequantized inside the decode attention (about half
+        a bf16 cache's bytes at head dim 128); null keeps it in ``dtype``. The
+        ``sampler_*`` metrics log its mismatch too.
     """
 
     max_concurrent_decodes: int = 64
@@ -169,10 +173,13 @@ class RolloutConfig:
     refill: bool = False
     refill_max_rounds: int = 4
     dtype: Literal["float32", "bfloat16"] | None = None
+    kv_dtype: Literal["int8"] | None = None
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
+        if self.kv_dtype not in (None, "int8"):
+            raise ValueError(f"kv_dtype must be int8 or null, got {self.kv_dtype!r}")
         if self.truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:

@@ -128,6 +128,7 @@ class Trainer:
             max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
             decode_steps=cfg.rollout.decode_steps,
             dtype=cfg.rollout.dtype,
+            kv_dtype=cfg.rollout.kv_dtype,
             mesh=self.mesh,
         )
 

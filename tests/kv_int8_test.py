@@ -1,0 +1,162 @@
+"""rollout.kv_dtype: int8 — an int8 KV cache with per-token-and-head scales, dequantized
+inside the decode attention: quantization error, logits parity against the bf16
+engine, the rollout log-prob mismatch, sharding and config plumbing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.qwen2 import KVCache, Qwen2, dequantize_kv, quantize_kv
+from magic_jax.model.sharding import MeshConfig, make_mesh
+from magic_jax.rollout.decode import decode_forward
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
+
+# grouped-query attention, a sliding-window layer, head dim 16
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    sliding_window=3,
+    sliding_layers=(1,),
+)
+PROMPTS = [[5, 9, 13, 2, 7, 11, 3], [17, 4], [8, 8, 30, 41, 12], [60], [3, 14, 15, 9, 26, 5]]
+
+
+def _model(dtype="float32", seed=0):
+    cfg = dataclasses.replace(CFG, dtype=dtype, param_dtype=dtype)
+    return Qwen2(cfg, rngs=nnx.Rngs(seed))
+
+
+def _engine(model, mesh=None, **kw):
+    base = dict(
+        max_concurrent_decodes=4,
+        max_prefill_length=8,
+        max_decode_length=12,
+        decode_steps=4,
+        cache_bucket=8,
+        sampling=SamplingConfig(temperature=1.0),
+    )
+    return Engine(model, EngineConfig(**(base | kw)), mesh=mesh)
+
+
+def test_quantize_kv_error_is_within_half_a_step_of_each_vectors_scale():
+    x = jax.random.normal(jax.random.key(0), (3, 5, 2, 16)) * jnp.asarray([0.01, 1.0, 300.0])[
+        :, None, None, None
+    ]
+    x = x.at[0, 0, 0].set(0.0)  # an all-zero vector (padding) gets scale 1, values 0
+    q, scale = quantize_kv(x)
+    assert q.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == x.shape[:-1]
+    assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127
+    assert float(scale[0, 0, 0]) == 1.0 and not np.any(np.asarray(q[0, 0, 0]))
+    err = jnp.abs(dequantize_kv(q, scale, jnp.float32) - x)
+    bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 254.0
+    assert bool(jnp.all(err <= bound * (1 + 1e-5) + 1e-12)), float(jnp.max(err - bound))
+
+
+def _decode_logits(model, cache):
+    tok = jnp.asarray([5, 7, 9], jnp.int32)
+    live = jnp.asarray([True, True, False])
+    logits, new = decode_forward(model, tok, live, cache)
+    return np.asarray(logits, np.float32), new
+
+
+def test_int8_cache_decode_stays_within_its_rounding_of_the_bf16_cache():
+    """The same bf16 model decodes over a bf16 cache and over that cache quantized to
+    int8 (as the engine's insert does). Keys and values then carry a relative
+    error of at most 1/254 of their vector's largest magnitude, below bf16's own
+    rounding (2^-9 relative) times a few: the logits stay within 2^-6 x max|logit|
+    of the bf16 cache's (measured: 0.0039 of 0.47 here), and the int8 cache's
+    rows advance exactly as the float cache's."""
+    model = _model("bfloat16")
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 6)), jnp.int32)
+    mask = jnp.ones((3, 6), bool).at[1, :4].set(False)
+    _, cache = model(ids, attention_mask=mask, cache=KVCache.init(model.config, 3, 12))
+    (k8, ks), (v8, vs) = quantize_kv(cache.k), quantize_kv(cache.v)
+    cache8 = KVCache(k=k8, v=v8, pos=cache.pos, lengths=cache.lengths, k_scale=ks, v_scale=vs)
+    want, new = _decode_logits(model, cache)
+    got, new8 = _decode_logits(model, cache8)
+    rows = [0, 1]
+    diff = np.abs(got[rows] - want[rows]).max()
+    assert 0 < diff <= 2.0**-6 * np.abs(want[rows]).max(), diff
+    assert new8.k.dtype == jnp.int8 and new8.k_scale.dtype == jnp.float32
+    np.testing.assert_array_equal(new8.pos, new.pos)
+    np.testing.assert_array_equal(new8.lengths, new.lengths)
+    # the new token's key was written, quantized, where the float cache wrote it
+    at = np.asarray(cache.lengths)
+    for b in rows:
+        k_new = dequantize_kv(new8.k[:, b, at[b]], new8.k_scale[:, b, at[b]], jnp.float32)
+        np.testing.assert_allclose(
+            k_new, np.asarray(new.k[:, b, at[b]], np.float32), atol=0.02, rtol=0.02
+        )
+
+
+def test_int8_cache_is_the_engines_own_and_not_the_models():
+    model = _model()
+    cache = KVCache.init(model.config, 1, 8, kv_dtype="int8")
+    with pytest.raises(ValueError, match="int8 cache"):
+        model(jnp.asarray([[1, 2]]), cache=cache)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        KVCache.init(model.config, 1, 8, kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig(kv_dtype="fp8")
+
+
+def _sample(engine, model, seed=0):
+    samples, _ = RolloutDriver(engine).run(
+        engine.load_params(model), PROMPTS, num_samples=2, seed=seed, max_new_tokens=10
+    )
+    return samples
+
+
+def test_int8_rollout_logprobs_match_the_fp32_recompute_as_closely_as_bf16():
+    """Sampling from a bf16 engine with an int8 cache (through refills, compaction
+    and attended-length buckets: the scales travel with their rows): each token's
+    sampler log-prob is close to the fp32 policy's recomputed one, the mismatch the
+    trainer logs as ``sampler_*`` (measured here: mean 0.00079 with int8, 0.00074
+    without; max 0.0026 and 0.0020): the int8 cache adds little to bf16's own."""
+    model = _model(seed=3)
+    stats = {}
+    for kv in (None, "int8"):
+        engine = _engine(model, dtype="bfloat16", kv_dtype=kv)
+        state = engine.init_decode_state()
+        assert (state.cache.k.dtype, state.cache.k_scale is None) == (
+            (jnp.int8, False) if kv else (jnp.bfloat16, True)
+        )
+        diffs = []
+        for s in _sample(engine, model):
+            ids = np.concatenate([s.prompt_tokens, s.tokens])[None]
+            logp = jax.nn.log_softmax(model(jnp.asarray(ids, jnp.int32))[0])
+            n = len(s.prompt_tokens)
+            want = np.asarray(logp[n - 1 : -1])[np.arange(len(s.tokens)), s.tokens]
+            diffs.append(np.abs(s.logprobs - want))
+        d = np.concatenate(diffs)
+        stats[kv] = (d.mean(), d.max())
+    mean8, max8 = stats["int8"]
+    assert mean8 < 0.01 and max8 < 0.05, stats
+    assert mean8 < 2 * stats[None][0] + 1e-3, stats
+
+
+def test_sharded_int8_engine_matches_unsharded():
+    """Slots over the data axes and kv heads over ``tensor``: the scales are sharded as
+    their cache and the samples are the unsharded engine's."""
+    model = _model(seed=1)
+    ref = _sample(_engine(model, kv_dtype="int8"), model, seed=4)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    engine = _engine(model, mesh=mesh, kv_dtype="int8")
+    scale = engine.init_decode_state().cache.k_scale
+    assert scale.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor")
+    got = _sample(engine, model, seed=4)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
