@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ModelConfig": "magic_jax.model.config",
     "Qwen2": "magic_jax.model.qwen2",
-    "KVCache": "magic_jax.model.qwen2",
+    "KVCache": "magic_jax.model.kv_cache",
     "PRESETS": "magic_jax.model.config",
     "load_hf": "magic_jax.model.convert",
     "save_hf": "magic_jax.model.convert",

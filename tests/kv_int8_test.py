@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from magic_jax.model.config import ModelConfig
-from magic_jax.model.qwen2 import KVCache, Qwen2, dequantize_kv, quantize_kv
+from magic_jax.model.kv_cache import KVCache, dequantize_kv, quantize_kv
+from magic_jax.model.qwen2 import Qwen2
 from magic_jax.model.sharding import MeshConfig, make_mesh
 from magic_jax.rollout.decode import decode_forward
 from magic_jax.rollout.driver import RolloutDriver
@@ -50,9 +51,10 @@ def _engine(model, mesh=None, **kw):
 
 
 def test_quantize_kv_error_is_within_half_a_step_of_each_vectors_scale():
-    x = jax.random.normal(jax.random.key(0), (3, 5, 2, 16)) * jnp.asarray([0.01, 1.0, 300.0])[
-        :, None, None, None
-    ]
+    x = (
+        jax.random.normal(jax.random.key(0), (3, 5, 2, 16))
+        * jnp.asarray([0.01, 1.0, 300.0])[:, None, None, None]
+    )
     x = x.at[0, 0, 0].set(0.0)  # an all-zero vector (padding) gets scale 1, values 0
     q, scale = quantize_kv(x)
     assert q.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == x.shape[:-1]
@@ -64,10 +66,24 @@ def test_quantize_kv_error_is_within_half_a_step_of_each_vectors_scale():
 
 
 def _decode_logits(model, cache):
+    """One decode step's logits and cache; the per-kv-head attention (the engine's when
+    kv heads are split over devices) gives the same as the all-pairs one."""
     tok = jnp.asarray([5, 7, 9], jnp.int32)
     live = jnp.asarray([True, True, False])
     logits, new = decode_forward(model, tok, live, cache)
+    per_head, _ = decode_forward(model, tok, live, cache, per_head=True)
+    tol = 1e-5 if model.config.dtype == "float32" else 2.0**-7 * float(jnp.abs(logits).max())
+    np.testing.assert_allclose(per_head, logits, atol=tol, rtol=0)
     return np.asarray(logits, np.float32), new
+
+
+def test_per_head_decode_attention_equals_all_pairs_in_fp32():
+    model = _model()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (3, 5)), jnp.int32)
+    _, cache = model(ids, cache=KVCache.init(model.config, 3, 9))
+    _decode_logits(model, cache)
+    (k8, ks), (v8, vs) = quantize_kv(cache.k), quantize_kv(cache.v)
+    _decode_logits(model, KVCache(k8, v8, cache.pos, cache.lengths, k_scale=ks, v_scale=vs))
 
 
 def test_int8_cache_decode_stays_within_its_rounding_of_the_bf16_cache():
@@ -159,4 +175,3 @@ def test_sharded_int8_engine_matches_unsharded():
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-

@@ -49,5 +49,21 @@ def test_the_printed_plan_has_a_decode_line_per_precision():
     text = format_plan(plan)
     assert "decode by rollout precision" in text
     lines = [x for x in text.splitlines() if "GB/step" in x]
-    assert [x.split()[0] for x in lines] == ["float32", "bfloat16", "bf16"]
+    assert [x.split()[0] for x in lines] == ["*float32", "bfloat16", "bf16"]
     assert "(1.00x less than float32)" in lines[0] and "(2.00x less than float32)" in lines[1]
+
+
+def test_a_plan_compiled_with_an_int8_cache_scales_from_its_int8_sizes():
+    """rollout.kv_dtype=int8: the compiled cache is already 1 + 4/H bytes per element, so
+    the options are the same as those of the bf16 plan of the same stage."""
+    from magic_jax.jobs.plan import own_option
+
+    bf16_plan = decode_options(_stage(engine_params=4 * GiB, kv_cache=4 * GiB), "bfloat16",
+                               128, 95 * GiB, 1e12)  # fmt: skip
+    int8_kv = 4 * GiB * (1 + 4 / 128) / 2
+    int8_plan = decode_options(_stage(engine_params=4 * GiB, kv_cache=int8_kv), "bfloat16",
+                               128, 95 * GiB, 1e12, kv_dtype="int8")  # fmt: skip
+    for a, b in zip(bf16_plan, int8_plan):
+        assert a.kv_cache == pytest.approx(b.kv_cache) and a.slots_fit == b.slots_fit
+    assert own_option("bfloat16", "int8") == "bf16 + int8 KV"
+    assert own_option("float32", None) == "float32" and own_option("float32", "int8") is None

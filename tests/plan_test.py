@@ -166,7 +166,8 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "of 16.00: fits" in out and "TPU v5e: 16 GiB HBM, 819 GB/s" in out
     assert (
-        "update: compute float32, remat none; rollout: weights, compute and KV cache float32" in out
+        "update: compute float32, remat none; rollout: weights and compute float32, "
+        "KV cache float32" in out
     )
 
 
@@ -200,18 +201,18 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
 
 
 @needs_libtpu
-def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path, capsys):
+def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes_int8_kv_more(tmp_path):
     from magic_jax.jobs.stage_plan import plan_stage
     from magic_jax.model.config import ModelConfig
 
     model = ModelConfig.from_hf_config(HF)
     mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
     plans = {
-        d: plan_stage(load_config(_run(tmp_path, rollout={"max_concurrent_decodes": 16,
-                                                          "dtype": d})), 0, model, mesh)
-        for d in ("float32", "bfloat16")
+        (d, kv): plan_stage(load_config(_run(tmp_path, rollout={
+            "max_concurrent_decodes": 16, "dtype": d, "kv_dtype": kv})), 0, model, mesh)
+        for d, kv in (("float32", None), ("bfloat16", None), ("bfloat16", "int8"))
     }  # fmt: skip
-    f32, bf16 = plans["float32"], plans["bfloat16"]
+    f32, bf16, int8 = plans.values()
     assert bf16.params == f32.params and bf16.opt_state == f32.opt_state  # master weights
     assert bf16.engine_params * 2 == f32.engine_params
     # keys and values halve; the cache's int32 positions and lengths do not
@@ -219,6 +220,11 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes(tmp_path,
     # XLA's bytes per decode step: at this size the fp32 logits and sampling over the
     # vocabulary are a large share (measured 1.51x); on the 7B stage see docs/tpu.md
     assert f32.decode_bytes / bf16.decode_bytes > 1.4, (f32.decode_bytes, bf16.decode_bytes)
+    # rollout.kv_dtype=int8 at head dim 16: 1 + 4/16 bytes per element for bf16's 2
+    assert int8.engine_params == bf16.engine_params
+    assert 0.6 < int8.kv_cache / bf16.kv_cache < 0.65, (int8.kv_cache, bf16.kv_cache)
+    print("decode bytes f32 / bf16 / int8 KV:", f32.decode_bytes, bf16.decode_bytes,
+          int8.decode_bytes)  # fmt: skip
 
 
 @needs_libtpu

@@ -34,8 +34,8 @@ from magic_jax.model.sharding import make_mesh
 class RunPlan:
     """A run's stages on one slice, and for each stage that does not fit, the
     smallest slice of the same chip that does (None: none up to the largest);
-    ``remat`` and ``compute_dtype`` are the update's, ``rollout_dtype`` the engine's (the
-    run's options)."""
+    ``remat`` and ``compute_dtype`` are the update's, ``rollout_dtype`` and ``kv_dtype``
+    the engine's (the run's options)."""
 
     topology: str
     chip: Chip
@@ -47,6 +47,7 @@ class RunPlan:
     remat: str = "none"
     compute_dtype: str = "float32"
     rollout_dtype: str = "float32"
+    kv_dtype: str | None = None
 
     @property
     def hbm_bytes(self) -> float:
@@ -137,6 +138,7 @@ def plan_run(
     out.remat = config.remat
     out.compute_dtype = config.compute_dtype or model_config.dtype
     out.rollout_dtype = config.rollout.dtype or model_config.dtype
+    out.kv_dtype = config.rollout.kv_dtype
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
@@ -151,12 +153,12 @@ def plan_run(
     return out
 
 
-# (label, weight dtype, KV bytes per element as a function of head_dim)
-ROLLOUT_OPTIONS: tuple[tuple[str, str, Any], ...] = (
-    ("float32", "float32", lambda h: 4.0),
-    ("bfloat16", "bfloat16", lambda h: 2.0),
-    # int8 values and one float32 scale per token and KV head
-    ("bf16 + int8 KV", "bfloat16", lambda h: 1.0 + 4.0 / h),
+# (label, weight dtype, KV cache dtype, KV bytes per element as a function of head_dim)
+ROLLOUT_OPTIONS: tuple[tuple[str, str, str | None, Any], ...] = (
+    ("float32", "float32", None, lambda h: 4.0),
+    ("bfloat16", "bfloat16", None, lambda h: 2.0),
+    # rollout.kv_dtype=int8: int8 values and one float32 scale per token and KV head
+    ("bf16 + int8 KV", "bfloat16", "int8", lambda h: 1.0 + 4.0 / h),
 )
 
 
@@ -182,18 +184,27 @@ class DecodeOption:
     slots_fit: int
 
 
-def decode_options(p: StagePlan, rollout_dtype: str, head_dim: int, hbm: float,
-                   bandwidth: float) -> list[DecodeOption]:  # fmt: skip
-    """Each of ``ROLLOUT_OPTIONS`` scaled from the stage's compiled sizes in ``rollout_dtype``
-    (weights by their dtype's bytes, the cache by bytes per element; decode temporaries kept
-    as compiled). ``hbm`` and ``bandwidth`` are per device (bytes, bytes/s)."""
+def decode_options(
+    p: StagePlan,
+    rollout_dtype: str,
+    head_dim: int,
+    hbm: float,
+    bandwidth: float,
+    kv_dtype: str | None = None,
+) -> list[DecodeOption]:
+    """Each of ``ROLLOUT_OPTIONS`` scaled from the stage's compiled sizes, which are in
+    ``rollout_dtype`` with the cache in ``kv_dtype`` (weights by their dtype's bytes, the
+    cache by bytes per element; decode temporaries kept as compiled). ``hbm`` and
+    ``bandwidth`` are per device (bytes, bytes/s)."""
     import jax.numpy as jnp
 
     have = jnp.dtype(rollout_dtype).itemsize
+    # an int8 cache holds 1 + 4/H bytes per element whatever the weights' dtype
+    have_kv = have if kv_dtype is None else ROLLOUT_OPTIONS[-1][3](head_dim)
     out = []
-    for label, wdtype, kv_bytes in ROLLOUT_OPTIONS:
+    for label, wdtype, _, kv_bytes in ROLLOUT_OPTIONS:
         weights = p.engine_params * jnp.dtype(wdtype).itemsize / have
-        kv = p.kv_cache * kv_bytes(head_dim) / have
+        kv = p.kv_cache * kv_bytes(head_dim) / have_kv
         step = weights + kv
         per_slot = kv / p.slots if p.slots else math.inf
         room = hbm - p.params - p.opt_state - weights - p.decode_temps
@@ -201,6 +212,14 @@ def decode_options(p: StagePlan, rollout_dtype: str, head_dim: int, hbm: float,
         tps = p.slots / (step / bandwidth) if step > 0 else 0.0
         out.append(DecodeOption(label, weights, kv, step, tps, fit))
     return out
+
+
+def own_option(rollout_dtype: str, kv_dtype: str | None) -> str | None:
+    """The ``ROLLOUT_OPTIONS`` label of a run's own engine settings (None: not listed)."""
+    return next(
+        (label for label, wd, kd, _ in ROLLOUT_OPTIONS if (wd, kd) == (rollout_dtype, kv_dtype)),
+        None,
+    )
 
 
 def _gib(n: float) -> str:
@@ -216,7 +235,8 @@ def format_plan(plan: RunPlan) -> str:
     lines = [
         f"model: {mc.num_params() / 1e9:.2f}B parameters, L {mc.num_layers}, D {mc.hidden_size}, "
         f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
-        f"remat {plan.remat}; rollout: weights, compute and KV cache {plan.rollout_dtype}",
+        f"remat {plan.remat}; rollout: weights and compute {plan.rollout_dtype}, KV cache "
+        f"{plan.kv_dtype or plan.rollout_dtype}",
         f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
@@ -246,19 +266,22 @@ def format_plan(plan: RunPlan) -> str:
         t_upd = max(p.update_flops, p.model_flops) / peak
         full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
         head_dim = mc.head_dim or mc.hidden_size // mc.num_heads
-        opts = decode_options(p, plan.rollout_dtype, head_dim, hbm, bw)
+        opts = decode_options(p, plan.rollout_dtype, head_dim, hbm, bw, plan.kv_dtype)
         base = opts[0].step_bytes
+        own = own_option(plan.rollout_dtype, plan.kv_dtype)
         lines.append(
-            f"  decode by rollout precision (sizes scaled from this plan's; {p.slots} slots at "
-            f"T {p.response_length}):"
+            f"  decode by rollout precision (sizes scaled from this plan's, * compiled; "
+            f"{p.slots} slots at T {p.response_length}):"
         )
         for o in opts:
+            mark = "*" if o.label == own else " "
             lines.append(
-                f"    {o.label:<15} weights {o.weights / GiB:6.2f} GiB, KV {o.kv_cache / GiB:6.2f} "
-                f"GiB: {o.step_bytes / 1e9:6.2f} GB/step ({base / o.step_bytes:.2f}x less than "
+                f"   {mark}{o.label:<15} weights {o.weights / GiB:6.2f} GiB, "
+                f"KV {o.kv_cache / GiB:6.2f} GiB: {o.step_bytes / 1e9:6.2f} GB/step "
+                f"({base / o.step_bytes:.2f}x less than "
                 f"float32), <= {o.tokens_per_s:,.0f} tokens/s; slots that fit: {o.slots_fit}"
             )
-        lines.append("    (int8 KV is not an engine option yet: the last line is what it buys)")
+        lines.append("    (set by rollout.dtype and rollout.kv_dtype; the last is bfloat16 + int8)")
         lines += [
             f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read, "
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "

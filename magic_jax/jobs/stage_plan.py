@@ -318,7 +318,9 @@ def plan_stage(
     engine = e["engine"]
     decode = _compile(
         jax.jit(
-            functools.partial(decode_step, engine.graphdef, sampling=config.sampling),
+            functools.partial(
+                decode_step, engine.graphdef, sampling=config.sampling, **engine.decode_statics()
+            ),
             donate_argnums=1,
             out_shardings=(engine.state_shardings(), None),
         ).lower(e["params"], e["state"], engine.eos_array)

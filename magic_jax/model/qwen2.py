@@ -18,7 +18,6 @@ same maths, one traced copy per layer).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -28,108 +27,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from magic_jax.model.config import ModelConfig
+from magic_jax.model.kv_cache import KVCache, write_rows
 
 LAYER_AXIS = "layers"
 # The window of a full-attention layer when windows are per-layer data: longer than
 # any position difference, so the mask term is always true.
 _NO_WINDOW = 2**30
-
-
-# --------------------------------------------------------------------------- cache
-
-
-KV_DTYPES = (None, "int8")
-# Largest magnitude of a quantized key or value: symmetric int8, -127..127.
-_INT8_MAX = 127.0
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Preallocated key/value cache; each row (decode slot) advances on its own.
-
-    Attributes:
-      k: keys of every layer, [L, B, S, K, H].
-      v: values of every layer, [L, B, S, K, H].
-      pos: [B, S] int32 position of the token held in each slot, -1 if empty
-        or padding (never attended).
-      lengths: [B] int32 slots used so far; the next write starts there.
-      k_scale, v_scale: for an int8 cache, the float32 scale of each stored key and
-        value vector, [L, B, S, K] (one per token and kv head: ``k ~ k_int8 *
-        k_scale``); None for a cache in a float dtype.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    pos: jax.Array
-    lengths: jax.Array
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
-
-    @classmethod
-    def init(
-        cls,
-        config: ModelConfig,
-        batch: int,
-        max_len: int,
-        dtype: Any = None,
-        kv_dtype: str | None = None,
-    ) -> KVCache:
-        """An empty cache of ``max_len`` slots per row.
-
-        ``dtype`` defaults to the compute dtype; ``kv_dtype="int8"`` stores int8
-        keys and values with per-token-and-head scales instead.
-        """
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_size)
-        pos = jnp.full((batch, max_len), -1, jnp.int32)
-        lengths = jnp.zeros((batch,), jnp.int32)
-        if kv_dtype == "int8":
-            scale = jnp.ones(shape[:-1], jnp.float32)
-            zeros = jnp.zeros(shape, jnp.int8)
-            return cls(k=zeros, v=zeros, pos=pos, lengths=lengths, k_scale=scale, v_scale=scale)
-        dtype = jnp.dtype(dtype or config.dtype)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=pos, lengths=lengths)
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
-
-    @property
-    def max_len(self) -> int:
-        return self.pos.shape[1]
-
-    def next_positions(self) -> jax.Array:
-        """[B] the position the next real token of each row takes."""
-        return jnp.sum(self.pos >= 0, axis=1).astype(jnp.int32)
-
-
-def quantize_kv(x_XH: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 quantization of key or value vectors over their last axis (H).
-
-    Returns (int8 values [..., H], float32 scales [...]) with ``x ~ q * scale``;
-    each vector's largest magnitude maps to 127, so the rounding error of an
-    element is at most ``max|x| / 254``. An all-zero vector gets scale 1.
-    """
-    x32 = x_XH.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1)
-    scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
-    q = jnp.clip(jnp.round(x32 / scale[..., None]), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
-    return q, scale
-
-
-def dequantize_kv(q_XH: jax.Array, scale_X: jax.Array, dtype: Any) -> jax.Array:
-    """The inverse of ``quantize_kv``, in ``dtype``."""
-    return (q_XH.astype(jnp.float32) * scale_X[..., None]).astype(dtype)
-
-
-def _write_rows(buf_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Writes ``new_BT[b]`` into ``buf_BS[b]`` at slot ``start_B[b]`` (trailing dims kept)."""
-    zeros = (0,) * (buf_BS.ndim - 2)
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, *zeros)))(
-        buf_BS, new_BT.astype(buf_BS.dtype), start_B
-    )
 
 
 # --------------------------------------------------------------------------- layers
@@ -256,8 +159,8 @@ def sequence_attention(
     if cache_kv is None:
         k_BSKH, v_BSKH = k_BTKH, v_BTKH
     else:
-        k_BSKH = _write_rows(cache_kv[0], k_BTKH, write_at_B)
-        v_BSKH = _write_rows(cache_kv[1], v_BTKH, write_at_B)
+        k_BSKH = write_rows(cache_kv[0], k_BTKH, write_at_B)
+        v_BSKH = write_rows(cache_kv[1], v_BTKH, write_at_B)
     attend = functools.partial(
         _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=window
     )
@@ -490,7 +393,7 @@ class Qwen2(nnx.Module):
             key_pos_BS = new_pos_BT
         else:
             write_at_B = cache.lengths
-            key_pos_BS = _write_rows(cache.pos, new_pos_BT, write_at_B)
+            key_pos_BS = write_rows(cache.pos, new_pos_BT, write_at_B)
         q_slot_BT = write_at_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
         def layer_fn(layer, x_BTD, xs):

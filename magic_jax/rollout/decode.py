@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from magic_jax.model.qwen2 import KVCache, Qwen2, quantize_kv
+from magic_jax.model.kv_cache import KVCache, quantize_kv
+from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout import sampling as sampling_lib
 from magic_jax.rollout.sampling import SamplingConfig
 
@@ -175,14 +176,23 @@ def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.A
     )
 
 
-def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_scale_BSK=None):
-    """One query per row against the whole cache, without relayouting the cache.
+def _decode_attention(
+    q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_scale_BSK=None, *, per_head=False
+):
+    """One query per row against the whole cache.
 
-    A [B, K, ...]-batched einsum over the [B, S, K, H] cache makes XLA transpose the
-    whole cache every layer and step (measured: most of the decode step at long
-    S on CPU). Here both products keep the cache as stored, [B, S*K, H] and
-    [B, S, K*H], and compute every (query head, kv head) pair; the K x K blocks
-    off the diagonal are discarded (K x the score flops, which are tiny at T = 1).
+    Two formulations with the same result (``per_head``):
+    - False: without relayouting the cache. A [B, K, ...]-batched einsum over the
+      [B, S, K, H] cache makes XLA's CPU backend transpose the whole cache every
+      layer and step (measured: most of the decode step at long S on CPU). Here
+      both products keep the cache as stored, [B, S*K, H] and [B, S, K*H], and
+      compute every (query head, kv head) pair; the K x K blocks off the diagonal
+      are discarded (K x the score flops, which are tiny at T = 1).
+    - True: batched over kv heads, each query head against its own kv head only.
+      When the kv heads are split over devices (``tensor``), the pairs above would
+      need every device's heads: XLA all-gathers the cache in every layer (seen
+      in the TPU plans: the decode step read the cache twice at tensor 2), so the
+      engine takes this form then (``Engine.decode_statics``).
 
     An int8 cache (``k_scale_BSK`` / ``v_scale_BSK`` given) is dequantized inside
     the products: the int8 values enter the dots, each score is multiplied by its
@@ -194,6 +204,16 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_sc
     # The query takes the cache's dtype (the compute dtype for an int8 cache), so the
     # program holds no float32 copy of a bf16 cache; both products accumulate in fp32.
     dt = q_BKGH.dtype if k_scale_BSK is not None else k_BSKH.dtype
+    if per_head:
+        scores_BKGS = jnp.einsum(
+            "bkgh,bskh->bkgs", q_BKGH.astype(dt), k_BSKH.astype(dt),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK)
+        return jnp.einsum(
+            "bkgs,bskh->bkgh", probs_BKGS.astype(dt), v_BSKH.astype(dt),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
     q_BNH = q_BKGH.reshape(b, kh * g, h).astype(dt)
     scores_BMN = jnp.einsum(
         "bmh,bnh->bmn",
@@ -206,13 +226,7 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_sc
     scores_BKGS = jnp.sum(
         jnp.where(eye_KK[None, None, :, :, None], scores_BSKKG, 0.0), axis=2
     ).transpose(0, 2, 3, 1)
-    if k_scale_BSK is not None:
-        scores_BKGS = scores_BKGS * k_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
-    scores_BKGS = scores_BKGS * (h**-0.5)
-    scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
-    if v_scale_BSK is not None:
-        probs_BKGS = probs_BKGS * v_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK)
     probs_BNS = probs_BKGS.reshape(b, kh * g, s).astype(dt)
     out_BNKH = jnp.einsum(
         "bns,bsm->bnm",
@@ -223,6 +237,19 @@ def _decode_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_sc
     return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
 
 
+def _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK):
+    """Attention probabilities from raw q.k scores, fp32: times each key's int8 scale
+    (if any) and 1/sqrt(H), masked, softmaxed, times each value's int8 scale (if any)."""
+    if k_scale_BSK is not None:
+        scores_BKGS = scores_BKGS * k_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    scores_BKGS = scores_BKGS * (h**-0.5)
+    scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
+    if v_scale_BSK is not None:
+        probs_BKGS = probs_BKGS * v_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    return probs_BKGS
+
+
 def decode_forward(
     model: Qwen2,
     tokens_B: jax.Array,
@@ -231,6 +258,7 @@ def decode_forward(
     unembed_VD: jax.Array | None = None,
     *,
     layer_unroll: int | bool = 1,
+    per_head: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """The model's forward for one new token per row, with the decode attention above.
 
@@ -243,7 +271,8 @@ def decode_forward(
     [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
     (measured 10 vs 19 ms at B 32, D 512, V 32768), and transposing per call
     would cost more than it saves (37 ms), so the caller makes it once per weights.
-    ``layer_unroll``: see ``EngineConfig.layer_unroll``.
+    ``layer_unroll``: see ``EngineConfig.layer_unroll``; ``per_head``: the attention's
+    formulation (``_decode_attention``).
 
     Returns:
       (logits [B, V], the cache with the token written).
@@ -278,6 +307,7 @@ def decode_forward(
                 _write_slot(v_BSKH, new["v"], at_B),
                 mask_BS,
                 **scales,
+                per_head=per_head,
             )
             # Only the new token's key and value leave the layer: returning the whole
             # updated cache slice would copy every layer's cache each step.
@@ -320,6 +350,7 @@ def decode_step(
     sampling: SamplingConfig,
     unembed_VD: jax.Array | None = None,
     layer_unroll: int | bool = 1,
+    per_head: bool = False,
 ) -> tuple[DecodeState, StepOutput]:
     """One token for every live slot: feed the last token, sample the next.
 
@@ -329,7 +360,13 @@ def decode_step(
     model: Qwen2 = nnx.merge(graphdef, params)
     live_B = ~state.done
     logits_BV, cache = decode_forward(
-        model, state.tokens, live_B, state.cache, unembed_VD, layer_unroll=layer_unroll
+        model,
+        state.tokens,
+        live_B,
+        state.cache,
+        unembed_VD,
+        layer_unroll=layer_unroll,
+        per_head=per_head,
     )
     keys_B = jax.vmap(jax.random.fold_in)(state.keys, state.steps)
     d = sampling_lib.draw(logits_BV, keys_B, sampling)
@@ -416,6 +453,7 @@ def decode_chunk_fn(
     attend: int,
     sampling: SamplingConfig,
     layer_unroll: int | bool = 1,
+    per_head: bool = False,
 ) -> tuple[DecodeState, StepOutput, jax.Array]:
     """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
 
@@ -458,6 +496,7 @@ def decode_chunk_fn(
             sampling=sampling,
             unembed_VD=unembed_VD,
             layer_unroll=layer_unroll,
+            per_head=per_head,
         )
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, outs

@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax.model.config import check_unroll
-from magic_jax.model.qwen2 import KV_DTYPES, KVCache, Qwen2, abstract_model
+from magic_jax.model.kv_cache import KV_DTYPES, KVCache
+from magic_jax.model.qwen2 import Qwen2, abstract_model
 from magic_jax.model.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 from magic_jax.rollout import sampling as sampling_lib
 from magic_jax.rollout.decode import (
@@ -240,6 +241,21 @@ class Engine:
         return u
 
     @property
+    def kv_heads_split(self) -> bool:
+        """Whether the mesh splits the KV cache's kv heads over devices."""
+        kv = self._shardings.cache.k if self._shardings is not None else None
+        if kv is None:
+            return False
+        axes = kv.spec[3] if len(kv.spec) > 3 else None
+        axes = (axes,) if isinstance(axes, str) else axes or ()
+        return any(kv.mesh.shape[a] > 1 for a in axes)
+
+    def decode_statics(self) -> dict[str, Any]:
+        """The decode step's static options: the layer unroll, and the per-kv-head
+        attention when kv heads are split over devices (``decode._decode_attention``)."""
+        return dict(layer_unroll=self.layer_unroll, per_head=self.kv_heads_split)
+
+    @property
     def eos_array(self) -> jax.Array:
         """[E] int32 ids that end a response, on device (E may be 0)."""
         return self._eos_E
@@ -339,9 +355,7 @@ class Engine:
 
         def make():
             return DecodeState(
-                cache=KVCache.init(
-                    self.model_config, b, cfg.cache_length, kv_dtype=cfg.kv_dtype
-                ),
+                cache=KVCache.init(self.model_config, b, cfg.cache_length, kv_dtype=cfg.kv_dtype),
                 tokens=jnp.zeros((b,), jnp.int32),
                 keys=jax.random.split(jax.random.key(0), b),
                 steps=jnp.zeros((b,), jnp.int32),
@@ -428,7 +442,7 @@ class Engine:
 
     def generate(self, params: nnx.State, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One decode step for every slot (donates ``state``)."""
-        return self._fn("generate", layer_unroll=self.layer_unroll)(params, state, self._eos_E)
+        return self._fn("generate", **self.decode_statics())(params, state, self._eos_E)
 
     def decode_unembedding(self, params: nnx.State) -> jax.Array:
         """The unembedding of ``params`` as [V, D], on device, for ``generate_chunk``.
@@ -460,7 +474,7 @@ class Engine:
             "chunk",
             num_steps=self.config.decode_steps,
             attend=attend,
-            layer_unroll=self.layer_unroll,
+            **self.decode_statics(),
         )
         rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
         return fn(

@@ -163,8 +163,9 @@ class RolloutConfig:
         mismatch (``loss.tis_cap`` corrects for it).
       kv_dtype: ``int8`` stores the engine's KV cache as int8 with a float32 scale
         per token and kv head, dequantized inside the decode attention (about half
-        a bf16 cache's bytes at head dim 128); null keeps it in ``dtype``. The
-        ``sampler_*`` metrics log its mismatch too.
+        a bf16 cache's bytes at head dim 128, so more slots fit); null keeps it in
+        ``dtype``. The ``sampler_*`` metrics log its mismatch too. On TPU the
+        compiled decode step still relayouts an int8 cache (docs/tpu.md).
     """
 
     max_concurrent_decodes: int = 64
