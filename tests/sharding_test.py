@@ -107,6 +107,64 @@ def test_sharded_forward_equals_unsharded(tmp_path):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_update_keeps_activations_row_sharded():
+    """Weights split their embed axis over fsdp, rows are split over fsdp too: left alone,
+    XLA contracts over the split embed axis and every device holds every row's
+    activations. The update pins the residual stream to the rows' sharding (and, between
+    layers, the embed axis to tensor), so each device holds its own rows only."""
+    import re
+    import types
+
+    from magic_jax.model.sharding import model_shardings
+    from magic_jax.update.buffer import pack_rollouts
+    from magic_jax.update.losses import LossConfig
+    from magic_jax.update.state import UpdateConfig
+    from magic_jax.update.step import loss_and_grads
+
+    cfg = dataclasses.replace(CFG, intermediate_size=256)
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    graphdef, params = nnx.split(Qwen2(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    params = jax.device_put(params, model_shardings(params, mesh, TRAIN_RULES))
+    rng = np.random.default_rng(0)
+    samples = [
+        types.SimpleNamespace(
+            prompt_index=i // 2,
+            sample_index=i % 2,
+            prompt_tokens=np.arange(3, 19, dtype=np.int32) + i // 2,
+            tokens=rng.integers(3, 256, 48).astype(np.int32),
+            logprobs=np.full(48, -1.0, np.float32),
+            entropies=np.ones(48, np.float32),
+            truncated=False,
+            length=48,
+        )
+        for i in range(8)
+    ]
+    rewards = np.arange(8, dtype=np.float32) % 2
+    buf = pack_rollouts(samples, rewards, prompt_bucket=16, response_bucket=48)
+    rows = batch_sharding(mesh)
+    buf = jax.device_put(buf, rows)
+    ucfg = UpdateConfig(mini_batch_groups=4, loss=LossConfig(), remat="full")
+    out = {}
+    for name, sh in (("free", None), ("pinned", rows)):
+        fn = jax.jit(
+            lambda p, b, sh=sh: loss_and_grads(
+                p, b, 0.0, graphdef=graphdef, config=ucfg, batch_sharding=sh
+            )
+        )
+        c = fn.lower(params, buf).compile()
+        # the MLP's [rows, 64 tokens, 256 / tensor] activations as each device holds them
+        mlp_rows = {int(r) for r in re.findall(r"f32\[(\d+),64,128\]", c.as_text())}
+        out[name] = (c.memory_analysis().temp_size_in_bytes, mlp_rows, fn(params, buf))
+    assert 8 in out["free"][1]  # the failure this guards against: all 8 rows on a device
+    assert max(out["pinned"][1]) == 2, out["pinned"][1]  # 8 rows / fsdp 4
+    assert out["pinned"][0] < 0.6 * out["free"][0], (out["pinned"][0], out["free"][0])
+    (loss_f, grads_f, _), (loss_p, grads_p, _) = out["free"][2], out["pinned"][2]
+    np.testing.assert_allclose(float(loss_p), float(loss_f), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_f)):
+        scale = float(jnp.abs(b).max()) + 1e-12
+        np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=1e-4)
+
+
 def test_logical_to_spec_rules():
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     assert logical_to_spec(("batch", None), TRAIN_RULES) == P(("data", "fsdp"), None)

@@ -1,5 +1,5 @@
-"""The run's ``remat``, ``compute_dtype`` and ``update_layer_unroll`` options: config checks, and
-what the update runs."""
+"""The run's ``remat``, ``compute_dtype``, ``attention_chunk`` and ``update_layer_unroll``
+options: config checks, and what the update runs."""
 
 import collections
 import dataclasses
@@ -159,6 +159,29 @@ def test_update_layer_unroll_option_reaches_the_update_and_changes_no_number():
     np.testing.assert_allclose(float(loss_u), float(loss_s), rtol=1e-6)
     tokens = int(np.asarray(_buffer().attention_mask).size)
     assert_fp32_close(jax.tree.leaves(grads_u), jax.tree.leaves(grads_s), terms=tokens)
+
+
+def test_attention_chunk_option_reaches_the_update_and_changes_no_number():
+    assert update_config(load_config(raw=_raw(attention_chunk=512)), 0).attention_chunk == 512
+    assert update_config(load_config(raw=_raw()), 0).attention_chunk is None
+    for bad in (0, -4, True):
+        with pytest.raises(ConfigError, match="attention_chunk"):
+            load_config(raw=_raw(attention_chunk=bad))
+    graphdef, params = _policy()
+    out = []
+    for chunk in (None, 4):  # rows of 16 tokens: one block, or four
+        cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, attention_chunk=chunk)
+        model = nnx.merge(update_graphdef(graphdef, params, cfg), params)
+        assert model.config.attention_chunk == (chunk or CFG.attention_chunk)
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        text = str(fn.trace(params, _buffer()).jaxpr)
+        counts = collections.Counter(re.findall(r"= ([a-z_0-9]+)\[", text))
+        out.append((_remats(counts), fn(params, _buffer())))
+    assert out[1][0] > out[0][0]  # the blocks run under lax.map, rematerialised
+    (loss_a, grads_a, _), (loss_b, grads_b, _) = out[0][1], out[1][1]
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
+    tokens = int(np.asarray(_buffer().attention_mask).size)
+    assert_fp32_close(jax.tree.leaves(grads_b), jax.tree.leaves(grads_a), terms=tokens)
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("dots_saveable", marks=pytest.mark.slow)])

@@ -311,7 +311,11 @@ def plan_stage(
     flat = _train_state(config, index, dataclasses.replace(model_config, scan_layers=False), mesh)
     one = jax.jit(
         functools.partial(
-            loss_and_grads, graphdef=flat["graphdef"], config=ucfg, ref_params=flat["ref"]
+            loss_and_grads,
+            graphdef=flat["graphdef"],
+            config=ucfg,
+            ref_params=flat["ref"],
+            batch_sharding=rows_sh,
         )
     )
     micro_c = _compile(one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha))

@@ -362,6 +362,7 @@ class Qwen2(nnx.Module):
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        row_sharding: jax.sharding.NamedSharding | None = None,
     ):
         """Forward pass.
 
@@ -373,6 +374,12 @@ class Qwen2(nnx.Module):
           cache: a ``KVCache``; the T new tokens are written at each row's
             ``lengths`` and attend to everything already held.
           return_hidden: return final-norm hidden states [B, T, D] instead of logits.
+          row_sharding: the sharding of the batch's rows (the update's, over
+            ``data`` x ``fsdp``). The residual stream keeps it, and between layers
+            (the input remat keeps of each layer) is also split over ``tensor``
+            along the embed axis. Without it XLA may contract over the weights'
+            ``fsdp``-sharded embed axis instead, every device holding every row's
+            activations (docs/tpu.md, "The update's activations").
         """
         if cache is not None and cache.quantized:
             raise ValueError(
@@ -396,8 +403,19 @@ class Qwen2(nnx.Module):
             key_pos_BS = write_rows(cache.pos, new_pos_BT, write_at_B)
         q_slot_BT = write_at_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
+        def rows(x, between_layers=False):
+            if row_sharding is None:
+                return x
+            sh = row_sharding
+            if between_layers and "tensor" in sh.mesh.axis_names:
+                # what remat keeps of each layer: its input, split over tensor too
+                spec = jax.sharding.PartitionSpec(sh.spec[0] if sh.spec else None, None, "tensor")
+                sh = jax.sharding.NamedSharding(sh.mesh, spec)
+            return jax.lax.with_sharding_constraint(x, sh)
+
         def layer_fn(layer, x_BTD, xs):
             window, kv = xs
+            x_BTD = rows(x_BTD, between_layers=True)
             attend = functools.partial(
                 sequence_attention,
                 cache_kv=kv,
@@ -409,6 +427,7 @@ class Qwen2(nnx.Module):
                 chunk=self.config.attention_chunk,
             )
             x_BTD, new_kv = layer(x_BTD, positions, attend)
+            x_BTD = rows(x_BTD, between_layers=True)
             # Without a cache nothing leaves the layer but x: the keys and values of
             # every layer would otherwise be stacked as outputs.
             return x_BTD, (None if kv is None else new_kv)
@@ -416,12 +435,12 @@ class Qwen2(nnx.Module):
         kv_L = None if cache is None else (cache.k, cache.v)
         x_BTD, new_kv = self.run_layers(
             layer_fn,
-            self.embed_tokens(input_ids),
+            rows(self.embed_tokens(input_ids)),
             (self.layer_windows(), kv_L),
             remat=True,
             unroll=self.config.layer_unroll,
         )
-        x_BTD = self.norm(x_BTD)
+        x_BTD = rows(self.norm(x_BTD))
 
         if return_hidden:
             out = x_BTD

@@ -255,6 +255,12 @@ class TrainConfig:
         (``param_dtype`` for a Hugging Face checkpoint). Master weights, gradients and
         optimizer state stay ``param_dtype``; softmax, norms, RoPE, log-probs
         and the loss stay fp32; the rollout engine samples in the model's own dtype.
+      attention_chunk: queries per attention block in the update's forward and
+        backward (and the trainer's recomputed log-probs) for rows longer than
+        it; null = the model's own (``ModelConfig.attention_chunk``, 2048). The
+        scores of one block, [heads, chunk, row length] in float32, and their
+        backward's copies are the largest update temporaries of long rows:
+        512 holds a quarter of 2048's (``magic-jax plan`` shows it).
       update_layer_unroll: how the update runs the stacked layers (the scan's
         ``unroll``: ``true`` inlines every layer, an int n unrolls n at a time, 1
         is a plain scan); null = the platform's measured default
@@ -287,6 +293,7 @@ class TrainConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots_saveable"] = "none"
     compute_dtype: Literal["float32", "bfloat16"] | None = None
+    attention_chunk: int | None = None
     update_layer_unroll: int | bool | None = None
     seed: int = 0
     checkpoint_every: int = 50
@@ -311,6 +318,12 @@ class TrainConfig:
                 f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
             )
         check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
+        if self.attention_chunk is not None and (
+            isinstance(self.attention_chunk, bool) or self.attention_chunk <= 0
+        ):
+            raise ValueError(
+                f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}"
+            )
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
         if self.num_reuse <= 0:

@@ -71,6 +71,7 @@ def update_config(config: TrainConfig, index: int) -> Any:
         num_reuse=config.num_reuse,
         remat=config.remat,
         compute_dtype=config.compute_dtype,
+        attention_chunk=config.attention_chunk,
         layer_unroll=config.update_layer_unroll,
         loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,

@@ -54,6 +54,8 @@ class UpdateConfig:
         the trainer's log-prob recomputation (``float32`` / ``bfloat16``); None =
         the policy model's own. Parameters, gradients and optimizer state keep
         their dtype; softmax, norms, RoPE, log-probs and the loss stay fp32.
+      attention_chunk: queries per attention block of the update's forward and
+        backward (``ModelConfig.attention_chunk``); None = the model's own.
       layer_unroll: how the update's forward and backward run the stacked layers
         (``ModelConfig.layer_unroll``); None takes ``default_update_layer_unroll()``
         for the platform. Same values either way; only speed and compile time change.
@@ -68,6 +70,7 @@ class UpdateConfig:
     num_reuse: int = 1
     remat: RematPolicy | None = None
     compute_dtype: str | None = None
+    attention_chunk: int | None = None
     layer_unroll: int | bool | None = None
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
@@ -92,6 +95,10 @@ class UpdateConfig:
         if self.remat is not None and self.remat not in REMAT_POLICIES:
             raise ValueError(
                 f"UpdateConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}"
+            )
+        if self.attention_chunk is not None and self.attention_chunk <= 0:
+            raise ValueError(
+                f"UpdateConfig.attention_chunk must be > 0, got {self.attention_chunk}"
             )
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(

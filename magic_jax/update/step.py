@@ -41,10 +41,10 @@ def default_update_layer_unroll(platform: str | None = None) -> int | bool:
 
 
 def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
-    """The policy's graph with the update's ``remat``, ``compute_dtype`` and
-    ``layer_unroll`` options.
+    """The policy's graph with the update's ``remat``, ``compute_dtype``,
+    ``attention_chunk`` and ``layer_unroll`` options.
 
-    Both are static fields of the model's ``ModelConfig``: the graph of a model
+    All are static fields of the model's ``ModelConfig``: the graph of a model
     built with the changed config takes the same parameters. Works inside a trace
     (``params`` may be tracers or ``ShapeDtypeStruct``s).
 
@@ -62,14 +62,22 @@ def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -
         changes["remat"] = config.remat
     if config.compute_dtype is not None:
         changes["dtype"] = config.compute_dtype
+    if config.attention_chunk is not None:
+        changes["attention_chunk"] = config.attention_chunk
     wanted = dataclasses.replace(current, **changes)
     return graphdef if wanted == current else _graphdef_of(wanted)
 
 
 def compute_logprobs(
-    graphdef: nnx.GraphDef, params: Any, batch: RolloutBuffer, config: LossConfig
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: RolloutBuffer,
+    config: LossConfig,
+    row_sharding: NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of the response tokens of ``batch`` under ``params``.
+
+    ``row_sharding``: the rows' sharding, kept on the activations (``Qwen2.__call__``).
 
     Returns:
       (logp_BR, ent_BR), float32 [B, R], aligned with ``batch.old_logprobs``.
@@ -80,6 +88,7 @@ def compute_logprobs(
         positions=batch.positions,
         attention_mask=batch.attention_mask,
         return_hidden=True,
+        row_sharding=row_sharding,
     )
     p, r = batch.prompt_len, batch.response_len
     # hidden at position t predicts token t + 1: response token j is predicted at P + j - 1.
@@ -168,11 +177,11 @@ def loss_and_grads(
     nominal = float(nominal_rows or batch.num_rows)
 
     def micro_loss(p, mb):
-        logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg)
+        logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg, batch_sharding)
         old_BR = jax.lax.stop_gradient(logp_BR) if old_from_current else mb.old_logprobs
         ref_logp_BR = None
         if lcfg.kl_beta > 0:
-            ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg)
+            ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg, batch_sharding)
             ref_logp_BR = jax.lax.stop_gradient(ref_logp_BR)
         return policy_loss(
             logp_BR,

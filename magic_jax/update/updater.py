@@ -123,8 +123,11 @@ class PolicyUpdater:
         if self._logprobs is None:
             cfg, lcfg = self.config, self.config.loss
             # the update's numerics (remat, compute dtype): pi_old as the update computes pi
+            rows = self.batch_sharding
             self._logprobs = jax.jit(
-                lambda p, b: compute_logprobs(update_graphdef(self.graphdef, p, cfg), p, b, lcfg)[0]
+                lambda p, b: compute_logprobs(
+                    update_graphdef(self.graphdef, p, cfg), p, b, lcfg, rows
+                )[0]
             )
         d_t, n = self.config.mini_batch_groups, buffer.num_groups
         out = np.zeros(buffer.response_mask.shape, np.float32)
