@@ -224,3 +224,8 @@ def test_updater_logprobs_use_the_updates_numerics():
     mask = buf.response_mask > 0
     assert not np.array_equal(lp16[mask], lp32[mask])
     np.testing.assert_allclose(lp16[mask], lp32[mask], atol=0.05)
+    # micro_batch_size rows at a time (memory of one micro-batch), in the buffer's row order
+    for micro in (2, 4):
+        cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, micro_batch_size=micro)
+        lp_micro = PolicyUpdater(graphdef, cfg).logprobs(params, buf)
+        np.testing.assert_allclose(lp_micro[mask], lp32[mask], rtol=1e-5, atol=1e-5)

@@ -103,7 +103,7 @@ def compute_logprobs(
     )
 
 
-def _micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):
+def micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):
     """[M, ...] -> [M / size, size, ...]; micro-batch i takes rows i, i + n, i + 2n, ...
 
     The strided split keeps every micro-batch spread over all data shards when the
@@ -203,7 +203,7 @@ def loss_and_grads(
     if size >= batch.num_rows and live_micro is None:
         (loss, metrics), grads = grad_fn(params, batch)
         return loss, grads, metrics
-    micro = _micro_batches(batch, min(size, batch.num_rows), batch_sharding)
+    micro = micro_batches(batch, min(size, batch.num_rows), batch_sharding)
     n_micro = micro.tokens.shape[0]
 
     def body(i, acc):
@@ -230,7 +230,7 @@ def loss_and_grads(
 def live_first(num_rows: int, micro_rows: int, live_rows: int) -> tuple[np.ndarray, int]:
     """A row order that puts ``live_rows`` rows into the first micro-batches.
 
-    ``_micro_batches`` gives micro-batch i the rows i, i + n, i + 2n, ... (n
+    ``micro_batches`` gives micro-batch i the rows i, i + n, i + 2n, ... (n
     micro-batches). Row j of the returned order is the ``order[j]``-th row of a
     batch whose live rows come first, so micro-batch i holds rows
     ``i * micro_rows ... (i + 1) * micro_rows - 1`` of that batch.

@@ -16,7 +16,13 @@ from magic_jax.model.sharding import batch_sharding, data_shards
 from magic_jax.update.buffer import RolloutBuffer, split_mini_batches
 from magic_jax.update.entropy import entropy_coefficient, measure_entropy, update_entropy_control
 from magic_jax.update.state import TrainState, UpdateConfig, init_train_state, shardings_on_mesh
-from magic_jax.update.step import compute_logprobs, live_first, train_step, update_graphdef
+from magic_jax.update.step import (
+    compute_logprobs,
+    live_first,
+    micro_batches,
+    train_step,
+    update_graphdef,
+)
 
 
 class PolicyUpdater:
@@ -117,18 +123,27 @@ class PolicyUpdater:
     def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
         """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
 
-        Computed D_T groups at a time (the training mini-batch shape, so memory
-        stays that of one optimizer step's forward pass); no gradients.
+        Computed D_T groups at a time (the training mini-batch shape), and within
+        that ``micro_batch_size`` rows at a time as the update runs them, so memory
+        stays that of one micro-batch's forward pass; no gradients.
         """
         if self._logprobs is None:
             cfg, lcfg = self.config, self.config.loss
-            # the update's numerics (remat, compute dtype): pi_old as the update computes pi
             rows = self.batch_sharding
-            self._logprobs = jax.jit(
-                lambda p, b: compute_logprobs(
-                    update_graphdef(self.graphdef, p, cfg), p, b, lcfg, rows
-                )[0]
-            )
+
+            def one(p, b):
+                # the update's numerics (remat, compute dtype): pi_old as the update computes pi
+                return compute_logprobs(update_graphdef(self.graphdef, p, cfg), p, b, lcfg, rows)[0]
+
+            def logprobs(p, b):
+                size = cfg.micro_batch_size
+                if size is None or size >= b.num_rows:
+                    return one(p, b)
+                out = jax.lax.map(lambda mb: one(p, mb), micro_batches(b, size, rows))
+                # micro-batch i holds rows i, i + n, ...: back to the buffer's row order
+                return out.swapaxes(0, 1).reshape(b.num_rows, -1)
+
+            self._logprobs = jax.jit(logprobs)
         d_t, n = self.config.mini_batch_groups, buffer.num_groups
         out = np.zeros(buffer.response_mask.shape, np.float32)
         for start in range(0, n, d_t):
