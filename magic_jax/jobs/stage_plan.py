@@ -202,7 +202,18 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
 
 
 def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
-    """An abstract mini-batch of ``rows`` rows, padded as ``pack_rollouts`` pads them."""
+    """An abstract mini-batch of ``rows`` rows of stage ``index``."""
+    st = config.stages[index]
+    return abstract_batch(
+        config.data.max_prompt_length, st.max_response_length, rows, mesh, st.group_size
+    )
+
+
+def abstract_batch(
+    prompt_length: int, response_length: int, rows: int, mesh: Any, group_size: int = 2
+) -> Any:
+    """An abstract ``RolloutBuffer`` of ``rows`` rows sharded over the mesh's data axes,
+    padded as ``pack_rollouts`` pads them."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
@@ -210,10 +221,9 @@ def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
     from magic_jax.model.sharding import BATCH_AXES
     from magic_jax.update.buffer import RolloutBuffer
 
-    st = config.stages[index]
-    p = 64 * math.ceil(config.data.max_prompt_length / 64)
-    rb = min(256, st.max_response_length)
-    r = rb * math.ceil(st.max_response_length / rb)
+    p = 64 * math.ceil(prompt_length / 64)
+    rb = min(256, response_length)
+    r = rb * math.ceil(response_length / rb)
     sh = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
     def a(shape, dtype):
@@ -233,7 +243,7 @@ def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
         advantages=a((), f32),
         keep=a((), bool),
         valid=a((), bool),
-        group_size=st.group_size,
+        group_size=group_size,
     )
 
 
