@@ -197,7 +197,8 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
     }
     none, full = plans["none"], plans["full"]
     assert none.params == full.params and none.opt_state == full.opt_state
-    assert 0 < full.activations < none.activations / 4  # measured: 11.2 MB against 74.8 MB
+    # measured: 9.5 MB against 32.4 MB (with the activations pinned to their rows)
+    assert 0 < full.activations < none.activations / 3
 
 
 @needs_libtpu
