@@ -403,15 +403,16 @@ class Qwen2(nnx.Module):
             key_pos_BS = write_rows(cache.pos, new_pos_BT, write_at_B)
         q_slot_BT = write_at_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
+        layer_sharding = row_sharding
+        if row_sharding is not None and "tensor" in row_sharding.mesh.axis_names:
+            # what remat keeps of each layer, its input: the rows', split over tensor too
+            first = row_sharding.spec[0] if row_sharding.spec else None
+            spec = jax.sharding.PartitionSpec(first, None, "tensor")
+            layer_sharding = jax.sharding.NamedSharding(row_sharding.mesh, spec)
+
         def rows(x, between_layers=False):
-            if row_sharding is None:
-                return x
-            sh = row_sharding
-            if between_layers and "tensor" in sh.mesh.axis_names:
-                # what remat keeps of each layer: its input, split over tensor too
-                spec = jax.sharding.PartitionSpec(sh.spec[0] if sh.spec else None, None, "tensor")
-                sh = jax.sharding.NamedSharding(sh.mesh, spec)
-            return jax.lax.with_sharding_constraint(x, sh)
+            sh = layer_sharding if between_layers else row_sharding
+            return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
 
         def layer_fn(layer, x_BTD, xs):
             window, kv = xs
