@@ -27,6 +27,7 @@ from magic_jax.rollout.decode import (
     insert_group_fn,
     prefill_fn,
 )
+from magic_jax.rollout.ragged_attention import DECODE_ATTENTION, RaggedSpec
 from magic_jax.rollout.sampling import SamplingConfig
 
 ENGINE_DTYPES = (None, "float32", "bfloat16")
@@ -65,6 +66,13 @@ class EngineConfig:
         attention: 1 + 4/H bytes per element instead of 2 (bf16) or 4. The prompt
         is prefilled in ``dtype`` and quantized when it is inserted. None keeps
         the cache in ``dtype``.
+      decode_attention: ``"ragged"`` runs the decode attention as a Pallas kernel
+        that reads only the cache slots each row holds (``ragged_attention``: the
+        TPU kernel on TPU, the Triton kernel on GPU, the TPU kernel interpreted
+        elsewhere: slow, for tests); ``"dense"`` reads the whole attended cache and
+        masks it. None: ragged on TPU and GPU, dense on CPU. Ragged needs a float
+        cache (not ``kv_dtype="int8"``) and no sliding-window layers; elsewhere
+        the dense product runs.
     """
 
     max_concurrent_decodes: int = 32
@@ -79,6 +87,7 @@ class EngineConfig:
     layer_unroll: int | bool | None = None
     dtype: str | None = None
     kv_dtype: str | None = None
+    decode_attention: str | None = None
 
     def __post_init__(self):
         if self.dtype not in ENGINE_DTYPES:
@@ -88,6 +97,16 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"EngineConfig.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}"
+            )
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
+                f"got {self.decode_attention!r}"
+            )
+        if self.decode_attention == "ragged" and self.kv_dtype is not None:
+            raise ValueError(
+                "EngineConfig.decode_attention='ragged' reads a float cache; "
+                f"kv_dtype={self.kv_dtype!r} runs the dense attention"
             )
         check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
@@ -236,7 +255,7 @@ class Engine:
         """The decode loop's layer unroll (the config's, or the platform default)."""
         u = self.config.layer_unroll
         if u is None:
-            platform = None if self._mesh is None else self._mesh.devices.flat[0].platform
+            platform = None if self._mesh is None else self._platform()
             u = default_layer_unroll(platform)
         return u
 
@@ -250,10 +269,34 @@ class Engine:
         axes = (axes,) if isinstance(axes, str) else axes or ()
         return any(kv.mesh.shape[a] > 1 for a in axes)
 
+    @property
+    def ragged_spec(self) -> RaggedSpec | None:
+        """The ragged decode attention's settings, or None for the dense product."""
+        cfg = self.config
+        platform = jax.default_backend() if self._mesh is None else self._platform()
+        mode = cfg.decode_attention
+        if mode is None:
+            usable = cfg.kv_dtype is None and not self.model_config.sliding_layers
+            mode = "ragged" if platform in ("tpu", "gpu") and usable else "dense"
+        if mode == "dense":
+            return None
+        backend = platform if platform in ("tpu", "gpu") else "interpret"
+        if self._shardings is None:
+            return RaggedSpec(backend)
+        spec = self._shardings.cache.k.spec
+        spec = tuple(spec) + (None,) * (5 - len(spec))
+        return RaggedSpec(backend, self._mesh, spec[1], spec[3])
+
+    def _platform(self) -> str:
+        return self._mesh.devices.flat[0].platform
+
     def decode_statics(self) -> dict[str, Any]:
-        """The decode step's static options: the layer unroll, and the per-kv-head
-        attention when kv heads are split over devices (``decode._decode_attention``)."""
-        return dict(layer_unroll=self.layer_unroll, per_head=self.kv_heads_split)
+        """The decode step's static options: the layer unroll, the per-kv-head dense
+        attention when kv heads are split over devices (``decode._decode_attention``)
+        and the ragged kernel's settings (``ragged_spec``)."""
+        return dict(
+            layer_unroll=self.layer_unroll, per_head=self.kv_heads_split, ragged=self.ragged_spec
+        )
 
     @property
     def eos_array(self) -> jax.Array:

@@ -1,0 +1,299 @@
+"""Decode attention that reads only the cache slots each row holds.
+
+A decode step's query attends to a row's past keys ``[0, length)`` and to the token
+it is writing now. The dense path (``decode._decode_attention``) reads every slot of
+the attended cache and masks what a row does not hold; the kernels here read, per
+row, only the blocks below its length:
+
+- TPU (Mosaic): a flash-decoding grid (rows, key blocks). The key/value block index
+  of a row stops at its last held block, so the pipeline fetches nothing past it,
+  and the blocks past it run no compute. The lengths are prefetched to SMEM.
+- GPU (Triton): one program per (row, kv head) loops over the blocks below its
+  length.
+- ``interpret``: the TPU kernel's program run by Pallas's interpreter (CPU tests).
+
+Both kernels read the cache as the engine stores it, [B, S, K, H] per layer, and
+return the past's attention with its log-sum-exp; ``merge_new_token`` adds the new
+token, so the layer's cache is never rewritten before it is read (the dense path
+writes the token into a copy of the layer's cache first). ``reference_past`` is the
+same computation in plain jnp. Einsum letters as in ``qwen2.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DECODE_ATTENTION = (None, "dense", "ragged")
+BACKENDS = ("tpu", "gpu", "interpret")
+# Key-block sizes tried, largest first: the block must divide the attended length.
+_BLOCKS = (128, 64, 32, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedSpec:
+    """Static settings of the kernel path (hashable: part of the compile key).
+
+    Attributes:
+      backend: ``"tpu"``, ``"gpu"`` or ``"interpret"`` (the TPU kernel interpreted).
+      mesh: the mesh the cache is split over (None: one device). The kernel runs per
+        device on its rows and kv heads (``shard_map``): it holds no collective.
+      row_axes / head_axes: the mesh axes of the cache's rows and kv heads (a
+        ``PartitionSpec`` entry each).
+    """
+
+    backend: str
+    mesh: Any = None
+    row_axes: Any = None
+    head_axes: Any = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"RaggedSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def block_size(s: int) -> int | None:
+    """The key-block size for an attended length ``s``, or None when no block divides it."""
+    return next((b for b in _BLOCKS if s % b == 0), None)
+
+
+def reference_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
+    """The past's attention in plain jnp: (out [B, K, G, H] fp32, lse [B, K, G] fp32).
+
+    ``out`` is normalized over the slots ``[0, length)``; a row of length 0 gets
+    out 0 and lse -inf.
+    """
+    h = q_BKGH.shape[-1]
+    dt = k_BSKH.dtype
+    s_BKGS = jnp.einsum(
+        "bkgh,bskh->bkgs", q_BKGH.astype(dt), k_BSKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    held_BS = jnp.arange(k_BSKH.shape[1])[None] < lengths_B[:, None]
+    s_BKGS = jnp.where(held_BS[:, None, None], s_BKGS, -jnp.inf)
+    m_BKG = jnp.max(s_BKGS, axis=-1)
+    safe_m = jnp.where(jnp.isfinite(m_BKG), m_BKG, 0.0)
+    p_BKGS = jnp.exp(s_BKGS - safe_m[..., None])
+    l_BKG = jnp.sum(p_BKGS, axis=-1)
+    acc_BKGH = jnp.einsum(
+        "bkgs,bskh->bkgh", p_BKGS.astype(dt), v_BSKH, preferred_element_type=jnp.float32
+    )
+    return _finish(acc_BKGH, safe_m, l_BKG)
+
+
+def _finish(acc, m, denom):
+    """(acc / denom, m + log denom) with a row that held nothing giving (0, -inf)."""
+    held = denom > 0
+    safe = jnp.where(held, denom, 1.0)
+    return acc / safe[..., None], jnp.where(held, m + jnp.log(safe), -jnp.inf)
+
+
+def merge_new_token(out_BKGH, lse_BKG, q_BKGH, k_BKH, v_BKH):
+    """Attention over the past (``out``, ``lse``) and the new token's key and value."""
+    h = q_BKGH.shape[-1]
+    s_BKG = jnp.einsum("bkgh,bkh->bkg", q_BKGH.astype(jnp.float32), k_BKH.astype(jnp.float32)) * (
+        h**-0.5
+    )
+    m_BKG = jnp.maximum(lse_BKG, s_BKG)  # finite: the new token's score is
+    w_past, w_new = jnp.exp(lse_BKG - m_BKG), jnp.exp(s_BKG - m_BKG)
+    num = w_past[..., None] * out_BKGH + w_new[..., None] * v_BKH[:, :, None].astype(jnp.float32)
+    return num / (w_past + w_new)[..., None]
+
+
+def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs, k_heads):
+    from jax.experimental import pallas as pl
+
+    b, j = pl.program_id(0), pl.program_id(1)
+    n = len_ref[b]
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(j * bs < n)
+    def _block():
+        scale = q_ref.shape[-1] ** -0.5
+        for kh in range(k_heads):  # static: a kv head's query group against its keys
+            q_GH = q_ref[kh].astype(k_ref.dtype)
+            s_GS = jax.lax.dot_general(
+                q_GH, k_ref[:, kh, :], (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            ) * scale  # fmt: skip
+            slot = j * bs + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1)
+            s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
+            m_prev = m_sc[kh]
+            m_new = jnp.maximum(m_prev, jnp.max(s_GS, axis=1, keepdims=True))
+            p_GS = jnp.exp(s_GS - m_new)
+            corr = jnp.exp(m_prev - m_new)
+            l_sc[kh] = corr * l_sc[kh] + jnp.sum(p_GS, axis=1, keepdims=True)
+            v_SH = v_ref[:, kh, :]
+            pv = jnp.dot(p_GS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
+            acc_sc[kh] = corr * acc_sc[kh] + pv
+            m_sc[kh] = m_new
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _out():
+        out, lse = _finish(acc_sc[...], m_sc[...][..., 0], l_sc[...][..., 0])
+        o_ref[...] = out
+        lse_ref[...] = lse[..., None]
+
+
+def _tpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, k, g, h = q_BKGH.shape
+    s = k_BSKH.shape[1]
+    bs = block_size(s)
+
+    def kv_block(i, j, lens):  # blocks past a row's last held one repeat it: no fetch
+        return (i, jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs), 0, 0)
+
+    def row(i, j, lens):
+        return (i, 0, 0, 0)
+
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(b, s // bs),
+        in_specs=[
+            pl.BlockSpec((None, k, g, h), row),
+            pl.BlockSpec((None, bs, k, h), kv_block),
+            pl.BlockSpec((None, bs, k, h), kv_block),
+        ],
+        out_specs=[pl.BlockSpec((None, k, g, h), row), pl.BlockSpec((None, k, g, 1), row)],
+        scratch_shapes=[
+            pltpu.VMEM((k, g, 1), jnp.float32),
+            pltpu.VMEM((k, g, 1), jnp.float32),
+            pltpu.VMEM((k, g, h), jnp.float32),
+        ],
+    )
+    itemsize = k_BSKH.dtype.itemsize
+    out, lse = pl.pallas_call(
+        functools.partial(_tpu_kernel, bs=bs, k_heads=k),
+        grid_spec=grid,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, k, g, 1), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        # What XLA's cost analysis counts for the kernel: the whole attended cache
+        # (an upper bound: rows read only their held blocks).
+        cost_estimate=pl.CostEstimate(
+            flops=4 * b * k * g * s * h,
+            transcendentals=b * k * g * s,
+            bytes_accessed=2 * b * s * k * h * itemsize + 2 * q_BKGH.size * 4,
+        ),
+        interpret=interpret,
+        name="ragged_decode_attention",
+    )(lengths_B.astype(jnp.int32), q_BKGH, k_BSKH, v_BSKH)
+    return out, lse[..., 0]
+
+
+def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
+    from jax.experimental import pallas as pl
+
+    n = len_ref[()]
+    q_GH = q_ref[...].astype(k_ref.dtype)
+    scale = q_GH.shape[-1] ** -0.5
+    g, h = q_GH.shape
+
+    def body(j, carry):
+        acc, m, denom = carry
+        at = pl.ds(pl.multiple_of(j * bs, bs), bs)
+        s_GS = jax.lax.dot_general(
+            q_GH, k_ref[at, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale  # fmt: skip
+        slot = j * bs + jnp.arange(bs)[None, :]
+        s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s_GS, axis=1))
+        p_GS = jnp.exp(s_GS - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.dot(p_GS.astype(v_ref.dtype), v_ref[at, :], preferred_element_type=jnp.float32)
+        return corr[:, None] * acc + pv, m_new, corr * denom + jnp.sum(p_GS, axis=1)
+
+    init = (
+        jnp.zeros((g, h), jnp.float32),
+        jnp.full((g,), -jnp.inf, jnp.float32),
+        jnp.zeros((g,), jnp.float32),
+    )
+    out, lse = _finish(*jax.lax.fori_loop(0, pl.cdiv(n, bs), body, init))
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+
+def _gpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool = False):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, k, g, h = q_BKGH.shape
+    s = k_BSKH.shape[1]
+    # Triton's blocks are powers of two, and its dots at least 16 wide: the query
+    # group is padded (the padding rows are dropped after).
+    gp = max(16, 1 << (g - 1).bit_length())
+    q = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    out, lse = pl.pallas_call(
+        functools.partial(_gpu_kernel, bs=block_size(s)),
+        grid=(b, k),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, kh: (i,)),
+            pl.BlockSpec((None, None, gp, h), lambda i, kh: (i, kh, 0, 0)),
+            pl.BlockSpec((None, s, None, h), lambda i, kh: (i, 0, kh, 0)),
+            pl.BlockSpec((None, s, None, h), lambda i, kh: (i, 0, kh, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, gp, h), lambda i, kh: (i, kh, 0, 0)),
+            pl.BlockSpec((None, None, gp), lambda i, kh: (i, kh, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, k, gp, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, k, gp), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_decode_attention",
+    )(lengths_B.astype(jnp.int32), q, k_BSKH, v_BSKH)
+    return out[:, :, :g], lse[:, :, :g]
+
+
+def past_attention(q_BKGH, k_BSKH, v_BSKH, lengths_B, spec: RaggedSpec):
+    """Each row's query against its slots ``[0, lengths_B)``, by ``spec``'s kernel.
+
+    Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as ``reference_past``.
+    """
+    if block_size(k_BSKH.shape[1]) is None:
+        raise ValueError(
+            f"ragged decode attention: the attended length {k_BSKH.shape[1]} is not a "
+            f"multiple of {_BLOCKS[-1]}"
+        )
+    if spec.backend == "gpu":
+        fn = _gpu_past
+    else:
+        fn = functools.partial(_tpu_past, interpret=spec.backend == "interpret")
+    if spec.mesh is None:
+        return fn(q_BKGH, k_BSKH, v_BSKH, lengths_B)
+    from jax.sharding import PartitionSpec as P
+
+    # A compacted batch may be smaller than the row axes: then its rows are gathered.
+    rows = _dividing(spec.mesh, spec.row_axes, q_BKGH.shape[0])
+    heads = _dividing(spec.mesh, spec.head_axes, q_BKGH.shape[1])
+    return jax.shard_map(
+        fn,
+        mesh=spec.mesh,
+        in_specs=(P(rows, heads), P(rows, None, heads), P(rows, None, heads), P(rows)),
+        out_specs=(P(rows, heads), P(rows, heads)),
+        check_vma=False,
+    )(q_BKGH, k_BSKH, v_BSKH, lengths_B)
+
+
+def _dividing(mesh, axes, size: int):
+    """``axes`` (a PartitionSpec entry) when their devices divide ``size``, else None."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    n = 1
+    for a in names:
+        n *= mesh.shape[a]
+    return axes if size % n == 0 else None

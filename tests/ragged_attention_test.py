@@ -1,0 +1,180 @@
+"""rollout.decode_attention: ragged — the decode attention kernels that read only the cache
+slots each row holds (the TPU kernel interpreted, the GPU kernel in Pallas's interpreter
+and lowered for CUDA), against the dense path: kernel outputs, the new token's merge,
+decode logits and the engine's samples, unsharded and over a mesh."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from magic_jax.model.config import ModelConfig
+from magic_jax.model.kv_cache import KVCache
+from magic_jax.model.qwen2 import Qwen2
+from magic_jax.model.sharding import MeshConfig, make_mesh
+from magic_jax.rollout import ragged_attention as ra
+from magic_jax.rollout.decode import decode_forward
+from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.sampling import SamplingConfig
+
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=96,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+)  # head dim 16, three query heads per kv head
+PROMPTS = [[5, 9, 13, 2, 7, 11, 3], [17, 4], [8, 8, 30, 41, 12], [60], [3, 14, 15, 9, 26, 5]]
+# Rows at every edge of the 32-slot blocks of a 96-slot cache: empty, one slot, a block
+# but one, a block, a block and one, all.
+LENGTHS = [0, 1, 31, 32, 33, 96]
+
+
+def _qkv(dtype, seed=0, b=6, s=96, k=2, g=3, h=16):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, k, g, h), jnp.float32).astype(dtype)
+    return q, *(jax.random.normal(x, (b, s, k, h), jnp.float32).astype(dtype) for x in (kk, kv))
+
+
+def _kernel(name):
+    if name == "gpu":  # the Triton kernel, run by Pallas's interpreter
+        return lambda *a: ra._gpu_past(*a, interpret=True)
+    return lambda *a: ra.past_attention(*a, ra.RaggedSpec("interpret"))
+
+
+def _tol(dtype, v):
+    # bf16: the probabilities enter the value product rounded to 8 bits, so an output
+    # moves by at most ~2^-8 of the largest value (twice that, both sides rounded).
+    return 1e-5 if dtype == jnp.float32 else 2.0**-7 * float(jnp.abs(v).max())
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_equal_the_reference_and_never_read_a_block_past_a_rows_length(kernel, dtype):
+    q, k, v = _qkv(dtype)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    want_out, want_lse = ra.reference_past(q, k, v, lengths)
+    # Every block that starts at or past a row's length is poisoned: a kernel that read
+    # it (or the dense path, which reads everything) returns NaN for that row.
+    start = jnp.arange(k.shape[1]) // 32 * 32
+    past = (start[None] >= lengths[:, None])[..., None, None]
+    k_nan, v_nan = (jnp.where(past, jnp.nan, x).astype(dtype) for x in (k, v))
+    out, lse = _kernel(kernel)(q, k_nan, v_nan, lengths)
+    assert out.shape == want_out.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want_out, atol=_tol(dtype, v), rtol=0)
+    assert bool(jnp.all(jnp.isneginf(lse[0]))) and not np.any(np.asarray(out[0]))
+    np.testing.assert_allclose(lse[1:], want_lse[1:], atol=1e-4 if dtype == jnp.float32 else 0.05)
+
+
+def test_merging_the_new_token_equals_attention_over_the_written_cache():
+    q, k, v = _qkv(jnp.float32, seed=1)
+    lengths = jnp.asarray([0, 1, 31, 32, 33, 95], jnp.int32)
+    k_new, v_new = k[:, -1], v[:, -1]
+    # the dense way: the new token written at each row's length, attended with the rest
+    rows = jnp.arange(k.shape[0])
+    k_w, v_w = k.at[rows, lengths].set(k_new), v.at[rows, lengths].set(v_new)
+    want, _ = ra.reference_past(q, k_w, v_w, lengths + 1)
+    got = ra.merge_new_token(*ra.reference_past(q, k, v, lengths), q, k_new, v_new)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _model(cfg=CFG, dtype="float32", seed=0):
+    return Qwen2(dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_decode_logits_match_the_dense_path(dtype):
+    """Three decode steps from a prefilled cache with one finished row; each step's
+    logits of the live rows and its written cache agree with the dense product's (a
+    finished row reads nothing in the kernel; its logits are never used)."""
+    model = _model(dtype=dtype, seed=2)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(1, 64, (3, 20)), jnp.int32)
+    _, cache = model(tokens, cache=KVCache.init(model.config, 3, 64))
+    live = jnp.asarray([True, False, True])
+    tok = jnp.asarray([5, 7, 9], jnp.int32)
+    for _ in range(3):
+        dense, cache_d = decode_forward(model, tok, live, cache)
+        ragged, cache_r = decode_forward(model, tok, live, cache, ragged=ra.RaggedSpec("interpret"))
+        tol = 1e-5 if dtype == "float32" else 2.0**-6 * float(jnp.abs(dense).max())
+        np.testing.assert_allclose(ragged[live], dense[live], atol=tol, rtol=0)
+        np.testing.assert_array_equal(cache_r.pos, cache_d.pos)
+        np.testing.assert_array_equal(cache_r.lengths, cache_d.lengths)
+        for a, b in ((cache_r.k, cache_d.k), (cache_r.v, cache_d.v)):  # [L, B, S, K, H]
+            np.testing.assert_allclose(
+                a[:, live].astype(jnp.float32), b[:, live].astype(jnp.float32), atol=tol, rtol=0
+            )
+        cache, tok = cache_d, jnp.argmax(dense, -1).astype(jnp.int32)
+
+
+def test_sliding_windows_int8_caches_and_unblocked_lengths_run_the_dense_path():
+    spec = ra.RaggedSpec("interpret")
+    windowed = _model(dataclasses.replace(CFG, sliding_window=3, sliding_layers=(1,)))
+    tok, live = jnp.asarray([5, 7], jnp.int32), jnp.asarray([True, True])
+    for model, cache in [
+        (windowed, KVCache.init(windowed.config, 2, 32)),
+        (_model(), KVCache.init(CFG, 2, 32, kv_dtype="int8")),
+        (_model(), KVCache.init(CFG, 2, 40)),  # no block of 16..128 divides 40
+    ]:
+        want, _ = decode_forward(model, tok, live, cache)
+        got, _ = decode_forward(model, tok, live, cache, ragged=spec)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="decode_attention='ragged' reads a float cache"):
+        EngineConfig(decode_attention="ragged", kv_dtype="int8")
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        EngineConfig(decode_attention="paged")
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        ra.past_attention(*_qkv(jnp.float32, s=40), jnp.zeros((6,), jnp.int32), spec)
+
+
+def _engine(model, mesh=None, **kw):
+    base = dict(
+        max_concurrent_decodes=4,
+        max_prefill_length=8,
+        max_decode_length=24,
+        decode_steps=4,
+        cache_bucket=16,
+        sampling=SamplingConfig(temperature=1.0),
+    )
+    return Engine(model, EngineConfig(**(base | kw)), mesh=mesh)
+
+
+def _sample(engine, model, seed=0):
+    samples, _ = RolloutDriver(engine).run(
+        engine.load_params(model), PROMPTS, num_samples=2, seed=seed, max_new_tokens=20
+    )
+    return samples
+
+
+def test_engine_samples_are_the_same_with_ragged_attention_unsharded_and_on_a_mesh():
+    """Refills, compaction and attended-length buckets (16 and 32 slots) through the
+    kernel: the same tokens as the dense engine, log-probs within fp32 rounding; on a
+    mesh the kernel runs per device on its rows and kv heads."""
+    model = _model(seed=1)
+    dense = _engine(model)
+    assert dense.ragged_spec is None  # CPU's default
+    ref = _sample(dense, model, seed=4)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    for m in (None, mesh):
+        engine = _engine(model, mesh=m, decode_attention="ragged")
+        spec = engine.ragged_spec
+        assert spec.backend == "interpret"
+        if m is not None:
+            assert (spec.row_axes, spec.head_axes) == (("data", "fsdp"), "tensor")
+        got = _sample(engine, model, seed=4)
+        assert sum(len(s.tokens) for s in got) > 40
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_gpu_kernel_lowers_for_cuda():
+    """Lowered for CUDA on this machine (no GPU needed): a Triton call per layer."""
+    q, k, v = _qkv(jnp.bfloat16, k=2, g=7, h=128, s=256, b=4)
+    fn = jax.jit(lambda *a: ra.past_attention(*a, ra.RaggedSpec("gpu")))
+    text = fn.trace(q, k, v, jnp.zeros((4,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in text.as_text()
