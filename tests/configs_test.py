@@ -90,6 +90,15 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
     with pytest.raises(ConfigError, match="rollout.kv_dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.kv_dtype=int4"])
+    with pytest.raises(ConfigError, match="rollout.decode_attention"):
+        load_config(CONFIGS / "default.yaml", ["rollout.decode_attention=paged"])
+    with pytest.raises(ConfigError, match="ragged reads a float cache"):
+        load_config(
+            CONFIGS / "default.yaml",
+            ["rollout.decode_attention=ragged", "rollout.kv_dtype=int8"],
+        )
+    ragged = load_config(CONFIGS / "default.yaml", ["rollout.decode_attention=ragged"])
+    assert ragged.rollout.decode_attention == "ragged"
     cfg = load_config(
         CONFIGS / "default.yaml",
         ["rollout.dtype=bfloat16", "rollout.kv_dtype=int8", f"output_dir={tmp_path / 'run'}"],
@@ -103,3 +112,4 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     engine = trainer._driver(44).engine
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
     assert engine.config.kv_dtype == "int8"
+    assert engine.config.decode_attention is None and engine.ragged_spec is None  # CPU

@@ -165,6 +165,8 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     assert main(["plan", str(_run(tmp_path)), "--topology", "v5e:2x2", "-q"]) == 0
     out = capsys.readouterr().out
     assert "of 16.00: fits" in out and "TPU v5e: 16 GiB HBM, 819 GB/s" in out
+    # P 64 + T/2 64 of 192 slots held on average: the cache term is read two thirds
+    assert "decode attention: ragged (kernel compiled above): rows hold P + T/2 = 128 of 192" in out
     assert (
         "update: compute float32, remat none; rollout: weights and compute float32, "
         "KV cache float32" in out
@@ -210,7 +212,8 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes_int8_kv_m
     mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
     plans = {
         (d, kv): plan_stage(load_config(_run(tmp_path, rollout={
-            "max_concurrent_decodes": 16, "dtype": d, "kv_dtype": kv})), 0, model, mesh)
+            "max_concurrent_decodes": 16, "dtype": d, "kv_dtype": kv,
+            "decode_attention": "dense"})), 0, model, mesh)
         for d, kv in (("float32", None), ("bfloat16", None), ("bfloat16", "int8"))
     }  # fmt: skip
     f32, bf16, int8 = plans.values()
@@ -218,8 +221,10 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes_int8_kv_m
     assert bf16.engine_params * 2 == f32.engine_params
     # keys and values halve; the cache's int32 positions and lengths do not
     assert 0.5 < bf16.kv_cache / f32.kv_cache < 0.52, (bf16.kv_cache, f32.kv_cache)
-    # XLA's bytes per decode step: at this size the fp32 logits and sampling over the
-    # vocabulary are a large share (measured 1.51x); on the 7B stage see docs/tpu.md
+    # XLA's bytes per decode step (the dense attention, which XLA counts whole; the
+    # ragged kernel's reads depend on the rows' lengths): at this size the fp32 logits
+    # and sampling over the vocabulary are a large share (measured 1.51x); on the 7B
+    # stage see docs/tpu.md
     assert f32.decode_bytes / bf16.decode_bytes > 1.4, (f32.decode_bytes, bf16.decode_bytes)
     # rollout.kv_dtype=int8 at head dim 16: 1 + 4/16 bytes per element for bf16's 2
     assert int8.engine_params == bf16.engine_params
@@ -280,3 +285,44 @@ def test_a_tensor_axis_that_splits_a_physical_axis_makes_a_mesh():
         assert any(same), coords  # one row or one column
         moving = coords[:, same.index(False)]
         assert sorted(np.diff(sorted(moving)).tolist()) == [1, 1, 1], coords
+
+
+@needs_libtpu
+def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per_device():
+    """The TPU kernel (Mosaic) in the engine's decode step, rows over data and kv heads
+    over tensor: it compiles for the chip, and the program calls it."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from magic_jax.jobs.stage_plan import _abstract
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.qwen2 import abstract_model
+    from magic_jax.rollout.engine import Engine, EngineConfig
+
+    for kv_heads in (2, 4):
+        cfg = dataclasses.replace(
+            ModelConfig.from_hf_config(HF | {"num_key_value_heads": kv_heads, "hidden_size": 512,
+                                             "num_attention_heads": 8}),
+            dtype="bfloat16",
+        )  # fmt: skip
+        mesh = _slice_mesh("v6e:2x2", data=2, tensor=2)
+        engine = Engine(
+            abstract_model(cfg),
+            EngineConfig(
+                max_concurrent_decodes=8,
+                max_prefill_length=128,
+                max_decode_length=384,
+                dtype="bfloat16",
+            ),
+            mesh=mesh,
+        )
+        spec = engine.ragged_spec
+        assert spec is not None and spec.backend == "tpu" and spec.head_axes == "tensor"
+        params = _abstract(engine.abstract_params, engine.param_shardings)
+        state = _abstract(jax.eval_shape(engine.init_decode_state), engine.state_shardings())
+        assert state.cache.k.dtype == jnp.bfloat16
+        generate = engine._fn("generate", **engine.decode_statics())
+        lowered = generate.lower(params, state, engine.eos_array)
+        assert "tpu_custom_call" in lowered.as_text()
+        lowered.compile()

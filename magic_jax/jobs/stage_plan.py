@@ -106,6 +106,7 @@ class StagePlan:
     samples: int = 0
     compiled: bool = True
     over_hbm: tuple[str, ...] = ()
+    prompt_length: int = 0
 
     @property
     def update_total(self) -> int:
@@ -193,6 +194,7 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
             sampling=config.sampling,
             dtype=config.rollout.dtype,
             kv_dtype=config.rollout.kv_dtype,
+            decode_attention=config.rollout.decode_attention,
         ),
         mesh=mesh,
     )
@@ -286,6 +288,7 @@ def plan_stage(
     out = StagePlan(
         stage=st.name or str(index),
         response_length=st.max_response_length,
+        prompt_length=config.data.max_prompt_length,
         mesh=dict(mesh.shape),
         rows=rows,
         micro_batch=micro,

@@ -315,6 +315,7 @@ def make_driver(
     decode_steps: int = 64,
     dtype: str | None = None,
     kv_dtype: str | None = None,
+    decode_attention: str | None = None,
     mesh: Any = None,
 ) -> RolloutDriver:
     """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
@@ -329,6 +330,7 @@ def make_driver(
       max_concurrent_decodes / decode_steps: see ``EngineConfig``.
       dtype: ``EngineConfig.dtype`` (None: the model's).
       kv_dtype: ``EngineConfig.kv_dtype`` (None: the cache in ``dtype``).
+      decode_attention: ``EngineConfig.decode_attention`` (None: the platform's).
       mesh: the device mesh (None: one device).
     """
     from magic_jax.rollout.engine import EngineConfig
@@ -341,5 +343,6 @@ def make_driver(
         sampling=sampling,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        decode_attention=decode_attention,
     )
     return RolloutDriver(Engine(model, config, mesh=mesh))

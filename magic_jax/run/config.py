@@ -166,6 +166,11 @@ class RolloutConfig:
         a bf16 cache's bytes at head dim 128, so more slots fit); null keeps it in
         ``dtype``. The ``sampler_*`` metrics log its mismatch too. On TPU the
         compiled decode step still relayouts an int8 cache (docs/tpu.md).
+      decode_attention: ``ragged`` runs the decode attention as a Pallas kernel that
+        reads only the cache slots each row holds (TPU and GPU; interpreted, slowly,
+        on CPU); ``dense`` reads the whole attended cache and masks it; null:
+        ragged on TPU and GPU, dense on CPU. Ragged needs a float cache (no
+        ``kv_dtype``); layers with sliding windows run dense.
     """
 
     max_concurrent_decodes: int = 64
@@ -175,12 +180,19 @@ class RolloutConfig:
     refill_max_rounds: int = 4
     dtype: Literal["float32", "bfloat16"] | None = None
     kv_dtype: Literal["int8"] | None = None
+    decode_attention: Literal["ragged", "dense"] | None = None
 
     def __post_init__(self):
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
         if self.kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype must be int8 or null, got {self.kv_dtype!r}")
+        if self.decode_attention not in (None, "ragged", "dense"):
+            raise ValueError(
+                f"decode_attention must be ragged, dense or null, got {self.decode_attention!r}"
+            )
+        if self.decode_attention == "ragged" and self.kv_dtype is not None:
+            raise ValueError("decode_attention: ragged reads a float cache; unset kv_dtype")
         if self.truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:

@@ -129,6 +129,7 @@ class Trainer:
             decode_steps=cfg.rollout.decode_steps,
             dtype=cfg.rollout.dtype,
             kv_dtype=cfg.rollout.kv_dtype,
+            decode_attention=cfg.rollout.decode_attention,
             mesh=self.mesh,
         )
 
