@@ -87,6 +87,7 @@ def _model(cfg=CFG, dtype="float32", seed=0):
     return Qwen2(dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.slow  # ~8 s each: the interpreted kernel in three decode steps
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ragged_decode_logits_match_the_dense_path(dtype):
     """Three decode steps from a prefilled cache with one finished row; each step's
@@ -150,6 +151,7 @@ def _sample(engine, model, seed=0):
     return samples
 
 
+@pytest.mark.slow  # ~25 s: two interpreted rollouts
 def test_engine_samples_are_the_same_with_ragged_attention_unsharded_and_on_a_mesh():
     """Refills, compaction and attended-length buckets (16 and 32 slots) through the
     kernel: the same tokens as the dense engine, log-probs within fp32 rounding; on a
