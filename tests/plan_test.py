@@ -166,7 +166,10 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "of 16.00: fits" in out and "TPU v5e: 16 GiB HBM, 819 GB/s" in out
     # P 64 + T/2 64 of 192 slots held on average: the cache term is read two thirds
-    assert "decode attention: ragged (kernel compiled above): rows hold P + T/2 = 128 of 192" in out
+    assert (
+        "decode attention: ragged (the TPU kernel, in the decode step above): rows hold "
+        "P + T/2 = 128 of 192"
+    ) in out
     assert (
         "update: compute float32, remat none; rollout: weights and compute float32, "
         "KV cache float32" in out

@@ -48,7 +48,6 @@ class RunPlan:
     compute_dtype: str = "float32"
     rollout_dtype: str = "float32"
     kv_dtype: str | None = None
-    ragged: bool = False
 
     @property
     def hbm_bytes(self) -> float:
@@ -140,12 +139,6 @@ def plan_run(
     out.compute_dtype = config.compute_dtype or model_config.dtype
     out.rollout_dtype = config.rollout.dtype or model_config.dtype
     out.kv_dtype = config.rollout.kv_dtype
-    # the engine's default on TPU (rollout.decode_attention: null): ragged when it can
-    out.ragged = (
-        config.rollout.decode_attention != "dense"
-        and out.kv_dtype is None
-        and not model_config.sliding_layers
-    )
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
@@ -229,9 +222,9 @@ def own_option(rollout_dtype: str, kv_dtype: str | None) -> str | None:
     )
 
 
-def _ragged_lines(p: StagePlan, plan: RunPlan, float32_step: float) -> list[str]:
+def _ragged_lines(p: StagePlan, float32_step: float) -> list[str]:
     """What the ragged decode attention reads: the weights and each row's held slots."""
-    if not plan.ragged or not p.kv_cache:
+    if not p.ragged or not p.kv_cache:
         return ["  decode attention: dense (the whole attended cache every step)"]
     s = p.prompt_length + p.response_length
     # a response that runs to T holds P + T/2 slots on average over its steps (P the
@@ -239,8 +232,8 @@ def _ragged_lines(p: StagePlan, plan: RunPlan, float32_step: float) -> list[str]
     held = p.kv_cache * (p.prompt_length + p.response_length / 2) / s
     step = p.engine_params + held
     return [
-        f"  decode attention: ragged (kernel compiled above): rows hold P + T/2 = "
-        f"{p.prompt_length + p.response_length // 2} of {s} slots on average, so a step "
+        "  decode attention: ragged (the TPU kernel, in the decode step above): rows hold "
+        f"P + T/2 = {p.prompt_length + p.response_length // 2} of {s} slots on average, so a step "
         f"reads {step / 1e9:.2f} GB ({(p.engine_params + p.kv_cache) / step:.2f}x less than "
         f"the full cache, {float32_step / step:.2f}x less than float32's full step)"
     ]
@@ -311,7 +304,7 @@ def format_plan(plan: RunPlan) -> str:
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
             f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
             f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
-            *_ragged_lines(p, plan, base),
+            *_ragged_lines(p, base),
             f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
             f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
             f"{t_upd:.1f} s at the bf16 peak; x {p.sgd_steps} per step",

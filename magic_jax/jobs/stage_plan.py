@@ -107,6 +107,7 @@ class StagePlan:
     compiled: bool = True
     over_hbm: tuple[str, ...] = ()
     prompt_length: int = 0
+    ragged: bool = False
 
     @property
     def update_total(self) -> int:
@@ -203,6 +204,19 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
     return dict(engine=engine, params=params, state=state)
 
 
+def _runs_ragged(engine: Any) -> bool:
+    """Whether the engine's decode step runs the ragged kernel over its whole cache
+    (``decode.decode_forward`` falls back to the dense product otherwise)."""
+    from magic_jax.rollout.ragged_attention import applies
+
+    return applies(
+        engine.ragged_spec,
+        quantized=engine.config.kv_dtype is not None,
+        sliding=bool(engine.model_config.sliding_layers),
+        length=engine.config.cache_length,
+    )
+
+
 def _batch(config: Any, index: int, rows: int, mesh: Any) -> Any:
     """An abstract mini-batch of ``rows`` rows of stage ``index``."""
     st = config.stages[index]
@@ -289,6 +303,7 @@ def plan_stage(
         stage=st.name or str(index),
         response_length=st.max_response_length,
         prompt_length=config.data.max_prompt_length,
+        ragged=_runs_ragged(e["engine"]),
         mesh=dict(mesh.shape),
         rows=rows,
         micro_batch=micro,

@@ -284,7 +284,9 @@ def decode_forward(
     """
     cfg = model.config
     windows = model.layer_windows()
-    if cache.quantized or windows is not None or not ragged_attention.block_size(cache.max_len):
+    if not ragged_attention.applies(
+        ragged, quantized=cache.quantized, sliding=windows is not None, length=cache.max_len
+    ):
         ragged = None
     pos_B = cache.next_positions()
     at_B = jnp.minimum(cache.lengths, cache.max_len - 1)

@@ -61,6 +61,12 @@ def block_size(s: int) -> int | None:
     return next((b for b in _BLOCKS if s % b == 0), None)
 
 
+def applies(spec: RaggedSpec | None, *, quantized: bool, sliding: bool, length: int) -> bool:
+    """Whether a decode step runs the kernel: a float cache, no sliding-window layers and
+    an attended ``length`` its blocks divide (else the dense product runs)."""
+    return spec is not None and not quantized and not sliding and block_size(length) is not None
+
+
 def reference_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
     """The past's attention in plain jnp: (out [B, K, G, H] fp32, lse [B, K, G] fp32).
 
