@@ -116,8 +116,9 @@ def measure(form: str, mesh, dims: dict[str, int]) -> tuple[float, float, int]:
     return ca["bytes accessed"] / 1e9, temp / 2**30, len(copies)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def slice_setup(description: str) -> tuple[object, dict[str, int]]:
+    """The command line's slice, mesh and cache shape (printed); (mesh, dims)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--topology", default="v6e:4x4")
     ap.add_argument("--fsdp", type=int, default=4)
     ap.add_argument("--tensor", type=int, default=4)
@@ -137,6 +138,11 @@ def main() -> None:
         f"{args.slots} slots of {args.length}, {args.kv_heads} KV heads: {cache_gb:.3f} GB "
         "per device (keys and values)"
     )
+    return mesh, dims
+
+
+def main() -> None:
+    mesh, dims = slice_setup(__doc__.split("\n")[0])
     peer = None
     for form in LAYOUTS:
         gb, temp, copies = measure(form, mesh, dims)

@@ -26,17 +26,15 @@ accessed are left out.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import re
 
 import jax
 import jax.numpy as jnp
+from decode_cache_write import slice_setup  # benchmarks/, the script's own folder
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magic_jax.jobs.topology import topology_devices
-from magic_jax.model.sharding import MeshConfig, make_mesh
 from magic_jax.rollout import ragged_attention as ra
 
 FORMS = {  # cache letters, the kernel reads the whole cache, one KV head squeezed
@@ -175,26 +173,7 @@ def measure(form: str, mesh, dims: dict[str, int]) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--topology", default="v6e:4x4")
-    ap.add_argument("--fsdp", type=int, default=4)
-    ap.add_argument("--tensor", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--length", type=int, default=18432)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    args = ap.parse_args()
-    mesh = make_mesh(
-        MeshConfig(fsdp=args.fsdp, tensor=args.tensor), topology_devices(args.topology)
-    )
-    dims = dict(L=args.layers, B=args.slots, S=args.length, K=args.kv_heads, G=7, H=128)
-    cache_gib = 2 * 2 * args.layers * args.slots * args.length * args.kv_heads * 128 / 2**30
-    cache_gib /= args.fsdp * args.tensor
-    print(
-        f"{args.topology}, mesh {dict(mesh.shape)}; bf16 cache of {args.layers} layers, "
-        f"{args.slots} slots of {args.length}, {args.kv_heads} KV heads: {cache_gib:.3f} GiB "
-        "per device (keys and values)"
-    )
+    mesh, dims = slice_setup(__doc__.split("\n")[0])
     peer = None
     for form in FORMS:
         temp, copies = measure(form, mesh, dims)
