@@ -269,15 +269,14 @@ class Engine:
         axes = (axes,) if isinstance(axes, str) else axes or ()
         return any(kv.mesh.shape[a] > 1 for a in axes)
 
-    @property
+    @functools.cached_property
     def ragged_spec(self) -> RaggedSpec | None:
-        """The ragged decode attention's settings, or None for the dense product."""
-        cfg = self.config
+        """The ragged decode attention's settings, or None for the dense product (where
+        the kernel does not apply, ``ragged_attention.applies``, the step runs dense)."""
         platform = jax.default_backend() if self._mesh is None else self._platform()
-        mode = cfg.decode_attention
+        mode = self.config.decode_attention
         if mode is None:
-            usable = cfg.kv_dtype is None and not self.model_config.sliding_layers
-            mode = "ragged" if platform in ("tpu", "gpu") and usable else "dense"
+            mode = "ragged" if platform in ("tpu", "gpu") else "dense"
         if mode == "dense":
             return None
         backend = platform if platform in ("tpu", "gpu") else "interpret"
