@@ -110,9 +110,9 @@ def test_int8_cache_decode_stays_within_its_rounding_of_the_bf16_cache():
     # the new token's key was written, quantized, where the float cache wrote it
     at = np.asarray(cache.lengths)
     for b in rows:
-        k_new = dequantize_kv(new8.k[:, b, at[b]], new8.k_scale[:, b, at[b]], jnp.float32)
+        k_new = dequantize_kv(new8.k[b, :, at[b]], new8.k_scale[b, :, at[b]], jnp.float32)
         np.testing.assert_allclose(
-            k_new, np.asarray(new.k[:, b, at[b]], np.float32), atol=0.02, rtol=0.02
+            k_new, np.asarray(new.k[b, :, at[b]], np.float32), atol=0.02, rtol=0.02
         )
 
 
@@ -170,7 +170,7 @@ def test_sharded_int8_engine_matches_unsharded():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     engine = _engine(model, mesh=mesh, kv_dtype="int8")
     scale = engine.init_decode_state().cache.k_scale
-    assert scale.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor")
+    assert scale.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, None, "tensor")
     got = _sample(engine, model, seed=4)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)

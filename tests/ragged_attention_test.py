@@ -36,15 +36,43 @@ LENGTHS = [0, 1, 31, 32, 33, 96]
 
 
 def _qkv(dtype, seed=0, b=6, s=96, k=2, g=3, h=16):
+    """q [B, K, G, H] and one layer's k, v [B, S, K, H]."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (b, k, g, h), jnp.float32).astype(dtype)
     return q, *(jax.random.normal(x, (b, s, k, h), jnp.float32).astype(dtype) for x in (kk, kv))
 
 
+def _stacked(x_BSKH, layer, num_layers=3):
+    """A slot-major [B, L, S, K, H] cache holding ``x_BSKH`` at ``layer`` and NaN in every
+    other layer: a kernel that read another layer returns NaN."""
+    x = jnp.full((x_BSKH.shape[0], num_layers, *x_BSKH.shape[1:]), jnp.nan, x_BSKH.dtype)
+    return x.at[:, layer].set(x_BSKH)
+
+
 def _kernel(name):
-    if name == "gpu":  # the Triton kernel, run by Pallas's interpreter
-        return lambda *a: ra._gpu_past(*a, interpret=True)
-    return lambda *a: ra.past_attention(*a, ra.RaggedSpec("interpret"))
+    """(q, k, v [B, S, K, H], lengths) -> the kernel's (out, lse), the layer read from the
+    middle of a stacked cache."""
+
+    def run(q, k, v, lengths):
+        ks, vs = _stacked(k, 1), _stacked(v, 1)
+        if name == "gpu":  # the Triton kernel, run by Pallas's interpreter
+            return ra._gpu_past(q, ks, vs, jnp.int32(1), lengths, interpret=True)
+        if name == "tpu-1":  # one kv head: the kernel reads the cache's [B, L, S, H] view
+            outs = [
+                ra.past_attention(
+                    q[:, i : i + 1],
+                    ks[..., i : i + 1, :],
+                    vs[..., i : i + 1, :],
+                    1,
+                    lengths,
+                    ra.RaggedSpec("interpret"),
+                )  # fmt: skip
+                for i in range(q.shape[1])
+            ]
+            return tuple(jnp.concatenate(x, axis=1) for x in zip(*outs))
+        return ra.past_attention(q, ks, vs, jnp.int32(1), lengths, ra.RaggedSpec("interpret"))
+
+    return run
 
 
 def _tol(dtype, v):
@@ -53,7 +81,7 @@ def _tol(dtype, v):
     return 1e-5 if dtype == jnp.float32 else 2.0**-7 * float(jnp.abs(v).max())
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", ["tpu", "tpu-1", "gpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernels_equal_the_reference_and_never_read_a_block_past_a_rows_length(kernel, dtype):
     q, k, v = _qkv(dtype)
@@ -105,9 +133,9 @@ def test_ragged_decode_logits_match_the_dense_path(dtype):
         np.testing.assert_allclose(ragged[live], dense[live], atol=tol, rtol=0)
         np.testing.assert_array_equal(cache_r.pos, cache_d.pos)
         np.testing.assert_array_equal(cache_r.lengths, cache_d.lengths)
-        for a, b in ((cache_r.k, cache_d.k), (cache_r.v, cache_d.v)):  # [L, B, S, K, H]
+        for a, b in ((cache_r.k, cache_d.k), (cache_r.v, cache_d.v)):  # [B, L, S, K, H]
             np.testing.assert_allclose(
-                a[:, live].astype(jnp.float32), b[:, live].astype(jnp.float32), atol=tol, rtol=0
+                a[live].astype(jnp.float32), b[live].astype(jnp.float32), atol=tol, rtol=0
             )
         cache, tok = cache_d, jnp.argmax(dense, -1).astype(jnp.int32)
 
@@ -129,7 +157,8 @@ def test_sliding_windows_int8_caches_and_unblocked_lengths_run_the_dense_path():
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         EngineConfig(decode_attention="paged")
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        ra.past_attention(*_qkv(jnp.float32, s=40), jnp.zeros((6,), jnp.int32), spec)
+        q, k, v = _qkv(jnp.float32, s=40)
+        ra.past_attention(q, k[:, None], v[:, None], 0, jnp.zeros((6,), jnp.int32), spec)
 
 
 def _engine(model, mesh=None, **kw):
@@ -175,8 +204,11 @@ def test_engine_samples_are_the_same_with_ragged_attention_unsharded_and_on_a_me
 
 
 def test_the_gpu_kernel_lowers_for_cuda():
-    """Lowered for CUDA on this machine (no GPU needed): a Triton call per layer."""
+    """Lowered for CUDA on this machine (no GPU needed): a Triton call per layer, over
+    the stacked cache at a traced layer index."""
     q, k, v = _qkv(jnp.bfloat16, k=2, g=7, h=128, s=256, b=4)
-    fn = jax.jit(lambda *a: ra.past_attention(*a, ra.RaggedSpec("gpu")))
-    text = fn.trace(q, k, v, jnp.zeros((4,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    fn = jax.jit(lambda q, k, v, i, n: ra.past_attention(q, k, v, i, n, ra.RaggedSpec("gpu")))
+    k, v = _stacked(k, 0, 28), _stacked(v, 0, 28)
+    args = (q, k, v, jnp.int32(0), jnp.zeros((4,), jnp.int32))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in text.as_text()

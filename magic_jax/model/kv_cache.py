@@ -1,5 +1,14 @@
 """The decoder's KV cache: preallocated slots per row, in a float dtype or int8 with a
-scale per token and kv head (``quantize_kv``). Einsum letters as in ``qwen2.py``."""
+scale per token and kv head (``quantize_kv``). Einsum letters as in ``qwen2.py``.
+
+The cache is slot-major, [B, L, S, K, H]: a decode slot's keys (or values) of every
+layer are one contiguous block. A decode step's write of each slot's new token is
+then a per-slot ``dynamic_update_slice`` that XLA does in place; over a layer-major
+[L, B, S, K, H] cache the same write is a scatter over slots that the TPU compiler
+turns into whole-cache copies when a device holds one kv head
+(``benchmarks/decode_cache_write.py``). A layer is read at its index
+(``layer_slice``), or by the decode kernels at a prefetched index without a slice.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +31,13 @@ class KVCache:
     """Preallocated key/value cache; each row (decode slot) advances on its own.
 
     Attributes:
-      k: keys of every layer, [L, B, S, K, H].
-      v: values of every layer, [L, B, S, K, H].
+      k: keys of every layer, [B, L, S, K, H] (slot-major).
+      v: values of every layer, [B, L, S, K, H].
       pos: [B, S] int32 position of the token held in each slot, -1 if empty
         or padding (never attended).
       lengths: [B] int32 slots used so far; the next write starts there.
       k_scale, v_scale: for an int8 cache, the float32 scale of each stored key and
-        value vector, [L, B, S, K] (one per token and kv head: ``k ~ k_int8 *
+        value vector, [B, L, S, K] (one per token and kv head: ``k ~ k_int8 *
         k_scale``); None for a cache in a float dtype.
     """
 
@@ -55,7 +64,7 @@ class KVCache:
         """
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_size)
+        shape = (batch, config.num_layers, max_len, config.num_kv_heads, config.head_size)
         pos = jnp.full((batch, max_len), -1, jnp.int32)
         lengths = jnp.zeros((batch,), jnp.int32)
         if kv_dtype == "int8":
@@ -72,6 +81,14 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.pos.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[1]
+
+    def layers_first(self) -> tuple[jax.Array, ...]:
+        """(k, v) as [L, B, S, K, H], for a scan over layers (a copy unless B is 1)."""
+        return tuple(jnp.moveaxis(x, 1, 0) for x in (self.k, self.v))
 
     def next_positions(self) -> jax.Array:
         """[B] the position the next real token of each row takes."""
@@ -95,6 +112,13 @@ def quantize_kv(x_XH: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize_kv(q_XH: jax.Array, scale_X: jax.Array, dtype: Any) -> jax.Array:
     """The inverse of ``quantize_kv``, in ``dtype``."""
     return (q_XH.astype(jnp.float32) * scale_X[..., None]).astype(dtype)
+
+
+def layer_slice(x_BLSX: jax.Array | None, layer: jax.Array) -> jax.Array | None:
+    """Layer ``layer`` (a traced index) of a slot-major cache array: [B, S, ...]."""
+    if x_BLSX is None:
+        return None
+    return jax.lax.dynamic_index_in_dim(x_BLSX, layer, axis=1, keepdims=False)
 
 
 def write_rows(buf_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:

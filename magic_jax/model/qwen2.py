@@ -433,7 +433,7 @@ class Qwen2(nnx.Module):
             # every layer would otherwise be stacked as outputs.
             return x_BTD, (None if kv is None else new_kv)
 
-        kv_L = None if cache is None else (cache.k, cache.v)
+        kv_L = None if cache is None else cache.layers_first()
         x_BTD, new_kv = self.run_layers(
             layer_fn,
             rows(self.embed_tokens(input_ids)),
@@ -450,7 +450,8 @@ class Qwen2(nnx.Module):
             out = jnp.dot(x_BTD.astype(dt), self.unembedding().astype(dt))
         if cache is None:
             return out
-        new_cache = KVCache(k=new_kv[0], v=new_kv[1], pos=key_pos_BS, lengths=cache.lengths + t)
+        k, v = (jnp.moveaxis(x, 0, 1) for x in new_kv)  # back to slot-major
+        new_cache = KVCache(k=k, v=v, pos=key_pos_BS, lengths=cache.lengths + t)
         return out, new_cache
 
 

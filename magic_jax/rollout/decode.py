@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from magic_jax.model.kv_cache import KVCache, quantize_kv
+from magic_jax.model.kv_cache import KVCache, layer_slice, quantize_kv
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout import ragged_attention
 from magic_jax.rollout import sampling as sampling_lib
@@ -112,9 +112,9 @@ def insert_fn(
     first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
     c = state.cache
 
-    def put(buf_LBSX, row_L1PX):
-        at = (0, slot) + (0,) * (buf_LBSX.ndim - 2)
-        return jax.lax.dynamic_update_slice(buf_LBSX, row_L1PX.astype(buf_LBSX.dtype), at)
+    def put(buf_BLSX, row_1LPX):  # one contiguous block: the slot's every layer
+        at = (slot,) + (0,) * (buf_BLSX.ndim - 1)
+        return jax.lax.dynamic_update_slice(buf_BLSX, row_1LPX.astype(buf_BLSX.dtype), at)
 
     pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
     pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
@@ -296,7 +296,12 @@ def decode_forward(
     quantized = cache.quantized
 
     def layer_fn(layer, x_B1D, xs):
-        window, k_BSKH, v_BSKH, ks_BSK, vs_BSK = xs
+        # The scan runs over the layers' index: the slot-major cache is read at it (a
+        # slice per layer on the dense path; the kernel reads it whole at the index).
+        window, li = xs
+        k_BSKH, v_BSKH, ks_BSK, vs_BSK = (
+            layer_slice(x, li) for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)
+        )
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
 
         def attend(q_B1KGH, k_B1KH, v_B1KH):
@@ -312,10 +317,10 @@ def decode_forward(
             else:
                 scales = {}
             if ragged is not None:
-                q_BKGH = q_B1KGH[:, 0].astype(k_BSKH.dtype)
-                k_BKH, v_BKH = (new[n].astype(k_BSKH.dtype) for n in ("k", "v"))
+                q_BKGH = q_B1KGH[:, 0].astype(cache.k.dtype)
+                k_BKH, v_BKH = (new[n].astype(cache.k.dtype) for n in ("k", "v"))
                 past = ragged_attention.past_attention(
-                    q_BKGH, k_BSKH, v_BSKH, jnp.where(live_B, at_B, 0), ragged
+                    q_BKGH, cache.k, cache.v, li, jnp.where(live_B, at_B, 0), ragged
                 )
                 out_BKGH = ragged_attention.merge_new_token(*past, q_BKGH, k_BKH, v_BKH)
                 return out_BKGH[:, None], new
@@ -337,7 +342,7 @@ def decode_forward(
     x_B1D, new_L = model.run_layers(
         layer_fn,
         x_B1D,
-        (windows, cache.k, cache.v, cache.k_scale, cache.v_scale),
+        (windows, jnp.arange(cache.num_layers, dtype=jnp.int32)),
         unroll=layer_unroll,
     )
     x_BD = model.norm(x_B1D[:, 0])
@@ -347,14 +352,22 @@ def decode_forward(
     else:
         logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
-    write = jax.vmap(_write_slot, in_axes=(0, 0, None))
+
+    def write(buf_BLSX, new_LBX):
+        """Each slot's token of every layer at its slot: a per-slot dynamic_update_slice
+        (in place) of the slot's contiguous [L, S, ...] block."""
+        zeros = (0,) * (buf_BLSX.ndim - 3)
+        return jax.vmap(
+            lambda r, n, i: jax.lax.dynamic_update_slice(r, n[:, None], (0, i, *zeros))
+        )(buf_BLSX, jnp.swapaxes(new_LBX, 0, 1).astype(buf_BLSX.dtype), at_B)
+
     new = KVCache(
-        k=write(cache.k, new_L["k"], at_B),
-        v=write(cache.v, new_L["v"], at_B),
+        k=write(cache.k, new_L["k"]),
+        v=write(cache.v, new_L["v"]),
         pos=pos_BS,
         lengths=lengths_B,
-        k_scale=write(cache.k_scale, new_L["ks"], at_B) if quantized else None,
-        v_scale=write(cache.v_scale, new_L["vs"], at_B) if quantized else None,
+        k_scale=write(cache.k_scale, new_L["ks"]) if quantized else None,
+        v_scale=write(cache.v_scale, new_L["vs"]) if quantized else None,
     )
     return logits_BV, new
 
@@ -408,8 +421,8 @@ def _take_rows(state: DecodeState, rows_b: jax.Array | None, attend: int) -> Dec
     def take(x, axis=0):
         return x if rows_b is None else jnp.take(x, rows_b, axis=axis)
 
-    def take_kv(x_LBSX):
-        return None if x_LBSX is None else take(x_LBSX, axis=1)[:, :, :attend]
+    def take_kv(x_BLSX):
+        return None if x_BLSX is None else take(x_BLSX)[:, :, :attend]
 
     c = state.cache
     cache = KVCache(
@@ -433,12 +446,12 @@ def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) ->
             return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
         return full.at[rows_b, :attend].set(part)
 
-    def put_kv(full_LBSX, part_LbsX):
-        if full_LBSX is None:
+    def put_kv(full_BLSX, part_bLsX):
+        if full_BLSX is None:
             return None
         if rows_b is None:
-            return jax.lax.dynamic_update_slice(full_LBSX, part_LbsX, (0,) * full_LBSX.ndim)
-        return full_LBSX.at[:, rows_b, :attend].set(part_LbsX)
+            return jax.lax.dynamic_update_slice(full_BLSX, part_bLsX, (0,) * full_BLSX.ndim)
+        return full_BLSX.at[rows_b, :, :attend].set(part_bLsX)
 
     def put_vec(full, part):
         return part if rows_b is None else full.at[rows_b].set(part)

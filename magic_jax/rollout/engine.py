@@ -284,7 +284,7 @@ class Engine:
             return RaggedSpec(backend)
         spec = self._shardings.cache.k.spec
         spec = tuple(spec) + (None,) * (5 - len(spec))
-        return RaggedSpec(backend, self._mesh, spec[1], spec[3])
+        return RaggedSpec(backend, self._mesh, spec[0], spec[3])
 
     def _platform(self) -> str:
         return self._mesh.devices.flat[0].platform
@@ -332,13 +332,13 @@ class Engine:
         cfg, mc = self.config, self.model_config
         b, s = cfg.max_concurrent_decodes, cfg.cache_length
         kv = self._sharding(
-            ("layers", "batch", None, "kv_heads", None),
-            (mc.num_layers, b, s, mc.num_kv_heads, mc.head_size),
+            ("batch", "layers", None, "kv_heads", None),
+            (b, mc.num_layers, s, mc.num_kv_heads, mc.head_size),
         )
         scale = None
         if cfg.kv_dtype == "int8":
             scale = self._sharding(
-                ("layers", "batch", None, "kv_heads"), (mc.num_layers, b, s, mc.num_kv_heads)
+                ("batch", "layers", None, "kv_heads"), (b, mc.num_layers, s, mc.num_kv_heads)
             )
         vec = self._sharding(("batch",), (b,))
         return DecodeState(

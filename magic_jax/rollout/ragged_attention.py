@@ -12,11 +12,16 @@ row, only the blocks below its length:
   length.
 - ``interpret``: the TPU kernel's program run by Pallas's interpreter (CPU tests).
 
-Both kernels read the cache as the engine stores it, [B, S, K, H] per layer, and
-return the past's attention with its log-sum-exp; ``merge_new_token`` adds the new
-token, so the layer's cache is never rewritten before it is read (the dense path
-writes the token into a copy of the layer's cache first). ``reference_past`` is the
-same computation in plain jnp. Einsum letters as in ``qwen2.py``.
+Both kernels read the cache as the engine stores it, the whole slot-major
+[B, L, S, K, H] array (``kv_cache.KVCache``), at a layer index given at run time (on
+TPU a prefetched scalar of the block index, on GPU an offset into the block): no
+layer is sliced out of it, and when a device holds one kv head its [B, L, S, H] view
+is read, so the TPU compiler keeps the cache in its own layout (no copy; ``benchmarks/
+decode_kernel_layout.py``). They return the past's attention with its log-sum-exp;
+``merge_new_token`` adds the new token, so the cache is never rewritten before it is
+read (the dense path writes the token into a copy of the layer's cache first).
+``reference_past`` is the same computation in plain jnp over one layer's [B, S, K, H].
+Einsum letters as in ``qwen2.py``.
 """
 
 from __future__ import annotations
@@ -109,9 +114,12 @@ def merge_new_token(out_BKGH, lse_BKG, q_BKGH, k_BKH, v_BKH):
     return num / (w_past + w_new)[..., None]
 
 
-def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs, k_heads):
+def _tpu_kernel(
+    lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs, one_head
+):
     from jax.experimental import pallas as pl
 
+    del lay_ref  # used by the index maps only
     b, j = pl.program_id(0), pl.program_id(1)
     n = len_ref[b]
 
@@ -121,13 +129,16 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
+    def head(ref, kh):  # a kv head's [bs, H] block (the block is [bs, H] for one head)
+        return ref[...] if one_head else ref[:, kh, :]
+
     @pl.when(j * bs < n)
     def _block():
         scale = q_ref.shape[-1] ** -0.5
-        for kh in range(k_heads):  # static: a kv head's query group against its keys
+        for kh in range(q_ref.shape[0]):  # static: a kv head's query group against its keys
             q_GH = q_ref[kh].astype(k_ref.dtype)
             s_GS = jax.lax.dot_general(
-                q_GH, k_ref[:, kh, :], (((1,), (1,)), ((), ())),
+                q_GH, head(k_ref, kh), (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32,
             ) * scale  # fmt: skip
             slot = j * bs + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1)
@@ -137,7 +148,7 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc
             p_GS = jnp.exp(s_GS - m_new)
             corr = jnp.exp(m_prev - m_new)
             l_sc[kh] = corr * l_sc[kh] + jnp.sum(p_GS, axis=1, keepdims=True)
-            v_SH = v_ref[:, kh, :]
+            v_SH = head(v_ref, kh)
             pv = jnp.dot(p_GS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
             acc_sc[kh] = corr * acc_sc[kh] + pv
             m_sc[kh] = m_new
@@ -149,28 +160,29 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc
         lse_ref[...] = lse[..., None]
 
 
-def _tpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool):
+def _tpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     b, k, g, h = q_BKGH.shape
-    s = k_BSKH.shape[1]
+    s = k_BLSKH.shape[2]
     bs = block_size(s)
+    one_head = k == 1
+    if one_head:  # [B, L, S, H]: the TPU tiles (S, H), not a padded (1, H)
+        k_BLSKH, v_BLSKH = (x.reshape(x.shape[:3] + x.shape[4:]) for x in (k_BLSKH, v_BLSKH))
 
-    def kv_block(i, j, lens):  # blocks past a row's last held one repeat it: no fetch
-        return (i, jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs), 0, 0)
+    def kv_block(i, j, lay, lens):  # blocks past a row's last held one repeat it: no fetch
+        at = (i, lay[0], jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs), 0)
+        return at if one_head else (*at, 0)
 
-    def row(i, j, lens):
+    def row(i, j, lay, lens):
         return (i, 0, 0, 0)
 
+    kv = pl.BlockSpec((None, None, bs, h) if one_head else (None, None, bs, k, h), kv_block)
     grid = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(b, s // bs),
-        in_specs=[
-            pl.BlockSpec((None, k, g, h), row),
-            pl.BlockSpec((None, bs, k, h), kv_block),
-            pl.BlockSpec((None, bs, k, h), kv_block),
-        ],
+        in_specs=[pl.BlockSpec((None, k, g, h), row), kv, kv],
         out_specs=[pl.BlockSpec((None, k, g, h), row), pl.BlockSpec((None, k, g, 1), row)],
         scratch_shapes=[
             pltpu.VMEM((k, g, 1), jnp.float32),
@@ -178,17 +190,17 @@ def _tpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool):
             pltpu.VMEM((k, g, h), jnp.float32),
         ],
     )
-    itemsize = k_BSKH.dtype.itemsize
+    itemsize = k_BLSKH.dtype.itemsize
     out, lse = pl.pallas_call(
-        functools.partial(_tpu_kernel, bs=bs, k_heads=k),
+        functools.partial(_tpu_kernel, bs=bs, one_head=one_head),
         grid_spec=grid,
         out_shape=[
             jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
             jax.ShapeDtypeStruct((b, k, g, 1), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        # What XLA's cost analysis counts for the kernel: the whole attended cache
-        # (an upper bound: rows read only their held blocks).
+        # What XLA's cost analysis counts for the kernel: the layer's whole attended
+        # cache (an upper bound: rows read only their held blocks).
         cost_estimate=pl.CostEstimate(
             flops=4 * b * k * g * s * h,
             transcendentals=b * k * g * s,
@@ -196,14 +208,20 @@ def _tpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool):
         ),
         interpret=interpret,
         name="ragged_decode_attention",
-    )(lengths_B.astype(jnp.int32), q_BKGH, k_BSKH, v_BSKH)
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        lengths_B.astype(jnp.int32),
+        q_BKGH,
+        k_BLSKH,
+        v_BLSKH,
+    )
     return out, lse[..., 0]
 
 
-def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
+def _gpu_kernel(lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
     from jax.experimental import pallas as pl
 
-    n = len_ref[()]
+    lay, n = lay_ref[()], len_ref[()]
     q_GH = q_ref[...].astype(k_ref.dtype)
     scale = q_GH.shape[-1] ** -0.5
     g, h = q_GH.shape
@@ -212,14 +230,15 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
         acc, m, denom = carry
         at = pl.ds(pl.multiple_of(j * bs, bs), bs)
         s_GS = jax.lax.dot_general(
-            q_GH, k_ref[at, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q_GH, k_ref[lay, at, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         ) * scale  # fmt: skip
         slot = j * bs + jnp.arange(bs)[None, :]
         s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s_GS, axis=1))
         p_GS = jnp.exp(s_GS - m_new[:, None])
         corr = jnp.exp(m - m_new)
-        pv = jnp.dot(p_GS.astype(v_ref.dtype), v_ref[at, :], preferred_element_type=jnp.float32)
+        v_SH = v_ref[lay, at, :]
+        pv = jnp.dot(p_GS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
         return corr[:, None] * acc + pv, m_new, corr * denom + jnp.sum(p_GS, axis=1)
 
     init = (
@@ -232,24 +251,28 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
     lse_ref[...] = lse
 
 
-def _gpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool = False):
+def _gpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     b, k, g, h = q_BKGH.shape
-    s = k_BSKH.shape[1]
+    nl, s = k_BLSKH.shape[1:3]
     # Triton's blocks are powers of two, and its dots at least 16 wide: the query
     # group is padded (the padding rows are dropped after).
     gp = max(16, 1 << (g - 1).bit_length())
     q = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    # a program's block is its row's and kv head's [L, S, H]; the kernel reads the
+    # layer's held blocks of it
+    kv = pl.BlockSpec((None, nl, s, None, h), lambda i, kh: (i, 0, 0, kh, 0))
     out, lse = pl.pallas_call(
         functools.partial(_gpu_kernel, bs=block_size(s)),
         grid=(b, k),
         in_specs=[
+            pl.BlockSpec((), lambda i, kh: ()),
             pl.BlockSpec((None,), lambda i, kh: (i,)),
             pl.BlockSpec((None, None, gp, h), lambda i, kh: (i, kh, 0, 0)),
-            pl.BlockSpec((None, s, None, h), lambda i, kh: (i, 0, kh, 0)),
-            pl.BlockSpec((None, s, None, h), lambda i, kh: (i, 0, kh, 0)),
+            kv,
+            kv,
         ],
         out_specs=[
             pl.BlockSpec((None, None, gp, h), lambda i, kh: (i, kh, 0, 0)),
@@ -262,38 +285,42 @@ def _gpu_past(q_BKGH, k_BSKH, v_BSKH, lengths_B, *, interpret: bool = False):
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_decode_attention",
-    )(lengths_B.astype(jnp.int32), q, k_BSKH, v_BSKH)
+    )(jnp.asarray(layer, jnp.int32), lengths_B.astype(jnp.int32), q, k_BLSKH, v_BLSKH)
     return out[:, :, :g], lse[:, :, :g]
 
 
-def past_attention(q_BKGH, k_BSKH, v_BSKH, lengths_B, spec: RaggedSpec):
-    """Each row's query against its slots ``[0, lengths_B)``, by ``spec``'s kernel.
+def past_attention(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, spec: RaggedSpec):
+    """Each row's query against its slots ``[0, lengths_B)`` of layer ``layer`` (an int32
+    scalar, traced or not) of the slot-major cache, by ``spec``'s kernel.
 
-    Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as ``reference_past``.
+    Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as ``reference_past`` over the
+    layer's [B, S, K, H].
     """
-    if block_size(k_BSKH.shape[1]) is None:
+    if block_size(k_BLSKH.shape[2]) is None:
         raise ValueError(
-            f"ragged decode attention: the attended length {k_BSKH.shape[1]} is not a "
+            f"ragged decode attention: the attended length {k_BLSKH.shape[2]} is not a "
             f"multiple of {_BLOCKS[-1]}"
         )
     if spec.backend == "gpu":
         fn = _gpu_past
     else:
         fn = functools.partial(_tpu_past, interpret=spec.backend == "interpret")
+    layer = jnp.asarray(layer, jnp.int32)
     if spec.mesh is None:
-        return fn(q_BKGH, k_BSKH, v_BSKH, lengths_B)
+        return fn(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B)
     from jax.sharding import PartitionSpec as P
 
     # A compacted batch may be smaller than the row axes: then its rows are gathered.
     rows = _dividing(spec.mesh, spec.row_axes, q_BKGH.shape[0])
     heads = _dividing(spec.mesh, spec.head_axes, q_BKGH.shape[1])
+    kv = P(rows, None, None, heads)
     return jax.shard_map(
         fn,
         mesh=spec.mesh,
-        in_specs=(P(rows, heads), P(rows, None, heads), P(rows, None, heads), P(rows)),
+        in_specs=(P(rows, heads), kv, kv, P(), P(rows)),
         out_specs=(P(rows, heads), P(rows, heads)),
         check_vma=False,
-    )(q_BKGH, k_BSKH, v_BSKH, lengths_B)
+    )(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B)
 
 
 def _dividing(mesh, axes, size: int):
