@@ -293,8 +293,11 @@ def test_a_tensor_axis_that_splits_a_physical_axis_makes_a_mesh():
 @needs_libtpu
 def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per_device():
     """The TPU kernel (Mosaic) in the engine's decode step, rows over data and kv heads
-    over tensor: it compiles for the chip, and the program calls it."""
+    over tensor: it compiles for the chip, the program calls it, and the compiled step
+    neither copies the slot-major cache (as it did every step for a layer-major one at
+    one kv head per device) nor holds a cache-sized temporary."""
     import dataclasses
+    import re
 
     import jax.numpy as jnp
 
@@ -305,7 +308,7 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
 
     for kv_heads in (2, 4):
         cfg = dataclasses.replace(
-            ModelConfig.from_hf_config(HF | {"num_key_value_heads": kv_heads, "hidden_size": 512,
+            ModelConfig.from_hf_config(HF | {"num_key_value_heads": kv_heads, "hidden_size": 1024,
                                              "num_attention_heads": 8}),
             dtype="bfloat16",
         )  # fmt: skip
@@ -313,9 +316,9 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
         engine = Engine(
             abstract_model(cfg),
             EngineConfig(
-                max_concurrent_decodes=8,
+                max_concurrent_decodes=64,  # a cache of 24 MiB per device at one kv head
                 max_prefill_length=128,
-                max_decode_length=384,
+                max_decode_length=640,  # 768 slots: a length no other array has
                 dtype="bfloat16",
             ),
             mesh=mesh,
@@ -328,4 +331,12 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
         generate = engine._fn("generate", **engine.decode_statics())
         lowered = generate.lower(params, state, engine.eos_array)
         assert "tpu_custom_call" in lowered.as_text()
-        lowered.compile()
+        with jax.default_device(mesh.devices.flat[0]):
+            compiled = lowered.compile()
+        copies = re.findall(r"bf16\[[\d,]*768[\d,]*\]\{[^}]*\} copy\(", compiled.as_text())
+        assert not copies, (kv_heads, copies)
+        shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)
+        cache_bytes = 2 * math.prod(shard) * 2  # keys and values, bf16
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp < cache_bytes / 4, (kv_heads, temp, cache_bytes)
+        print(f"{kv_heads} kv heads: temporaries {temp} B, cache {cache_bytes} B per device")

@@ -66,7 +66,7 @@ def _kernel(name):
                     1,
                     lengths,
                     ra.RaggedSpec("interpret"),
-                )  # fmt: skip
+                )
                 for i in range(q.shape[1])
             ]
             return tuple(jnp.concatenate(x, axis=1) for x in zip(*outs))

@@ -300,7 +300,8 @@ def format_plan(plan: RunPlan) -> str:
             )
         lines.append("    (set by rollout.dtype and rollout.kv_dtype; the last is bfloat16 + int8)")
         lines += [
-            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read, "
+            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read (XLA "
+            f"counts {p.decode_xla_bytes / 1e9:.2f}), "
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
             f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
             f"{p.samples} samples all of length T: >= {full / 60:.1f} min",

@@ -78,7 +78,8 @@ class StagePlan:
 
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
     ``model_flops`` (6 x parameters x its tokens), ``decode_bytes`` and
-    ``decode_flops`` of one decode step over the full cache; ``slots`` decode
+    ``decode_flops`` of one decode step over the full cache (the bytes at least its
+    weights and cache, each read once; ``decode_xla_bytes`` XLA's own count); ``slots`` decode
     slots, ``samples`` = D_R x G responses per training step. ``over_hbm``
     names the programs XLA refused to compile for the chip (too large): their
     temporaries are the sizes XLA's error stated, their costs unknown (0).
@@ -101,6 +102,7 @@ class StagePlan:
     update_flops: float = 0.0
     model_flops: float = 0.0
     decode_bytes: float = 0.0
+    decode_xla_bytes: float = 0.0
     decode_flops: float = 0.0
     slots: int = 0
     samples: int = 0
@@ -376,7 +378,8 @@ def plan_stage(
         # the optimizer's few flops per parameter are left out
         out.update_flops = n_micro * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
-    out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
+    out.decode_xla_bytes = decode.cost("bytes accessed")
+    out.decode_bytes = max(out.decode_xla_bytes, out.engine_params + out.kv_cache)
     out.decode_flops = decode.cost("flops")
     return out
 

@@ -127,3 +127,21 @@ def write_rows(buf_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, *zeros)))(
         buf_BS, new_BT.astype(buf_BS.dtype), start_B
     )
+
+
+def write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.Array:
+    """Writes ``new_BX[b]`` at slot ``at_B[b]`` of row b (in place under donation)."""
+    zeros = (0,) * (buf_BSX.ndim - 2)
+    return jax.vmap(lambda r, n, i: jax.lax.dynamic_update_slice(r, n[None], (i, *zeros)))(
+        buf_BSX, new_BX.astype(buf_BSX.dtype), at_B
+    )
+
+
+def write_token(buf_BLSX: jax.Array, new_LBX: jax.Array, at_B: jax.Array) -> jax.Array:
+    """Each slot's new token of every layer (``new_LBX``, the decode scan's output) into
+    the slot-major cache at slot ``at_B[b]``: a per-slot ``dynamic_update_slice`` of
+    the slot's contiguous [L, S, ...] block, in place under donation."""
+    zeros = (0,) * (buf_BLSX.ndim - 3)
+    return jax.vmap(lambda r, n, i: jax.lax.dynamic_update_slice(r, n[:, None], (0, i, *zeros)))(
+        buf_BLSX, jnp.swapaxes(new_LBX, 0, 1).astype(buf_BLSX.dtype), at_B
+    )

@@ -5,13 +5,14 @@ binds and compiles them)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from magic_jax.model.kv_cache import KVCache, layer_slice, quantize_kv
+from magic_jax.model.kv_cache import KVCache, layer_slice, quantize_kv, write_slot, write_token
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout import ragged_attention
 from magic_jax.rollout import sampling as sampling_lib
@@ -169,14 +170,6 @@ def insert_group_fn(
     return state, jax.tree.map(lambda *x: jnp.stack(x), *draws)
 
 
-def _write_slot(buf_BSX: jax.Array, new_BX: jax.Array, at_B: jax.Array) -> jax.Array:
-    """Writes ``new_BX[b]`` at slot ``at_B[b]`` of row b (in place under donation)."""
-    zeros = (0,) * (buf_BSX.ndim - 2)
-    return jax.vmap(lambda r, n, i: jax.lax.dynamic_update_slice(r, n[None], (i, *zeros)))(
-        buf_BSX, new_BX.astype(buf_BSX.dtype), at_B
-    )
-
-
 def _decode_attention(
     q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_scale_BSK=None, *, per_head=False
 ):
@@ -290,7 +283,7 @@ def decode_forward(
         ragged = None
     pos_B = cache.next_positions()
     at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
-    pos_BS = _write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    pos_BS = write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
     allowed_BS = pos_BS >= 0
 
     quantized = cache.quantized
@@ -311,8 +304,8 @@ def decode_forward(
                     quantize_kv, (new["k"], new["v"])
                 )
                 scales = {
-                    "k_scale_BSK": _write_slot(ks_BSK, new["ks"], at_B),
-                    "v_scale_BSK": _write_slot(vs_BSK, new["vs"], at_B),
+                    "k_scale_BSK": write_slot(ks_BSK, new["ks"], at_B),
+                    "v_scale_BSK": write_slot(vs_BSK, new["vs"], at_B),
                 }
             else:
                 scales = {}
@@ -326,8 +319,8 @@ def decode_forward(
                 return out_BKGH[:, None], new
             out_BKGH = _decode_attention(
                 q_B1KGH[:, 0],
-                _write_slot(k_BSKH, new["k"], at_B),
-                _write_slot(v_BSKH, new["v"], at_B),
+                write_slot(k_BSKH, new["k"], at_B),
+                write_slot(v_BSKH, new["v"], at_B),
                 mask_BS,
                 **scales,
                 per_head=per_head,
@@ -352,14 +345,7 @@ def decode_forward(
     else:
         logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
-
-    def write(buf_BLSX, new_LBX):
-        """Each slot's token of every layer at its slot: a per-slot dynamic_update_slice
-        (in place) of the slot's contiguous [L, S, ...] block."""
-        zeros = (0,) * (buf_BLSX.ndim - 3)
-        return jax.vmap(
-            lambda r, n, i: jax.lax.dynamic_update_slice(r, n[:, None], (0, i, *zeros))
-        )(buf_BLSX, jnp.swapaxes(new_LBX, 0, 1).astype(buf_BLSX.dtype), at_B)
+    write = functools.partial(write_token, at_B=at_B)
 
     new = KVCache(
         k=write(cache.k, new_L["k"]),
