@@ -170,6 +170,10 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
         "decode attention: ragged (the TPU kernel, in the decode step above): rows hold "
         "P + T/2 = 128 of 192"
     ) in out
+    # At head dim 16 the kernel's [bs, 16] blocks are not the TPU's (8, 128) tiles of the
+    # cache: XLA relayouts the cache around the call, and the plan says so (at head dim
+    # 128, the models', it does not: the v6e test below).
+    assert p.decode_cache_copies > 0 and "the compiled step copies the cache" in out
     assert (
         "update: compute float32, remat none; rollout: weights and compute float32, "
         "KV cache float32" in out
@@ -297,11 +301,10 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
     neither copies the slot-major cache (as it did every step for a layer-major one at
     one kv head per device) nor holds a cache-sized temporary."""
     import dataclasses
-    import re
 
     import jax.numpy as jnp
 
-    from magic_jax.jobs.stage_plan import _abstract
+    from magic_jax.jobs.stage_plan import _abstract, _cache_copies, _Program
     from magic_jax.model.config import ModelConfig
     from magic_jax.model.qwen2 import abstract_model
     from magic_jax.rollout.engine import Engine, EngineConfig
@@ -318,7 +321,7 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
             EngineConfig(
                 max_concurrent_decodes=64,  # a cache of 24 MiB per device at one kv head
                 max_prefill_length=128,
-                max_decode_length=640,  # 768 slots: a length no other array has
+                max_decode_length=640,
                 dtype="bfloat16",
             ),
             mesh=mesh,
@@ -333,8 +336,7 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
         assert "tpu_custom_call" in lowered.as_text()
         with jax.default_device(mesh.devices.flat[0]):
             compiled = lowered.compile()
-        copies = re.findall(r"bf16\[[\d,]*768[\d,]*\]\{[^}]*\} copy\(", compiled.as_text())
-        assert not copies, (kv_heads, copies)
+        assert _cache_copies(_Program(compiled, 0, 0, False), state.cache.k) == 0, kv_heads
         shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)
         cache_bytes = 2 * math.prod(shard) * 2  # keys and values, bf16
         temp = compiled.memory_analysis().temp_size_in_bytes

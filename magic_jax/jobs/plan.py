@@ -222,6 +222,12 @@ def own_option(rollout_dtype: str, kv_dtype: str | None) -> str | None:
     )
 
 
+def _copies(n: int) -> str:
+    if n == 0:
+        return "the compiled step copies no cache"
+    return f"the compiled step copies the cache {n} time(s): a relayout, more bytes than this"
+
+
 def _ragged_lines(p: StagePlan, float32_step: float) -> list[str]:
     """What the ragged decode attention reads: the weights and each row's held slots."""
     if not p.ragged or not p.kv_cache:
@@ -300,8 +306,8 @@ def format_plan(plan: RunPlan) -> str:
             )
         lines.append("    (set by rollout.dtype and rollout.kv_dtype; the last is bfloat16 + int8)")
         lines += [
-            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read (XLA "
-            f"counts {p.decode_xla_bytes / 1e9:.2f}), "
+            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read "
+            f"({_copies(p.decode_cache_copies)}), "
             f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
             f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
             f"{p.samples} samples all of length T: >= {full / 60:.1f} min",

@@ -79,7 +79,9 @@ class StagePlan:
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
     ``model_flops`` (6 x parameters x its tokens), ``decode_bytes`` and
     ``decode_flops`` of one decode step over the full cache (the bytes at least its
-    weights and cache, each read once; ``decode_xla_bytes`` XLA's own count); ``slots`` decode
+    weights and cache, each read once; XLA counts the layer loop's body once);
+    ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
+    step (a relayout XLA inserts, each a read and write of that much); ``slots`` decode
     slots, ``samples`` = D_R x G responses per training step. ``over_hbm``
     names the programs XLA refused to compile for the chip (too large): their
     temporaries are the sizes XLA's error stated, their costs unknown (0).
@@ -102,7 +104,7 @@ class StagePlan:
     update_flops: float = 0.0
     model_flops: float = 0.0
     decode_bytes: float = 0.0
-    decode_xla_bytes: float = 0.0
+    decode_cache_copies: int = 0
     decode_flops: float = 0.0
     slots: int = 0
     samples: int = 0
@@ -378,10 +380,24 @@ def plan_stage(
         # the optimizer's few flops per parameter are left out
         out.update_flops = n_micro * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
-    out.decode_xla_bytes = decode.cost("bytes accessed")
-    out.decode_bytes = max(out.decode_xla_bytes, out.engine_params + out.kv_cache)
+    out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
+    out.decode_cache_copies = _cache_copies(decode, e["state"].cache.k)
     out.decode_flops = decode.cost("flops")
     return out
+
+
+def _cache_copies(program: _Program, cache_k: Any) -> int:
+    """The ``copy`` instructions of the compiled program whose result holds at least one
+    layer's keys (per device) and spans the cache length: relayouts of the cache."""
+    if program.compiled is None:
+        return 0
+    shard = cache_k.sharding.shard_shape(cache_k.shape)  # [B, L, S, K, H] per device
+    one_layer = math.prod(shard) // shard[1]
+    n = 0
+    for dims in re.findall(r"\b\w+\[([\d,]+)\]\{[^}]*\} copy\(", program.compiled.as_text()):
+        shape = [int(d) for d in dims.split(",")]
+        n += shard[2] in shape and math.prod(shape) >= one_layer
+    return n
 
 
 @dataclasses.dataclass
