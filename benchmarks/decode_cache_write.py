@@ -4,12 +4,13 @@ A stand-alone decode step (attention of every layer over its cache, then each
 slot's new key and value written into every layer) compiled (never run) for a
 Cloud TPU slice through libtpu, with one KV head per device, in four forms:
 
-* ``scatter``: the engine's layout today, [L, B, S, K, H], the write a scatter
-  over slots (``jax.vmap`` of ``dynamic_update_slice``, as ``decode_forward``);
+* ``scatter``: the engine's earlier layout, layer-major [L, B, S, K, H], the write
+  a scatter over slots (``jax.vmap`` of ``dynamic_update_slice``);
 * ``select``: the same layout, the write a ``jnp.where`` over the whole cache;
 * ``heads``: heads-major, [L, B, K, S, H], the write a scatter over slots;
-* ``slots``: slot-major, [B, L, S, K, H], each slot's write a
-  ``dynamic_update_slice``, each layer read with a dynamic index.
+* ``slots``: slot-major, [B, L, S, K, H] (the engine's layout since,
+  ``kv_cache.KVCache``), each slot's write a ``dynamic_update_slice``, each layer
+  read with a dynamic index.
 
 It prints XLA's bytes accessed and temporaries per device and the whole-cache
 copies in the optimized HLO; ``scatter`` is the peer of the ratios.
