@@ -179,7 +179,11 @@ def test_ragged_decode_attention_kernel_and_engine(gpu):
         q = jax.random.normal(ks[0], (6, 2, 7, 128), jnp.float32).astype(jnp.bfloat16)
         k, v = (jax.random.normal(x, (6, 256, 2, 128)).astype(jnp.bfloat16) for x in ks[1:])
         lengths = jnp.asarray([0, 1, 127, 128, 129, 256], jnp.int32)
-        out, lse = ra.past_attention(q, k, v, lengths, ra.RaggedSpec("gpu"))
+        # layer 1 of a 3-layer slot-major cache whose other layers are NaN
+        stack = [
+            jnp.full((6, 3, 256, 2, 128), jnp.nan, jnp.bfloat16).at[:, 1].set(x) for x in (k, v)
+        ]
+        out, lse = ra.past_attention(q, *stack, 1, lengths, ra.RaggedSpec("gpu"))
         want, want_lse = ra.reference_past(q, k, v, lengths)
         np.testing.assert_allclose(out, want, atol=2.0**-7 * float(jnp.abs(v).max()), rtol=0)
         np.testing.assert_allclose(lse[1:], want_lse[1:], atol=0.05)
