@@ -292,9 +292,6 @@ def decode_forward(
         # The scan runs over the layers' index: the slot-major cache is read at it (a
         # slice per layer on the dense path; the kernel reads it whole at the index).
         window, li = xs
-        k_BSKH, v_BSKH, ks_BSK, vs_BSK = (
-            layer_slice(x, li) for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)
-        )
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
 
         def attend(q_B1KGH, k_B1KH, v_B1KH):
@@ -304,8 +301,8 @@ def decode_forward(
                     quantize_kv, (new["k"], new["v"])
                 )
                 scales = {
-                    "k_scale_BSK": write_slot(ks_BSK, new["ks"], at_B),
-                    "v_scale_BSK": write_slot(vs_BSK, new["vs"], at_B),
+                    "k_scale_BSK": write_slot(layer_slice(cache.k_scale, li), new["ks"], at_B),
+                    "v_scale_BSK": write_slot(layer_slice(cache.v_scale, li), new["vs"], at_B),
                 }
             else:
                 scales = {}
@@ -319,8 +316,8 @@ def decode_forward(
                 return out_BKGH[:, None], new
             out_BKGH = _decode_attention(
                 q_B1KGH[:, 0],
-                write_slot(k_BSKH, new["k"], at_B),
-                write_slot(v_BSKH, new["v"], at_B),
+                write_slot(layer_slice(cache.k, li), new["k"], at_B),
+                write_slot(layer_slice(cache.v, li), new["v"], at_B),
                 mask_BS,
                 **scales,
                 per_head=per_head,

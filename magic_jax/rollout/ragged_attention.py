@@ -209,7 +209,7 @@ def _tpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool):
         interpret=interpret,
         name="ragged_decode_attention",
     )(
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.reshape(layer, (1,)),
         lengths_B.astype(jnp.int32),
         q_BKGH,
         k_BLSKH,
@@ -285,7 +285,7 @@ def _gpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool = F
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_decode_attention",
-    )(jnp.asarray(layer, jnp.int32), lengths_B.astype(jnp.int32), q, k_BLSKH, v_BLSKH)
+    )(layer, lengths_B.astype(jnp.int32), q, k_BLSKH, v_BLSKH)
     return out[:, :, :g], lse[:, :, :g]
 
 
