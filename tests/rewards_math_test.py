@@ -145,3 +145,54 @@ def test_real_aime24_gold_answers():
         assert math_reward(padded, gold).status is C, gold
         assert math_reward(wrong, gold).status is W, gold
         assert math_reward(silent, gold).status is N, gold
+
+
+def _integer_cases():
+    """Responses around the integer fast path: lone boxes, leading zeros, signs, extra text."""
+    import random
+
+    rng = random.Random(0)
+    cases = []
+    for _ in range(400):
+        gold = str(rng.choice([0, 7, 42, 936, 10**5 + 3, -12, rng.randrange(-999, 99999)]))
+        near = rng.choice([gold, str(int(gold) + 1), "0" + gold.lstrip("-"), "-" + gold, "-0"])
+        region = rng.choice(
+            [
+                f"\\boxed{{{near}}}",
+                f"\n  \\boxed{{{near}}}\n",
+                f"The answer is \\boxed{{{near}}}.",
+                f"\\boxed{{{near}}} and \\boxed{{{gold}}}",
+                f"\\boxed{{{near}.0}}",
+                f"$\\boxed{{{near}}}$",
+            ]
+        )
+        think = rng.choice(["<think>\n1+2=3\n</think>\n", "<think>\\boxed{5}</think>", ""])
+        golds = rng.choice([gold, f'["{gold}", "{near}"]', f"0{gold.lstrip('-')}"])
+        cases.append((think + region, golds))
+    return cases
+
+
+def test_integer_fast_path_agrees_with_math_verify(monkeypatch):
+    """Wherever ``integer_verdict`` decides, Math-Verify (the fast path switched off)
+    gives the same status; and it does decide the shipped tasks' answer format."""
+    import importlib
+
+    mr = importlib.import_module("magic_jax.rewards.math_reward")
+    cases = _integer_cases()
+    verdict_of = mr.integer_verdict
+    fast = [verdict_of(r, g) for r, g in cases]
+    monkeypatch.setattr(mr, "integer_verdict", lambda *_: None)
+    decided = 0
+    for (response, gold), verdict in zip(cases, fast):
+        if verdict is None:
+            continue
+        decided += 1
+        full = mr.math_reward(response, gold)
+        assert (verdict.status, verdict.reward) == (full.status, full.reward), (response, gold)
+    assert decided >= 40
+    both = {v.status for v in fast if v is not None}
+    assert both == {C, W}
+    assert verdict_of("<think>\n4+8+1=13\n</think>\n\\boxed{936}", "936").status == C
+    assert verdict_of("<think>x</think>\\boxed{0936}", "936") is None  # leading zero
+    assert verdict_of("<think>x</think>\\boxed{7} or 8", "7") is None  # more text
+    assert verdict_of("<think>x</think>\\boxed{7}", "7.0") is None  # gold not integer

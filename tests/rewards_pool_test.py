@@ -150,7 +150,12 @@ def test_item_deadline_overrides_the_default(pool):
 
 def test_workers_are_recycled(pool):
     before = pool.stats().get("workers_recycled", 0)
-    results = pool.map([math_item(i, gold="3") for i in range(2 * CONFIG.max_items_per_worker + 1)])
+    # text beside the box: Math-Verify decides these in a worker (no integer fast path)
+    items = [
+        RewardItem(response=f"<think>...</think> so \\boxed{{{i}}}", ground_truth="3")
+        for i in range(2 * CONFIG.max_items_per_worker + 1)
+    ]
+    results = pool.map(items)
     assert sum(r.status is C for r in results) == 1
     assert pool.stats()["workers_recycled"] > before
 
@@ -274,3 +279,22 @@ def test_a_pool_removes_the_folders_of_killed_pools(tmp_path):
         assert len(mine) == 1 and mine.pop().startswith(f"mj-verifier-pool-{os.getpid()}-")
     assert not dead.exists() and live.exists() and unknown.exists()
     assert {p.name for p in tmp_path.iterdir()} == {live.name, unknown.name}
+
+
+def test_integer_answers_are_decided_without_a_worker():
+    """Lone integer boxes get their verdict at submit (no worker round trip), equal to
+    ``compute_reward``'s; anything else still goes to a worker."""
+    from magic_jax.rewards import compute_reward
+
+    items = [
+        RewardItem(response="<think>3+4=7</think>\n\\boxed{7}", ground_truth="7"),
+        RewardItem(response="<think>3+4=8</think>\n\\boxed{8}", ground_truth="7"),
+        RewardItem(response="<think>x</think> so it is \\boxed{0.5}", ground_truth="\\frac12"),
+    ]
+    with VerifierPool(PoolConfig(num_workers=1)) as pool:
+        tickets = pool.submit_many(items)
+        assert pool.poll(tickets[0]) is not None and pool.poll(tickets[1]) is not None
+        rest = pool.collect([tickets[2]])
+    got = [compute_reward(it) for it in items]
+    assert [r.status for r in got[:2]] == [C, W]
+    assert rest[0].status == got[2].status == C

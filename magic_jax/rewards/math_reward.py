@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,9 @@ from typing import Any
 from magic_jax.rewards.types import GroundTruthError, RewardResult, RewardStatus
 
 THINK_END = "</think>"
+# An integer literal with no leading zero: two of them are equal numbers iff equal strings.
+_INTEGER = re.compile(r"0|-?[1-9][0-9]*")
+_LONE_BOX = re.compile(r"\\boxed\{(-?[0-9]+)\}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,36 @@ def _answer_to_str(answer: Any) -> str:
     raise GroundTruthError(f"math gold answers must be strings, got {type(answer).__name__}")
 
 
+def integer_verdict(response: str, gold: Any) -> RewardResult | None:
+    """The verdict of ``math_reward`` without Math-Verify, where it is certain; else None.
+
+    Decided only when every gold answer is an integer literal and the answer
+    region (``extract_answer_region``) is, up to surrounding whitespace, one
+    ``\\boxed{n}`` of an integer literal ``n``. Math-Verify then finds that box
+    and nothing else, and its parse is the integer ``n``: an exact match of the
+    string is ``CORRECT`` (as ``math_reward`` says it), and two integer literals
+    without leading zeros that differ are different numbers (``WRONG``). Anything
+    else (other text in the region, leading zeros, a non-integer gold answer)
+    returns None and goes to Math-Verify. Needs no main thread and takes
+    microseconds, so ``VerifierPool`` decides such items without a worker.
+    """
+    match = _LONE_BOX.fullmatch(extract_answer_region(response).strip())
+    if match is None:
+        return None
+    try:
+        golds = parse_math_ground_truth(gold)
+    except GroundTruthError:
+        return None
+    if not all(_INTEGER.fullmatch(g) for g in golds):
+        return None
+    answer = match.group(1)
+    if answer in golds:
+        return RewardResult.of(RewardStatus.CORRECT, "exact match")
+    if _INTEGER.fullmatch(answer):
+        return RewardResult.of(RewardStatus.WRONG)
+    return None
+
+
 def math_reward(
     response: str, gold: str | Sequence[str], *, config: MathConfig | None = None
 ) -> RewardResult:
@@ -118,6 +152,9 @@ def math_reward(
         return RewardResult.of(RewardStatus.ERROR, str(e))
     if threading.current_thread() is not threading.main_thread():
         return RewardResult.of(RewardStatus.ERROR, _THREAD_MESSAGE)
+    fast = integer_verdict(response, golds)
+    if fast is not None:
+        return fast
     # Imported here: sympy and Math-Verify take about a second to import, and
     # `import magic_jax.rewards` has to stay fast.
     from math_verify import parse, verify

@@ -75,11 +75,50 @@ class RolloutStats:
 
 
 class _Pending:
-    """A sample's growing response on the host."""
+    """A sample in a slot: its prompt, index and limit (its tokens are in ``_SlotBuffers``)."""
+
+    __slots__ = ("j", "limit", "p")
 
     def __init__(self, p: int, j: int, limit: int):
         self.p, self.j, self.limit = p, j, limit
-        self.parts: list[tuple[np.ndarray, ...]] = []
+
+
+class _SlotBuffers:
+    """The responses growing in the slots, on the host: [slots, T] per field.
+
+    A chunk's outputs land in one scatter per field (no per-slot Python work),
+    and a finished sample is one slice per field.
+    """
+
+    def __init__(self, slots: int, limit: int):
+        self.length = np.zeros(slots, np.int64)
+        self.fields = (
+            np.zeros((slots, limit), np.int32),  # tokens
+            np.zeros((slots, limit), np.float32),  # logprobs
+            np.zeros((slots, limit), np.float32),  # entropies
+            np.zeros((slots, limit), np.float32),  # sampling_logprobs
+        )
+
+    def start(self, slots: np.ndarray, draws: tuple[np.ndarray, ...]) -> None:
+        """The first token of each of ``slots`` (sampled at insert)."""
+        for buf, x in zip(self.fields, draws):
+            buf[slots, 0] = x
+        self.length[slots] = 1
+
+    def add(self, slots: np.ndarray, outs: StepOutput) -> np.ndarray:
+        """A chunk's tokens [n, b] for the slots of its columns; returns tokens per column."""
+        valid = outs.valid
+        step, col = np.nonzero(valid)
+        at = self.length[slots[col]] + (np.cumsum(valid, axis=0)[step, col] - 1)
+        for buf, x in zip(self.fields, outs[:4]):
+            buf[slots[col], at] = x[step, col]
+        count = valid.sum(axis=0)
+        self.length[slots] += count
+        return count
+
+    def take(self, slot: int) -> tuple[np.ndarray, ...]:
+        n = int(self.length[slot])
+        return tuple(buf[slot, :n].copy() for buf in self.fields)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -155,13 +194,14 @@ class RolloutDriver:
         prefixes: dict[int, Prefix] = {}
         slot_of: list[_Pending | None] = [None] * b_max
         slot_len = np.zeros(b_max, np.int64)  # mirrors the cache's per-row lengths
+        buffers = _SlotBuffers(b_max, max(int(limits.max(initial=1)), 1))
         first_draws: list[tuple[list[_Pending], list[int], object]] = []
         done: list[Sample] = []
         eos = set(eng.eos_ids)
         sizes = cfg.compact_sizes()
 
         def finish(pend: _Pending, slot: int):
-            sample = self._to_sample(pend, prompts, eos, truncation)
+            sample = self._to_sample(pend, buffers.take(slot), prompts, eos, truncation)
             done.append(sample)
             slot_of[slot] = None
             if on_sample is not None:
@@ -209,8 +249,8 @@ class RolloutDriver:
             # Token 0 was sampled at insert; fetch those now (one transfer for all).
             fetched = jax.device_get([f for _, _, f in first_draws])
             for (pends, slots, _), f in zip(first_draws, fetched):
+                buffers.start(np.asarray(slots), tuple(np.asarray(x).reshape(-1) for x in f))
                 for i, (pend, slot) in enumerate(zip(pends, slots)):
-                    pend.parts.append(tuple(np.atleast_1d(x[i]) for x in f))
                     if int(f.tokens[i]) in eos or pend.limit <= 1:
                         finish(pend, slot)
             first_draws.clear()
@@ -254,28 +294,16 @@ class RolloutDriver:
             at[1] += dt
 
             t1 = time.perf_counter()
-            cols = range(b_max) if rows is None else rows
+            cols = np.arange(b_max) if rows is None else rows
             stats.chunks += 1
             stats.steps += n
             stats.slot_steps += n * len(cols)
-            for c, slot in enumerate(cols):
-                pend = slot_of[slot]
-                if pend is None:
-                    continue
-                v = outs.valid[:, c]
-                k = int(v.sum())
-                if k:
-                    slot_len[slot] += k
-                    pend.parts.append(
-                        (
-                            outs.tokens[v, c],
-                            outs.logprobs[v, c],
-                            outs.entropies[v, c],
-                            outs.sampling_logprobs[v, c],
-                        )
-                    )
-                if outs.done[:, c].any():
-                    finish(pend, slot)
+            # only live rows produce valid tokens: empty slots' columns add nothing
+            slot_len[cols] += buffers.add(cols, outs)
+            for c in np.flatnonzero(outs.done.any(axis=0)):
+                slot = int(cols[c])
+                if slot_of[slot] is not None:
+                    finish(slot_of[slot], slot)
             stats.host_s += time.perf_counter() - t1
 
         self._state = state
@@ -285,9 +313,14 @@ class RolloutDriver:
         return samples, stats
 
     @staticmethod
-    def _to_sample(pend: _Pending, prompts, eos: set[int], truncation: Truncation) -> Sample:
-        tokens, logp, ent, slp = (np.concatenate(x) for x in zip(*pend.parts))
-        tokens = tokens.astype(np.int32)
+    def _to_sample(
+        pend: _Pending,
+        parts: tuple[np.ndarray, ...],
+        prompts,
+        eos: set[int],
+        truncation: Truncation,
+    ) -> Sample:
+        tokens, logp, ent, slp = parts
         hit_eos = len(tokens) > 0 and int(tokens[-1]) in eos
         length = len(tokens)
         truncated = not hit_eos if truncation == "no_eos" else length == pend.limit

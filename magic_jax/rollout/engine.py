@@ -241,6 +241,7 @@ class Engine:
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()
         self._cast = None
+        self._fns: dict[tuple, Any] = {}
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
         if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
             # A mesh of compile-only devices (magic_jax.jobs.plan) holds no data: shapes only.
@@ -303,8 +304,15 @@ class Engine:
         return self._eos_E
 
     def _fn(self, name: str, **statics: Any) -> Any:
-        key = tuple(statics.items())
-        return _compiled(name, self.graphdef, self._shardings, self.config.sampling, key)
+        # Memoised per engine: ``_compiled``'s own cache hashes the whole graph on every
+        # lookup, and the rollout loop asks once per prefill, insert and decode chunk.
+        key = (name, tuple(statics.items()), self.config.sampling)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = _compiled(
+                name, self.graphdef, self._shardings, self.config.sampling, key[1]
+            )
+        return fn
 
     # ------------------------------------------------------------------ placement
 
