@@ -17,7 +17,8 @@ else:
     SANDBOX = SandboxConfig(isolation="process")
     EXPECTED = "isolation='process' without root"
 
-MATH = RewardItem(response="\\boxed{1}", ground_truth="1", ability="math")
+# text beside the box: a worker verifies it (no integer fast path at submit)
+MATH = RewardItem(response="so \\boxed{1}", ground_truth="1", ability="math")
 CODE = RewardItem(
     response="</think>```python\nprint(int(input()) + 1)\n```",
     ground_truth=json.dumps({"inputs": ["1\n"], "outputs": ["2\n"]}),
