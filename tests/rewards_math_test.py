@@ -181,7 +181,7 @@ def test_integer_fast_path_agrees_with_math_verify(monkeypatch):
     cases = _integer_cases()
     verdict_of = mr.integer_verdict
     fast = [verdict_of(r, g) for r, g in cases]
-    monkeypatch.setattr(mr, "integer_verdict", lambda *_: None)
+    monkeypatch.setattr(mr, "_integer_verdict", lambda *_: None)
     decided = 0
     for (response, gold), verdict in zip(cases, fast):
         if verdict is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from magic_jax.rewards.code_reward import code_reward
 from magic_jax.rewards.code_tests import looks_like_code_ground_truth
-from magic_jax.rewards.math_reward import MathConfig, math_reward
+from magic_jax.rewards.math_reward import MathConfig, integer_verdict, math_reward
 from magic_jax.rewards.sandbox import SandboxConfig
 from magic_jax.rewards.types import ABILITIES, RewardItem, RewardResult, RewardStatus
 
@@ -59,3 +59,13 @@ def compute_reward(
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         result = RewardResult.of(RewardStatus.ERROR, f"verifier failed: {last}")
     return RewardResult.of(result.status, result.detail, elapsed_s=time.monotonic() - start)
+
+
+def quick_reward(item: RewardItem) -> RewardResult | None:
+    """``compute_reward``'s result where it is certain without running a verifier
+    (microseconds, any thread), else None: a math item whose answer and gold
+    answers are integers (``integer_verdict``). ``VerifierPool`` decides these at
+    submit instead of sending them to a worker."""
+    if resolve_ability(item) == "math":
+        return integer_verdict(item.response, item.ground_truth)
+    return None

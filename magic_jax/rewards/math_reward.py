@@ -106,14 +106,16 @@ def integer_verdict(response: str, gold: Any) -> RewardResult | None:
     returns None and goes to Math-Verify. Needs no main thread and takes
     microseconds, so ``VerifierPool`` decides such items without a worker.
     """
-    match = _LONE_BOX.fullmatch(extract_answer_region(response).strip())
-    if match is None:
-        return None
     try:
         golds = parse_math_ground_truth(gold)
     except GroundTruthError:
         return None
-    if not all(_INTEGER.fullmatch(g) for g in golds):
+    return _integer_verdict(extract_answer_region(response), golds)
+
+
+def _integer_verdict(region: str, golds: list[str]) -> RewardResult | None:
+    match = _LONE_BOX.fullmatch(region.strip())
+    if match is None or not all(_INTEGER.fullmatch(g) for g in golds):
         return None
     answer = match.group(1)
     if answer in golds:
@@ -152,7 +154,8 @@ def math_reward(
         return RewardResult.of(RewardStatus.ERROR, str(e))
     if threading.current_thread() is not threading.main_thread():
         return RewardResult.of(RewardStatus.ERROR, _THREAD_MESSAGE)
-    fast = integer_verdict(response, golds)
+    region = extract_answer_region(response)
+    fast = _integer_verdict(region, golds)
     if fast is not None:
         return fast
     # Imported here: sympy and Math-Verify take about a second to import, and
@@ -160,7 +163,6 @@ def math_reward(
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
-    region = extract_answer_region(response)
     try:
         parsed = parse(region, parsing_timeout=config.parse_timeout_s, raise_on_error=True)
     except TimeoutException:

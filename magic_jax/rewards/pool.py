@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from magic_jax.rewards.dispatch import as_item, resolve_ability
-from magic_jax.rewards.math_reward import MathConfig, integer_verdict
+from magic_jax.rewards.dispatch import as_item, quick_reward, resolve_ability
+from magic_jax.rewards.math_reward import MathConfig
 from magic_jax.rewards.procs import kill_uid, remove_orphan_dirs
 from magic_jax.rewards.sandbox import SandboxConfig
 from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
@@ -182,12 +182,9 @@ class VerifierPool:
     def submit_many(self, items: Iterable[RewardItem | Mapping[str, Any]]) -> list[int]:
         """Queues items; returns their tickets in order."""
         parsed = [as_item(it) for it in items]
-        # Items whose verdict is certain without Math-Verify (an integer answer in a lone
-        # box) are decided here: no worker round trip, no CPU taken from the decode.
-        verdicts = [
-            integer_verdict(it.response, it.ground_truth) if resolve_ability(it) == "math" else None
-            for it in parsed
-        ]
+        # Items whose verdict is certain without a verifier are decided here: no worker
+        # round trip, no CPU taken from the decode.
+        verdicts = [quick_reward(it) for it in parsed]
         with self._cond:
             if self._closing:
                 raise RuntimeError("VerifierPool is closed")

@@ -105,16 +105,14 @@ class _SlotBuffers:
             buf[slots, 0] = x
         self.length[slots] = 1
 
-    def add(self, slots: np.ndarray, outs: StepOutput) -> np.ndarray:
-        """A chunk's tokens [n, b] for the slots of its columns; returns tokens per column."""
+    def add(self, slots: np.ndarray, outs: StepOutput) -> None:
+        """A chunk's tokens [n, b] for the slots of its columns."""
         valid = outs.valid
         step, col = np.nonzero(valid)
         at = self.length[slots[col]] + (np.cumsum(valid, axis=0)[step, col] - 1)
         for buf, x in zip(self.fields, outs[:4]):
             buf[slots[col], at] = x[step, col]
-        count = valid.sum(axis=0)
-        self.length[slots] += count
-        return count
+        self.length[slots] += valid.sum(axis=0)
 
     def take(self, slot: int) -> tuple[np.ndarray, ...]:
         n = int(self.length[slot])
@@ -193,7 +191,7 @@ class RolloutDriver:
         queue = collections.deque((p, j) for p in range(len(prompts)) for j in range(num_samples))
         prefixes: dict[int, Prefix] = {}
         slot_of: list[_Pending | None] = [None] * b_max
-        slot_len = np.zeros(b_max, np.int64)  # mirrors the cache's per-row lengths
+        prompt_len = np.zeros(b_max, np.int64)
         buffers = _SlotBuffers(b_max, max(int(limits.max(initial=1)), 1))
         first_draws: list[tuple[list[_Pending], list[int], object]] = []
         done: list[Sample] = []
@@ -244,7 +242,7 @@ class RolloutDriver:
                     jax.block_until_ready(state)
                 stats.insert_s += time.perf_counter() - ti
                 for pend, slot in zip(pends, slots):
-                    slot_of[slot], slot_len[slot] = pend, len(prompts[p])
+                    slot_of[slot], prompt_len[slot] = pend, len(prompts[p])
                 first_draws.append((pends, slots, first))
             # Token 0 was sampled at insert; fetch those now (one transfer for all).
             fetched = jax.device_get([f for _, _, f in first_draws])
@@ -267,7 +265,8 @@ class RolloutDriver:
                     rows = np.asarray(live + spare[: b - len(live)], np.int32)
                 # Stop the chunk once the live rows fit the next size down.
                 min_live = max([x for x in sizes if x < b], default=0)
-            longest = int(slot_len[live].max())
+            # a row's cache holds its prompt and every response token but the newest
+            longest = int((prompt_len[live] + buffers.length[live]).max()) - 1
             attend = s_max
             if cfg.cache_bucket:
                 attend = min(s_max, _round_up(longest + 1, cfg.cache_bucket))
@@ -298,8 +297,7 @@ class RolloutDriver:
             stats.chunks += 1
             stats.steps += n
             stats.slot_steps += n * len(cols)
-            # only live rows produce valid tokens: empty slots' columns add nothing
-            slot_len[cols] += buffers.add(cols, outs)
+            buffers.add(cols, outs)  # only live rows produce valid tokens
             for c in np.flatnonzero(outs.done.any(axis=0)):
                 slot = int(cols[c])
                 if slot_of[slot] is not None:
