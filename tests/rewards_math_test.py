@@ -181,6 +181,10 @@ def test_integer_fast_path_agrees_with_math_verify(monkeypatch):
     cases = _integer_cases()
     verdict_of = mr.integer_verdict
     fast = [verdict_of(r, g) for r, g in cases]
+    assert verdict_of("<think>\n4+8+1=13\n</think>\n\\boxed{936}", "936").status == C
+    assert verdict_of("<think>x</think>\\boxed{0936}", "936") is None  # leading zero
+    assert verdict_of("<think>x</think>\\boxed{7} or 8", "7") is None  # more text
+    assert verdict_of("<think>x</think>\\boxed{7}", "7.0") is None  # gold not integer
     monkeypatch.setattr(mr, "_integer_verdict", lambda *_: None)
     decided = 0
     for (response, gold), verdict in zip(cases, fast):
@@ -192,7 +196,3 @@ def test_integer_fast_path_agrees_with_math_verify(monkeypatch):
     assert decided >= 40
     both = {v.status for v in fast if v is not None}
     assert both == {C, W}
-    assert verdict_of("<think>\n4+8+1=13\n</think>\n\\boxed{936}", "936").status == C
-    assert verdict_of("<think>x</think>\\boxed{0936}", "936") is None  # leading zero
-    assert verdict_of("<think>x</think>\\boxed{7} or 8", "7") is None  # more text
-    assert verdict_of("<think>x</think>\\boxed{7}", "7.0") is None  # gold not integer
