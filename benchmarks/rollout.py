@@ -17,6 +17,11 @@ holds a 512-token sample), so by default one is timed and multiplied by four
     .venv/bin/python benchmarks/rollout.py            # both workloads, with peer
     .venv/bin/python benchmarks/rollout.py --quick    # tiny smoke run
     .venv/bin/python benchmarks/rollout.py --workloads W1 --skip-peer --loop-layers
+    .venv/bin/python benchmarks/rollout.py --lanes 1      # one decode lane (no threads)
+
+With several decode lanes (the CPU default, ``driver.default_lanes``) the slots are
+split between them and ``ms/step`` is a lane's step; the decode, prefill and insert
+times are summed over the lanes.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from flax import nnx
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
-from magic_jax.rollout.driver import RolloutDriver
+from magic_jax.rollout.driver import RolloutDriver, default_lanes
 from magic_jax.rollout.engine import Engine, EngineConfig, default_layer_unroll
 from magic_jax.rollout.sampling import SamplingConfig
 
@@ -105,6 +110,9 @@ def main() -> None:
     ap.add_argument("--cache-bucket", type=int, default=128)
     ap.add_argument("--no-compact", action="store_true")
     ap.add_argument(
+        "--lanes", type=int, default=None, help="decode lanes (default: the platform's)"
+    )
+    ap.add_argument(
         "--layer-unroll",
         default=None,
         help="EngineConfig.layer_unroll: true, false or an int (default: the platform's)",
@@ -128,11 +136,13 @@ def main() -> None:
         prompt_len, slots = 64, 32
     cfg = dataclasses.replace(cfg, scan_layers=not args.loop_layers)
     model = Qwen2(cfg, rngs=nnx.Rngs(0))
+    lanes = default_lanes(slots) if args.lanes is None else args.lanes
     print(
         f"model: {cfg.num_params() / 1e6:.1f}M params, fp32, "
         f"{'scanned' if cfg.scan_layers else 'loop'} layers | jax {jax.__version__} "
         f"{jax.devices()[0].platform} | cpus {os.cpu_count()} | torch threads {args.threads} | "
-        f"decode layer_unroll {_unroll(args.layer_unroll)} (None: {default_layer_unroll()})"
+        f"decode layer_unroll {_unroll(args.layer_unroll)} (None: {default_layer_unroll()}) | "
+        f"lanes {lanes} of {slots // lanes} slots"
     )
     rows = []
     for name, (n_prompts, g, limits) in _workloads(args.quick).items():
@@ -140,7 +150,7 @@ def main() -> None:
             continue
         prompts = np.random.default_rng(1).integers(3, cfg.vocab_size, (n_prompts, prompt_len))
         config = EngineConfig(
-            max_concurrent_decodes=slots,
+            max_concurrent_decodes=slots // lanes,
             max_prefill_length=prompt_len,
             max_decode_length=int(limits.max()),
             decode_steps=args.decode_steps,
@@ -152,7 +162,7 @@ def main() -> None:
         )
         engine = Engine(model, config)
         params = engine.load_params(model)
-        driver = RolloutDriver(engine)
+        driver = RolloutDriver(engine, lanes=lanes)
         kw = dict(num_samples=g, seed=0, max_new_tokens=limits)
         t0 = time.perf_counter()
         driver.run(params, list(prompts), step=0, **kw)  # compiles

@@ -1,6 +1,8 @@
 """Rollout driver: continuous vs static batching, trainer log-prob parity, scheduling invariance."""
 
 import dataclasses
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -211,20 +213,27 @@ def test_sampled_frequencies_match_model_distribution():
 
 
 def test_results_do_not_depend_on_scheduling(model):
-    """Same seed, different slot counts / chunking / bucketing: identical samples."""
+    """Same seed, different slot counts / chunking / bucketing / lanes: identical samples."""
     sampling = SamplingConfig(temperature=1.0)
     runs = []
-    for kw in (SCHED_A, SCHED_B):
+    for kw, lanes in (
+        (SCHED_A, 1),
+        (SCHED_B, 1),
+        (SCHED_A, 2),
+        (SCHED_A | {"compact_batch": True}, 3),
+    ):
         engine = _engine(model, sampling=sampling, eos_ids=(3,), **kw)
         runs.append(
-            RolloutDriver(engine).run(
+            RolloutDriver(engine, lanes=lanes).run(
                 engine.load_params(model), PROMPTS, num_samples=3, seed=5, step=1
             )[0]
         )
-    for a, b in zip(*runs):
-        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    for other in runs[1:]:
+        assert len(other) == len(runs[0]) == len(PROMPTS) * 3
+        for a, b in zip(runs[0], other):
+            assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     # ... and a different step gives different samples.
     engine = _engine(model, sampling=sampling, eos_ids=(3,), **SCHED_A)
     other, _ = RolloutDriver(engine).run(
@@ -282,6 +291,63 @@ def test_on_sample_reports_each_sample_as_it_ends(model):
     # a failed rollout leaves the driver usable
     again, _ = driver.run(engine.load_params(model), PROMPTS[:1], max_new_tokens=2)
     assert again[0].length == 2
+
+
+def test_lanes_share_the_queue_and_report_one_sample_at_a_time(model):
+    """Lanes decode in their own threads: every sample once, one prefill per prompt,
+    ``on_sample`` never entered twice at once, and a lane's failure raised by ``run``."""
+    engine = _engine(model, sampling=SamplingConfig(), eos_ids=(3,), **SCHED_A)
+    driver = RolloutDriver(engine, lanes=2)
+    assert driver.max_concurrent_decodes == 4
+    params = engine.load_params(model)
+    inside, seen, overlaps, threads = [0], [], [0], set()
+
+    def report(sample):
+        inside[0] += 1
+        overlaps[0] += inside[0] > 1
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)  # widens the window a second, unserialized call would hit
+        seen.append(sample)
+        inside[0] -= 1
+
+    samples, stats = driver.run(params, PROMPTS, num_samples=3, seed=0, on_sample=report)
+    assert overlaps[0] == 0 and len(threads) == 2  # both lanes finished samples
+    assert sorted(seen, key=lambda s: (s.prompt_index, s.sample_index)) == samples
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (p, j) for p in range(len(PROMPTS)) for j in range(3)
+    ]
+    assert stats.prefills == len(PROMPTS) and stats.tokens == sum(s.length for s in samples)
+    assert sum(n for n, _ in stats.by_batch.values()) == stats.steps
+
+    def fail_off_main(sample):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("lane callback failed")
+
+    with pytest.raises(RuntimeError, match="lane callback failed"):
+        driver.run(params, PROMPTS, num_samples=3, on_sample=fail_off_main)
+    again, _ = driver.run(params, PROMPTS, num_samples=3, seed=0)  # usable afterwards
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in samples]
+    with pytest.raises(ValueError, match="lanes"):
+        RolloutDriver(engine, lanes=0)
+
+
+def test_default_lanes(monkeypatch):
+    from magic_jax.rollout import driver as driver_lib
+    from magic_jax.run.config import RolloutConfig
+
+    monkeypatch.setattr(driver_lib.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert driver_lib.default_lanes(128) == (2 if jax.default_backend() == "cpu" else 1)
+    assert driver_lib.default_lanes(8) == 1  # a lane would hold fewer than 8 slots
+    assert driver_lib.default_lanes(17) == 1  # the slots do not split evenly
+    monkeypatch.setattr(driver_lib.os, "sched_getaffinity", lambda _: {0}, raising=False)
+    assert driver_lib.default_lanes(128) == 1  # one core
+    with pytest.raises(ValueError, match="lanes"):
+        driver_lib.make_driver(
+            Qwen2(CFG, rngs=nnx.Rngs(0)), max_prompt_length=8, max_response_length=8,
+            sampling=SamplingConfig(), max_concurrent_decodes=6, lanes=4,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="lanes must be >= 1 and divide"):
+        RolloutConfig(max_concurrent_decodes=6, lanes=4)
 
 
 def test_truncation_modes(model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import jax
@@ -177,6 +178,9 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+_COMPILED_LOCK = threading.Lock()
+
+
 @functools.cache
 def _compiled(
     name: str, graphdef: nnx.GraphDef, shardings: Any, sampling: SamplingConfig, statics: tuple
@@ -309,9 +313,12 @@ class Engine:
         key = (name, tuple(statics.items()), self.config.sampling)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = _compiled(
-                name, self.graphdef, self._shardings, self.config.sampling, key[1]
-            )
+            with _COMPILED_LOCK:  # the driver's lanes ask from several threads
+                fn = self._fns.get(key)
+                if fn is None:
+                    fn = self._fns[key] = _compiled(
+                        name, self.graphdef, self._shardings, self.config.sampling, key[1]
+                    )
         return fn
 
     # ------------------------------------------------------------------ placement

@@ -171,6 +171,10 @@ class RolloutConfig:
         on CPU); ``dense`` reads the whole attended cache and masks it; null:
         ragged on TPU and GPU, dense on CPU. Ragged needs a float cache (no
         ``kv_dtype``); layers with sliding windows run dense.
+      lanes: the slots split into this many decode lanes, each in its own host thread
+        with its own compiled programs running at once (``rollout.driver``); it must
+        divide ``max_concurrent_decodes``. null: the platform's measured default (2 on
+        CPU with 2+ cores and 16+ slots, else 1; ``driver.DECODE_LANES_DEFAULT``).
     """
 
     max_concurrent_decodes: int = 64
@@ -181,8 +185,14 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16"] | None = None
     kv_dtype: Literal["int8"] | None = None
     decode_attention: Literal["ragged", "dense"] | None = None
+    lanes: int | None = None
 
     def __post_init__(self):
+        if self.lanes is not None and (self.lanes < 1 or self.max_concurrent_decodes % self.lanes):
+            raise ValueError(
+                f"lanes must be >= 1 and divide max_concurrent_decodes "
+                f"({self.max_concurrent_decodes}), got {self.lanes}"
+            )
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
         if self.kv_dtype not in (None, "int8"):

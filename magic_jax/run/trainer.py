@@ -131,6 +131,7 @@ class Trainer:
             kv_dtype=cfg.rollout.kv_dtype,
             decode_attention=cfg.rollout.decode_attention,
             mesh=self.mesh,
+            lanes=cfg.rollout.lanes,
         )
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:
