@@ -136,7 +136,7 @@ def main() -> None:
         prompt_len, slots = 64, 32
     cfg = dataclasses.replace(cfg, scan_layers=not args.loop_layers)
     model = Qwen2(cfg, rngs=nnx.Rngs(0))
-    lanes = default_lanes(slots) if args.lanes is None else args.lanes
+    lanes = default_lanes(slots, num_params=cfg.num_params()) if args.lanes is None else args.lanes
     print(
         f"model: {cfg.num_params() / 1e6:.1f}M params, fp32, "
         f"{'scanned' if cfg.scan_layers else 'loop'} layers | jax {jax.__version__} "

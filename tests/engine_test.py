@@ -239,6 +239,38 @@ def test_bf16_rollout_logprobs_match_the_fp32_recompute(hf_and_model):
     assert diffs.max() < 0.25 and diffs.mean() < 0.05, (diffs.mean(), diffs.max())
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_insert_group_equals_one_insert_per_sample(hf_and_model, kv_dtype):
+    """The batched group insert: the same state and first draws as n single inserts
+    with the samples' keys, into slots out of order, each with its own limit."""
+    from magic_jax.rollout.sampling import sample_key
+
+    _, model = hf_and_model
+    engine = _engine(model, max_concurrent_decodes=6, kv_dtype=kv_dtype, sampling=SamplingConfig())
+    params = engine.load_params(model)
+    prefix = engine.prefill(params, PROMPTS[0])
+    slots, samples, limits = [4, 1, 5, 0], [0, 3, 1, 2], [3, 1, 16, 7]
+    single = engine.init_decode_state()
+    draws = []
+    for slot, j, limit in zip(slots, samples, limits):
+        single, d = engine.insert(
+            prefix, single, slot, key=sample_key(3, 2, 7, j), max_new_tokens=limit
+        )
+        draws.append(d)
+    group, first = engine.insert_group(
+        prefix, engine.init_decode_state(), slots,
+        seed=3, step=2, prompt=7, samples=samples, max_new_tokens=limits,
+    )  # fmt: skip
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(group)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for field, x in zip(first._fields, first):
+        np.testing.assert_array_equal(np.stack([getattr(d, field) for d in draws]), x)
+    assert bool(group.done[1]) and not bool(group.done[4])  # a limit of 1 ends at insert
+    assert set(np.flatnonzero(np.asarray(group.steps))) == set(slots)
+
+
 def test_insert_and_generate_donate_the_state(hf_and_model):
     _, model = hf_and_model
     engine = _engine(model)

@@ -110,35 +110,8 @@ def insert_fn(
     sampling: SamplingConfig,
 ) -> tuple[DecodeState, sampling_lib.Draw]:
     """Copies ``prefix`` into row ``slot`` in place and samples the first response token."""
-    first = sampling_lib.draw(prefix.logits[None], jax.random.fold_in(key, 0)[None], sampling)
-    c = state.cache
-
-    def put(buf_BLSX, row_1LPX):  # one contiguous block: the slot's every layer
-        at = (slot,) + (0,) * (buf_BLSX.ndim - 1)
-        return jax.lax.dynamic_update_slice(buf_BLSX, row_1LPX.astype(buf_BLSX.dtype), at)
-
-    pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
-    pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
-    kv = {}
-    for name in ("k", "v"):
-        row = getattr(prefix.cache, name)
-        if c.quantized:  # the prompt's keys and values are quantized as they enter
-            row, scale = quantize_kv(row)
-            kv[f"{name}_scale"] = put(getattr(c, f"{name}_scale"), scale)
-        kv[name] = put(getattr(c, name), row)
-    cache = KVCache(
-        pos=jax.lax.dynamic_update_slice(c.pos, pos_1S, (slot, 0)),
-        lengths=c.lengths.at[slot].set(prefix.length),
-        **kv,
-    )
-    done = _eos_hit(first.tokens, eos_E)[0] | (max_new <= 1)
-    state = DecodeState(
-        cache=cache,
-        tokens=state.tokens.at[slot].set(first.tokens[0]),
-        keys=state.keys.at[slot].set(key),
-        steps=state.steps.at[slot].set(1),
-        max_new=state.max_new.at[slot].set(max_new),
-        done=state.done.at[slot].set(done),
+    state, first = _insert_rows(
+        prefix, state, slot[None], key[None], max_new[None], eos_E, sampling=sampling
     )
     return state, jax.tree.map(lambda x: x[0], first)
 
@@ -162,12 +135,55 @@ def insert_group_fn(
     samples_n[i])`` (``sampling.sample_key``), exactly as n separate inserts would.
     Returns the state and the n first draws, stacked.
     """
-    draws = []
-    for i in range(slots_n.shape[0]):
-        key = sampling_lib.sample_key(seed, step, prompt, samples_n[i])
-        state, d = insert_fn(prefix, state, slots_n[i], key, max_new_n[i], eos_E, sampling=sampling)
-        draws.append(d)
-    return state, jax.tree.map(lambda *x: jnp.stack(x), *draws)
+    keys_n = jax.vmap(lambda j: sampling_lib.sample_key(seed, step, prompt, j))(samples_n)
+    return _insert_rows(prefix, state, slots_n, keys_n, max_new_n, eos_E, sampling=sampling)
+
+
+def _insert_rows(
+    prefix: Prefix,
+    state: DecodeState,
+    slots_n: jax.Array,
+    keys_n: jax.Array,
+    max_new_n: jax.Array,
+    eos_E: jax.Array,
+    *,
+    sampling: SamplingConfig,
+) -> tuple[DecodeState, sampling_lib.Draw]:
+    """``prefix`` into rows ``slots_n`` (distinct) in place, sample i drawing its first
+    token with ``fold_in(keys_n[i], 0)``. The n draws are one batched draw (row-wise,
+    so each equals its own single draw), and the prompt's rows are quantized once."""
+    n = slots_n.shape[0]
+    logits_nV = jnp.broadcast_to(prefix.logits, (n, *prefix.logits.shape))
+    first = sampling_lib.draw(
+        logits_nV, jax.vmap(jax.random.fold_in, (0, None))(keys_n, 0), sampling
+    )
+    c = state.cache
+    pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
+    pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
+    rows = {"pos": pos_1S}
+    for name in ("k", "v"):
+        row = getattr(prefix.cache, name)
+        if c.quantized:  # the prompt's keys and values are quantized as they enter
+            row, rows[f"{name}_scale"] = quantize_kv(row)
+        rows[name] = row
+    out = {}
+    for name, row_1X in rows.items():
+        buf = getattr(c, name)
+        row_1X = row_1X.astype(buf.dtype)
+        for i in range(n):  # one contiguous block per slot: its every layer
+            buf = jax.lax.dynamic_update_slice(buf, row_1X, (slots_n[i],) + (0,) * (buf.ndim - 1))
+        out[name] = buf
+    cache = KVCache(lengths=c.lengths.at[slots_n].set(prefix.length), **out)
+    done_n = _eos_hit(first.tokens, eos_E) | (max_new_n <= 1)
+    state = DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slots_n].set(first.tokens),
+        keys=state.keys.at[slots_n].set(keys_n),
+        steps=state.steps.at[slots_n].set(1),
+        max_new=state.max_new.at[slots_n].set(max_new_n),
+        done=state.done.at[slots_n].set(done_n),
+    )
+    return state, first
 
 
 def _decode_attention(

@@ -320,12 +320,14 @@ class RolloutDriver:
                 with work.lock:
                     if not queue:
                         break
-                    p, j = queue[0]
-                    # A whole group into free slots is one call; anything else one per
-                    # sample (two compiled shapes).
-                    n = num_samples if j == 0 and len(free) >= num_samples else 1
-                    if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
-                        n = 1
+                    p = queue[0][0]
+                    # Whole groups only, each one call, where a group fits the slots: the
+                    # slots a group does not fill wait for the next to free (a decode
+                    # step's cost hardly grows with its rows), and there is one compiled
+                    # insert per cache shape. Otherwise one sample per call.
+                    n = num_samples if num_samples <= b_max else 1
+                    if len(free) < n:
+                        break
                     entries = [queue.popleft() for _ in range(n)]
                     if p not in work.prefixes:
                         tp = time.perf_counter()
@@ -476,7 +478,7 @@ def make_driver(
     from magic_jax.rollout.engine import EngineConfig
 
     if lanes is None:
-        lanes = default_lanes(max_concurrent_decodes, mesh)
+        lanes = default_lanes(max_concurrent_decodes, mesh, model.config.num_params())
     if lanes < 1 or max_concurrent_decodes % lanes:
         raise ValueError(
             f"lanes ({lanes}) must be >= 1 and divide max_concurrent_decodes "
@@ -495,24 +497,36 @@ def make_driver(
     return RolloutDriver(Engine(model, config, mesh=mesh), lanes=lanes)
 
 
-# Measured default decode lanes per platform, where the slots allow (``default_lanes``).
-# CPU (2-core Intel Xeon, the default run's evaluation: 256 prompts x 8 samples, T 64,
-# 128 slots of the shipped 0.74M model): one lane 3.36-3.50 s, two lanes of 64 slots
-# 2.22-2.44 s (1.42-1.57x). A small model's decode step is bound by XLA's per-op cost
-# on one core, and a second lane runs on the second. Accelerators keep one lane.
+# Measured default decode lanes per platform, where the work allows (``default_lanes``).
+# CPU, 2-core Intel Xeon:
+# - the default run's evaluation (256 prompts x 8 samples, T 64, 128 slots of the shipped
+#   0.74M model): one lane 3.36-3.50 s, two lanes of 64 slots 2.22-2.44 s (1.42-1.57x).
+#   Such a decode step is bound by XLA's per-op cost on one core; a second lane runs on
+#   the second core.
+# - benchmarks/rollout.py W1 (57.7M model, 32 slots): one lane 791 tok/s, two lanes of 16
+#   slots 624 (0.79x): its matmuls already run on both cores.
+# So lanes split only a light step: a lane's matmul work per decode step (2 x
+# parameters x its slots) at most LANE_STEP_FLOPS, set between the two points above
+# (0.09 and 1.8 GFLOP). Accelerators keep one lane.
 DECODE_LANES_DEFAULT: dict[str, int] = {"cpu": 2}
+LANE_STEP_FLOPS = 0.4e9
 
 
-def default_lanes(max_concurrent_decodes: int, mesh: Any = None) -> int:
-    """Decode lanes for a driver of ``max_concurrent_decodes`` slots: the platform's
-    ``DECODE_LANES_DEFAULT``, at most the cores this process may use, and 1 over a
-    mesh of several devices or where a lane would hold fewer than 8 slots (or the
-    slots do not divide)."""
+def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int = 0) -> int:
+    """Decode lanes for a driver of ``max_concurrent_decodes`` slots of a model of
+    ``num_params`` parameters: the platform's ``DECODE_LANES_DEFAULT``, at most the cores
+    this process may use, and 1 over a mesh of several devices, where a lane would hold
+    fewer than 8 slots (or the slots do not divide) or a lane's decode step would do more
+    than ``LANE_STEP_FLOPS`` of matmuls."""
     if mesh is not None and mesh.devices.size > 1:
         return 1
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lanes = min(DECODE_LANES_DEFAULT.get(platform, 1), cores or 1)
-    while lanes > 1 and (max_concurrent_decodes % lanes or max_concurrent_decodes // lanes < 8):
+    while lanes > 1 and (
+        max_concurrent_decodes % lanes
+        or max_concurrent_decodes // lanes < 8
+        or 2 * num_params * (max_concurrent_decodes // lanes) > LANE_STEP_FLOPS
+    ):
         lanes -= 1
     return lanes

@@ -174,7 +174,8 @@ class RolloutConfig:
       lanes: the slots split into this many decode lanes, each in its own host thread
         with its own compiled programs running at once (``rollout.driver``); it must
         divide ``max_concurrent_decodes``. null: the platform's measured default (2 on
-        CPU with 2+ cores and 16+ slots, else 1; ``driver.DECODE_LANES_DEFAULT``).
+        CPU with 2+ cores, 16+ slots and a light decode step, as the embedded
+        default's; else 1: ``driver.default_lanes``).
     """
 
     max_concurrent_decodes: int = 64
