@@ -1,5 +1,7 @@
 """Engine: greedy parity with transformers' generate, sharding, donation, weight resharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from magic_jax.model.sharding import (
     make_mesh,
     model_shardings,
 )
-from magic_jax.rollout.decode import decode_forward
+from magic_jax.rollout.decode import decode_forward, layer_modules, split_forward
 from magic_jax.rollout.driver import RolloutDriver
 from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig
@@ -174,13 +176,26 @@ def test_decode_forward_equals_model_forward():
         got = decode_forward(m, tok, live, cache)
         transposed, _ = decode_forward(m, tok, live, cache, m.unembedding().T)
         unrolled = decode_forward(m, tok, live, cache, layer_unroll=True)
-        return want, got, transposed, unrolled
+        kv_L = tuple((cache.k[:, i], cache.v[:, i]) for i in range(cfg.num_layers))
+        split_logits, split_cache, kv_L = split_forward(m, layer_modules(m), tok, live, cache, kv_L)
+        split = dataclasses.replace(
+            split_cache, **{n: jnp.stack([kv[j] for kv in kv_L], 1) for j, n in enumerate("kv")}
+        )
+        return want, got, transposed, unrolled, (split_logits, split)
 
     tok = jnp.asarray([5, 7, 9], jnp.int32)
     live = jnp.asarray([True, True, False])
-    (want_logits, want), (got_logits, got), unembed_logits, (unrolled_logits, unrolled) = run(
-        state, jnp.asarray(ids), jnp.asarray(mask), tok, live
-    )
+    (
+        (want_logits, want),
+        (got_logits, got),
+        unembed_logits,
+        (unrolled_logits, unrolled),
+        (split_logits, split),
+    ) = run(state, jnp.asarray(ids), jnp.asarray(mask), tok, live)
+    # EngineConfig.decode_layers="split": each layer's cache apart, the same logits and cache
+    np.testing.assert_allclose(split_logits, got_logits, atol=1e-5, rtol=1e-5)
+    for name in ("k", "v", "pos", "lengths"):
+        np.testing.assert_allclose(getattr(split, name), getattr(got, name), atol=1e-6)
     rows = np.asarray(live)
     np.testing.assert_allclose(got_logits[rows], want_logits[rows, 0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(unembed_logits, got_logits, atol=1e-5, rtol=1e-5)

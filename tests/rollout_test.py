@@ -77,7 +77,8 @@ def _cut(row, eos, limit):
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(),
+        dict(decode_layers="split"),
+        dict(decode_layers="scan"),
         dict(max_concurrent_decodes=2, decode_steps=1, cache_bucket=0, compact_batch=False),
         pytest.param(
             dict(max_concurrent_decodes=4, decode_steps=16, cache_bucket=4),

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
-from magic_jax.rollout.engine import Engine
+from magic_jax.rollout.engine import LIGHT_STEP_FLOPS, Engine
 from magic_jax.rollout.sampling import SamplingConfig
 
 Truncation = Literal["no_eos", "length"]
@@ -506,10 +506,8 @@ def make_driver(
 # - benchmarks/rollout.py W1 (57.7M model, 32 slots): one lane 791 tok/s, two lanes of 16
 #   slots 624 (0.79x): its matmuls already run on both cores.
 # So lanes split only a light step: a lane's matmul work per decode step (2 x
-# parameters x its slots) at most LANE_STEP_FLOPS, set between the two points above
-# (0.09 and 1.8 GFLOP). Accelerators keep one lane.
+# parameters x its slots) at most ``engine.LIGHT_STEP_FLOPS``. Accelerators keep one lane.
 DECODE_LANES_DEFAULT: dict[str, int] = {"cpu": 2}
-LANE_STEP_FLOPS = 0.4e9
 
 
 def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int = 0) -> int:
@@ -517,7 +515,7 @@ def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int
     ``num_params`` parameters: the platform's ``DECODE_LANES_DEFAULT``, at most the cores
     this process may use, and 1 over a mesh of several devices, where a lane would hold
     fewer than 8 slots (or the slots do not divide) or a lane's decode step would do more
-    than ``LANE_STEP_FLOPS`` of matmuls."""
+    than ``engine.LIGHT_STEP_FLOPS`` of matmuls."""
     if mesh is not None and mesh.devices.size > 1:
         return 1
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
@@ -526,7 +524,7 @@ def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int
     while lanes > 1 and (
         max_concurrent_decodes % lanes
         or max_concurrent_decodes // lanes < 8
-        or 2 * num_params * (max_concurrent_decodes // lanes) > LANE_STEP_FLOPS
+        or 2 * num_params * (max_concurrent_decodes // lanes) > LIGHT_STEP_FLOPS
     ):
         lanes -= 1
     return lanes

@@ -74,6 +74,15 @@ class EngineConfig:
         masks it. None: ragged on TPU and GPU, dense on CPU. Ragged needs a float
         cache (not ``kv_dtype="int8"``) and no sliding-window layers; elsewhere
         the dense product runs.
+      decode_layers: how the decode loop (``generate_chunk``) holds the cache and runs
+        the layers. ``"split"``: each layer's keys and values as their own arrays for
+        the chunk (split from the slot-major cache once per chunk, stacked back at
+        its end) and the layers a Python loop over static weight slices, so a step
+        writes and reads each layer's cache in place; ``"scan"``: the layer scan
+        over the slot-major cache, which copies each layer's slice out every step.
+        None: ``DECODE_LAYERS_DEFAULT`` for the platform where the step is light
+        (``LIGHT_STEP_FLOPS``), else the scan. Split applies to the dense attention
+        over a float cache (else the scan runs). Same logits either way.
     """
 
     max_concurrent_decodes: int = 32
@@ -89,8 +98,14 @@ class EngineConfig:
     dtype: str | None = None
     kv_dtype: str | None = None
     decode_attention: str | None = None
+    decode_layers: str | None = None
 
     def __post_init__(self):
+        if self.decode_layers not in DECODE_LAYERS:
+            raise ValueError(
+                f"EngineConfig.decode_layers must be one of {DECODE_LAYERS}, "
+                f"got {self.decode_layers!r}"
+            )
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(
                 f"EngineConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}"
@@ -167,6 +182,22 @@ class EngineConfig:
 # 24.8 ms: the scan stays. GPU and TPU were not measured: they keep the scan too until
 # a measurement says otherwise (set the option to compare).
 LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
+
+
+# Measured default of ``EngineConfig.decode_layers`` per platform, for a light decode
+# step (``LIGHT_STEP_FLOPS``). CPU (2-core Intel Xeon): the shipped 0.74M model's decode
+# step at 64 rows, S 80, is 4.0 ms scanned and 3.3 ms split (the scan's per-step copy of
+# each layer's cache slice was 0.78 of its 1.48 ms of layer time); compiling a decode
+# loop costs about 14% more split (its 4 layers unrolled). benchmarks/rollout.py's
+# 57.7M model (32 rows, S 320, 8 layers) is slower split: W1 40.9 vs 37.0 ms per step,
+# and its first rollout compiles 7.7 vs 5.3 s. GPU and TPU run the ragged kernel, which
+# reads the cache in place; their dense path keeps the scan until measured.
+DECODE_LAYERS = (None, "scan", "split")
+DECODE_LAYERS_DEFAULT: dict[str, str] = {"cpu": "split"}
+# A decode step is light when its matmuls (2 x parameters x rows) are at most this:
+# then it is bound by XLA's per-op cost on CPU. Set between the measured points: the
+# 0.74M model at 64 rows (0.09 GFLOP) and the 57.7M one at 16-32 (1.8-3.7 GFLOP).
+LIGHT_STEP_FLOPS = 0.4e9
 
 
 def default_layer_unroll(platform: str | None = None) -> int | bool:
@@ -293,6 +324,19 @@ class Engine:
 
     def _platform(self) -> str:
         return self._mesh.devices.flat[0].platform
+
+    @property
+    def split_layers(self) -> bool:
+        """Whether the decode loop holds each layer's cache apart (``decode_layers``)."""
+        mode = self.config.decode_layers
+        if mode is None:
+            platform = jax.default_backend() if self._mesh is None else self._platform()
+            light = (
+                2 * self.model_config.num_params() * self.config.max_concurrent_decodes
+                <= LIGHT_STEP_FLOPS
+            )
+            mode = DECODE_LAYERS_DEFAULT.get(platform, "scan") if light else "scan"
+        return mode == "split"
 
     def decode_statics(self) -> dict[str, Any]:
         """The decode step's static options: the layer unroll, the per-kv-head dense
@@ -531,6 +575,7 @@ class Engine:
             "chunk",
             num_steps=self.config.decode_steps,
             attend=attend,
+            split_layers=self.split_layers,
             **self.decode_statics(),
         )
         rows_b = None if rows is None else jnp.asarray(rows, jnp.int32)
