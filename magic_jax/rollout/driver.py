@@ -306,7 +306,7 @@ class RolloutDriver:
         buffers = _SlotBuffers(b_max, max(int(work.limits.max(initial=1)), 1))
         first_draws: list[tuple[list[_Pending], list[int], object]] = []
         eos = set(eng.eos_ids)
-        sizes = cfg.compact_sizes()
+        sizes = eng.compact_sizes()
 
         def finish(pend: _Pending, slot: int):
             sample = self._to_sample(pend, buffers.take(slot), prompts, eos, truncation)

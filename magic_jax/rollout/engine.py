@@ -80,8 +80,8 @@ class EngineConfig:
         its end) and the layers a Python loop over static weight slices, so a step
         writes and reads each layer's cache in place; ``"scan"``: the layer scan
         over the slot-major cache, which copies each layer's slice out every step.
-        None: ``DECODE_LAYERS_DEFAULT`` for the platform where the step is light
-        (``LIGHT_STEP_FLOPS``), else the scan. Split applies to the dense attention
+        None: split for a light step on CPU (``Engine.light_cpu_step``), else the
+        scan. Split applies to the dense attention
         over a float cache (else the scan runs). Same logits either way.
     """
 
@@ -150,18 +150,20 @@ class EngineConfig:
         """S, slots per row of the KV cache: the longest prompt plus the longest response."""
         return self.max_prefill_length + self.max_decode_length
 
-    def compact_sizes(self) -> tuple[int, ...]:
-        """Batch sizes for compacted decoding: halvings of the slots down to a sixteenth.
+    def compact_sizes(self, min_rows: int = 1) -> tuple[int, ...]:
+        """Batch sizes for compacted decoding: halvings of the slots down to a sixteenth
+        (and not below ``min_rows``).
 
         Each size is one compiled decode loop, so there are at most five. A
         decode step's cost grows slowly with its rows (weights are read once per
         step whatever the rows), so the rows a halving leaves idle cost little,
         and below B/16 live rows the step runs at B/16 (measured in
-        benchmarks/rollout.py: W2's long tail).
+        benchmarks/rollout.py: W2's long tail). ``Engine.compact_sizes`` sets
+        ``min_rows`` for a light step on CPU (``LIGHT_COMPACT_FRACTION``).
         """
         b = self.max_concurrent_decodes
         sizes, s = {b}, b
-        while s % 2 == 0 and s // 2 >= max(1, b // 16):
+        while s % 2 == 0 and s // 2 >= max(1, b // 16, min_rows):
             s //= 2
             sizes.add(s)
         return tuple(sorted(sizes))
@@ -184,20 +186,25 @@ class EngineConfig:
 LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
 
 
-# Measured default of ``EngineConfig.decode_layers`` per platform, for a light decode
-# step (``LIGHT_STEP_FLOPS``). CPU (2-core Intel Xeon): the shipped 0.74M model's decode
-# step at 64 rows, S 80, is 4.0 ms scanned and 3.3 ms split (the scan's per-step copy of
-# each layer's cache slice was 0.78 of its 1.48 ms of layer time); compiling a decode
-# loop costs about 14% more split (its 4 layers unrolled). benchmarks/rollout.py's
-# 57.7M model (32 rows, S 320, 8 layers) is slower split: W1 40.9 vs 37.0 ms per step,
-# and its first rollout compiles 7.7 vs 5.3 s. GPU and TPU run the ragged kernel, which
-# reads the cache in place; their dense path keeps the scan until measured.
+# Measured default of ``EngineConfig.decode_layers``: split for a light decode step on
+# CPU (``LIGHT_STEP_FLOPS``), else the scan. CPU (2-core Intel Xeon): the shipped 0.74M
+# model's decode step at 64 rows, S 80, is 4.0 ms scanned and 3.3 ms split (the scan's
+# per-step copy of each layer's cache slice was 0.78 of its 1.48 ms of layer time);
+# compiling a decode loop costs about 14% more split (its 4 layers unrolled).
+# benchmarks/rollout.py's 57.7M model (32 rows, S 320, 8 layers) is slower split: W1
+# 40.9 vs 37.0 ms per step, and its first rollout compiles 7.7 vs 5.3 s. GPU and TPU
+# run the ragged kernel, which reads the cache in place; their dense path keeps the
+# scan until measured.
 DECODE_LAYERS = (None, "scan", "split")
-DECODE_LAYERS_DEFAULT: dict[str, str] = {"cpu": "split"}
 # A decode step is light when its matmuls (2 x parameters x rows) are at most this:
 # then it is bound by XLA's per-op cost on CPU. Set between the measured points: the
 # 0.74M model at 64 rows (0.09 GFLOP) and the 57.7M one at 16-32 (1.8-3.7 GFLOP).
 LIGHT_STEP_FLOPS = 0.4e9
+# A light step on CPU compacts down to a quarter of the slots, not a sixteenth: below
+# that a step costs XLA's per-op floor, and a smaller batch only adds a compiled
+# program. Measured (2-core Intel Xeon, split decode, 0.74M model, 64 slots): 3.3 / 1.5 /
+# 1.1 / 1.2 ms per step at 64 / 32 / 16 / 4 rows.
+LIGHT_COMPACT_FRACTION = 4
 
 
 def default_layer_unroll(platform: str | None = None) -> int | bool:
@@ -325,17 +332,27 @@ class Engine:
     def _platform(self) -> str:
         return self._mesh.devices.flat[0].platform
 
+    @functools.cached_property
+    def light_cpu_step(self) -> bool:
+        """Whether a decode step over all slots is light (``LIGHT_STEP_FLOPS``) on CPU."""
+        platform = jax.default_backend() if self._mesh is None else self._platform()
+        work = 2 * self.model_config.num_params() * self.config.max_concurrent_decodes
+        return platform == "cpu" and work <= LIGHT_STEP_FLOPS
+
+    def compact_sizes(self) -> tuple[int, ...]:
+        """``EngineConfig.compact_sizes``, down to a quarter of the slots for a light CPU
+        step (``LIGHT_COMPACT_FRACTION``)."""
+        b = self.config.max_concurrent_decodes
+        return self.config.compact_sizes(
+            min_rows=b // LIGHT_COMPACT_FRACTION if self.light_cpu_step else 1
+        )
+
     @property
     def split_layers(self) -> bool:
         """Whether the decode loop holds each layer's cache apart (``decode_layers``)."""
         mode = self.config.decode_layers
         if mode is None:
-            platform = jax.default_backend() if self._mesh is None else self._platform()
-            light = (
-                2 * self.model_config.num_params() * self.config.max_concurrent_decodes
-                <= LIGHT_STEP_FLOPS
-            )
-            mode = DECODE_LAYERS_DEFAULT.get(platform, "scan") if light else "scan"
+            mode = "split" if self.light_cpu_step else "scan"
         return mode == "split"
 
     def decode_statics(self) -> dict[str, Any]:
