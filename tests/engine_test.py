@@ -286,6 +286,36 @@ def test_insert_group_equals_one_insert_per_sample(hf_and_model, kv_dtype):
     assert set(np.flatnonzero(np.asarray(group.steps))) == set(slots)
 
 
+def test_cpu_step_defaults_follow_the_step_weight_and_depth(monkeypatch):
+    """A light CPU decode step splits the layers' caches and compacts to a quarter of
+    the slots; a heavy step, a deeper model or an explicit option does otherwise."""
+    from magic_jax.rollout import engine as engine_lib
+
+    def engine(layers=2, **kw):
+        cfg = ModelConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers,
+            num_heads=4, num_kv_heads=2,
+        )  # fmt: skip
+        config = EngineConfig(
+            max_concurrent_decodes=64, max_prefill_length=8, max_decode_length=8, **kw
+        )
+        return Engine(Qwen2(cfg, rngs=nnx.Rngs(0)), config)
+
+    cpu = jax.default_backend() == "cpu"
+    light = engine()
+    assert light.light_cpu_step == light.split_layers == cpu
+    assert light.compact_sizes() == ((16, 32, 64) if cpu else (4, 8, 16, 32, 64))
+    assert not engine(layers=engine_lib.SPLIT_MAX_LAYERS + 1).split_layers
+    assert not engine(decode_layers="scan").split_layers
+    assert engine(decode_layers="split").split_layers
+    monkeypatch.setattr(engine_lib, "LIGHT_STEP_FLOPS", 1.0)
+    heavy = engine()
+    assert not heavy.light_cpu_step and not heavy.split_layers
+    assert heavy.compact_sizes() == (4, 8, 16, 32, 64)
+    with pytest.raises(ValueError, match="decode_layers"):
+        engine(decode_layers="unrolled")
+
+
 def test_insert_and_generate_donate_the_state(hf_and_model):
     _, model = hf_and_model
     engine = _engine(model)

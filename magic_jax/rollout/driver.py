@@ -455,6 +455,7 @@ def make_driver(
     dtype: str | None = None,
     kv_dtype: str | None = None,
     decode_attention: str | None = None,
+    decode_layers: str | None = None,
     mesh: Any = None,
     lanes: int | None = None,
 ) -> RolloutDriver:
@@ -471,6 +472,7 @@ def make_driver(
       dtype: ``EngineConfig.dtype`` (None: the model's).
       kv_dtype: ``EngineConfig.kv_dtype`` (None: the cache in ``dtype``).
       decode_attention: ``EngineConfig.decode_attention`` (None: the platform's).
+      decode_layers: ``EngineConfig.decode_layers`` (None: by the step's weight).
       mesh: the device mesh (None: one device).
       lanes: decode lanes, each ``max_concurrent_decodes / lanes`` slots in its own
         thread (``RolloutDriver``); None: ``default_lanes``.
@@ -493,6 +495,7 @@ def make_driver(
         dtype=dtype,
         kv_dtype=kv_dtype,
         decode_attention=decode_attention,
+        decode_layers=decode_layers,
     )
     return RolloutDriver(Engine(model, config, mesh=mesh), lanes=lanes)
 

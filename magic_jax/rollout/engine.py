@@ -80,8 +80,8 @@ class EngineConfig:
         its end) and the layers a Python loop over static weight slices, so a step
         writes and reads each layer's cache in place; ``"scan"``: the layer scan
         over the slot-major cache, which copies each layer's slice out every step.
-        None: split for a light step on CPU (``Engine.light_cpu_step``), else the
-        scan. Split applies to the dense attention
+        None: split for a light step on CPU (``Engine.light_cpu_step``) of a model of
+        at most ``SPLIT_MAX_LAYERS`` layers, else the scan. Split applies to the dense attention
         over a float cache (else the scan runs). Same logits either way.
     """
 
@@ -196,6 +196,11 @@ LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
 # run the ragged kernel, which reads the cache in place; their dense path keeps the
 # scan until measured.
 DECODE_LAYERS = (None, "scan", "split")
+# ... and for at most this many layers: a split decode loop's compile grows with the
+# layers it unrolls. Measured (the narrow model of benchmarks/compile_time.py, 8 slots,
+# XLA compile of one decode chunk): 4 layers 0.92 s scanned / 0.96 s split, 8 layers
+# 0.85 / 1.32 s, 28 layers 0.91 / 3.36 s.
+SPLIT_MAX_LAYERS = 4
 # A decode step is light when its matmuls (2 x parameters x rows) are at most this:
 # then it is bound by XLA's per-op cost on CPU. Set between the measured points: the
 # 0.74M model at 64 rows (0.09 GFLOP) and the 57.7M one at 16-32 (1.8-3.7 GFLOP).
@@ -352,7 +357,8 @@ class Engine:
         """Whether the decode loop holds each layer's cache apart (``decode_layers``)."""
         mode = self.config.decode_layers
         if mode is None:
-            mode = "split" if self.light_cpu_step else "scan"
+            few = self.model_config.num_layers <= SPLIT_MAX_LAYERS
+            mode = "split" if self.light_cpu_step and few else "scan"
         return mode == "split"
 
     def decode_statics(self) -> dict[str, Any]:

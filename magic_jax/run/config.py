@@ -171,6 +171,10 @@ class RolloutConfig:
         on CPU); ``dense`` reads the whole attended cache and masks it; null:
         ragged on TPU and GPU, dense on CPU. Ragged needs a float cache (no
         ``kv_dtype``); layers with sliding windows run dense.
+      decode_layers: ``split`` holds each layer's KV cache apart through a decode
+        chunk and loops over the layers; ``scan`` runs the layer scan over the
+        stacked cache; null: split for a light step on CPU of at most 4 layers
+        (the embedded default's), else scan (``EngineConfig.decode_layers``).
       lanes: the slots split into this many decode lanes, each in its own host thread
         with its own compiled programs running at once (``rollout.driver``); it must
         divide ``max_concurrent_decodes``. null: the platform's measured default (2 on
@@ -186,6 +190,7 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16"] | None = None
     kv_dtype: Literal["int8"] | None = None
     decode_attention: Literal["ragged", "dense"] | None = None
+    decode_layers: Literal["scan", "split"] | None = None
     lanes: int | None = None
 
     def __post_init__(self):
@@ -196,6 +201,10 @@ class RolloutConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
+        if self.decode_layers not in (None, "scan", "split"):
+            raise ValueError(
+                f"decode_layers must be scan, split or null, got {self.decode_layers!r}"
+            )
         if self.kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype must be int8 or null, got {self.kv_dtype!r}")
         if self.decode_attention not in (None, "ragged", "dense"):

@@ -130,6 +130,7 @@ class Trainer:
             dtype=cfg.rollout.dtype,
             kv_dtype=cfg.rollout.kv_dtype,
             decode_attention=cfg.rollout.decode_attention,
+            decode_layers=cfg.rollout.decode_layers,
             mesh=self.mesh,
             lanes=cfg.rollout.lanes,
         )
