@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from magic_jax.model.config import check_unroll
 from magic_jax.model.kv_cache import KV_DTYPES, KVCache
@@ -487,7 +487,12 @@ class Engine:
                 done=jnp.ones((b,), bool),
             )
 
-        return jax.jit(make, out_shardings=self.state_shardings())()
+        shardings = self.state_shardings()
+        if shardings is None:
+            # Committed to the device, as every later state (an insert's or a chunk's
+            # output) is: an uncommitted first state compiled the first insert twice.
+            shardings = SingleDeviceSharding(jax.devices()[0])
+        return jax.jit(make, out_shardings=shardings)()
 
     # ------------------------------------------------------------------ the contract
 
