@@ -213,17 +213,22 @@ def test_sampled_frequencies_match_model_distribution():
         assert stats.chisquare(obs, alt).pvalue < 1e-3
 
 
-def test_results_do_not_depend_on_scheduling(model):
-    """Same seed, different slot counts / chunking / bucketing / lanes: identical samples."""
+def test_results_do_not_depend_on_scheduling(model, monkeypatch):
+    """Same seed, different slot counts / chunking / bucketing / lanes / insert rules (a
+    light step inserts whole groups only, a heavy one single samples too): identical
+    samples."""
+    from magic_jax.rollout import engine as engine_lib
+
     sampling = SamplingConfig(temperature=1.0)
     runs = []
-    for kw, lanes in (
-        (SCHED_A, 1),
-        (SCHED_B, 1),
-        (SCHED_A, 2),
-        (SCHED_A | {"compact_batch": True}, 3),
-    ):
+    compact = SCHED_A | {"compact_batch": True}
+    for kw, lanes, heavy in (
+        (SCHED_A, 1, False), (SCHED_B, 1, False), (SCHED_B, 1, True), (SCHED_A, 2, False),
+        (compact, 3, False), (compact | {"max_concurrent_decodes": 4}, 1, True),
+    ):  # fmt: skip
+        monkeypatch.setattr(engine_lib, "LIGHT_STEP_FLOPS", 0.0 if heavy else 0.4e9)
         engine = _engine(model, sampling=sampling, eos_ids=(3,), **kw)
+        assert engine.light_cpu_step == (not heavy and jax.default_backend() == "cpu")
         runs.append(
             RolloutDriver(engine, lanes=lanes).run(
                 engine.load_params(model), PROMPTS, num_samples=3, seed=5, step=1

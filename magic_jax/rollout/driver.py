@@ -307,6 +307,7 @@ class RolloutDriver:
         first_draws: list[tuple[list[_Pending], list[int], object]] = []
         eos = set(eng.eos_ids)
         sizes = eng.compact_sizes()
+        whole_groups = eng.light_cpu_step and num_samples <= b_max
 
         def finish(pend: _Pending, slot: int):
             sample = self._to_sample(pend, buffers.take(slot), prompts, eos, truncation)
@@ -320,14 +321,20 @@ class RolloutDriver:
                 with work.lock:
                     if not queue:
                         break
-                    p = queue[0][0]
-                    # Whole groups only, each one call, where a group fits the slots: the
-                    # slots a group does not fill wait for the next to free (a decode
-                    # step's cost hardly grows with its rows), and there is one compiled
-                    # insert per cache shape. Otherwise one sample per call.
-                    n = num_samples if num_samples <= b_max else 1
-                    if len(free) < n:
-                        break
+                    p, j = queue[0]
+                    # A whole group into free slots is one call, anything else one per
+                    # sample (two compiled shapes). For a light step, whole groups only
+                    # where a group fits the slots: the slots a group does not fill wait
+                    # for the next to free (such a step's cost hardly grows with its
+                    # rows), and there is one compiled insert per cache shape.
+                    if whole_groups:
+                        n = num_samples
+                        if len(free) < n:
+                            break
+                    else:
+                        n = num_samples if j == 0 and len(free) >= num_samples else 1
+                        if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
+                            n = 1
                     entries = [queue.popleft() for _ in range(n)]
                     if p not in work.prefixes:
                         tp = time.perf_counter()
