@@ -30,7 +30,7 @@ from flax import nnx
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
-from magic_jax.rollout.decode import decode_chunk_fn
+from magic_jax.rollout.decode_loop import decode_chunk_fn
 from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.testing import Sample

@@ -19,7 +19,8 @@ from magic_jax.model.sharding import (
     make_mesh,
     model_shardings,
 )
-from magic_jax.rollout.decode import decode_forward, layer_modules, split_forward
+from magic_jax.rollout.decode import decode_forward
+from magic_jax.rollout.decode_loop import layer_modules, split_forward
 from magic_jax.rollout.driver import RolloutDriver
 from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig

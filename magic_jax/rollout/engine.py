@@ -13,8 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from magic_jax.model.config import check_unroll
-from magic_jax.model.kv_cache import KV_DTYPES, KVCache
+from magic_jax.model.kv_cache import KVCache
 from magic_jax.model.qwen2 import Qwen2, abstract_model
 from magic_jax.model.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 from magic_jax.rollout import sampling as sampling_lib
@@ -22,199 +21,24 @@ from magic_jax.rollout.decode import (
     DecodeState,
     Prefix,
     StepOutput,
-    decode_chunk_fn,
     decode_step,
     insert_fn,
     insert_group_fn,
     prefill_fn,
 )
-from magic_jax.rollout.ragged_attention import DECODE_ATTENTION, RaggedSpec
+from magic_jax.rollout.decode_loop import decode_chunk_fn
+from magic_jax.rollout.engine_config import (  # noqa: F401  (re-exported)
+    DECODE_LAYERS,
+    ENGINE_DTYPES,
+    LAYER_UNROLL_DEFAULT,
+    LIGHT_COMPACT_FRACTION,
+    LIGHT_STEP_FLOPS,
+    SPLIT_MAX_LAYERS,
+    EngineConfig,
+    default_layer_unroll,
+)
+from magic_jax.rollout.ragged_attention import RaggedSpec
 from magic_jax.rollout.sampling import SamplingConfig
-
-ENGINE_DTYPES = (None, "float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Shapes and schedule of the decode engine.
-
-    Attributes:
-      max_concurrent_decodes: B, the number of decode slots (fixed; the KV cache
-        is preallocated for all of them).
-      max_prefill_length: longest prompt in tokens.
-      max_decode_length: longest response in tokens (the stage's T).
-      prefill_buckets: prompt lengths are right-padded up to the first bucket that
-        fits (one compilation per bucket). Default: powers of two from 16, then
-        ``max_prefill_length``.
-      decode_steps: most decode steps run on device per host round trip.
-      cache_bucket: the attended cache length is the longest live row rounded up
-        to a multiple of this (one compilation per length); 0 attends the whole cache.
-      compact_batch: once no request waits, decode only the live rows, in a batch
-        of the next size in ``compact_sizes()`` (one compilation per size).
-      sampling: the sampling strategy.
-      eos_ids: ids that end a response; None takes the model config's.
-      layer_unroll: how the decode step runs the stacked layers: ``True`` inlines
-        every layer (static weight slices), an int n unrolls the layer scan n at
-        a time, 1 is a plain scan. None takes ``default_layer_unroll()`` for
-        the platform. Logits are the same either way; only speed and compile
-        time change.
-      dtype: the engine's weight, compute and KV-cache dtype (``"bfloat16"`` or
-        ``"float32"``), independent of the policy's master weights: the weights
-        are cast when they are placed (``Engine.load_params``). None keeps the
-        model's own. Norms, softmax, RoPE and the sampling distribution stay fp32.
-      kv_dtype: ``"int8"`` stores the KV cache as int8 with a float32 scale per
-        token and kv head (``qwen2.quantize_kv``), dequantized inside the decode
-        attention: 1 + 4/H bytes per element instead of 2 (bf16) or 4. The prompt
-        is prefilled in ``dtype`` and quantized when it is inserted. None keeps
-        the cache in ``dtype``.
-      decode_attention: ``"ragged"`` runs the decode attention as a Pallas kernel
-        that reads only the cache slots each row holds (``ragged_attention``: the
-        TPU kernel on TPU, the Triton kernel on GPU, the TPU kernel interpreted
-        elsewhere: slow, for tests); ``"dense"`` reads the whole attended cache and
-        masks it. None: ragged on TPU and GPU, dense on CPU. Ragged needs a float
-        cache (not ``kv_dtype="int8"``) and no sliding-window layers; elsewhere
-        the dense product runs.
-      decode_layers: how the decode loop (``generate_chunk``) holds the cache and runs
-        the layers. ``"split"``: each layer's keys and values as their own arrays for
-        the chunk (split from the slot-major cache once per chunk, stacked back at
-        its end) and the layers a Python loop over static weight slices, so a step
-        writes and reads each layer's cache in place; ``"scan"``: the layer scan
-        over the slot-major cache, which copies each layer's slice out every step.
-        None: split for a light step on CPU (``Engine.light_cpu_step``) of a model of
-        at most ``SPLIT_MAX_LAYERS`` layers, else the scan. Split applies to the dense attention
-        over a float cache (else the scan runs). Same logits either way.
-    """
-
-    max_concurrent_decodes: int = 32
-    max_prefill_length: int = 1024
-    max_decode_length: int = 1024
-    prefill_buckets: tuple[int, ...] = ()
-    decode_steps: int = 64
-    cache_bucket: int = 128
-    compact_batch: bool = True
-    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    eos_ids: tuple[int, ...] | None = None
-    layer_unroll: int | bool | None = None
-    dtype: str | None = None
-    kv_dtype: str | None = None
-    decode_attention: str | None = None
-    decode_layers: str | None = None
-
-    def __post_init__(self):
-        if self.decode_layers not in DECODE_LAYERS:
-            raise ValueError(
-                f"EngineConfig.decode_layers must be one of {DECODE_LAYERS}, "
-                f"got {self.decode_layers!r}"
-            )
-        if self.dtype not in ENGINE_DTYPES:
-            raise ValueError(
-                f"EngineConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}"
-            )
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(
-                f"EngineConfig.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}"
-            )
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(
-                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
-                f"got {self.decode_attention!r}"
-            )
-        if self.decode_attention == "ragged" and self.kv_dtype is not None:
-            raise ValueError(
-                "EngineConfig.decode_attention='ragged' reads a float cache; "
-                f"kv_dtype={self.kv_dtype!r} runs the dense attention"
-            )
-        check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
-        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.decode_steps <= 0:
-            raise ValueError(f"EngineConfig.decode_steps must be positive, got {self.decode_steps}")
-        if self.cache_bucket < 0:
-            raise ValueError(f"EngineConfig.cache_bucket must be >= 0, got {self.cache_bucket}")
-        if any(b <= 0 for b in self.prefill_buckets) or list(self.prefill_buckets) != sorted(
-            set(self.prefill_buckets)
-        ):
-            raise ValueError(
-                f"EngineConfig.prefill_buckets must be increasing positive lengths, "
-                f"got {self.prefill_buckets}"
-            )
-        if self.prefill_buckets and self.prefill_buckets[-1] < self.max_prefill_length:
-            raise ValueError(
-                f"EngineConfig.prefill_buckets' largest ({self.prefill_buckets[-1]}) is below "
-                f"max_prefill_length ({self.max_prefill_length})"
-            )
-
-    @property
-    def cache_length(self) -> int:
-        """S, slots per row of the KV cache: the longest prompt plus the longest response."""
-        return self.max_prefill_length + self.max_decode_length
-
-    def compact_sizes(self, min_rows: int = 1) -> tuple[int, ...]:
-        """Batch sizes for compacted decoding: halvings of the slots down to a sixteenth
-        (and not below ``min_rows``).
-
-        Each size is one compiled decode loop, so there are at most five. A
-        decode step's cost grows slowly with its rows (weights are read once per
-        step whatever the rows), so the rows a halving leaves idle cost little,
-        and below B/16 live rows the step runs at B/16 (measured in
-        benchmarks/rollout.py: W2's long tail). ``Engine.compact_sizes`` sets
-        ``min_rows`` for a light step on CPU (``LIGHT_COMPACT_FRACTION``).
-        """
-        b = self.max_concurrent_decodes
-        sizes, s = {b}, b
-        while s % 2 == 0 and s // 2 >= max(1, b // 16, min_rows):
-            s //= 2
-            sizes.add(s)
-        return tuple(sorted(sizes))
-
-    def buckets(self) -> tuple[int, ...]:
-        if self.prefill_buckets:
-            return self.prefill_buckets
-        out, b = [], 16
-        while b < self.max_prefill_length:
-            out.append(b)
-            b *= 2
-        return (*out, self.max_prefill_length)
-
-
-# Measured default of ``EngineConfig.layer_unroll`` per platform. CPU (2-core AMD EPYC,
-# benchmarks/rollout.py W1, 58M model, batch 32): a plain scan 18.5 ms per decode step,
-# unroll 2 22.3 ms, every layer inlined 29.7 ms, unstacked layers in a Python loop
-# 24.8 ms: the scan stays. GPU and TPU were not measured: they keep the scan too until
-# a measurement says otherwise (set the option to compare).
-LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": 1}
-
-
-# Measured default of ``EngineConfig.decode_layers``: split for a light decode step on
-# CPU (``LIGHT_STEP_FLOPS``), else the scan. CPU (2-core Intel Xeon): the shipped 0.74M
-# model's decode step at 64 rows, S 80, is 4.0 ms scanned and 3.3 ms split (the scan's
-# per-step copy of each layer's cache slice was 0.78 of its 1.48 ms of layer time);
-# compiling a decode loop costs about 14% more split (its 4 layers unrolled).
-# benchmarks/rollout.py's 57.7M model (32 rows, S 320, 8 layers) is slower split: W1
-# 40.9 vs 37.0 ms per step, and its first rollout compiles 7.7 vs 5.3 s. GPU and TPU
-# run the ragged kernel, which reads the cache in place; their dense path keeps the
-# scan until measured.
-DECODE_LAYERS = (None, "scan", "split")
-# ... and for at most this many layers: a split decode loop's compile grows with the
-# layers it unrolls. Measured (the narrow model of benchmarks/compile_time.py, 8 slots,
-# XLA compile of one decode chunk): 4 layers 0.92 s scanned / 0.96 s split, 8 layers
-# 0.85 / 1.32 s, 28 layers 0.91 / 3.36 s.
-SPLIT_MAX_LAYERS = 4
-# A decode step is light when its matmuls (2 x parameters x rows) are at most this:
-# then it is bound by XLA's per-op cost on CPU. Set between the measured points: the
-# 0.74M model at 64 rows (0.09 GFLOP) and the 57.7M one at 16-32 (1.8-3.7 GFLOP).
-LIGHT_STEP_FLOPS = 0.4e9
-# A light step on CPU compacts down to a quarter of the slots, not a sixteenth: below
-# that a step costs XLA's per-op floor, and a smaller batch only adds a compiled
-# program. Measured (2-core Intel Xeon, split decode, 0.74M model, 64 slots): 3.3 / 1.5 /
-# 1.1 / 1.2 ms per step at 64 / 32 / 16 / 4 rows.
-LIGHT_COMPACT_FRACTION = 4
-
-
-def default_layer_unroll(platform: str | None = None) -> int | bool:
-    """The decode loop's layer unroll for ``platform`` (default: jax's default backend)."""
-    return LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
 
 
 def _is_float(x: Any) -> bool:
@@ -363,7 +187,7 @@ class Engine:
 
     def decode_statics(self) -> dict[str, Any]:
         """The decode step's static options: the layer unroll, the per-kv-head dense
-        attention when kv heads are split over devices (``decode._decode_attention``)
+        attention when kv heads are split over devices (``decode.decode_attention``)
         and the ragged kernel's settings (``ragged_spec``)."""
         return dict(
             layer_unroll=self.layer_unroll, per_head=self.kv_heads_split, ragged=self.ragged_spec

@@ -1,7 +1,7 @@
 """Decode attention that reads only the cache slots each row holds.
 
 A decode step's query attends to a row's past keys ``[0, length)`` and to the token
-it is writing now. The dense path (``decode._decode_attention``) reads every slot of
+it is writing now. The dense path (``decode.decode_attention``) reads every slot of
 the attended cache and masks what a row does not hold; the kernels here read, per
 row, only the blocks below its length:
 
