@@ -260,6 +260,25 @@ def _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK):
     return probs_BKGS
 
 
+def decode_positions(cache: KVCache, live_B: jax.Array) -> tuple[jax.Array, ...]:
+    """Where a decode step's token goes: its position [B], the slot it is written at
+    [B] and the cache's positions [B, S] with it (-1, padding, for a finished row)."""
+    pos_B = cache.next_positions()
+    at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
+    pos_BS = write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    return pos_B, at_B, pos_BS
+
+
+def decode_logits(model: Qwen2, x_B1D: jax.Array, unembed_VD: jax.Array | None) -> jax.Array:
+    """[B, V] logits of the last layer's output: the final norm and the unembedding
+    (``unembed_VD``, the transposed copy ``decode_forward`` describes, when given)."""
+    x_BD = model.norm(x_B1D[:, 0])
+    dt = jnp.dtype(model.config.dtype)
+    if unembed_VD is None:
+        return jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
+    return jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
+
+
 def decode_forward(
     model: Qwen2,
     tokens_B: jax.Array,
@@ -291,15 +310,12 @@ def decode_forward(
     Returns:
       (logits [B, V], the cache with the token written).
     """
-    cfg = model.config
     windows = model.layer_windows()
     if not ragged_attention.applies(
         ragged, quantized=cache.quantized, sliding=windows is not None, length=cache.max_len
     ):
         ragged = None
-    pos_B = cache.next_positions()
-    at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
-    pos_BS = write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    pos_B, at_B, pos_BS = decode_positions(cache, live_B)
     allowed_BS = pos_BS >= 0
 
     quantized = cache.quantized
@@ -351,12 +367,7 @@ def decode_forward(
         (windows, jnp.arange(cache.num_layers, dtype=jnp.int32)),
         unroll=layer_unroll,
     )
-    x_BD = model.norm(x_B1D[:, 0])
-    dt = jnp.dtype(cfg.dtype)
-    if unembed_VD is None:
-        logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
-    else:
-        logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
+    logits_BV = decode_logits(model, x_B1D, unembed_VD)
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
     write = functools.partial(write_token, at_B=at_B)
 

@@ -17,6 +17,8 @@ from magic_jax.rollout.decode import (
     DecodeState,
     StepOutput,
     decode_attention,
+    decode_logits,
+    decode_positions,
     decode_step,
     sample_next,
 )
@@ -58,9 +60,7 @@ def split_forward(
       (logits [B, V], ``cache`` with the new positions and lengths, the new ``kv_L``).
     """
     cfg = model.config
-    pos_B = cache.next_positions()
-    at_B = jnp.minimum(cache.lengths, cache.max_len - 1)
-    pos_BS = write_slot(cache.pos[..., None], jnp.where(live_B, pos_B, -1)[:, None], at_B)[..., 0]
+    pos_B, at_B, pos_BS = decode_positions(cache, live_B)
     allowed_BS = pos_BS >= 0
     x_B1D = model.embed_tokens(tokens_B[:, None])
     new_kv = []
@@ -76,12 +76,7 @@ def split_forward(
 
         x_B1D, kv = layer(x_B1D, pos_B[:, None], attend)
         new_kv.append(kv)
-    x_BD = model.norm(x_B1D[:, 0])
-    dt = jnp.dtype(cfg.dtype)
-    if unembed_VD is None:
-        logits_BV = jnp.dot(x_BD.astype(dt), model.unembedding().astype(dt))
-    else:
-        logits_BV = jnp.einsum("bd,vd->bv", x_BD.astype(dt), unembed_VD.astype(dt))
+    logits_BV = decode_logits(model, x_B1D, unembed_VD)
     lengths_B = jnp.where(live_B, cache.lengths + 1, cache.lengths)
     cache = dataclasses.replace(cache, pos=pos_BS, lengths=lengths_B)
     return logits_BV, cache, tuple(new_kv)
