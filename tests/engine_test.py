@@ -290,7 +290,7 @@ def test_insert_group_equals_one_insert_per_sample(hf_and_model, kv_dtype):
 def test_cpu_step_defaults_follow_the_step_weight_and_depth(monkeypatch):
     """A light CPU decode step splits the layers' caches and compacts to a quarter of
     the slots; a heavy step, a deeper model or an explicit option does otherwise."""
-    from magic_jax.rollout import engine as engine_lib
+    from magic_jax.rollout import engine_config as config_lib
 
     def engine(layers=2, **kw):
         cfg = ModelConfig(
@@ -306,10 +306,10 @@ def test_cpu_step_defaults_follow_the_step_weight_and_depth(monkeypatch):
     light = engine()
     assert light.light_cpu_step == light.split_layers == cpu
     assert light.compact_sizes() == ((16, 32, 64) if cpu else (4, 8, 16, 32, 64))
-    assert not engine(layers=engine_lib.SPLIT_MAX_LAYERS + 1).split_layers
+    assert not engine(layers=config_lib.SPLIT_MAX_LAYERS + 1).split_layers
     assert not engine(decode_layers="scan").split_layers
     assert engine(decode_layers="split").split_layers
-    monkeypatch.setattr(engine_lib, "LIGHT_STEP_FLOPS", 1.0)
+    monkeypatch.setattr(config_lib, "LIGHT_STEP_FLOPS", 1.0)
     heavy = engine()
     assert not heavy.light_cpu_step and not heavy.split_layers
     assert heavy.compact_sizes() == (4, 8, 16, 32, 64)

@@ -217,7 +217,7 @@ def test_results_do_not_depend_on_scheduling(model, monkeypatch):
     """Same seed, different slot counts / chunking / bucketing / lanes / insert rules (a
     light step inserts whole groups only, a heavy one single samples too): identical
     samples."""
-    from magic_jax.rollout import engine as engine_lib
+    from magic_jax.rollout import engine_config as config_lib
 
     sampling = SamplingConfig(temperature=1.0)
     runs = []
@@ -226,7 +226,7 @@ def test_results_do_not_depend_on_scheduling(model, monkeypatch):
         (SCHED_A, 1, False), (SCHED_B, 1, False), (SCHED_B, 1, True), (SCHED_A, 2, False),
         (compact, 3, False), (compact | {"max_concurrent_decodes": 4}, 1, True),
     ):  # fmt: skip
-        monkeypatch.setattr(engine_lib, "LIGHT_STEP_FLOPS", 0.0 if heavy else 0.4e9)
+        monkeypatch.setattr(config_lib, "LIGHT_STEP_FLOPS", 0.0 if heavy else 0.4e9)
         engine = _engine(model, sampling=sampling, eos_ids=(3,), **kw)
         assert engine.light_cpu_step == (not heavy and jax.default_backend() == "cpu")
         runs.append(

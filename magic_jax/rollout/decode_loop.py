@@ -179,7 +179,7 @@ def decode_chunk_fn(
     outs0 = StepOutput(jnp.zeros((num_steps, b), jnp.int32), zf, zf, zf, zb, zb)
 
     def cond(carry):
-        i, sub, _ = carry
+        i, sub = carry
         live = ~sub.done
         longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
         freed = jnp.sum(sub.done & ~done0_b)
@@ -190,49 +190,35 @@ def decode_chunk_fn(
             & (longest < attend)
         )
 
-    if split_layers and not sub.cache.quantized and ragged is None:
+    split = split_layers and not sub.cache.quantized and ragged is None
+    kv0 = None
+    if split:
         model: Qwen2 = nnx.merge(graphdef, params)
         layers = layer_modules(model)  # loop invariants: sliced once, outside the loop
         c = sub.cache
         kv0 = tuple((c.k[:, i], c.v[:, i]) for i in range(c.num_layers))
         sub = dataclasses.replace(sub, cache=dataclasses.replace(c, k=None, v=None))
 
-        def split_body(carry):
-            i, (sub, kv), outs = carry
+    def body(carry):
+        i, sub, kv, outs = carry
+        if split:
             logits_BV, cache, kv = split_forward(
                 model, layers, sub.tokens, ~sub.done, sub.cache, kv, unembed_VD,
                 per_head=per_head,
             )  # fmt: skip
             sub, out = sample_next(sub, logits_BV, cache, eos_E, sampling)
-            outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
-            return i + 1, (sub, kv), outs
+        else:
+            sub, out = decode_step(
+                graphdef, params, sub, eos_E, sampling=sampling, unembed_VD=unembed_VD,
+                layer_unroll=layer_unroll, per_head=per_head, ragged=ragged,
+            )  # fmt: skip
+        outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
+        return i + 1, sub, kv, outs
 
-        def split_cond(carry):
-            i, (sub, _), outs = carry
-            return cond((i, sub, outs))
-
-        n, (sub, kv), outs = jax.lax.while_loop(
-            split_cond, split_body, (jnp.int32(0), (sub, kv0), outs0)
-        )
+    n, sub, kv, outs = jax.lax.while_loop(
+        lambda carry: cond(carry[:2]), body, (jnp.int32(0), sub, kv0, outs0)
+    )
+    if split:
         k, v = (jnp.stack([x[j] for x in kv], axis=1) for j in (0, 1))
         sub = dataclasses.replace(sub, cache=dataclasses.replace(sub.cache, k=k, v=v))
-        return _put_rows(state, sub, rows_b), outs, n
-
-    def body(carry):
-        i, sub, outs = carry
-        sub, out = decode_step(
-            graphdef,
-            params,
-            sub,
-            eos_E,
-            sampling=sampling,
-            unembed_VD=unembed_VD,
-            layer_unroll=layer_unroll,
-            per_head=per_head,
-            ragged=ragged,
-        )
-        outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
-        return i + 1, sub, outs
-
-    n, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), sub, outs0))
     return _put_rows(state, sub, rows_b), outs, n

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from magic_jax.rollout import engine_config
 from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
-from magic_jax.rollout.engine import LIGHT_STEP_FLOPS, Engine
+from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.sampling import SamplingConfig
 
 Truncation = Literal["no_eos", "length"]
@@ -248,34 +249,28 @@ class RolloutDriver:
         lane_stats = [RolloutStats() for _ in range(self.lanes)]
 
         def lane(i: int) -> None:
-            states[i] = self._lane(
-                params, states[i], unembed_VD, work, lane_stats[i],
-                seed=seed, step=step, truncation=truncation, profile=profile,
-            )  # fmt: skip
-
-        def guarded(i: int) -> None:
             try:
-                lane(i)
+                states[i] = self._lane(
+                    params, states[i], unembed_VD, work, lane_stats[i],
+                    seed=seed, step=step, truncation=truncation, profile=profile,
+                )  # fmt: skip
             except BaseException as e:  # re-raised below, in the calling thread
                 work.errors.append(e)
 
-        if self.lanes == 1:
-            lane(0)
-        else:
-            # Each lane decodes its own slots in its own thread: their compiled programs
-            # run at once (XLA runs them without the GIL), and each lane takes the
-            # queue's groups as its slots free.
-            threads = [
-                threading.Thread(target=guarded, args=(i,), name=f"rollout-lane-{i}")
-                for i in range(1, self.lanes)
-            ]
-            for t in threads:
-                t.start()
-            guarded(0)
-            for t in threads:
-                t.join()
-            if work.errors:
-                raise work.errors[0]
+        # Each further lane decodes its own slots in its own thread: their compiled
+        # programs run at once (XLA runs them without the GIL), and each lane takes the
+        # queue's groups as its slots free.
+        threads = [
+            threading.Thread(target=lane, args=(i,), name=f"rollout-lane-{i}")
+            for i in range(1, self.lanes)
+        ]
+        for t in threads:
+            t.start()
+        lane(0)
+        for t in threads:
+            t.join()
+        if work.errors:
+            raise work.errors[0]
         self._states = states
         stats = _merge(lane_stats)
         samples = sorted(work.done, key=lambda s: (s.prompt_index, s.sample_index))
@@ -442,9 +437,9 @@ class RolloutDriver:
             sample_index=pend.j,
             prompt_tokens=prompts[pend.p],
             tokens=tokens,
-            logprobs=logp.astype(np.float32),
-            entropies=ent.astype(np.float32),
-            sampling_logprobs=slp.astype(np.float32),
+            logprobs=logp,  # the slot buffers' float32 copies
+            entropies=ent,
+            sampling_logprobs=slp,
             truncated=bool(truncated),
             length=length,
             finish_reason="eos" if hit_eos else "length",
@@ -516,7 +511,8 @@ def make_driver(
 # - benchmarks/rollout.py W1 (57.7M model, 32 slots): one lane 791 tok/s, two lanes of 16
 #   slots 624 (0.79x): its matmuls already run on both cores.
 # So lanes split only a light step: a lane's matmul work per decode step (2 x
-# parameters x its slots) at most ``engine.LIGHT_STEP_FLOPS``. Accelerators keep one lane.
+# parameters x its slots) at most ``engine_config.LIGHT_STEP_FLOPS``. Accelerators keep
+# one lane.
 DECODE_LANES_DEFAULT: dict[str, int] = {"cpu": 2}
 
 
@@ -525,7 +521,7 @@ def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int
     ``num_params`` parameters: the platform's ``DECODE_LANES_DEFAULT``, at most the cores
     this process may use, and 1 over a mesh of several devices, where a lane would hold
     fewer than 8 slots (or the slots do not divide) or a lane's decode step would do more
-    than ``engine.LIGHT_STEP_FLOPS`` of matmuls."""
+    than ``engine_config.LIGHT_STEP_FLOPS`` of matmuls."""
     if mesh is not None and mesh.devices.size > 1:
         return 1
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
@@ -534,7 +530,7 @@ def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int
     while lanes > 1 and (
         max_concurrent_decodes % lanes
         or max_concurrent_decodes // lanes < 8
-        or 2 * num_params * (max_concurrent_decodes // lanes) > LIGHT_STEP_FLOPS
+        or not engine_config.light_step(num_params, max_concurrent_decodes // lanes)
     ):
         lanes -= 1
     return lanes

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from magic_jax.model.kv_cache import KVCache
 from magic_jax.model.qwen2 import Qwen2, abstract_model
 from magic_jax.model.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
+from magic_jax.rollout import engine_config
 from magic_jax.rollout import sampling as sampling_lib
 from magic_jax.rollout.decode import (
     DecodeState,
@@ -165,8 +166,8 @@ class Engine:
     def light_cpu_step(self) -> bool:
         """Whether a decode step over all slots is light (``LIGHT_STEP_FLOPS``) on CPU."""
         platform = jax.default_backend() if self._mesh is None else self._platform()
-        work = 2 * self.model_config.num_params() * self.config.max_concurrent_decodes
-        return platform == "cpu" and work <= LIGHT_STEP_FLOPS
+        rows = self.config.max_concurrent_decodes
+        return platform == "cpu" and engine_config.light_step(self.model_config.num_params(), rows)
 
     def compact_sizes(self) -> tuple[int, ...]:
         """``EngineConfig.compact_sizes``, down to a quarter of the slots for a light CPU

@@ -185,6 +185,14 @@ SPLIT_MAX_LAYERS = 4
 # then it is bound by XLA's per-op cost on CPU. Set between the measured points: the
 # 0.74M model at 64 rows (0.09 GFLOP) and the 57.7M one at 16-32 (1.8-3.7 GFLOP).
 LIGHT_STEP_FLOPS = 0.4e9
+
+
+def light_step(num_params: int, rows: int) -> bool:
+    """Whether a decode step of ``rows`` rows of a ``num_params`` model is light on CPU
+    (``LIGHT_STEP_FLOPS``): its matmuls, 2 x parameters x rows, at most that."""
+    return 2 * num_params * rows <= LIGHT_STEP_FLOPS
+
+
 # A light step on CPU compacts down to a quarter of the slots, not a sixteenth: below
 # that a step costs XLA's per-op floor, and a smaller batch only adds a compiled
 # program. Measured (2-core Intel Xeon, split decode, 0.74M model, 64 slots): 3.3 / 1.5 /
