@@ -16,6 +16,7 @@ from magic_jax.rewards import (
     VerifierPool,
     compute_reward,
 )
+from magic_jax.rewards.procs import kill_uid, uid_pids
 
 C, W, N, T, E = reward_statuses()
 ROOT = os.geteuid() == 0
@@ -181,6 +182,39 @@ def test_hostile_code_scores_zero_and_pool_keeps_working(pool):
         assert sandbox_uid_pids(CONFIG) == []
     workers = {p.pid for p in psutil.Process().children()}
     assert {p.pid for p in children()} == workers  # no sandbox process outlived its item
+
+
+@pytest.mark.skipif(not ROOT, reason="kills by uid only as root")
+def test_kill_uid_stops_a_fork_loop_and_waits_until_it_is_gone():
+    import resource
+    import subprocess
+
+    # The killed processes stay zombies, counted against the uid's process limit,
+    # until init reaps them: a uid of this run's own lets the test run again at once.
+    uid = CONFIG.sandbox_uid_base + 300 + os.getpid() % 100
+    QUIET = {"stderr": subprocess.DEVNULL, "start_new_session": True}
+
+    def confine():
+        resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+
+    # Every shell forks a sleep and another shell; at the limit a shell's fork fails
+    # and it exits, so processes keep being born and dying.
+    loop = 'while :; do sleep 100 & sh -c "$0" & done'
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", loop, loop], user=uid, group=uid, preexec_fn=confine, **QUIET
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while len(uid_pids(uid)) < 8:  # the loop is forking
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert kill_uid(uid) >= 8
+        assert uid_pids(uid) == []  # nothing left, at once: no polling here
+    finally:
+        kill_uid(uid)
+        proc.wait(timeout=10)
+    with pytest.raises(ValueError, match="refusing"):
+        kill_uid(os.getuid())
 
 
 @pytest.mark.parametrize("isolation", ["auto", "process"])

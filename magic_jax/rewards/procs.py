@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 
 
 def children(pid: int) -> list[int]:
@@ -41,23 +43,56 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_uid(uid: int) -> int:
-    """SIGKILLs every process whose real uid is ``uid``; returns how many were signalled."""
-    if uid == 0 or uid == os.getuid():
-        raise ValueError(f"refusing to kill every process of uid {uid}")
-    killed = 0
+def uid_pids(uid: int) -> list[int]:
+    """Pids of the live processes whose real uid is ``uid`` (zombies left out)."""
+    found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
-                line = next(ln for ln in f if ln.startswith("Uid:"))
-            if int(line.split()[1]) == uid:
-                os.kill(int(name), signal.SIGKILL)
-                killed += 1
-        except (OSError, StopIteration, ValueError, IndexError):
+                fields = dict(ln.split(":", 1) for ln in f if ln[:4] in ("Stat", "Uid:"))
+            if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in "ZX":
+                found.append(int(name))
+        except (OSError, KeyError, ValueError, IndexError):
             continue
-    return killed
+    return found
+
+
+def kill_uid(uid: int, timeout_s: float = 5.0) -> int:
+    """SIGKILLs every process whose real uid is ``uid`` and waits until none is left
+    (zombies aside) or ``timeout_s`` has passed; returns how many were found.
+
+    As root, the signal is sent by a child that takes the uid and calls
+    ``kill(-1, SIGKILL)``: the kernel signals all of the uid's processes at once, so
+    a process forking in a loop cannot leave a child born after a scan of /proc.
+    """
+    if uid == 0 or uid == os.getuid():
+        raise ValueError(f"refusing to kill every process of uid {uid}")
+    deadline = time.monotonic() + timeout_s
+    seen: set[int] = set()
+    while pids := uid_pids(uid):
+        seen.update(pids)
+        if os.geteuid() == 0:
+            _kill_all_as(uid)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)  # SIGKILLed processes take a moment to exit
+    return len(seen)
+
+
+def _kill_all_as(uid: int) -> None:
+    pid = os.fork()
+    if pid == 0:  # only system calls here: the parent may have threads
+        try:
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)  # every process of the uid but this one
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 def remove_orphan_dirs(root: str | None, prefix: str) -> None:
