@@ -172,4 +172,8 @@ def test_the_carry_run_as_written_climbs_from_the_base(tmp_path):
     before, after = evals[0]["accuracy"], evals[-1]["accuracy"]
     assert evals[-1]["step"] == 300 and after >= before + 0.15, (before, after)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any(m["alpha"] > 0 for m in metrics)  # the controller acted
+    # The controller acted and held entropy up: without a bonus late entropy falls to about
+    # 0.02 (a quarter of the target); with it, 0.08-0.12 over 5 seeds (docs/carry-world.md).
+    assert max(m["alpha"] for m in metrics) > 0.1
+    late = [m["entropy"] for m in metrics[200:]]
+    assert sum(late) / len(late) > 0.5 * 0.08, sum(late) / len(late)

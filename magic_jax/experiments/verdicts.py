@@ -204,6 +204,10 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "carry-fixed-0.005", "carry-adaptive-0.07", +1),
         Check("late entropy", "carry-none", "carry-adaptive-0.07", +1),
         Check("final accuracy", "carry-none", "carry-fixed-0.005", +1),
+        Check("final accuracy", "carry-none", "carry-adaptive-0.08", +1),
+        Check("final accuracy", "carry-fixed-0.005", "carry-adaptive-0.08", +1),
+        Check("late entropy", "carry-none", "carry-adaptive-0.08", +1),
+        Check("final check rate (carry columns)", "carry-none", "carry-adaptive-0.08", +1),
     ),
     "temperature": (
         Check("mean entropy", "baseline", "temp-0.6", -1),
