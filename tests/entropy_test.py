@@ -48,7 +48,9 @@ def test_chunked_matches_numpy(chunk, temperature):
     np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
 
 
-def test_chunked_grads_equal_unchunked():
+# 4: six chunks, recomputed in the backward pass; 32: one chunk, its logits kept
+@pytest.mark.parametrize("chunk", [4, 32])
+def test_chunked_grads_equal_unchunked(chunk):
     h, w, tgt = _case(t=21, seed=1)
     rng = np.random.default_rng(2)
     a_BT, b_BT = rng.normal(size=(2, 2, 21)).astype(np.float32)
@@ -60,7 +62,7 @@ def test_chunked_grads_equal_unchunked():
 
         return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
 
-    chunked = loss(token_logprobs_and_entropy, chunk_size=4)
+    chunked = loss(token_logprobs_and_entropy, chunk_size=chunk)
     naive = loss(token_logprobs_and_entropy_naive)
     assert float(jnp.abs(naive[1]).max()) > 1e-2
     for c, n in zip(chunked, naive):

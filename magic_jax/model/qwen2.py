@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from magic_jax.model.config import ModelConfig
+from magic_jax.model.kernels import masked_attention, swiglu
 from magic_jax.model.kv_cache import KVCache, write_rows
 
 LAYER_AXIS = "layers"
@@ -111,7 +112,7 @@ def apply_rope(x_BTxH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
 
 def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, window):
     """Masked softmax attention of queries at cache slots ``q_slot_BT`` (fp32 softmax)."""
-    s, h = k_BSKH.shape[1], q_BTKGH.shape[-1]
+    s = k_BSKH.shape[1]
     slot_S = jnp.arange(s, dtype=jnp.int32)
     allowed_BTS = (key_pos_BS[:, None, :] >= 0) & (slot_S[None, None, :] <= q_slot_BT[:, :, None])
     if window is not None:
@@ -119,15 +120,7 @@ def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, win
     # A padding query may have no visible key; letting it see its own slot keeps
     # the softmax finite (its output is ignored).
     allowed_BTS |= slot_S[None, None, :] == q_slot_BT[:, :, None]
-    logits = jnp.einsum(
-        "BTKGH,BSKH->BKGTS",
-        q_BTKGH,
-        k_BSKH.astype(q_BTKGH.dtype),
-        preferred_element_type=jnp.float32,
-    ) * (h**-0.5)
-    logits = jnp.where(allowed_BTS[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+    return masked_attention(q_BTKGH, k_BSKH, v_BSKH, allowed_BTS)
 
 
 def sequence_attention(
@@ -227,7 +220,11 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, names=("mlp", "embed"), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        dtype = self.gate_proj.dtype
+        return swiglu(
+            x_BTD.astype(dtype),
+            *(p.kernel[...].astype(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)),
+        )
 
 
 class DecoderLayer(nnx.Module):

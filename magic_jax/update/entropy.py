@@ -58,24 +58,34 @@ def _chunked_logp_entropy(h_NBCD, unembed_DV, t_NBC, temperature):
 
 
 def _chunked_fwd(h_NBCD, unembed_DV, t_NBC, temperature):
-    logp_NBC, ent_NBC, lse_NBC = _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature)
-    return (logp_NBC, ent_NBC), (h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC)
+    if h_NBCD.shape[0] == 1:
+        # One chunk: its logits are live here and again in the backward pass either way,
+        # so they are kept rather than recomputed (a [B, C, D] x [D, V] product saved).
+        z_BCV = _scaled_logits(h_NBCD[0], unembed_DV, temperature)
+        logp_NBC, ent_NBC, lse_NBC = (x[None] for x in logprob_entropy_lse(z_BCV, t_NBC[0]))
+        z_NBCV = z_BCV[None]
+    else:
+        z_NBCV = None
+        logp_NBC, ent_NBC, lse_NBC = _scan_forward(h_NBCD, unembed_DV, t_NBC, temperature)
+    return (logp_NBC, ent_NBC), (h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC, z_NBCV)
 
 
 def _chunked_bwd(temperature, res, cotangents):
-    """Recomputes each chunk's logits once and applies the closed-form softmax gradients.
+    """Recomputes each chunk's logits once (one chunk: keeps them from the forward pass)
+    and applies the closed-form softmax gradients.
 
     With q = softmax(z): d logp / dz = onehot(target) - q and
     dH / dz = -q * (log q + H). Only one chunk's [B, C, V] buffers are live, and
     the [D, V] gradient is accumulated across chunks in fp32.
     """
-    h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC = res
+    h_NBCD, unembed_DV, t_NBC, lse_NBC, ent_NBC, z_NBCV = res
     g_logp_NBC, g_ent_NBC = cotangents
     vocab = unembed_DV.shape[1]
 
     def body(dw_DV, xs):
-        h_BCD, t_BC, lse_BC, ent_BC, gl_BC, ge_BC = xs
-        logq_BCV = _scaled_logits(h_BCD, unembed_DV, temperature) - lse_BC[..., None]
+        h_BCD, t_BC, lse_BC, ent_BC, gl_BC, ge_BC, *kept = xs
+        z_BCV = kept[0] if kept else _scaled_logits(h_BCD, unembed_DV, temperature)
+        logq_BCV = z_BCV - lse_BC[..., None]
         q_BCV = jnp.exp(logq_BCV)
         dz_BCV = -q_BCV * (gl_BC[..., None] + ge_BC[..., None] * (logq_BCV + ent_BC[..., None]))
         hit_BCV = jnp.arange(vocab, dtype=t_BC.dtype) == t_BC[..., None]
@@ -86,6 +96,11 @@ def _chunked_bwd(temperature, res, cotangents):
         return dw_DV, dh_BCD.astype(h_BCD.dtype)
 
     xs = (h_NBCD, t_NBC, lse_NBC, ent_NBC, g_logp_NBC, g_ent_NBC)
+    if z_NBCV is not None:
+        dw_DV, dh_BCD = body(
+            jnp.zeros(unembed_DV.shape, jnp.float32), [x[0] for x in xs] + [z_NBCV[0]]
+        )
+        return dh_BCD[None], dw_DV.astype(unembed_DV.dtype), None
     dw_DV, dh_NBCD = jax.lax.scan(body, jnp.zeros(unembed_DV.shape, jnp.float32), xs)
     return dh_NBCD, dw_DV.astype(unembed_DV.dtype), None
 
