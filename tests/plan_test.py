@@ -207,8 +207,8 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
     }
     none, full = plans["none"], plans["full"]
     assert none.params == full.params and none.opt_state == full.opt_state
-    # measured: 9.5 MB against 24.3 MB (at 576 tokens: 9.2 against 9.1 MB)
-    assert 0 < full.activations < none.activations / 2
+    # measured: 9.3 MB against 54.5 MB (at 576 tokens: 8.9 against 9.1 MB)
+    assert 0 < full.activations < none.activations / 3
 
 
 @needs_libtpu

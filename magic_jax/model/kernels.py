@@ -1,23 +1,17 @@
-"""Attention and the SwiGLU MLP as single functions with hand-written backward passes.
+"""Attention over a sequence as one function with a hand-written backward pass.
 
-Both compute what the plain formulas compute (tests compare values and gradients);
-what changes is the work and memory of the backward pass.
-
-Attention. Autodiff of ``softmax(q k^T) v`` keeps the [B, K, G, T, S] probabilities for the
-backward pass and walks them several times, through transposed copies. Here the
-queries are laid out [B, K, G * T, H] (each kv head's queries one block of rows),
-so every product is a plain batched matrix product over [.., G * T, S] and no
-transposed copy of the scores is made. The backward pass keeps only the output and
-each query's log-normaliser (``lse``, [B, K, G * T]), recomputes the scores with
-one product and applies the softmax gradient in one elementwise pass:
+It computes what the plain formula computes (tests compare values and gradients);
+what changes is the work and memory of the backward pass. Autodiff of
+``softmax(q k^T) v`` keeps the [B, K, G, T, S] probabilities for the backward pass
+and walks them several times, through transposed copies. Here the queries are laid
+out [B, K, G * T, H] (each kv head's queries one block of rows), so every product
+is a plain batched matrix product over [.., G * T, S] and no transposed copy of the
+scores is made. The backward pass keeps only the output and each query's
+log-normaliser (``lse``, [B, K, G * T]), recomputes the scores with one product and
+applies the softmax gradient in one elementwise pass:
 
     p = exp(s - lse),  dv = p^T do,  dp = do v^T,  ds = p * (dp - rowsum(do * o)),
     dq = ds k,  dk = ds^T q   (each scaled by 1 / sqrt(H) where s was).
-
-SwiGLU, ``down(silu(x gate) * (x up))``. The gate and up projections run as one
-[D, 2, F] product, forward and backward, and the backward keeps the [.., 2, F]
-pre-activations. Autodiff instead wrote the SiLU's gradient out transposed for
-the weight gradient, a strided pass as slow as a product on CPU.
 """
 
 from __future__ import annotations
@@ -110,47 +104,3 @@ def _bwd(res, do_BTKGH):
 
 
 masked_attention.defvjp(_fwd, _bwd)
-
-
-@jax.custom_vjp
-def swiglu(x_TD, gate_DF, up_DF, down_FD):
-    """``(silu(x @ gate) * (x @ up)) @ down`` over the last axis of ``x`` ([..., D])."""
-    return _swiglu_fwd(x_TD, gate_DF, up_DF, down_FD)[0]
-
-
-def _gate_up(gate_DF, up_DF):
-    # stacked on a new axis, not concatenated along F: a sharded F stays where it is
-    return jnp.stack([gate_DF, up_DF], axis=1)
-
-
-def _swiglu_fwd(x_TD, gate_DF, up_DF, down_FD):
-    gu_TCF = jnp.einsum("...d,dcf->...cf", x_TD, _gate_up(gate_DF, up_DF))
-    g_TF, u_TF = gu_TCF[..., 0, :], gu_TCF[..., 1, :]
-    h_TF = jax.nn.silu(g_TF) * u_TF
-    return h_TF @ down_FD, (x_TD, gate_DF, up_DF, down_FD, gu_TCF)
-
-
-def _swiglu_bwd(res, dy_TD):
-    x_TD, gate_DF, up_DF, down_FD, gu_TCF = res
-    g_TF, u_TF = gu_TCF[..., 0, :], gu_TCF[..., 1, :]
-    sig_TF = jax.nn.sigmoid(g_TF)
-    a_TF = g_TF * sig_TF
-    dh_TF = dy_TD @ down_FD.T
-    d_down_FD = _outer(a_TF * u_TF, dy_TD)
-    dg_TF = dh_TF * u_TF * sig_TF * (1 + g_TF * (1 - sig_TF))
-    dgu_TCF = jnp.stack([dg_TF, dh_TF * a_TF], axis=-2)
-    dx_TD = jnp.einsum("...cf,dcf->...d", dgu_TCF, _gate_up(gate_DF, up_DF))
-    d_gu_DCF = _outer(x_TD, dgu_TCF.reshape(*dgu_TCF.shape[:-2], -1)).reshape(
-        -1, *gu_TCF.shape[-2:]
-    )
-    return dx_TD, d_gu_DCF[:, 0], d_gu_DCF[:, 1], d_down_FD
-
-
-def _outer(a_TI, b_TO):
-    """A weight's gradient, [I, O]: a[..., i] b[..., o] summed over every leading axis."""
-    a = a_TI.reshape(-1, a_TI.shape[-1])
-    b = b_TO.reshape(-1, b_TO.shape[-1])
-    return jnp.einsum("ti,to->io", a, b, preferred_element_type=jnp.float32).astype(a_TI.dtype)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
