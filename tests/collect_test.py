@@ -263,3 +263,46 @@ def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     assert got[True] == got[False]
     assert [uid for uid, *_ in got[True]] == [r.uid for r in rows]
     assert 0 < sum(sum(r) for _, _, r, _ in got[True]) < 15  # some right, some wrong
+
+
+class _LaneDriver(_Driver):
+    """As ``_Driver``, but every sample finishes in another thread (a second decode lane)."""
+
+    def run(self, params, prompts, *, num_samples, seed, step, truncation, on_sample, **kw):
+        import threading
+
+        calls = []
+        out, stats = super().run(
+            params, prompts, num_samples=num_samples, seed=seed, step=step,
+            truncation=truncation, on_sample=calls.append,
+        )  # fmt: skip
+        lane = threading.Thread(target=lambda: [on_sample(s) for s in calls], name="lane-1")
+        lane.start()
+        lane.join()
+        return out, stats
+
+
+def test_score_groups_without_a_pool_verifies_lane_samples_in_the_calling_thread():
+    """Without a pool the verdicts are computed in the thread that called score_groups:
+    samples a decode lane finished in another thread are verified like the others (Math-Verify
+    answers ERROR outside the main thread)."""
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.rewards import RewardItem, RewardStatus, compute_reward
+    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.testing import sums_rows
+
+    raw = sums_rows(4, seed=2)
+    rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(raw)]
+    rows, _ = tokenize_rows(rows, _Tokenizer(), max_prompt_length=64)
+    groups, _, _ = score_groups(
+        _LaneDriver(), None, rows, tokenizer=_Tokenizer(), num_samples=3, seed=0, step=0,
+        keep_texts=True,
+    )  # fmt: skip
+    got = [r.status for g in groups for r in g.results]
+    assert RewardStatus.ERROR not in got
+    want = [
+        compute_reward(RewardItem.from_row(row.as_verl_row(), text)).status
+        for row, g in zip(rows, groups)
+        for text in g.texts
+    ]
+    assert got == want

@@ -49,19 +49,26 @@ class RemotePrompt:
 
 
 class _InProcess:
-    """The pool interface over ``compute_reward`` in this thread (no worker processes)."""
+    """The pool interface over ``compute_reward`` in the collecting thread (no worker
+    processes).
+
+    ``submit`` only queues the item: a driver with several decode lanes calls it from the
+    lane that finished the sample, and Math-Verify's timeouts need the main thread (in any
+    other thread ``math_reward`` answers ERROR). ``collect`` verifies, in the thread that
+    called ``score_groups``.
+    """
 
     def __init__(self):
-        self._results: list[Any] = []
+        self._items: list[Any] = []
 
     def submit(self, item: Any) -> int:
-        from magic_jax.rewards import compute_reward
-
-        self._results.append(compute_reward(item))
-        return len(self._results) - 1
+        self._items.append(item)
+        return len(self._items) - 1
 
     def collect(self, tickets: Sequence[int]) -> list[Any]:
-        return [self._results[t] for t in tickets]
+        from magic_jax.rewards import compute_reward
+
+        return [compute_reward(self._items[t]) for t in tickets]
 
 
 def score_groups(
