@@ -54,7 +54,8 @@ gpu-test:
 	JAX_PLATFORMS=cuda,cpu $(GPU_PYTHON) -m pytest -q -m gpu tests/gpu_test.py $(PYTEST_ARGS)
 
 # The runs behind notebooks/: every missing (ablation arm, seed), resumable, about 1.5 min per
-# run on 2 cores; then notebooks/figures/ (one PNG per ablation and summary.md).
+# default-world run and 3-4 min per carry-world run on 2 cores; then notebooks/figures/ (one PNG
+# per ablation and summary.md).
 ablations: setup
 	$(BIN)/python -m magic_jax.experiments.ablations run
 	$(BIN)/python -m magic_jax.experiments.ablations figures

@@ -67,12 +67,20 @@ def test_arms_change_what_they_claim(tmp_path):
     assert base.sampling.temperature == 1.0 and base.num_reuse == 1
     assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6
     assert cfg("nsgd4-minibatch").stages[0].mini_batch_groups == 4
-    assert cfg("nsgd4-reuse").num_reuse == 4
-    assert cfg("ent-fixed-0.5").entropy.mode == "fixed"
-    assert cfg("kl-1e-3").kl_beta(0) == 0.0 and cfg("kl-1e-3").kl_beta(1) == 1e-3
-    single = cfg("single-T64")
-    assert [s.max_response_length for s in single.stages] == [64]
+    mb = cfg("carry-nsgd4-minibatch")
+    assert [s.mini_batch_groups for s in mb.stages] == [4, 4] and mb.entropy.init_coef == 0
+    assert cfg("carry-nsgd4-reuse").num_reuse == 4
+    assert cfg("carry-nsgd4-reuse").entropy.init_coef == 0
+    assert cfg("carry-fixed-2").entropy.mode == "fixed" == cfg("carry-fixed-0.005").entropy.mode
+    assert cfg("carry-fixed-2").entropy.init_coef == 2.0
+    both, first = cfg("carry-kl-0.1"), cfg("carry-kl-0.1-stage1")
+    assert [both.kl_beta(i) for i in (0, 1)] == [0.1, 0.1] and both.uses_kl
+    assert [first.kl_beta(i) for i in (0, 1)] == [0.1, 0.0]
     assert [s.max_response_length for s in base.stages] == [44, 64]
+    single, two = cfg("carry-single-T64"), cfg("carry-none")
+    assert [(s.max_response_length, s.steps) for s in single.stages] == [(64, 300)]
+    assert [(s.max_response_length, s.steps) for s in two.stages] == [(32, 150), (64, 150)]
+    assert single.entropy.init_coef == 0 and single.entropy.mode == "fixed"
 
 
 def test_plan_runs_is_seed_major_and_runs_the_shared_baseline_once():
@@ -83,7 +91,11 @@ def test_plan_runs_is_seed_major_and_runs_the_shared_baseline_once():
     seeds = [seed for _, _, seed in runs]
     assert seeds == sorted(seeds)
     one = ablations.plan_runs(["kl"], budget=1)
-    assert [(a.key, s) for _, a, s in one] == [("baseline", 0), ("kl-1e-3", 0), ("kl-0.1", 0)]
+    assert [(a.key, s) for _, a, s in one] == [
+        ("carry-none", 0),
+        ("carry-kl-0.1-stage1", 0),
+        ("carry-kl-0.1", 0),
+    ]
     with pytest.raises(KeyError, match="no ablation 'nope'"):
         ablations.plan_runs(["nope"])
     with pytest.raises(KeyError, match="no arm 'nope'"):
@@ -185,7 +197,7 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     assert (out / "temperature.png").stat().st_size > 10_000
     table = (out / "summary.md").read_text()
     assert "| temperature |" in table and "| 3/3 |" in table
-    assert "| kl |" in table and "| 3/0/0 |" in table  # the shared baseline, no KL arm yet
+    assert "| clip_higher |" in table and "| 0/0/0 |" in table  # no run of its arms yet
 
 
 def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
