@@ -274,3 +274,27 @@ def test_evaluation_samples_at_its_own_temperature(files, tmp_path):
     assert _config(files, tmp_path / "u", *temp, "eval.temperature=0.7").eval.temperature == 0.7
     with pytest.raises(ConfigError, match="eval.*temperature must be > 0"):
         _config(files, tmp_path / "bad", evals, "eval.temperature=0")
+    with pytest.raises(ConfigError, match=r"eval.*extra_temperatures must all be > 0, got \[0.0\]"):
+        _config(files, tmp_path / "bad", evals, "eval.extra_temperatures=[0.6, 0]")
+
+
+def test_evaluation_also_at_extra_temperatures(files, tmp_path):
+    evals = (
+        "eval={data: [train.jsonl], every: 1, num_samples: 2, max_response_length: 5, "
+        "extra_temperatures: [0.6, 1.0]}"
+    )
+    out = tmp_path / "x"
+    trainer = Trainer(_config(files, out, evals), log=lambda s: None)
+    trainer.run(stop_after=1)
+    temps = {
+        t: d.engine.config.sampling.temperature for t, d in trainer._extra_eval_drivers.items()
+    }
+    assert temps == {0.6: 0.6, 1.0: 1.0}
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert sorted(r["by_temperature"]) == ["0.6", "1"]
+        at1 = r["by_temperature"]["1"]
+        # the same problems, samples, seed and step at the same temperature: the same numbers
+        assert at1["accuracy"] == r["accuracy"] and at1["pass_at_n"] == r["pass_at_n"]
+        assert 0 <= r["by_temperature"]["0.6"]["accuracy"] <= 1

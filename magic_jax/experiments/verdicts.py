@@ -27,6 +27,13 @@ def final_accuracy(run: Run) -> float:
     return float(_evals(run)[-1]["accuracy"])
 
 
+def final_accuracy_at_06(run: Run) -> float:
+    """Held-out avg@n at the last evaluation, sampled at temperature 0.6
+    (``eval.extra_temperatures``; nan where the run did not measure it)."""
+    extra = _evals(run)[-1].get("by_temperature") or {}
+    return float(extra["0.6"]["accuracy"]) if "0.6" in extra else math.nan
+
+
 def mean_accuracy(run: Run) -> float:
     """Held-out avg@n averaged over every evaluation after step 0 (area under the curve)."""
     ev = [e["accuracy"] for e in _evals(run) if e["step"] > 0]
@@ -156,6 +163,7 @@ def alpha_off_bounds(run: Run) -> float:
 
 OUTCOMES: dict[str, Callable[[Run], float]] = {
     "final accuracy": final_accuracy,
+    "final accuracy (evaluated at 0.6)": final_accuracy_at_06,
     "mean accuracy": mean_accuracy,
     "mean entropy": mean_entropy,
     "late entropy": late_entropy,

@@ -233,6 +233,9 @@ class EvalConfig:
       temperature / top_p: the evaluation's sampling, the report's protocol (1 and 1) by
         default whatever the rollouts use, so that runs with different rollout
         temperatures are measured alike.
+      extra_temperatures: each evaluation is also run at these temperatures (same
+        problems, samples and top_p), recorded under ``by_temperature`` in
+        ``eval.jsonl`` (the report evaluates its temperature arms at 0.6 as well).
     """
 
     data: tuple[str, ...]
@@ -241,6 +244,7 @@ class EvalConfig:
     max_response_length: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    extra_temperatures: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not self.data:
@@ -251,6 +255,9 @@ class EvalConfig:
             )
         if self.every <= 0 or self.num_samples <= 0:
             raise ValueError("every and num_samples must be positive")
+        bad = [t for t in self.extra_temperatures if not t > 0]
+        if bad:
+            raise ValueError(f"extra_temperatures must all be > 0, got {bad}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

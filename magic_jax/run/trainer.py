@@ -64,6 +64,7 @@ class Trainer:
         self.log = log
         self.out = storage.path(config.output_dir, what="output_dir")
         self._eval_driver = None
+        self._extra_eval_drivers: dict[float, Any] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -373,23 +374,36 @@ class Trainer:
             if not self._eval_rows:
                 raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
-            sampling = dataclasses.replace(
-                cfg.sampling, temperature=ev.temperature, top_p=ev.top_p, top_k=0, greedy=False
-            )
-            self._eval_driver = self._driver(limit, sampling)
+
+            def driver_at(temperature):
+                sampling = dataclasses.replace(
+                    cfg.sampling, temperature=temperature, top_p=ev.top_p, top_k=0, greedy=False
+                )
+                return self._driver(limit, sampling)
+
+            self._eval_driver = driver_at(ev.temperature)
+            self._extra_eval_drivers = {t: driver_at(t) for t in ev.extra_temperatures}
         t0 = time.perf_counter()
-        driver = self._eval_driver
-        row = evaluate(
-            driver,
-            driver.engine.load_params(state.params),
-            self._eval_rows,
-            self.tokenizer,
-            num_samples=ev.num_samples,
-            max_prompt_length=cfg.data.max_prompt_length,
-            seed=cfg.seed,
-            step=step,
-            pool=pool,
-        )
+
+        def run(driver):
+            return evaluate(
+                driver,
+                driver.engine.load_params(state.params),
+                self._eval_rows,
+                self.tokenizer,
+                num_samples=ev.num_samples,
+                max_prompt_length=cfg.data.max_prompt_length,
+                seed=cfg.seed,
+                step=step,
+                pool=pool,
+            )
+
+        row = run(self._eval_driver)
+        if self._extra_eval_drivers:
+            row["by_temperature"] = {
+                f"{t:g}": {k: v for k, v in run(d).items() if isinstance(v, int | float)}
+                for t, d in self._extra_eval_drivers.items()
+            }
         row["skipped_long_prompts"] = self._eval_skipped
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
         ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
@@ -399,8 +413,12 @@ class Trainer:
             row,
             f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
             f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
-            f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f} "
-            f"({row['t_eval_s']:.1f}s)",
+            f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f}"
+            + "".join(
+                f"; at temperature {t}: avg@{ev.num_samples} {r['accuracy']:.3f}"
+                for t, r in row.get("by_temperature", {}).items()
+            )
+            + f" ({row['t_eval_s']:.1f}s)",
         )
         return row
 
