@@ -63,9 +63,12 @@ def test_arms_change_what_they_claim(tmp_path):
     adaptive = cfg("carry-adaptive").entropy
     assert adaptive.mode == "adaptive" and adaptive.max_coef is None
     assert cfg("carry-adaptive-0.07").entropy.target == 0.07 != adaptive.target
-    base = cfg("baseline")
-    assert base.sampling.temperature == 1.0 and base.num_reuse == 1
-    assert cfg("temp-0.6").sampling.temperature == cfg("temp-0.6").loss.temperature == 0.6
+    warm, cold = cfg("carry-temp-1.0"), cfg("carry-temp-0.6")
+    assert warm.sampling.temperature == 1.0 and warm.num_reuse == 1
+    assert cold.sampling.temperature == cold.loss.temperature == 0.6
+    assert warm.eval.extra_temperatures == cold.eval.extra_temperatures == (0.6,)
+    assert warm.eval.temperature == cold.eval.temperature == 1.0
+    base = cfg("clip-0.2-nsgd4")  # the default world's
     assert cfg("nsgd4-minibatch").stages[0].mini_batch_groups == 4
     mb = cfg("carry-nsgd4-minibatch")
     assert [s.mini_batch_groups for s in mb.stages] == [4, 4] and mb.entropy.init_coef == 0
@@ -83,11 +86,12 @@ def test_arms_change_what_they_claim(tmp_path):
     assert single.entropy.init_coef == 0 and single.entropy.mode == "fixed"
 
 
-def test_plan_runs_is_seed_major_and_runs_the_shared_baseline_once():
+def test_plan_runs_is_seed_major_and_runs_the_shared_arm_once():
     runs = ablations.plan_runs()
     keys = [(arm.key, seed) for _, arm, seed in runs]
     assert len(keys) == len(set(keys))
-    assert sum(1 for k in keys if k[0] == "baseline") == 3
+    shared = [n for n, ab in ablations.ABLATIONS.items() if "carry-none" in ab.arm_keys]
+    assert len(shared) >= 4 and sum(1 for k in keys if k[0] == "carry-none") == 5
     seeds = [seed for _, _, seed in runs]
     assert seeds == sorted(seeds)
     one = ablations.plan_runs(["kl"], budget=1)
@@ -157,7 +161,7 @@ def test_identical_arms_are_found_by_their_rollouts(tmp_path):
         ent = 0.4 if seed == 0 else 0.3
         _fake_run(ablations.summary_dir(tmp_path, cold, seed), cold, seed, ent, 0.9)
     runs = ablations.load_arm_runs("temperature", tmp_path)
-    assert ar.identical_arms(runs) == [("baseline", "temp-0.6", [0])]
+    assert ar.identical_arms(runs) == [("carry-temp-1.0", "carry-temp-0.6", [0])]
     labels = {a.key: a.label for a in ab.arms}
     assert ar.identical_text(runs, labels) == [
         "temperature 1.0 and temperature 0.6 are identical step for step in seed 0"
@@ -174,7 +178,11 @@ def _fake_run(d: Path, arm, seed: int, entropy: float, acc: float) -> None:
         for s in range(6)
     ]  # fmt: skip
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evs = [{"step": s, "accuracy": acc * s / 6 + 0.3, "num_samples": 2} for s in (0, 3, 6)]
+    evs = [
+        {"step": s, "accuracy": acc * s / 6 + 0.3, "num_samples": 2,
+         "by_temperature": {"0.6": {"accuracy": acc * s / 6 + 0.2}}}
+        for s in (0, 3, 6)
+    ]  # fmt: skip
     (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evs))
     cfg = {"entropy": {"mode": "adaptive", "target": 0.1}, "stages": [{"group_size": 8}]}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -185,18 +193,21 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     ab = ablations.ABLATIONS["temperature"]
     base, cold = ab.arms
     for seed in ab.seeds:
-        _fake_run(ablations.summary_dir(tmp_path, base, seed), base, seed, 0.4 + 0.01 * seed, 0.9)
-        _fake_run(ablations.summary_dir(tmp_path, cold, seed), cold, seed, 0.1 + 0.01 * seed, 0.5)
+        d = 0.01 * seed
+        _fake_run(ablations.summary_dir(tmp_path, base, seed), base, seed, 0.4 + d, 0.6 + d)
+        _fake_run(ablations.summary_dir(tmp_path, cold, seed), cold, seed, 0.1 + d, 0.2 + d)
     runs = ablations.load_arm_runs("temperature", tmp_path)
-    assert [len(v) for v in runs.values()] == [3, 3]
+    assert [len(v) for v in runs.values()] == [5, 5]
     effs = ar.effects("temperature", runs)
-    assert [e.verdict for e in effs] == ["reproduced", "reproduced"]
+    assert [e.verdict for e in effs] == ["reproduced"] * 3
+    assert effs[2].check.outcome == "final accuracy (evaluated at 0.6)"
+    assert effs[2].diff == pytest.approx(0.2 - 0.6)
     text = ar.describe("temperature", runs)
-    assert "verdict: reproduced" in text and "--arm temp-0.6" in text
+    assert "verdict: reproduced" in text and "--arm carry-temp-0.6" in text
     out = ar.write_figures(tmp_path, tmp_path / "figures", ["temperature"])
     assert (out / "temperature.png").stat().st_size > 10_000
     table = (out / "summary.md").read_text()
-    assert "| temperature |" in table and "| 3/3 |" in table
+    assert "| temperature |" in table and "| 5/5 |" in table
     assert "| clip_higher |" in table and "| 0/0/0 |" in table  # no run of its arms yet
 
 
@@ -261,8 +272,8 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
 
 
 def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path):
-    with pytest.raises(ValueError, match="temperature: a supervised baseline needs the carry"):
-        ablations.ensure_sft("temperature", "baseline", results=tmp_path)
+    with pytest.raises(ValueError, match="clip_higher: a supervised baseline needs the carry"):
+        ablations.ensure_sft("clip_higher", "clip-0.2-nsgd4", results=tmp_path)
     ab = ablations.ABLATIONS["central"]
     arm = ab.arm("carry-adaptive")
     for seed in (0, 1):

@@ -218,8 +218,9 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final check rate (carry columns)", "carry-none", "carry-adaptive-0.08", +1),
     ),
     "temperature": (
-        Check("mean entropy", "baseline", "temp-0.6", -1),
-        Check("final accuracy", "baseline", "temp-0.6", -1),
+        Check("mean entropy", "carry-temp-1.0", "carry-temp-0.6", -1),
+        Check("final accuracy", "carry-temp-1.0", "carry-temp-0.6", -1),
+        Check("final accuracy (evaluated at 0.6)", "carry-temp-1.0", "carry-temp-0.6", -1),
     ),
     "off_policy": (
         Check("mean entropy", "carry-none", "carry-nsgd4-minibatch", -1),
