@@ -206,6 +206,10 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     assert "verdict: reproduced" in text and "--arm carry-temp-0.6" in text
     out = ar.write_figures(tmp_path, tmp_path / "figures", ["temperature"])
     assert (out / "temperature.png").stat().st_size > 10_000
+    fig = ar.ablation_figure("temperature", runs)
+    assert fig.axes[1].get_title() == "held-out avg@n, sampled at 0.6"
+    # the first arm: 0.2 + (0.6 + 0.01 * seed) * step / 6 at steps 0, 3, 6, seeds 0-4
+    assert list(fig.axes[1].lines[0].get_ydata()) == pytest.approx([0.2, 0.51, 0.82])
     table = (out / "summary.md").read_text()
     assert "| temperature |" in table and "| 5/5 |" in table
     assert "| clip_higher |" in table and "| 0/0/0 |" in table  # no run of its arms yet

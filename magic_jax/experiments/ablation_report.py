@@ -75,11 +75,29 @@ PANELS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+# The panel that replaces alpha's when the runs evaluated at temperature 0.6 too.
+AT_06 = ("by_temperature/0.6/accuracy", "held-out avg@n, sampled at 0.6", True)
+
+
+def _series(run: Run, key: str, evals: bool) -> dict[int, float]:
+    """{step: value} of ``key``; a key with ``/`` is a path into nested rows."""
+    if "/" not in key:
+        return dict(zip(*run.series(key, evals=evals)))
+    out = {}
+    for row in run.evals if evals else run.metrics:
+        v: Any = row
+        for part in key.split("/"):
+            v = v.get(part) if isinstance(v, dict) else None
+        if isinstance(v, int | float):
+            out[row["step"]] = float(v)
+    return out
+
+
 def _band(
     runs: Sequence[Run], key: str, evals: bool
 ) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps, mean, min and max over runs of ``key`` (steps every run has)."""
-    per = [dict(zip(*r.series(key, evals=evals))) for r in runs]
+    per = [_series(r, key, evals) for r in runs]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
     mean = [_mean([p[s] for p in per]) for s in steps]
     lo = [min(p[s] for p in per) for s in steps]
@@ -115,7 +133,10 @@ def ablation_figure(ablation: str, runs: Mapping[str, Sequence[Run]] | None = No
     labels = {a.key: a.label for a in ab.arms}
     fig = Figure(figsize=(13.5, 6.6), dpi=90)
     axes = fig.subplots(2, 3)
-    for ax, (key, title, evals) in zip(axes.flat, PANELS):
+    panels = PANELS
+    if any(_series(r, AT_06[0], True) for rs in runs.values() for r in rs):
+        panels = tuple(AT_06 if p[0] == "alpha" else p for p in PANELS)
+    for ax, (key, title, evals) in zip(axes.flat, panels):
         plot_arms(ax, runs, labels, key, evals=evals)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
