@@ -1,6 +1,7 @@
 """The ablation runner, its verdicts and figures, the committed summaries, and the notebooks."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -293,3 +294,20 @@ def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path):
     # the fake runs end at 0.9 + 0.3 = 1.2
     assert "| 0 | 200 | 900 | 0.230 | 0.240 | 1.200 |" in text and "| 7 |" not in text
     assert "final accuracy: adaptive 1.200 vs SFT continuation 0.230" in text
+
+
+def test_stage2_kl_drift_reads_medians_and_ignores_a_spike(tmp_path):
+    from magic_jax.experiments.verdicts import stage2_ref_kl_drift
+    from magic_jax.jobs.report import Run
+
+    def run(stage2):
+        rows = [{"step": i, "stage": 0, "ref_kl": 0.1} for i in range(10)]
+        rows += [{"step": 10 + i, "stage": 1, "ref_kl": k} for i, k in enumerate(stage2)]
+        return Run("r", tmp_path, rows, [], {})
+
+    held = [0.1] * 20
+    held[1] = 3.0  # one step's spike at the stage's start
+    assert stage2_ref_kl_drift(run(held)) == pytest.approx(0.0)
+    pulled = [0.1 - 0.005 * i for i in range(20)]  # falls towards 0 over the stage
+    assert stage2_ref_kl_drift(run(pulled)) == pytest.approx(-0.08)
+    assert math.isnan(stage2_ref_kl_drift(run([0.1])))
