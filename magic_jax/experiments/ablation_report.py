@@ -248,9 +248,10 @@ LIMITS: dict[str, str] = {
         "about 0.1% of tokens, and the arms' rollouts are identical step for step in some seeds."
     ),
     "kl": (
-        "A KL term of the loss's size: beta x KL is about 1e-4 against a surrogate loss of "
-        "0.005-0.1, so beta 1e-3 cannot pull; beta 0.1 lowers the KL (p = 0.12, 2 seeds) without "
-        "changing accuracy; 2 seeds."
+        "A pull to see: beta 0.1 (a third to half of this world's policy loss) holds the KL to "
+        "the base at about 0.1 nats per token through stage 2 instead of pulling it toward 0; "
+        "it slows learning (-8.8 points against the same runs without it in stage 2, "
+        "p < 0.001), but against no KL at all the no-KL seeds spread too widely (p = 0.11)."
     ),
 }
 
