@@ -126,14 +126,18 @@ class _SlotBuffers:
 class _Work:
     """A rollout's shared state: what is left to insert and what has finished.
 
-    Lanes take entries of ``queue`` and use ``prefixes`` under ``lock``; a finished
-    sample is recorded (and ``on_sample`` called) under it too.
+    Lane i takes the entries of ``queues[i]`` (prompt p's samples go to lane
+    p % lanes) and uses ``prefixes`` under ``lock``; a finished sample is recorded
+    (and ``on_sample`` called) under it too. A fixed assignment, not a shared queue:
+    which rows a lane's decode steps hold then never depends on thread timing, and
+    XLA's CPU products round a row differently with the batch around it, so a shared
+    queue made the same seed sample differently from one process to the next.
     """
 
     prompts: list[np.ndarray]
     num_samples: int
     limits: np.ndarray
-    queue: collections.deque
+    queues: list[collections.deque]
     on_sample: Callable[[Sample], None] | None
     prefixes: dict[int, Prefix] = dataclasses.field(default_factory=dict)
     done: list[Sample] = dataclasses.field(default_factory=list)
@@ -238,9 +242,12 @@ class RolloutDriver:
             prompts=[np.asarray(p, np.int32).reshape(-1) for p in prompts],
             num_samples=num_samples,
             limits=limits,
-            queue=collections.deque(
-                (p, j) for p in range(len(prompts)) for j in range(num_samples)
-            ),
+            queues=[
+                collections.deque(
+                    (p, j) for p in range(i, len(prompts), self.lanes) for j in range(num_samples)
+                )
+                for i in range(self.lanes)
+            ],
             on_sample=on_sample,
         )
         states = [s if s is not None else eng.init_decode_state() for s in self._states]
@@ -251,15 +258,15 @@ class RolloutDriver:
         def lane(i: int) -> None:
             try:
                 states[i] = self._lane(
-                    params, states[i], unembed_VD, work, lane_stats[i],
+                    i, params, states[i], unembed_VD, work, lane_stats[i],
                     seed=seed, step=step, truncation=truncation, profile=profile,
                 )  # fmt: skip
             except BaseException as e:  # re-raised below, in the calling thread
                 work.errors.append(e)
 
         # Each further lane decodes its own slots in its own thread: their compiled
-        # programs run at once (XLA runs them without the GIL), and each lane takes the
-        # queue's groups as its slots free.
+        # programs run at once (XLA runs them without the GIL), and each lane inserts
+        # its own prompts' groups as its slots free.
         threads = [
             threading.Thread(target=lane, args=(i,), name=f"rollout-lane-{i}")
             for i in range(1, self.lanes)
@@ -280,6 +287,7 @@ class RolloutDriver:
 
     def _lane(
         self,
+        index: int,
         params: nnx.State,
         state: DecodeState,
         unembed_VD: jax.Array | None,
@@ -291,11 +299,11 @@ class RolloutDriver:
         truncation: Truncation,
         profile: bool,
     ) -> DecodeState:
-        """One lane's decode loop over its slots until ``work``'s queue is empty and its
-        slots are done (or another lane failed). Returns the lane's state."""
+        """Lane ``index``'s decode loop over its slots until its queue in ``work`` is empty
+        and its slots are done (or another lane failed). Returns the lane's state."""
         eng, cfg = self.engine, self.engine.config
         b_max, s_max = cfg.max_concurrent_decodes, cfg.cache_length
-        prompts, num_samples, queue = work.prompts, work.num_samples, work.queue
+        prompts, num_samples, queue = work.prompts, work.num_samples, work.queues[index]
         slot_of: list[_Pending | None] = [None] * b_max
         prompt_len = np.zeros(b_max, np.int64)
         buffers = _SlotBuffers(b_max, max(int(work.limits.max(initial=1)), 1))
