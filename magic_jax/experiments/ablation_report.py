@@ -229,11 +229,6 @@ LIMITS: dict[str, str] = {
         "breaking the policy: the controller that holds it at its target (alpha 0.2-0.85) "
         "puts it into the per-column choices and slows learning (3 of 5 seeds end at 49-53%)."
     ),
-    "temperature": (
-        "Later learning to lose: the demo world is solved by step 10 (held-out 93%), 30 steps "
-        "in all. Evaluation at temperature 1 only (the report also evaluates at 0.6). At 0.6 "
-        "whole groups agree and are dropped (no refill), so that arm skips optimizer steps."
-    ),
     "off_policy": (
         "Off-policy steps small enough to sharpen the policy: at this world's learning rate "
         "(3e-4) four optimizer steps per batch destabilise it instead (by reuse it breaks, "
