@@ -126,12 +126,10 @@ class _SlotBuffers:
 class _Work:
     """A rollout's shared state: what is left to insert and what has finished.
 
-    Lane i takes the entries of ``queues[i]`` (prompt p's samples go to lane
-    p % lanes) and uses ``prefixes`` under ``lock``; a finished sample is recorded
-    (and ``on_sample`` called) under it too. A fixed assignment, not a shared queue:
-    which rows a lane's decode steps hold then never depends on thread timing, and
-    XLA's CPU products round a row differently with the batch around it, so a shared
-    queue made the same seed sample differently from one process to the next.
+    Lane i inserts ``queues[i]`` (prompt p's samples go to lane p % lanes: a lane's
+    batches never depend on thread timing, and XLA's CPU products round a row with its
+    batch) and uses ``prefixes`` under ``lock``; a finished sample is recorded (and
+    ``on_sample`` called) under it too.
     """
 
     prompts: list[np.ndarray]
@@ -238,16 +236,12 @@ class RolloutDriver:
             (len(prompts), num_samples),
         )
         t_start = time.perf_counter()
+        k, order = self.lanes, [(p, j) for p in range(len(prompts)) for j in range(num_samples)]
         work = _Work(
             prompts=[np.asarray(p, np.int32).reshape(-1) for p in prompts],
             num_samples=num_samples,
             limits=limits,
-            queues=[
-                collections.deque(
-                    (p, j) for p in range(i, len(prompts), self.lanes) for j in range(num_samples)
-                )
-                for i in range(self.lanes)
-            ],
+            queues=[collections.deque(e for e in order if e[0] % k == i) for i in range(k)],
             on_sample=on_sample,
         )
         states = [s if s is not None else eng.init_decode_state() for s in self._states]

@@ -375,11 +375,9 @@ class Trainer:
                 raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
 
-            def driver_at(temperature):
-                sampling = dataclasses.replace(
-                    cfg.sampling, temperature=temperature, top_p=ev.top_p, top_k=0, greedy=False
-                )
-                return self._driver(limit, sampling)
+            def driver_at(t):
+                kw = dict(temperature=t, top_p=ev.top_p, top_k=0, greedy=False)
+                return self._driver(limit, dataclasses.replace(cfg.sampling, **kw))
 
             self._eval_driver = driver_at(ev.temperature)
             self._extra_eval_drivers = {t: driver_at(t) for t in ev.extra_temperatures}
@@ -387,16 +385,10 @@ class Trainer:
 
         def run(driver):
             return evaluate(
-                driver,
-                driver.engine.load_params(state.params),
-                self._eval_rows,
-                self.tokenizer,
-                num_samples=ev.num_samples,
-                max_prompt_length=cfg.data.max_prompt_length,
-                seed=cfg.seed,
-                step=step,
-                pool=pool,
-            )
+                driver, driver.engine.load_params(state.params), self._eval_rows,
+                self.tokenizer, num_samples=ev.num_samples, seed=cfg.seed, step=step,
+                max_prompt_length=cfg.data.max_prompt_length, pool=pool,
+            )  # fmt: skip
 
         row = run(self._eval_driver)
         if self._extra_eval_drivers:
