@@ -38,7 +38,8 @@ def test_sandbox_warning_once_and_only_when_code_runs(caplog, capfd):
         assert {r.status.value for r in pool.map([MATH] * 4)} == {"correct"}
         assert not [m for m in _warnings(caplog) if EXPECTED in m]  # math only: silent
         assert {r.status.value for r in pool.map([CODE] * 4)} == {"correct"}
-        assert pool.stats()["workers_recycled"] >= 4
+        # 8 items, 2 per worker: 4 replacements, or 3 when both live workers hold one item
+        assert pool.stats()["workers_recycled"] >= 3
     found = [m for m in _warnings(caplog) if EXPECTED in m]
     assert len(found) == 1, _warnings(caplog)
     assert EXPECTED not in capfd.readouterr().err  # the workers print nothing themselves
