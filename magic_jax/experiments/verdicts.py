@@ -265,9 +265,11 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("stage-1 non-truncated accuracy", "carry-none", "carry-mask-before", +1),
     ),
     "clip_higher": (
-        Check("mean entropy", "clip-0.2-nsgd4", "clip-0.25-nsgd4", +1),
-        Check("mean entropy", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
-        Check("max grad norm", "clip-0.2-nsgd4", "nsgd4-minibatch", +1),
+        Check("mean entropy", "carry-clip-0.05", "carry-clip-0.07", +1),
+        Check("late entropy", "carry-clip-0.05", "carry-clip-0.07", +1),
+        Check("final accuracy", "carry-clip-0.05", "carry-clip-0.07", +1),
+        Check("mean entropy", "carry-clip-0.05", "carry-clip-0.1", +1),
+        Check("max grad norm", "carry-clip-0.05", "carry-clip-0.1", +1),
     ),
     "kl": (
         # the reference exists only while some stage has a KL term, and its KL is measured
