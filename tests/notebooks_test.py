@@ -69,8 +69,6 @@ def test_arms_change_what_they_claim(tmp_path):
     assert cold.sampling.temperature == cold.loss.temperature == 0.6
     assert warm.eval.extra_temperatures == cold.eval.extra_temperatures == (0.6,)
     assert warm.eval.temperature == cold.eval.temperature == 1.0
-    base = cfg("clip-0.2-nsgd4")  # the default world's
-    assert cfg("nsgd4-minibatch").stages[0].mini_batch_groups == 4
     mb = cfg("carry-nsgd4-minibatch")
     assert [s.mini_batch_groups for s in mb.stages] == [4, 4] and mb.entropy.init_coef == 0
     assert cfg("carry-nsgd4-reuse").num_reuse == 4
@@ -80,7 +78,9 @@ def test_arms_change_what_they_claim(tmp_path):
     both, first = cfg("carry-kl-0.1"), cfg("carry-kl-0.1-stage1")
     assert [both.kl_beta(i) for i in (0, 1)] == [0.1, 0.1] and both.uses_kl
     assert [first.kl_beta(i) for i in (0, 1)] == [0.1, 0.0]
-    assert [s.max_response_length for s in base.stages] == [44, 64]
+    clip, sym = cfg("carry-clip-0.07"), cfg("carry-clip-0.05")
+    assert (clip.loss.eps_low, clip.loss.eps_high, sym.loss.eps_high) == (0.05, 0.07, 0.05)
+    assert [s.mini_batch_groups for s in clip.stages] == [4, 4] and clip.entropy.init_coef == 0
     single, two = cfg("carry-single-T64"), cfg("carry-none")
     assert [(s.max_response_length, s.steps) for s in single.stages] == [(64, 300)]
     assert [(s.max_response_length, s.steps) for s in two.stages] == [(32, 150), (64, 150)]
@@ -276,9 +276,12 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
     assert done == sorted({a.key for _, a in _all_arms()})
 
 
-def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path):
-    with pytest.raises(ValueError, match="clip_higher: a supervised baseline needs the carry"):
-        ablations.ensure_sft("clip_higher", "clip-0.2-nsgd4", results=tmp_path)
+def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path, monkeypatch):
+    arm = ablations.Arm("x-arm", "x")
+    other = ablations.Ablation("x", "x", "x", (arm,), world="default")
+    monkeypatch.setitem(ablations.ABLATIONS, "x", other)
+    with pytest.raises(ValueError, match="x: a supervised baseline needs the carry"):
+        ablations.ensure_sft("x", "x-arm", results=tmp_path)
     ab = ablations.ABLATIONS["central"]
     arm = ab.arm("carry-adaptive")
     for seed in (0, 1):

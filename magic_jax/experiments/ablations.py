@@ -37,13 +37,11 @@ from pathlib import Path
 
 from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the notebooks' API)
     ABLATIONS,
-    BASELINE,
     CARRY_STAGE_STEPS,
     EVAL_OVERRIDES,
     RUN_OVERRIDES,
     SEEDS,
     SEEDS_CENTRAL,
-    SEEDS_SECONDARY,
     STAGE_STEPS,
     WORLDS,
     Ablation,

@@ -13,10 +13,8 @@ import dataclasses
 # than (they happen within the first 10 steps), so that 3 seeds of every arm fit in about
 # an hour on 2 CPU cores.
 STAGE_STEPS = 15
-# Three seeds for the claims the report rests most on (temperature, N_SGD, entropy control,
-# clip-higher), two for the others: the whole set is 35 runs.
+# Seeds of an ablation that names none (every shipped claim names 5: ``SEEDS_CENTRAL``).
 SEEDS = (0, 1, 2)
-SEEDS_SECONDARY = (0, 1)
 # Evaluation every 5 steps, avg@2 over the 256 held-out problems: 512 samples (standard
 # error about 2 points at 50%), 4 s of a 2-core machine each.
 EVAL_OVERRIDES = ("eval.every=5", "eval.num_samples=2")
@@ -146,11 +144,6 @@ class Ablation:
 
 # N_SGD = D_R / D_T = 16 / 4 = 4 optimizer steps per rollout batch, by mini-batches.
 _NSGD4 = ("stages.0.mini_batch_groups=4", "stages.1.mini_batch_groups=4")
-
-BASELINE = Arm(
-    "baseline",
-    "default: T=1.0, N_SGD=1, adaptive (target 0.1), eps_high 0.28, mask none, KL 0",
-)
 
 _NO_BONUS = ("entropy.mode=fixed", "entropy.init_coef=0.0")
 # Every evaluation also sampled at temperature 0.6 (the temperature claim's arms).
