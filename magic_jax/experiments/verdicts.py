@@ -263,6 +263,9 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("stage-1 truncated fraction", "carry-none", "carry-mask-before", +1),
         Check("stage-1 rollout reward", "carry-none", "carry-mask-before", -1),
         Check("stage-1 non-truncated accuracy", "carry-none", "carry-mask-before", +1),
+        Check("stage-1 truncated fraction", "carry-none", "carry-mask-after", +1),
+        Check("stage-1 rollout reward", "carry-mask-after", "carry-mask-before", -1),
+        Check("stage-1 non-truncated accuracy", "carry-mask-after", "carry-mask-before", +1),
     ),
     "clip_higher": (
         Check("mean entropy", "carry-clip-0.05", "carry-clip-0.07", +1),
