@@ -236,8 +236,10 @@ LIMITS: dict[str, str] = {
         "report's runs used 1e-6 on a 7B model."
     ),
     "clip_higher": (
-        "Ratios near the clip: the largest ratios of a run reach 4.6-26, the upper clip binds on "
-        "about 0.1% of tokens, and the arms' rollouts are identical step for step in some seeds."
+        "Tokens a clip holds back while they explore: even with both clips scaled to "
+        "eps_low 0.05 the upper one binds on 0.16-0.33% of tokens (the per-column choice is "
+        "one token, the rest nearly deterministic), and a wider one lets the choices that won "
+        "sharpen faster: lower entropy, and at 2 x the highest accuracy (70.9 vs 54.2%)."
     ),
     "multi_stage": (
         "A first stage that leaves the better strategy room: T = 32 truncates the checked "
