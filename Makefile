@@ -72,6 +72,7 @@ bench: setup
 	$(BIN)/python benchmarks/loss_memory.py
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/verify.py
+	$(BIN)/python benchmarks/product_floor.py
 
 ci: lint test test-slow test-tpu
 
