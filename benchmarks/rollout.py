@@ -18,6 +18,7 @@ holds a 512-token sample), so by default one is timed and multiplied by four
     .venv/bin/python benchmarks/rollout.py --quick    # tiny smoke run
     .venv/bin/python benchmarks/rollout.py --workloads W1 --skip-peer --loop-layers
     .venv/bin/python benchmarks/rollout.py --lanes 1      # one decode lane (no threads)
+    .venv/bin/python benchmarks/rollout.py --workloads W1 --skip-peer --decode-layers split
 
 With several decode lanes (the CPU default, ``driver.default_lanes``) the slots are
 split between them and ``ms/step`` is a lane's step; the decode, prefill and insert
@@ -120,6 +121,12 @@ def main() -> None:
     ap.add_argument(
         "--loop-layers", action="store_true", help="ModelConfig.scan_layers=False (Python loop)"
     )
+    ap.add_argument(
+        "--decode-layers",
+        choices=("scan", "split"),
+        default=None,
+        help="EngineConfig.decode_layers (default: the engine's choice)",
+    )
     args = ap.parse_args()
 
     if args.quick:
@@ -159,6 +166,7 @@ def main() -> None:
             sampling=SamplingConfig(temperature=1.0),
             eos_ids=(),
             layer_unroll=_unroll(args.layer_unroll),
+            decode_layers=args.decode_layers,
         )
         engine = Engine(model, config)
         params = engine.load_params(model)
