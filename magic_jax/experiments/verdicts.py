@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,19 +52,23 @@ def mean_entropy(run: Run) -> float:
     return float(sum(v) / len(v))
 
 
+def _late_mean(v: Sequence[float]) -> float:
+    """Mean over the last third of ``v`` (at least one value)."""
+    tail = v[-max(1, len(v) // 3) :]
+    return float(sum(tail) / len(tail))
+
+
 def late_entropy(run: Run) -> float:
     """Token entropy averaged over the last third of the steps."""
-    v = [m["entropy"] for m in run.metrics]
-    tail = v[-max(1, len(v) // 3) :]
-    return float(sum(tail) / len(tail))
+    return _late_mean([m["entropy"] for m in run.metrics])
 
 
-def late_target_gap(run: Run) -> float:
-    """Mean |entropy - target| over the last third of the steps (target from the config)."""
-    target = float((run.config.get("entropy") or {}).get("target", 0.0))
-    v = [abs(m["entropy"] - target) for m in run.metrics]
-    tail = v[-max(1, len(v) // 3) :]
-    return float(sum(tail) / len(tail))
+def late_target_gap(run: Run, target: float | None = None) -> float:
+    """Mean |entropy - target| over the last third of the steps (target: the run's config's
+    unless given)."""
+    if target is None:
+        target = float((run.config.get("entropy") or {}).get("target", 0.0))
+    return _late_mean([abs(m["entropy"] - target) for m in run.metrics])
 
 
 @functools.cache
@@ -76,13 +81,9 @@ def _carry_target() -> float:
 
 
 def late_carry_target_gap(run: Run) -> float:
-    """Mean |entropy - the shipped carry config's target| over the last third of the steps:
-    every arm measured against the same target (a fixed-coefficient run's config still holds
-    the target of whichever carry config it ran with)."""
-    target = _carry_target()
-    v = [abs(m["entropy"] - target) for m in run.metrics]
-    tail = v[-max(1, len(v) // 3) :]
-    return float(sum(tail) / len(tail))
+    """``late_target_gap`` against the shipped carry config's target for every arm (a
+    fixed-coefficient run's config holds whichever target its carry config had)."""
+    return late_target_gap(run, _carry_target())
 
 
 def stage1_truncated(run: Run) -> float:
@@ -143,8 +144,6 @@ def stage2_ref_kl_drift(run: Run) -> float:
     """Second-stage KL to the reference: the median over its last fifth of steps minus the
     median over its first fifth (< 0: pulled back). Medians, because single steps spike
     (a step of 3 nats among steps of 0.1)."""
-    import statistics
-
     v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
     if len(v) < 2:
         return math.nan
