@@ -1,11 +1,12 @@
-"""Attention with a hand-written backward pass against the plain formula."""
+"""Attention and the SwiGLU MLP with hand-written backward passes against the plain formulas."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magic_jax.model.kernels import masked_attention
+from magic_jax.model.kernels import masked_attention, swiglu
+from magic_jax.testing import assert_fp32_close
 
 
 def plain_attention(q, k, v, allowed):
@@ -56,3 +57,23 @@ def test_attention_matches_the_plain_formula(dtype, kv_heads, groups):
     )
     dk = value_and_grads(lambda *a: masked_attention(*a, only), (q, k, v), weight)[1][1]
     assert not np.any(np.float32(dk[:, -1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_matches_the_plain_formula(dtype):
+    rng = np.random.default_rng(0)
+    b, t, d, f = 2, 5, 8, 12
+    x = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
+    gate, up = (jnp.asarray(0.3 * rng.normal(size=(d, f)), dtype) for _ in range(2))
+    down = jnp.asarray(0.3 * rng.normal(size=(f, d)), dtype)
+    weight = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    args = (x, gate, up, down)
+    ours = value_and_grads(swiglu, args, weight)
+    plain = value_and_grads(lambda x, g, u, w: (jax.nn.silu(x @ g) * (x @ u)) @ w, args, weight)
+    if dtype == jnp.float32:  # a weight's gradient sums over all b * t rows
+        assert_fp32_close(ours, plain, terms=b * t * f)
+    else:
+        assert_close(ours, plain, dtype)
+    (_, g1), (_, g2) = ours, plain
+    assert all(a.dtype == c.dtype and a.shape == c.shape for a, c in zip(g1, g2, strict=True))
+    assert min(float(jnp.abs(g).max()) for g in g1) > 0.1  # every gradient is compared

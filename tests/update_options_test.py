@@ -1,5 +1,5 @@
-"""The run's ``remat``, ``compute_dtype``, ``attention_chunk`` and ``update_layer_unroll``
-options: config checks, and what the update runs."""
+"""The run's ``remat``, ``compute_dtype``, ``attention_chunk``, ``update_layer_unroll`` and
+``update_mlp_kernel`` options: config checks, and what the update runs."""
 
 import collections
 import dataclasses
@@ -21,7 +21,13 @@ from magic_jax.testing import assert_fp32_close
 from magic_jax.update.buffer import pack_rollouts
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.state import UpdateConfig
-from magic_jax.update.step import default_update_layer_unroll, loss_and_grads, update_graphdef
+from magic_jax.update.step import (
+    compute_logprobs,
+    default_update_layer_unroll,
+    default_update_mlp_kernel,
+    loss_and_grads,
+    update_graphdef,
+)
 from magic_jax.update.updater import PolicyUpdater
 
 V, G = 64, 4
@@ -122,13 +128,17 @@ def test_bad_values_name_the_option(over, message):
 
 def test_update_graphdef_sets_the_models_options():
     graphdef, params = _policy()
-    scan = UpdateConfig(mini_batch_groups=1, layer_unroll=1)
+    scan = UpdateConfig(mini_batch_groups=1, layer_unroll=1, mlp_kernel=False)
     assert update_graphdef(graphdef, params, scan) is graphdef
-    same = UpdateConfig(mini_batch_groups=1, remat="none", compute_dtype="float32", layer_unroll=1)
+    same = dataclasses.replace(scan, remat="none", compute_dtype="float32")
     assert update_graphdef(graphdef, params, same) is graphdef
-    opt = UpdateConfig(mini_batch_groups=1, remat="full", compute_dtype="bfloat16", layer_unroll=2)
+    opt = UpdateConfig(
+        mini_batch_groups=1, remat="full", compute_dtype="bfloat16", layer_unroll=2, mlp_kernel=True
+    )
     model = nnx.merge(update_graphdef(graphdef, params, opt), params)
-    assert model.config == dataclasses.replace(CFG, remat="full", dtype="bfloat16", layer_unroll=2)
+    assert model.config == dataclasses.replace(
+        CFG, remat="full", dtype="bfloat16", layer_unroll=2, mlp_kernel=True
+    )
     assert model.layers.mlp.up_proj.dtype == jnp.bfloat16  # every module, not just the top
     # None takes the platform's measured default (every layer inlined on CPU)
     default = nnx.merge(
@@ -138,6 +148,30 @@ def test_update_graphdef_sets_the_models_options():
     assert default.config.layer_unroll == expected.layer_unroll
     assert dataclasses.replace(CFG, layer_unroll=True).layer_unroll == CFG.num_layers
     assert default_update_layer_unroll("cpu") is True and default_update_layer_unroll("tpu") == 1
+    assert default.config.mlp_kernel == default_update_mlp_kernel()
+    assert default_update_mlp_kernel("cpu") and not default_update_mlp_kernel("tpu")
+
+
+def test_update_mlp_kernel_option_reaches_the_update_and_changes_no_number():
+    assert update_config(load_config(raw=_raw(update_mlp_kernel=True)), 0).mlp_kernel is True
+    assert update_config(load_config(raw=_raw()), 0).mlp_kernel is None
+    for bad in ("yes", 1):
+        with pytest.raises(ConfigError, match="update_mlp_kernel"):
+            load_config(raw=_raw(update_mlp_kernel=bad))
+    graphdef, params = _policy()
+    out, batch = [], _buffer()
+    for kernel in (False, True):
+        cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, mlp_kernel=kernel)
+        model = update_graphdef(graphdef, params, cfg)
+        forward = jax.make_jaxpr(lambda p, g=model: compute_logprobs(g, p, batch, LOSS))(params)
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        out.append((str(forward).count("custom_vjp_call"), fn(params, batch)))
+    # the layers' MLP (under the layer scan) runs as the kernel: one custom-VJP call more
+    assert out[1][0] == out[0][0] + 1, (out[0][0], out[1][0])
+    (loss_a, grads_a, _), (loss_k, grads_k, _) = out[0][1], out[1][1]
+    np.testing.assert_allclose(float(loss_k), float(loss_a), rtol=1e-6)
+    tokens = int(np.asarray(_buffer().attention_mask).size)
+    assert_fp32_close(jax.tree.leaves(grads_k), jax.tree.leaves(grads_a), terms=tokens)
 
 
 def test_update_layer_unroll_option_reaches_the_update_and_changes_no_number():

@@ -69,6 +69,8 @@ class ModelConfig:
         only speed and compile time change. The update sets it per platform
         (``UpdateConfig.layer_unroll``). Stored as an int (``True`` becomes
         ``num_layers``, ``False`` 1).
+      mlp_kernel: run the MLP as ``kernels.swiglu`` (a hand-written backward pass;
+        the same values). The update sets it per platform (``UpdateConfig.mlp_kernel``).
     """
 
     vocab_size: int
@@ -92,6 +94,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: RematPolicy = "none"
     layer_unroll: int | bool = 1
+    mlp_kernel: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):

@@ -1,6 +1,6 @@
-"""Attention over a sequence as one function with a hand-written backward pass.
+"""Attention over a sequence, and the SwiGLU MLP, as functions with hand-written backward passes.
 
-It computes what the plain formula computes (tests compare values and gradients);
+Each computes what the plain formula computes (tests compare values and gradients);
 what changes is the work and memory of the backward pass. Autodiff of
 ``softmax(q k^T) v`` keeps the [B, K, G, T, S] probabilities for the backward pass
 and walks them several times, through transposed copies. Here the queries are laid
@@ -104,3 +104,50 @@ def _bwd(res, do_BTKGH):
 
 
 masked_attention.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def swiglu(x_TD, gate_DF, up_DF, down_FD):
+    """``(silu(x gate) * (x up)) down`` over the last axis of ``x`` ([..., D]).
+
+    The backward pass forms every product with the rows (tokens) as the leading
+    axis of both operands. Autodiff of the same formula instead fuses the SiLU's
+    gradient with a transposed [F, tokens] copy for the gate's weight gradient; on
+    XLA's CPU backend that strided pass costs as much as a product (the model's
+    ``mlp_kernel``, on for the update on CPU: ``update.step.UPDATE_MLP_KERNEL_DEFAULT``).
+    The pass keeps the gate and up pre-activations ([..., F] each), as autodiff does.
+    """
+    return _swiglu_fwd(x_TD, gate_DF, up_DF, down_FD)[0]
+
+
+def _swiglu_fwd(x_TD, gate_DF, up_DF, down_FD):
+    g_TF, u_TF = x_TD @ gate_DF, x_TD @ up_DF
+    y_TD = (jax.nn.silu(g_TF) * u_TF) @ down_FD
+    return y_TD, (x_TD, gate_DF, up_DF, down_FD, g_TF, u_TF)
+
+
+def _swiglu_bwd(res, dy_TD):
+    x_TD, gate_DF, up_DF, down_FD, g_TF, u_TF = res
+    dy_TD = dy_TD.astype(x_TD.dtype)
+    sig_TF = jax.nn.sigmoid(g_TF)
+    a_TF = g_TF * sig_TF  # silu(g)
+    dh_TF = dy_TD @ down_FD.T
+    du_TF = dh_TF * a_TF
+    dg_TF = dh_TF * u_TF * (sig_TF * (1 + g_TF * (1 - sig_TF)))
+    dx_TD = dg_TF @ gate_DF.T + du_TF @ up_DF.T
+    return (
+        dx_TD,
+        _outer(x_TD, dg_TF, gate_DF.dtype),
+        _outer(x_TD, du_TF, up_DF.dtype),
+        _outer(a_TF * u_TF, dy_TD, down_FD.dtype),
+    )
+
+
+def _outer(a_TI, b_TO, dtype):
+    """A weight's gradient [I, O]: a[..., i] b[..., o] summed over every leading axis."""
+    a = a_TI.reshape(-1, a_TI.shape[-1])
+    b = b_TO.reshape(-1, b_TO.shape[-1])
+    return jnp.einsum("ti,to->io", a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

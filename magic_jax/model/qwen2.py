@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from magic_jax.model.config import ModelConfig
-from magic_jax.model.kernels import masked_attention
+from magic_jax.model.kernels import masked_attention, swiglu
 from magic_jax.model.kv_cache import KVCache, write_rows
 
 LAYER_AXIS = "layers"
@@ -218,8 +218,15 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(d, f, names=("embed", "mlp"), **kw)
         self.up_proj = Linear(d, f, names=("embed", "mlp"), **kw)
         self.down_proj = Linear(f, d, names=("mlp", "embed"), **kw)
+        self.kernel = config.mlp_kernel
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        if self.kernel:
+            dt = self.gate_proj.dtype
+            return swiglu(
+                x_BTD.astype(dt),
+                *(p.kernel[...].astype(dt) for p in (self.gate_proj, self.up_proj, self.down_proj)),
+            )
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 

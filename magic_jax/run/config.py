@@ -305,6 +305,10 @@ class TrainConfig:
         is a plain scan); null = the platform's measured default
         (``update.step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
         elsewhere). Same values either way; speed and compile time change.
+      update_mlp_kernel: run the update's MLP with a hand-written backward pass
+        (``model.kernels.swiglu``); null = the platform's measured default
+        (``update.step.UPDATE_MLP_KERNEL_DEFAULT``: on for CPU, off elsewhere).
+        Same values either way; speed and memory change.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
@@ -334,6 +338,7 @@ class TrainConfig:
     compute_dtype: Literal["float32", "bfloat16"] | None = None
     attention_chunk: int | None = None
     update_layer_unroll: int | bool | None = None
+    update_mlp_kernel: bool | None = None
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -357,6 +362,10 @@ class TrainConfig:
                 f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
             )
         check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
+        if self.update_mlp_kernel not in (None, True, False):
+            raise ValueError(
+                f"update_mlp_kernel must be true, false or null, got {self.update_mlp_kernel!r}"
+            )
         if self.attention_chunk is not None and (
             isinstance(self.attention_chunk, bool) or self.attention_chunk <= 0
         ):

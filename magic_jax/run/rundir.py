@@ -190,6 +190,7 @@ MAY_CHANGE = (
     "export_hf",
     "export_dtype",
     "update_layer_unroll",
+    "update_mlp_kernel",
     "mesh",
     "rewards.num_workers",
     "output_dir",

@@ -73,6 +73,7 @@ def update_config(config: TrainConfig, index: int) -> Any:
         compute_dtype=config.compute_dtype,
         attention_chunk=config.attention_chunk,
         layer_unroll=config.update_layer_unroll,
+        mlp_kernel=config.update_mlp_kernel,
         loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,
         optimizer=config.optimizer,

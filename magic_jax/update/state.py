@@ -59,6 +59,8 @@ class UpdateConfig:
       layer_unroll: how the update's forward and backward run the stacked layers
         (``ModelConfig.layer_unroll``); None takes ``default_update_layer_unroll()``
         for the platform. Same values either way; only speed and compile time change.
+      mlp_kernel: run the MLP's backward pass by hand (``ModelConfig.mlp_kernel``);
+        None takes ``default_update_mlp_kernel()`` for the platform. Same values.
       loss: objective options.
       entropy: entropy-bonus controller options.
       optimizer: AdamW options.
@@ -72,6 +74,7 @@ class UpdateConfig:
     compute_dtype: str | None = None
     attention_chunk: int | None = None
     layer_unroll: int | bool | None = None
+    mlp_kernel: bool | None = None
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -106,6 +109,10 @@ class UpdateConfig:
                 f"got {self.compute_dtype!r}"
             )
         check_unroll("UpdateConfig.layer_unroll", self.layer_unroll, allow_none=True)
+        if self.mlp_kernel not in (None, True, False):
+            raise ValueError(
+                f"UpdateConfig.mlp_kernel must be true, false or null, got {self.mlp_kernel!r}"
+            )
 
 
 @jax.tree_util.register_dataclass

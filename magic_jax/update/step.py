@@ -40,9 +40,21 @@ def default_update_layer_unroll(platform: str | None = None) -> int | bool:
     return UPDATE_LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
 
 
+# The update's MLP with a hand-written backward pass (``model.kernels.swiglu``) per
+# platform. CPU: the default run's update 10-15% faster (docs/demo-world.md). TPU keeps
+# autodiff: compiled for the 7B long-context update on a slice, the kernel needed 89.5 GB
+# of temporaries per device. GPU was not measured.
+UPDATE_MLP_KERNEL_DEFAULT: dict[str, bool] = {"cpu": True}
+
+
+def default_update_mlp_kernel(platform: str | None = None) -> bool:
+    """Whether the update runs the MLP kernel on ``platform`` (default: jax's default backend)."""
+    return UPDATE_MLP_KERNEL_DEFAULT.get(platform or jax.default_backend(), False)
+
+
 def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
     """The policy's graph with the update's ``remat``, ``compute_dtype``,
-    ``attention_chunk`` and ``layer_unroll`` options.
+    ``attention_chunk``, ``layer_unroll`` and ``mlp_kernel`` options.
 
     All are static fields of the model's ``ModelConfig``: the graph of a model
     built with the changed config takes the same parameters. Works inside a trace
@@ -54,9 +66,10 @@ def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -
       config: update options; None fields keep the model's setting.
     """
     current = nnx.merge(graphdef, params).config
-    unroll = config.layer_unroll
+    unroll, kernel = config.layer_unroll, config.mlp_kernel
     changes: dict[str, Any] = {
-        "layer_unroll": default_update_layer_unroll() if unroll is None else unroll
+        "layer_unroll": default_update_layer_unroll() if unroll is None else unroll,
+        "mlp_kernel": default_update_mlp_kernel() if kernel is None else kernel,
     }
     if config.remat is not None:
         changes["remat"] = config.remat
