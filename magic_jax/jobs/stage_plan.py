@@ -155,19 +155,11 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     from magic_jax.run.stages import update_config
     from magic_jax.update.entropy import init_entropy_control
     from magic_jax.update.state import TrainState, opt_state_shardings
-    from magic_jax.update.step import (
-        default_update_layer_unroll,
-        default_update_mlp_kernel,
-        make_optimizer,
-    )
+    from magic_jax.update.step import make_optimizer, with_platform_defaults
 
     # the update as it compiles on the slice's platform, not this host's
     platform = mesh.devices.flat[0].platform
-    ucfg = update_config(config, index)
-    if ucfg.layer_unroll is None:
-        ucfg = dataclasses.replace(ucfg, layer_unroll=default_update_layer_unroll(platform))
-    if ucfg.mlp_kernel is None:
-        ucfg = dataclasses.replace(ucfg, mlp_kernel=default_update_mlp_kernel(platform))
+    ucfg = with_platform_defaults(update_config(config, index), platform)
     graphdef, params = nnx.split(abstract_model(model_config), nnx.Param)
     params = _abstract(params, model_shardings(params, mesh, TRAIN_RULES))
     repl = NamedSharding(mesh, PartitionSpec())

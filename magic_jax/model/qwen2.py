@@ -218,10 +218,10 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(d, f, names=("embed", "mlp"), **kw)
         self.up_proj = Linear(d, f, names=("embed", "mlp"), **kw)
         self.down_proj = Linear(f, d, names=("mlp", "embed"), **kw)
-        self.kernel = config.mlp_kernel
+        self.use_kernel = config.mlp_kernel
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        if self.kernel:
+        if self.use_kernel:
             dt = self.gate_proj.dtype
             return swiglu(
                 x_BTD.astype(dt),

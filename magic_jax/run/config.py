@@ -362,10 +362,6 @@ class TrainConfig:
                 f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
             )
         check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
-        if self.update_mlp_kernel not in (None, True, False):
-            raise ValueError(
-                f"update_mlp_kernel must be true, false or null, got {self.update_mlp_kernel!r}"
-            )
         if self.attention_chunk is not None and (
             isinstance(self.attention_chunk, bool) or self.attention_chunk <= 0
         ):

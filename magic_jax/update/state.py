@@ -109,7 +109,7 @@ class UpdateConfig:
                 f"got {self.compute_dtype!r}"
             )
         check_unroll("UpdateConfig.layer_unroll", self.layer_unroll, allow_none=True)
-        if self.mlp_kernel not in (None, True, False):
+        if not (self.mlp_kernel is None or isinstance(self.mlp_kernel, bool)):
             raise ValueError(
                 f"UpdateConfig.mlp_kernel must be true, false or null, got {self.mlp_kernel!r}"
             )

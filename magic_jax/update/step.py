@@ -52,6 +52,17 @@ def default_update_mlp_kernel(platform: str | None = None) -> bool:
     return UPDATE_MLP_KERNEL_DEFAULT.get(platform or jax.default_backend(), False)
 
 
+def with_platform_defaults(config: UpdateConfig, platform: str | None = None) -> UpdateConfig:
+    """``config`` with an unset ``layer_unroll`` / ``mlp_kernel`` taken from ``platform``'s
+    measured defaults (default platform: jax's default backend)."""
+    unroll, kernel = config.layer_unroll, config.mlp_kernel
+    return dataclasses.replace(
+        config,
+        layer_unroll=default_update_layer_unroll(platform) if unroll is None else unroll,
+        mlp_kernel=default_update_mlp_kernel(platform) if kernel is None else kernel,
+    )
+
+
 def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
     """The policy's graph with the update's ``remat``, ``compute_dtype``,
     ``attention_chunk``, ``layer_unroll`` and ``mlp_kernel`` options.
@@ -66,10 +77,10 @@ def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -
       config: update options; None fields keep the model's setting.
     """
     current = nnx.merge(graphdef, params).config
-    unroll, kernel = config.layer_unroll, config.mlp_kernel
+    config = with_platform_defaults(config)
     changes: dict[str, Any] = {
-        "layer_unroll": default_update_layer_unroll() if unroll is None else unroll,
-        "mlp_kernel": default_update_mlp_kernel() if kernel is None else kernel,
+        "layer_unroll": config.layer_unroll,
+        "mlp_kernel": config.mlp_kernel,
     }
     if config.remat is not None:
         changes["remat"] = config.remat
