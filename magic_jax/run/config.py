@@ -312,6 +312,11 @@ class TrainConfig:
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
+      watchdog_s: seconds without progress (no decode chunk, update micro-batch or
+        checkpoint completed) after which the step watchdog writes every thread's
+        stack to the run directory and ends the process (nonzero); null: off.
+      profile_steps: ``"A:B"``: a ``jax.profiler`` trace of global steps A to B-1,
+        written to ``<output_dir>/profile`` (``gs://`` included); null: none.
       export_hf: write the final policy as a Hugging Face checkpoint.
       export_dtype: its dtype (bf16, as released checkpoints; fp32 for tiny models).
     """
@@ -342,6 +347,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    watchdog_s: float | None = None
+    profile_steps: str | None = None
     export_hf: bool = True
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
@@ -370,6 +377,10 @@ class TrainConfig:
             )
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
+        if self.watchdog_s is not None and (
+            isinstance(self.watchdog_s, bool) or not self.watchdog_s > 0
+        ):
+            raise ValueError(f"watchdog_s must be a positive number of seconds or null, got {self.watchdog_s!r}")
         if self.num_reuse <= 0:
             raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
         for i, st in enumerate(self.stages):

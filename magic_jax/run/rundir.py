@@ -186,6 +186,8 @@ def kill_point(name: str, step: int) -> None:
 MAY_CHANGE = (
     "checkpoint_every",
     "keep_checkpoints",
+    "watchdog_s",
+    "profile_steps",
     "eval.every",
     "export_hf",
     "export_dtype",
