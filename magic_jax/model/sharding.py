@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -125,27 +125,110 @@ def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = 
         return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
-def maybe_initialize_distributed() -> bool:
-    """Calls ``jax.distributed.initialize()`` on multi-host jobs; returns whether it did.
+# The multi-process environments JAX's own cluster detection (``jax._src.clusters``) finds
+# and that start jax.distributed by themselves: Open MPI, SLURM, a Cloud TPU VM slice
+# (``gcloud compute tpus tpu-vm create``: the VM metadata), GKE TPU (``TPU_WORKER_HOSTNAMES``).
+# Not the generic Kubernetes one (any CPU pod of a CI would probe the cluster's API) nor
+# mpi4py (opt-in in JAX too): those set the MAGIC_JAX_* variables.
+AUTO_CLUSTERS = ("ompi", "slurm", "gcetpu", "gketpu")
+COORDINATOR_ENV = "MAGIC_JAX_COORDINATOR"
+NUM_PROCESSES_ENV = "MAGIC_JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "MAGIC_JAX_PROCESS_ID"
 
-    Cloud TPU pods and SLURM/Open MPI GPU clusters are detected by jax itself;
-    ``MAGIC_JAX_COORDINATOR`` / ``MAGIC_JAX_NUM_PROCESSES`` / ``MAGIC_JAX_PROCESS_ID``
-    set the coordinator explicitly elsewhere.
+
+def explicit_distributed_args(environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+    """``jax.distributed.initialize``'s arguments from the ``MAGIC_JAX_*`` variables.
+
+    Returns:
+      None when none of the three is set; else the coordinator, process count and
+      id, with JAX's cluster detection off (the variables say everything).
+
+    Raises:
+      ValueError: one is missing or malformed, named.
+    """
+    names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
+    given = {n: environ.get(n, "").strip() for n in names}
+    if not any(given.values()):
+        return None
+    for n in names:
+        if not given[n]:
+            have = [m for m in names if given[m]]
+            raise ValueError(
+                f"{n} is not set but {' and '.join(have)} {'is' if len(have) == 1 else 'are'}: "
+                f"a multi-host run sets all three of {', '.join(names)}"
+            )
+    host, _, port = given[COORDINATOR_ENV].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{COORDINATOR_ENV} must be host:port (process 0's address, e.g. 10.0.0.2:8476), "
+            f"got {given[COORDINATOR_ENV]!r}"
+        )
+    count, index = given[NUM_PROCESSES_ENV], given[PROCESS_ID_ENV]
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{NUM_PROCESSES_ENV} must be a positive integer, got {count!r}")
+    if not index.isdigit() or int(index) >= int(count):
+        raise ValueError(
+            f"{PROCESS_ID_ENV} must be an integer in [0, {count}) ({NUM_PROCESSES_ENV} is "
+            f"{count}), got {index!r}"
+        )
+    return {
+        "coordinator_address": given[COORDINATOR_ENV],
+        "num_processes": int(count),
+        "process_id": int(index),
+        "cluster_detection_method": "deactivate",
+    }
+
+
+def detected_cluster() -> str | None:
+    """The name of the multi-process cluster JAX's detection finds here, else None.
+
+    JAX's order and rule (the first environment present wins), limited to
+    ``AUTO_CLUSTERS``; one that holds a single process (``srun -n 1``, a
+    one-host TPU VM such as v5litepod-8 or v6e-8) is no multi-host job. Off a TPU
+    VM (no TPU chip on the PCI bus) the TPU checks read no metadata server, so a
+    laptop or CPU run asks no network.
+    """
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.name in AUTO_CLUSTERS and not env.opt_in_only_method and env.is_env_present():
+            return env.name if env.get_process_count() > 1 else None
+    return None
+
+
+def maybe_initialize_distributed() -> bool:
+    """Starts ``jax.distributed`` on a multi-process job; returns whether this call did.
+
+    Explicit ``MAGIC_JAX_COORDINATOR`` / ``MAGIC_JAX_NUM_PROCESSES`` /
+    ``MAGIC_JAX_PROCESS_ID`` come first; else JAX's own detection of a
+    multi-host Cloud TPU VM slice, GKE TPU, SLURM or Open MPI job
+    (``detected_cluster``). A single-host TPU VM, a one-task job and a plain CPU
+    or GPU machine start nothing: one process needs no coordinator, and a second
+    run on the same VM would find the coordinator's port taken. Each process
+    prints one line at start, ``[distributed] process i of n (via ...): local
+    devices ...``. A second call (or one after jax was started elsewhere) does nothing.
+
+    Raises:
+      ValueError: a missing or malformed ``MAGIC_JAX_*`` variable, named.
     """
     if jax.distributed.is_initialized():
         return False
-    coordinator = os.environ.get("MAGIC_JAX_COORDINATOR")
-    if coordinator:
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=int(os.environ["MAGIC_JAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["MAGIC_JAX_PROCESS_ID"]),
-        )
-        return True
-    if os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
-        jax.distributed.initialize()
-        return True
-    return False
+    kwargs = explicit_distributed_args()
+    via = COORDINATOR_ENV
+    if kwargs is None:
+        via = detected_cluster()
+        if via is None:
+            return False
+        kwargs = {"cluster_detection_method": via}
+    jax.distributed.initialize(**kwargs)
+    devices = jax.local_devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    print(
+        f"[distributed] process {jax.process_index()} of {jax.process_count()} (via {via}): "
+        f"{len(devices)} local devices ({kinds}) ids {[d.id for d in devices]}",
+        flush=True,
+    )
+    return True
 
 
 def logical_to_spec(

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from magic_jax import interrupt, watchdog
 from magic_jax.rollout import engine_config
 from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
 from magic_jax.rollout.engine import Engine
@@ -137,6 +138,7 @@ class _Work:
     limits: np.ndarray
     queues: list[collections.deque]
     on_sample: Callable[[Sample], None] | None
+    ids: list[int] = dataclasses.field(default_factory=list)
     prefixes: dict[int, Prefix] = dataclasses.field(default_factory=dict)
     done: list[Sample] = dataclasses.field(default_factory=list)
     errors: list[BaseException] = dataclasses.field(default_factory=list)
@@ -203,6 +205,7 @@ class RolloutDriver:
         truncation: Truncation = "no_eos",
         profile: bool = False,
         on_sample: Callable[[Sample], None] | None = None,
+        prompt_indices: Sequence[int] | None = None,
     ) -> tuple[list[Sample], RolloutStats]:
         """Generates ``num_samples`` responses for each prompt.
 
@@ -219,6 +222,13 @@ class RolloutDriver:
             still decode (e.g. to submit it to a ``VerifierPool``); with several
             lanes, from their threads, one call at a time. An exception it raises
             ends the rollout.
+          prompt_indices: each prompt's index in the whole rollout it belongs to
+            (default 0, 1, ...): its samples' keys and ``Sample.prompt_index``. A
+            rollout resumed with only its unfinished groups passes their indices,
+            so each group draws what it would have drawn among all of them.
+
+        Raises:
+          interrupt.Interrupted: a stop was asked (checked before each decode chunk).
 
         Returns:
           (samples ordered by (prompt, sample), stats; with several lanes the
@@ -236,13 +246,19 @@ class RolloutDriver:
             (len(prompts), num_samples),
         )
         t_start = time.perf_counter()
+        ids = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+            raise ValueError(
+                f"prompt_indices: {len(prompts)} distinct indices needed, got {ids[:8]}..."
+            )
         k, order = self.lanes, [(p, j) for p in range(len(prompts)) for j in range(num_samples)]
         work = _Work(
             prompts=[np.asarray(p, np.int32).reshape(-1) for p in prompts],
             num_samples=num_samples,
             limits=limits,
-            queues=[collections.deque(e for e in order if e[0] % k == i) for i in range(k)],
+            queues=[collections.deque(e for e in order if ids[e[0]] % k == i) for i in range(k)],
             on_sample=on_sample,
+            ids=ids,
         )
         states = [s if s is not None else eng.init_decode_state() for s in self._states]
         self._states = [None] * self.lanes  # donated below; restored at the end
@@ -307,7 +323,8 @@ class RolloutDriver:
         whole_groups = eng.light_cpu_step and num_samples <= b_max
 
         def finish(pend: _Pending, slot: int):
-            sample = self._to_sample(pend, buffers.take(slot), prompts, eos, truncation)
+            parts = buffers.take(slot)
+            sample = self._to_sample(pend, parts, prompts, eos, truncation, work.ids[pend.p])
             slot_of[slot] = None
             work.finish(sample)
 
@@ -351,7 +368,7 @@ class RolloutDriver:
                     slots,
                     seed=seed,
                     step=step,
-                    prompt=p,
+                    prompt=work.ids[p],
                     samples=[jj for _, jj in entries],
                     max_new_tokens=[x.limit for x in pends],
                 )
@@ -389,6 +406,8 @@ class RolloutDriver:
                 attend = min(s_max, _round_up(longest + 1, cfg.cache_bucket))
             stats.host_s += time.perf_counter() - t0
 
+            interrupt.check("rollout")
+            watchdog.beat("decode chunk")
             td = time.perf_counter()
             state, outs, n = eng.generate_chunk(
                 params,
@@ -429,13 +448,14 @@ class RolloutDriver:
         prompts,
         eos: set[int],
         truncation: Truncation,
+        index: int,
     ) -> Sample:
         tokens, logp, ent, slp = parts
         hit_eos = len(tokens) > 0 and int(tokens[-1]) in eos
         length = len(tokens)
         truncated = not hit_eos if truncation == "no_eos" else length == pend.limit
         return Sample(
-            prompt_index=pend.p,
+            prompt_index=index,
             sample_index=pend.j,
             prompt_tokens=prompts[pend.p],
             tokens=tokens,
@@ -462,6 +482,7 @@ def make_driver(
     decode_layers: str | None = None,
     mesh: Any = None,
     lanes: int | None = None,
+    compact_batch: bool = True,
 ) -> RolloutDriver:
     """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
 
@@ -480,6 +501,7 @@ def make_driver(
       mesh: the device mesh (None: one device).
       lanes: decode lanes, each ``max_concurrent_decodes / lanes`` slots in its own
         thread (``RolloutDriver``); None: ``default_lanes``.
+      compact_batch: ``EngineConfig.compact_batch``.
     """
     from magic_jax.rollout.engine import EngineConfig
 
@@ -500,6 +522,7 @@ def make_driver(
         kv_dtype=kv_dtype,
         decode_attention=decode_attention,
         decode_layers=decode_layers,
+        compact_batch=compact_batch,
     )
     return RolloutDriver(Engine(model, config, mesh=mesh), lanes=lanes)
 

@@ -180,6 +180,12 @@ class RolloutConfig:
         divide ``max_concurrent_decodes``. null: the platform's measured default (2 on
         CPU with 2+ cores, 16+ slots and a light decode step, as the embedded
         default's; else 1: ``driver.default_lanes``).
+      compact_batch: once no request waits, decode only the live rows in a smaller
+        batch (``EngineConfig.compact_batch``). XLA's CPU products round a row with
+        its batch size (below 64 rows here), so a step's rollout that resumes with
+        only its unfinished groups is bit-identical to the uninterrupted one only
+        with ``false``; with ``true`` the resumed groups draw with the same keys and
+        differ in the last bits of their log-probs (docs/training.md).
     """
 
     max_concurrent_decodes: int = 64
@@ -192,6 +198,7 @@ class RolloutConfig:
     decode_attention: Literal["ragged", "dense"] | None = None
     decode_layers: Literal["scan", "split"] | None = None
     lanes: int | None = None
+    compact_batch: bool = True
 
     def __post_init__(self):
         if self.lanes is not None and (self.lanes < 1 or self.max_concurrent_decodes % self.lanes):

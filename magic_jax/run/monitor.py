@@ -286,25 +286,33 @@ class Monitor:
 
     def _upload_events(self) -> None:
         from magic_jax import storage
+        from magic_jax.run.runlock import check_fence
 
+        check_fence("TensorBoard event files")
         fs = storage.gcs_fs()
         for f in sorted(self._tb_local.iterdir()):
             fs.put_file(str(f), str(self.out / f.name))
 
     def close(self) -> None:
-        if self.primary:
-            self.flush()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            if self._tb_local is not None:
-                import shutil
+        # the writer, the local event folder and the bar are closed even when the final
+        # upload is refused (a lost run lock: ``LockLost`` propagates)
+        try:
+            if self.primary:
+                self.flush()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+                if self._tb_local is not None:
+                    import shutil
 
-                self._upload_events()
-                shutil.rmtree(self._tb_local, ignore_errors=True)
-                self._tb_local = None
-        if self._progress is not None:
-            self._progress.close()
+                    try:
+                        self._upload_events()
+                    finally:
+                        shutil.rmtree(self._tb_local, ignore_errors=True)
+                        self._tb_local = None
+            if self._progress is not None:
+                self._progress.close()
 
     def __enter__(self) -> Monitor:
         return self
@@ -320,7 +328,7 @@ class Records:
     whole or absent. On GCS the rows are kept here (with those the file held
     when opened) and the file is rewritten, in one upload, when ``flush`` is
     called (``Monitor`` does so every ``GCS_FLUSH_S`` seconds and before each
-    checkpoint).
+    checkpoint). Every write is fenced by the run lock (``runlock.check_fence``).
     """
 
     def __init__(self, path: Any):
@@ -337,6 +345,9 @@ class Records:
     def append(self, row: Mapping[str, Any]) -> None:
         line = json.dumps(row) + "\n"
         if not self.remote:
+            from magic_jax.run.runlock import check_fence
+
+            check_fence(self.path.name)
             with open(self.path, "a") as f:
                 f.write(line)
             return
@@ -344,8 +355,15 @@ class Records:
         self._dirty = True
 
     def flush(self) -> None:
+        """Rewrites the file on GCS (fenced: nothing is written once the run lock is lost).
+
+        Raises:
+          LockLost: this process no longer holds its run lock (``runlock.check_fence``).
+        """
         if self.remote and self._dirty:
             from magic_jax import storage
+            from magic_jax.run.runlock import check_fence
 
+            check_fence(self.path.name, server=True)
             storage.write_text(self.path, "".join(self._lines))
             self._dirty = False

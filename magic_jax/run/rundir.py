@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from magic_jax import storage
+from magic_jax import interrupt, storage
 
 MARKER = ".magic-jax-run"
 LOCK = ".lock"
@@ -124,7 +124,18 @@ def now() -> str:
 
 
 def _write_atomic(path: Any, text: str) -> None:
-    """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file).
+
+    Fenced: a process whose run lock on Cloud Storage is lost, or may be, writes
+    nothing (``runlock.check_fence``, which asks the lock object first: these are
+    the writes that make records, configs and checkpoints count).
+
+    Raises:
+      LockLost: this process no longer holds its run lock.
+    """
+    from magic_jax.run.runlock import check_fence  # runlock imports this module
+
+    check_fence(Path(str(path)).name, server=True)
     storage.write_text(path, text)
 
 
@@ -134,8 +145,10 @@ def _write_atomic(path: Any, text: str) -> None:
 class StopSignals:
     """SIGINT / SIGTERM set a flag instead of ending the process, while installed.
 
-    The loop reads ``received`` at its safe points (after a step, before the
-    next), writes a checkpoint and returns. A second signal of either kind
+    The flag is ``interrupt.request``'s: the rollout stops at its next decode
+    chunk and the update at its next optimizer step (``interrupt.Interrupted``),
+    and between steps the loop reads ``received``, writes a checkpoint and
+    returns. A second signal of either kind
     while the first is pending ends the process at once (exit status 128 +
     signal), for a user who does not want to wait for the step to finish.
     Only the main thread can install handlers; elsewhere this does nothing.
@@ -152,9 +165,14 @@ class StopSignals:
             stderr_line(f"[stop] {name} again: stopping now, without a checkpoint\n")
             os._exit(STOP_EXIT_CODES.get(signal.Signals(signum), 128 + signum))
         self.received = signum
-        stderr_line(f"[stop] {name}: stopping after this step with a checkpoint (again: at once)\n")
+        interrupt.request(signum)
+        stderr_line(
+            f"[stop] {name}: stopping at the next decode chunk or optimizer step; finished "
+            "groups and the last checkpoint are kept (again: at once)\n"
+        )
 
     def __enter__(self) -> StopSignals:
+        interrupt.clear()
         if threading.current_thread() is threading.main_thread():
             for s in STOP_EXIT_CODES:
                 self._old[s] = signal.signal(s, self._handle)
@@ -164,6 +182,7 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
+        interrupt.clear()
 
 
 def stderr_line(text: str) -> None:

@@ -1,13 +1,27 @@
 """The run directory's lock for the life of a run: an flock locally, a renewed lease
-object on Cloud Storage; ``run_directory`` claims the directory and locks it."""
+object on Cloud Storage; ``run_directory`` claims the directory and locks it.
+
+On Cloud Storage no two processes may write as holders at once, whatever their
+wall clocks say. Every write of the lease object is conditional on the
+generation last seen; a waiter counts a lease as ended only when the object's
+generation has not changed for a whole lease on the waiter's own monotonic
+clock, started when it first read that generation; the holder stops writing
+earlier than that: a lease less a margin after it sent its last renewal that
+succeeded, on its own monotonic clock. ``check_fence`` is that stop: the run's
+writes call it first, and it raises ``LockLost`` (exit status 75) once the
+lease may have ended or another process owns the object (``GcsRunLock`` says
+how, and what a fence cannot cover).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -80,61 +94,137 @@ LEASE_ENV = "MAGIC_JAX_LOCK_LEASE_S"
 
 LEASE_S = 120.0
 
+# A holder stops writing this fraction of a lease before the earliest moment another
+# process could take its lease: room for a write already past the fence to land, and for
+# the two machines' monotonic clocks to run at slightly different rates.
+MARGIN = 0.25
 
-# Exit status of a process that lost its run lock (another process took the run over).
+# Exit status of a process that lost its run lock (another process took the run over, or
+# its lease could not be renewed in time): EX_TEMPFAIL, "try again later".
 LOST_LOCK_EXIT = 75
+
+
+class LockLost(RunDirError):
+    """This process no longer holds its run lock (taken over, or its lease may have ended):
+    it must write nothing more into the run directory; commands exit with status 75."""
+
+
+# The lease this process holds (``GcsRunLock`` while held; the fence reads it).
+_held: GcsRunLock | None = None
+
+
+def check_fence(what: str, *, server: bool = False) -> None:
+    """Refuses a write into the run directory when this process's lease may have ended.
+
+    Call it right before each write: records, summary, config, a checkpoint's
+    manifest, the export. Without a lease held here (a local ``flock`` lock,
+    the other processes of a multi-host run, tests) it does nothing.
+
+    Args:
+      what: what is about to be written (for the message).
+      server: also read the lock object (one small GET) and check that this
+        holder still owns it: for the writes that make something count (a
+        checkpoint's manifest, the export, the summary).
+
+    Raises:
+      LockLost: another process took the run over, or this one could not renew
+        its lease in time; the message names the directory and ``what``.
+    """
+    lock = _held
+    if lock is not None:
+        lock.check(what, server=server)
 
 
 class GcsRunLock:
     """The run lock of a ``gs://`` run directory: a lease held in the object ``DIR/.lock``.
 
-    The object is created only if absent (a generation precondition), and holds
-    the owner (a random id, pid, host, start time) and when its lease ends. A
+    The object holds the owner (a random token, pid, host, start time) and the
+    lease length. It is created only if absent (``ifGenerationMatch=0``); a
     thread renews it every third of the lease, each write conditional on the
-    generation it wrote last. When that condition fails, another process has
-    taken the run over: this one stops at once (exit status 75) without
-    writing anything more. A dead owner cannot renew, so its lease lapses.
+    generation this holder wrote last, so after a takeover every write of the
+    old holder fails.
 
-    Acquiring a held lock watches it: a holder that renews is alive and the
-    new run is refused (within a third of the lease); a lease that lapses
-    unrenewed (a killed or preempted run) is taken over with a condition on
-    the generation seen, so of two runs racing for it one wins. A resume after
-    ``kill -9`` therefore waits at most one lease (``MAGIC_JAX_LOCK_LEASE_S``,
-    default 120 s); a run stopped by a signal releases the lock at once.
+    Expiry is judged without comparing wall clocks. A waiter reads the object
+    and notes the generation and the time it read it on its own monotonic
+    clock; that read returned after the generation was written, so after the
+    writer had sent it. If the generation is the same a lease later (by the
+    waiter's clock), the holder has not renewed for at least a lease, and the
+    waiter takes over with a write conditional on that generation (of two
+    waiters, one wins). A new generation while it waits means the holder is
+    alive: the new run is refused (within a third of the lease). A skewed wall
+    clock changes none of this.
+
+    The holder, for its part, stops writing a lease less ``MARGIN`` after it
+    sent its last renewal that succeeded (its own monotonic clock), which is
+    before any waiter can have watched that generation for a lease:
+    ``check_fence`` raises ``LockLost`` from then on, and the renewal thread
+    ends the process with status 75. It does the same at once when a renewal
+    finds another owner in the object. A renewal that reached the server but
+    whose reply was lost comes back 412 on the retry; an object that still
+    names this owner is then this holder's own write, not a takeover.
+
+    What it cannot stop: a write that passed the fence and is still in flight
+    (or a process paused between the fence and its write for longer than the
+    margin) may land after a takeover. ``check_fence(..., server=True)`` right
+    before a commit-point write narrows that to the write itself.
+
+    A resume after ``kill -9`` waits one lease (``MAGIC_JAX_LOCK_LEASE_S``,
+    default 120 s); a run that ends normally or on a signal deletes the object.
+
+    Args:
+      path: the run directory (``gs://...``).
+      lease_s: the lease length (default ``$MAGIC_JAX_LOCK_LEASE_S`` or 120).
+      exit_on_loss: end the process (status 75) when the lock is lost; tests
+        that hold a lock in their own process pass False (``check_fence`` raises).
 
     Raises (on enter):
       RunDirError: another live run holds the lock; the message names it.
     """
 
-    def __init__(self, path: Any, *, lease_s: float | None = None):
+    def __init__(self, path: Any, *, lease_s: float | None = None, exit_on_loss: bool = True):
         self.uri = str(path).rstrip("/") + "/" + LOCK
         self.lease_s = float(lease_s or os.environ.get(LEASE_ENV) or LEASE_S)
+        self.exit_on_loss = exit_on_loss
         self._owner = f"{os.getpid()}-{os.urandom(6).hex()}"
         self._generation: int | None = None
         self._since = now()
+        # monotonic send time of the last write known to hold (the lease runs from it),
+        # and of the first write sent since then whose outcome is not known
+        self._renewed_at = -math.inf
+        self._unconfirmed_since: float | None = None
+        self._lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def _dir(self) -> str:
+        return self.uri.rsplit("/", 1)[0]
+
+    def _deadline(self) -> float:
+        """Monotonic time after which this holder writes nothing more."""
+        return self._renewed_at + self.lease_s * (1 - MARGIN)
 
     def _blob(self) -> Any:
         bucket, key = storage.split(self.uri)
         return storage.client().bucket(bucket).blob(key)
 
     def _body(self) -> bytes:
-        import time
-
         return json.dumps({
             "owner": self._owner,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "since": self._since,
+            "lease_s": self.lease_s,
+            # for people (and older versions); expiry is never judged by a wall clock here
             "expires": time.time() + self.lease_s,
         }).encode()  # fmt: skip
 
-    def _read(self) -> tuple[int | None, dict[str, Any]]:
+    def _read(self, timeout: float | None = None) -> tuple[int | None, dict[str, Any]]:
         """(generation, holder) of the lock object; (None, {}) when there is none."""
         blob = self._blob()
+        kw = {} if timeout is None else {"timeout": timeout, "retry": None}
         try:
-            data = blob.download_as_bytes()
+            data = blob.download_as_bytes(**kw)
         except Exception as e:
             if getattr(e, "code", None) == 404:
                 return None, {}
@@ -145,71 +235,124 @@ class GcsRunLock:
             holder = {}
         return blob.generation, holder if isinstance(holder, dict) else {}
 
-    def _write(self, if_generation: int) -> bool:
+    def _write(self, if_generation: int, timeout: float | None = None) -> bool:
         """Writes this owner's lease if the object's generation is ``if_generation`` (0:
-        absent); False when another process changed it first."""
+        absent); False when another process changed it first.
+
+        ``timeout`` bounds the one request (no retries: the renewal thread retries);
+        without it the client's retries apply.
+        """
         import google.api_core.exceptions as gex
 
+        sent = time.monotonic()
+        if self._unconfirmed_since is None:
+            self._unconfirmed_since = sent
         blob = self._blob()
+        kw = {} if timeout is None else {"timeout": timeout, "retry": None}
         try:
-            blob.upload_from_string(self._body(), if_generation_match=if_generation)
+            blob.upload_from_string(self._body(), if_generation_match=if_generation, **kw)
         except gex.PreconditionFailed:
-            return False
-        self._generation = blob.generation
+            # A write of ours whose reply was lost may have landed: its retry sees 412 on
+            # an object that names this owner. Its lease runs from the earliest send.
+            gen, holder = self._read(timeout)
+            if gen is None or holder.get("owner") != self._owner:
+                return False
+            self._generation, self._renewed_at = gen, self._unconfirmed_since
+            self._unconfirmed_since = None
+            return True
+        # this request succeeded on the generation we last wrote: no earlier send landed
+        self._generation, self._renewed_at = blob.generation, sent
+        self._unconfirmed_since = None
         return True
 
     def acquire(self) -> None:
-        import time
-
-        seen: int | None = None
-        deadline: float | None = None
+        global _held
+        seen: tuple[int, float] | None = None  # generation, monotonic time first read
         while True:
             gen, holder = self._read()
+            read_at = time.monotonic()  # after the reply: after the holder sent that write
             if gen is None:
                 if self._write(0):
                     break
                 continue
-            if gen != seen and seen is not None:
+            if seen is not None and gen != seen[0]:
                 raise RunDirError(
-                    f"{self.uri.rsplit('/', 1)[0]}: another run is using this directory "
+                    f"{self._dir}: another run is using this directory "
                     f"({_holder(holder)}; it renewed its lease while this one waited)"
                 )
-            expires = float(holder.get("expires") or 0)
-            if time.time() >= expires:
-                if self._write(gen):
-                    break
-                seen, deadline = None, None
-                continue
+            lease = max(self.lease_s, _number(holder.get("lease_s")))
             if seen is None:
-                seen, deadline = gen, expires
+                seen = (gen, read_at)
                 stderr_line(
                     f"[lock] {self.uri} is held ({_holder(holder)}); waiting up to "
-                    f"{max(0.0, expires - time.time()):.0f} s to see whether its owner is alive\n"
+                    f"{lease:.0f} s to see whether its owner is alive\n"
                 )
-            time.sleep(min(max(0.2, self.lease_s / 12), max(0.05, deadline - time.time())))
+            elif read_at - seen[1] >= lease:
+                if self._write(gen):
+                    break
+                seen = None  # another waiter won the race: watch the new owner
+                continue
+            time.sleep(min(max(0.05, lease / 12), max(0.05, seen[1] + lease - read_at)))
         self._thread = threading.Thread(target=self._renew, name="run-lock-lease", daemon=True)
         self._thread.start()
+        _held = self
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            try:
-                ok = self._write(self._generation)
-            except Exception as e:
-                stderr_line(f"[lock] {self.uri}: could not renew the lease ({type(e).__name__})\n")
-                continue
-            if not ok and not self._stop.is_set():
-                stderr_line(
-                    f"[lock] {self.uri}: another process took over this run; stopping now "
-                    f"without writing more\n"
-                )
+    def check(self, what: str, *, server: bool = False) -> None:
+        """``check_fence`` for this lock."""
+        if self._lost is None and server:
+            gen, holder = self._read()
+            if gen is None or holder.get("owner") != self._owner:
+                self._lost = "another process took over this run"
+        if self._lost is None and time.monotonic() >= self._deadline():
+            self._lost = f"its lease was not renewed within {self.lease_s * (1 - MARGIN):.0f} s"
+        if self._lost is not None:
+            raise LockLost(
+                f"{self._dir}: not writing {what}: this process no longer holds the run lock "
+                f"({self._lost}); stopping (exit status {LOST_LOCK_EXIT})"
+            )
+
+    def _lose(self, reason: str) -> None:
+        self._lost = reason
+        if not self._stop.is_set():
+            stderr_line(f"[lock] {self.uri}: {reason}; stopping now without writing more\n")
+            if self.exit_on_loss:
                 os._exit(LOST_LOCK_EXIT)
 
+    def _renew(self) -> None:
+        retry_s = max(0.05, self.lease_s / 12)
+        due = self._renewed_at + self.lease_s / 3
+        while self._lost is None:
+            if self._stop.wait(max(0.0, min(due, self._deadline()) - time.monotonic())):
+                return
+            left = self._deadline() - time.monotonic()
+            if left <= 0:
+                self._lose(
+                    f"could not renew the lease for {self.lease_s * (1 - MARGIN):.0f} s "
+                    f"(it may be taken over)"
+                )
+                return
+            try:
+                ok = self._write(self._generation, timeout=max(0.5, min(left, self.lease_s / 3)))
+            except Exception as e:
+                stderr_line(f"[lock] {self.uri}: could not renew the lease ({type(e).__name__})\n")
+                due = time.monotonic() + retry_s
+                continue
+            if not ok:
+                self._lose("another process took over this run")
+                return
+            due = self._renewed_at + self.lease_s / 3
+
     def release(self) -> None:
+        global _held
+        if _held is self:
+            _held = None
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
+        if self._lost is not None:
+            return  # another process owns the object now
         with contextlib.suppress(Exception):  # gone or taken over: nothing of ours to delete
             self._blob().delete(if_generation_match=self._generation)
 
@@ -223,6 +366,13 @@ class GcsRunLock:
 
 def _holder(h: Mapping[str, Any]) -> str:
     return f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')}"
+
+
+def _number(x: Any) -> float:
+    try:
+        return max(0.0, float(x))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 @contextlib.contextmanager

@@ -134,6 +134,7 @@ class Trainer:
             decode_layers=cfg.rollout.decode_layers,
             mesh=self.mesh,
             lanes=cfg.rollout.lanes,
+            compact_batch=cfg.rollout.compact_batch,
         )
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:

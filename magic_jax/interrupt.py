@@ -1,0 +1,52 @@
+"""A stop asked of the running job, seen where the work can stop: between decode chunks
+and between optimizer steps, not only between training steps.
+
+``rundir.StopSignals`` (SIGINT, SIGTERM) calls ``request``; the rollout driver and
+the updater call ``check`` at each chunk / mini-batch, which raises ``Interrupted``
+once a stop was asked. Nothing is lost by stopping there: a step's finished groups
+are already on disk (``rollout.partial``) and the last checkpoint is whole, so the
+trainer catches ``Interrupted``, waits for the writes in flight and exits with the
+signal's status; the resumed run redoes only what was not finished.
+
+A module-level flag (one per process), as a signal handler needs: setting it is
+a plain store, safe in a handler, and reading it costs a load.
+"""
+
+from __future__ import annotations
+
+_requested = 0
+
+
+class Interrupted(Exception):
+    """A stop was asked (``signum``) while ``where`` was running."""
+
+    def __init__(self, signum: int, where: str):
+        super().__init__(f"stop asked (signal {signum}) during {where}")
+        self.signum = signum
+        self.where = where
+
+
+def request(signum: int) -> None:
+    """Asks the job to stop at its next check (from a signal handler or any thread)."""
+    global _requested
+    _requested = int(signum) or 1
+
+
+def requested() -> int:
+    """The signal number of the pending stop, or 0."""
+    return _requested
+
+
+def clear() -> None:
+    global _requested
+    _requested = 0
+
+
+def check(where: str) -> None:
+    """Raises ``Interrupted`` when a stop is pending.
+
+    Raises:
+      Interrupted: a stop was asked; ``where`` names the work it stopped.
+    """
+    if _requested:
+        raise Interrupted(_requested, where)
