@@ -147,19 +147,23 @@ def test_an_interrupted_save_is_set_aside_and_retention_keeps_a_verified_one(tmp
     ckpts = TrainCheckpoints(tmp_path, keep=1)
     ckpts.save(1, _state(1), _meta(1))
     ckpts.save(2, _state(2), _meta(2))
+    ckpts.wait()  # saves are asynchronous: the manifest is written once orbax commits
     # as if killed between orbax's commit and the manifest
     (tmp_path / "checkpoints" / "step_00000002" / MANIFEST).unlink()
     ckpts.save(3, _state(3), _meta(3))
+    ckpts.wait()
     # keep=1 counts the newest (3, its manifest written after this choice); the newest
     # verified one (1: 2 has no manifest) stays until a newer one is verified
     assert [s for s, _ in step_dirs(tmp_path)] == [1, 3]
     ckpts.save(4, _state(4), _meta(4))
+    ckpts.wait()
     assert [s for s, _ in step_dirs(tmp_path)] == [3, 4]
     ckpts.close()
     out = tmp_path / "b"
     ckpts = TrainCheckpoints(out, keep=1)
     ckpts.save(1, _state(1), _meta(1))
     ckpts.save(2, _state(2), _meta(2))
+    ckpts.wait()
     (out / "checkpoints" / "step_00000002" / MANIFEST).unlink()
     lines = []
     assert latest_good_checkpoint(out, log=lines.append, set_aside=True).name == "step_00000001"

@@ -91,6 +91,7 @@ def collect_groups(
     truncation: str = "no_eos",
     on_sample: Callable[[Any], None] | None = None,
     per_host: bool = False,
+    saved: Any = None,
 ) -> Collected:
     """One step's rollouts: round 0, then (with ``refill``) further rounds until D_R
     groups are mixed, each sampled and scored by ``scoring.score_groups``.
@@ -107,6 +108,8 @@ def collect_groups(
       seed / step: the sampling keys; refill round r draws with
         ``seed + 7919 * r``, apart from round 0's prompts of the same indices.
       refill: sample further rounds while fewer than D_R groups are mixed.
+      saved: a ``partial.StepStore``: each round loads the groups saved by an earlier
+        attempt at this step and saves those it finishes (``score_groups``' store).
 
     Returns:
       ``select_groups``' result, with the driver's stats of every round and the
@@ -127,6 +130,7 @@ def collect_groups(
             truncation=truncation,
             on_sample=on_sample,
             per_host=per_host,
+            store=None if saved is None else saved.round(r),
         )
         stats.append(st)
         waits.append(wait)

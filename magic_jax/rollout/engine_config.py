@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Any
 
 import jax
 
@@ -203,3 +205,37 @@ LIGHT_COMPACT_FRACTION = 4
 def default_layer_unroll(platform: str | None = None) -> int | bool:
     """The decode loop's layer unroll for ``platform`` (default: jax's default backend)."""
     return LAYER_UNROLL_DEFAULT.get(platform or jax.default_backend(), 1)
+
+
+# Measured default decode lanes per platform, where the work allows (``default_lanes``).
+# CPU, 2-core Intel Xeon:
+# - the default run's evaluation (256 prompts x 8 samples, T 64, 128 slots of the shipped
+#   0.74M model): one lane 3.36-3.50 s, two lanes of 64 slots 2.22-2.44 s (1.42-1.57x).
+#   Such a decode step is bound by XLA's per-op cost on one core; a second lane runs on
+#   the second core.
+# - benchmarks/rollout.py W1 (57.7M model, 32 slots): one lane 791 tok/s, two lanes of 16
+#   slots 624 (0.79x): its matmuls already run on both cores.
+# So lanes split only a light step: a lane's matmul work per decode step (2 x
+# parameters x its slots) at most ``LIGHT_STEP_FLOPS``. Accelerators keep
+# one lane.
+DECODE_LANES_DEFAULT: dict[str, int] = {"cpu": 2}
+
+
+def default_lanes(max_concurrent_decodes: int, mesh: Any = None, num_params: int = 0) -> int:
+    """Decode lanes for a driver of ``max_concurrent_decodes`` slots of a model of
+    ``num_params`` parameters: the platform's ``DECODE_LANES_DEFAULT``, at most the cores
+    this process may use, and 1 over a mesh of several devices, where a lane would hold
+    fewer than 8 slots (or the slots do not divide) or a lane's decode step would do more
+    than ``LIGHT_STEP_FLOPS`` of matmuls."""
+    if mesh is not None and mesh.devices.size > 1:
+        return 1
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lanes = min(DECODE_LANES_DEFAULT.get(platform, 1), cores or 1)
+    while lanes > 1 and (
+        max_concurrent_decodes % lanes
+        or max_concurrent_decodes // lanes < 8
+        or not light_step(num_params, max_concurrent_decodes // lanes)
+    ):
+        lanes -= 1
+    return lanes

@@ -86,6 +86,7 @@ def score_groups(
     on_sample: Callable[[Any], None] | None = None,
     keep_texts: bool = False,
     per_host: bool = False,
+    store: Any = None,
 ) -> tuple[list[Group], Any, float]:
     """Samples ``num_samples`` responses to each row and verifies them.
 
@@ -104,6 +105,10 @@ def score_groups(
       keep_texts: keep the decoded responses in ``Group.texts``.
       per_host: ``rows`` is this process's slice of the step's prompts in a
         multi-host run (see ``_gather``).
+      store: a ``partial.RoundStore``: the groups saved there are loaded instead of
+        decoded (every host must find the same ones), and each group decoded here is
+        written there once its G results are in (with a ``VerifierPool``; the
+        in-thread verifier scores at the end, without saving).
 
     Returns:
       (one group per row, in order; the driver's ``RolloutStats``; seconds spent
@@ -126,35 +131,74 @@ def score_groups(
     if per_host:
         ids, first, labels = _gather(rows, ids)
     mine = range(first, first + len(rows))
+    done: dict[int, tuple] = {}
+    if store is not None:
+        uids = [getattr(label, "uid", str(p)) for p, label in enumerate(labels)]
+        done = store.load(uids, group_size=num_samples)
+        if per_host:
+            done = _agree(done, len(ids))
+    todo = [p for p in range(len(ids)) if p not in done]
     tickets: dict[tuple[int, int], int] = {}
     texts: dict[tuple[int, int], str] = {}
+    saver = _Saver(pool, store) if store is not None and not isinstance(pool, _InProcess) else None
+    finished: dict[int, list[Any]] = {}
 
     def submit(s: Any) -> None:
-        if s.prompt_index in mine:  # in a multi-host run the other hosts score theirs
+        p = s.prompt_index
+        if p in mine:  # in a multi-host run the other hosts score theirs
             text = tokenizer.decode(s.tokens, skip_special_tokens=True)
-            item = RewardItem.from_row(rows[s.prompt_index - first].as_verl_row(), text)
-            tickets[s.prompt_index, s.sample_index] = pool.submit(item)
+            item = RewardItem.from_row(rows[p - first].as_verl_row(), text)
+            tickets[p, s.sample_index] = pool.submit(item)
             if keep_texts:
-                texts[s.prompt_index, s.sample_index] = text
+                texts[p, s.sample_index] = text
+            if saver is not None:
+                group = finished.setdefault(p, [])
+                group.append(s)
+                if len(group) == num_samples:
+                    group.sort(key=lambda x: x.sample_index)
+                    keys = [(p, x.sample_index) for x in group]
+                    saver.add(p, labels[p].uid, finished.pop(p), [tickets[k] for k in keys],
+                              [texts[k] for k in keys] if keep_texts else None)  # fmt: skip
         if on_sample is not None:
             on_sample(s)
 
-    samples, stats = driver.run(
-        params,
-        ids,
-        num_samples=num_samples,
-        seed=seed,
-        step=step,
-        max_new_tokens=max_new_tokens,
-        truncation=truncation,
-        on_sample=submit,
-    )
+    limits = max_new_tokens
+    if limits is not None and np.ndim(limits) == 2:
+        limits = np.asarray(limits)[todo]
+    try:
+        samples, stats = driver.run(
+            params,
+            [ids[p] for p in todo],
+            num_samples=num_samples,
+            seed=seed,
+            step=step,
+            max_new_tokens=limits,
+            truncation=truncation,
+            on_sample=submit,
+            prompt_indices=todo,
+        )
+    finally:
+        if saver is not None:
+            saver.close()  # the groups finished so far are written, even on a stop
     t0 = time.perf_counter()
     local = [s for s in samples if s.prompt_index in mine]
-    results = pool.collect([tickets[s.prompt_index, s.sample_index] for s in local])
+    keys = [(s.prompt_index, s.sample_index) for s in local]
+    got = {} if saver is None else saver.results
+    rest = [k for k in keys if k not in got]
+    got.update(zip(rest, pool.collect([tickets[k] for k in rest])))
+    results = [got[k] for k in keys]
     wait = time.perf_counter() - t0
     if per_host:
         results = _share_results(samples, local, results)
+    for p, (old, old_results, old_texts) in done.items():
+        samples = samples + old
+        results = results + old_results
+        if keep_texts and old_texts is not None:
+            texts.update({(p, j): t for j, t in enumerate(old_texts)})
+    order = sorted(
+        range(len(samples)), key=lambda i: (samples[i].prompt_index, samples[i].sample_index)
+    )
+    samples, results = [samples[i] for i in order], [results[i] for i in order]
     by_prompt: dict[int, list[int]] = {}
     for i, s in enumerate(samples):  # samples come ordered by (prompt, sample)
         by_prompt.setdefault(s.prompt_index, []).append(i)
@@ -171,6 +215,55 @@ def score_groups(
             )
         )
     return groups, stats, wait
+
+
+class _Saver:
+    """Writes each finished group to a ``RoundStore`` once its G results are in, from a
+    thread of its own (it waits on the verifier pool); ``results`` keeps them for the
+    caller, which collects only the rest."""
+
+    def __init__(self, pool: Any, store: Any):
+        import queue
+        import threading
+
+        self.pool, self.store = pool, store
+        self.results: dict[tuple[int, int], Any] = {}
+        self.errors: list[BaseException] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="rollout-saver", daemon=True)
+        self._thread.start()
+
+    def add(self, p: int, uid: str, samples: list, tickets: list[int], texts: Any) -> None:
+        self._queue.put((p, uid, samples, tickets, texts))
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            p, uid, samples, tickets, texts = item
+            try:
+                results = self.pool.collect(tickets)
+            except BaseException as e:  # the pool's own error: re-raised by close()
+                self.errors.append(e)
+                continue
+            self.results.update({(p, s.sample_index): r for s, r in zip(samples, results)})
+            self.store.put(p, uid, samples, results, texts)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.store.close()
+        if self.errors:
+            raise self.errors[0]
+
+
+def _agree(done: dict[int, tuple], n: int) -> dict[int, tuple]:
+    """The saved groups every host found (a host that could not read one decodes it, so all
+    must)."""
+    from magic_jax import distributed
+
+    mask = np.zeros(n, np.int32)
+    mask[list(done)] = 1
+    every = np.stack(distributed.allgather_ragged([mask], np.int32)).min(axis=0)
+    return {p: g for p, g in done.items() if every[p]}
 
 
 def _gather(rows: Sequence[Any], ids: list[np.ndarray]) -> tuple[list[np.ndarray], int, list]:

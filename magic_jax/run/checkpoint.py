@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -433,6 +434,8 @@ class TrainCheckpoints:
         self.root = self.out / CHECKPOINTS
         self.keep = keep
         self._manager = None
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def _mgr(self):
         if self._manager is None:
@@ -444,7 +447,7 @@ class TrainCheckpoints:
                 preservation_policy=_KeepNewest(self.keep, self.root),
                 create=True,
                 cleanup_tmp_directories=True,  # what a killed save left behind
-                enable_async_checkpointing=False,
+                enable_async_checkpointing=True,  # ``save`` returns once off the devices
             )
             self._manager = ocp.CheckpointManager(self.root, options=options, item_names=("state",))
         return self._manager
@@ -452,25 +455,54 @@ class TrainCheckpoints:
     def save(
         self, step: int, state: Any, meta: Mapping[str, Any], model_config: Any = None
     ) -> Path:
-        """Writes checkpoint ``step``: the state (orbax), ``trainer.json``, the model config,
-        then the manifest that makes it count."""
-        import jax
+        """Starts checkpoint ``step``: the state (orbax, asynchronously), then, in a thread
+        once orbax committed it, ``trainer.json``, the model config and the manifest that
+        makes it count. Returns once the state is off the devices (it may then be donated);
+        the previous checkpoint's writes finish first (raising what they raised), and
+        ``wait`` / ``close`` wait for this one's."""
         import orbax.checkpoint as ocp
 
-        from magic_jax.run.rundir import kill_point
-
+        self.wait()
         mgr = self._mgr()
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
-        mgr.wait_until_finished()
         path = self.root / f"step_{step:08d}"
-        kill_point("checkpoint", step)
-        if jax.process_index() == 0:
-            _write_atomic(path / TRAINER_STATE, json.dumps(dict(meta)))
-            if model_config is not None:
-                cfg = dataclasses.asdict(model_config)
-                _write_atomic(path / CONFIG_FILE, json.dumps(cfg, indent=2))
-            write_manifest(path)
+        self._pending = threading.Thread(
+            target=self._finish,
+            args=(mgr, step, path, dict(meta), model_config),
+            name=f"checkpoint-{step}",
+            daemon=True,
+        )
+        self._pending.start()
         return path
+
+    def _finish(self, mgr, step: int, path: Path, meta: dict, model_config: Any) -> None:
+        import jax
+
+        from magic_jax import watchdog
+        from magic_jax.run.rundir import kill_point
+
+        try:
+            mgr.wait_until_finished()
+            kill_point("checkpoint", step)
+            if jax.process_index() == 0:
+                _write_atomic(path / TRAINER_STATE, json.dumps(meta))
+                if model_config is not None:
+                    cfg = dataclasses.asdict(model_config)
+                    _write_atomic(path / CONFIG_FILE, json.dumps(cfg, indent=2))
+                write_manifest(path)
+            watchdog.beat("checkpoint")
+        except BaseException as e:  # re-raised by the next save, wait or close
+            self._error = e
+
+    def wait(self) -> None:
+        """Waits until the newest checkpoint is whole (manifest included); raises what its
+        writes raised."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
 
     def restore(self, state: Any, path: str | os.PathLike) -> Any:
         """The train state of checkpoint ``path``, placed like ``state`` (a live or abstract
@@ -497,6 +529,10 @@ class TrainCheckpoints:
         return got["state"]
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
+        """Waits for the checkpoint being written (raising what it raised), closes orbax."""
+        try:
+            self.wait()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None

@@ -387,7 +387,13 @@ class TrainConfig:
         if self.watchdog_s is not None and (
             isinstance(self.watchdog_s, bool) or not self.watchdog_s > 0
         ):
-            raise ValueError(f"watchdog_s must be a positive number of seconds or null, got {self.watchdog_s!r}")
+            raise ValueError(
+                f"watchdog_s must be a positive number of seconds or null, got {self.watchdog_s!r}"
+            )
+        if self.profile_steps is not None:
+            from magic_jax.run.profile import parse_profile_steps
+
+            parse_profile_steps(self.profile_steps)  # "A:B", named profile_steps
         if self.num_reuse <= 0:
             raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
         for i, st in enumerate(self.stages):

@@ -39,12 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax import storage
+from magic_jax import interrupt, storage
 from magic_jax.data.rows import offline_filter, read_rows, tokenize_rows
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
 from magic_jax.run.policy import load_policy, load_tokenizer, reference_params
 from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, update_config
+from magic_jax.run.step_row import step_row
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class Trainer:
         dropped = rundir.trim_records(self.out, step) if primary else {}
         if any(dropped.values()):
             self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
-        saved = step
+        saved = self._resumable = step
         stage: Stage | None = None
         end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         self._monitor = Monitor(
@@ -278,6 +279,7 @@ class Trainer:
         self.log = self._monitor.write  # the run's other lines print above the progress bar
         # the stop signal every process agrees on (0: none), asked once per step
         stop = distributed.max_int(signals.received or 0)
+        counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
                 if cfg.eval is not None and step == 0:
@@ -286,7 +288,14 @@ class Trainer:
                     if stage is None or stage.index != schedule.index:
                         stage = self._stage(schedule.index, loop.excluded)
                     k = schedule.stage_step(step)
-                    state, row = self._step(state, stage, step, k, pool, loop.tracker)
+                    try:
+                        new, row = self._step(state, stage, step, k, pool, loop.tracker)
+                    except interrupt.Interrupted as e:
+                        # the finished groups are saved; the step resumes from checkpoint `saved`
+                        stop = e.signum
+                        self.log(f"[stop] {e}: step {step} not finished")
+                        break
+                    state, counts = new, _counts(new)
                     step = loop.step = step + 1
                     ended = schedule.after_step(cfg, step, row["truncated_fraction"])
                     if ended is not None:
@@ -307,7 +316,7 @@ class Trainer:
                         loop.end_stage(cfg, ended)
                     if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
                         self._save(ckpts, state, loop)
-                        saved = step
+                        saved = self._resumable = step
         finally:
             ckpts.close()
         summary = rundir.build_summary(
@@ -315,9 +324,7 @@ class Trainer:
             # a run whose last stage ended on an until rule is finished at that step
             total_steps=step if schedule.finished(cfg) else cfg.total_steps,
             planned_steps=cfg.total_steps,
-            optimizer_steps=int(state.step),
-            skipped_updates=int(state.skipped),
-            entropy_coef=float(state.entropy.coef),
+            **counts,
         )
         if stop:
             name = signal.Signals(stop).name
@@ -418,7 +425,7 @@ class Trainer:
     def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
         import jax
 
-        from magic_jax.rewards import status_counts
+        from magic_jax.rollout import partial
         from magic_jax.rollout.collect import collect_groups, flatten
         from magic_jax.run import rundir
         from magic_jax.update.buffer import pack_rollouts
@@ -426,6 +433,11 @@ class Trainer:
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
         params = stage.driver.engine.load_params(state.params)
+        saved = None
+        if step == self._resumable:  # a stop resumes here: keep the groups as they finish
+            if jax.process_index() == 0:
+                partial.prune(self.out, keep=step)
+            saved = partial.StepStore(self.out, step, limit=st.max_response_length, log=self.log)
         rounds = [stage.batches[k]]
         if cfg.rollout.refill:
             first = k * cfg.rollout.refill_max_rounds
@@ -447,6 +459,7 @@ class Trainer:
             truncation=cfg.rollout.truncation,
             on_sample=lambda s: rundir.kill_point("rollout", step),
             per_host=jax.process_count() > 1,
+            saved=saved,
         )
         params = None  # the engine's copy of the weights is not needed for the update
         t1 = time.perf_counter()
@@ -469,65 +482,17 @@ class Trainer:
         rundir.kill_point("update", step)  # the update is dispatched, not yet done
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
-        every = [s for g in got.every for s in g.samples]
-        all_rewards = np.concatenate([g.rewards for g in got.every])
-        lengths = np.asarray([s.length for s in every])
-        truncated = np.asarray([s.truncated for s in every])
-        counts = status_counts([r for g in got.every for r in g.results or ()])
+        times = {"t_rollout_s": t1 - t0 - got.wait_s, "t_update_s": t3 - t2,
+                 "t_other_s": t2 - t1 + got.wait_s}  # fmt: skip
+        return state, step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
 
-        def mean(key):
-            return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
 
-        def first(key):  # the first optimizer step's value: the policy the sampler ran
-            return float(m[key][0]) if key in m and np.size(m[key]) else None
-
-        return state, {
-            "step": step,
-            "stage": stage.index,
-            "stage_step": k,
-            "max_response_length": st.max_response_length,
-            "prompts": len(got.every),
-            "reward": float(all_rewards.mean()),
-            "accuracy_not_truncated": (
-                float(all_rewards[~truncated].mean()) if (~truncated).any() else 0.0
-            ),
-            "truncated_fraction": float(truncated.mean()),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": int(lengths.max()),
-            "entropy": m["buffer_entropy"],
-            "alpha": m["alpha"],
-            "entropy_coef_next": m["entropy_coef_next"],
-            "kept_group_fraction": m["kept_group_fraction"],
-            "mixed_groups": got.mixed,
-            "refill_rounds": got.rounds,
-            "extra_rollouts": got.extra_rollouts,
-            "sgd_steps": m["num_sgd_steps"],
-            "loss": mean("loss"),
-            "clipfrac_low": mean("clipfrac_low"),
-            "clipfrac_high": mean("clipfrac_high"),
-            "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
-            "approx_kl": mean("approx_kl"),
-            "kl_beta": cfg.kl_beta(stage.index),
-            "ref_kl": mean("ref_kl"),
-            "sampler_ratio_mean": first("sampler_ratio_mean"),
-            "sampler_ratio_max": first("sampler_ratio_max"),
-            "sampler_kl": first("sampler_kl"),
-            "sampler_abs_log_ratio_mean": first("sampler_abs_log_ratio_mean"),
-            "sampler_abs_log_ratio_max": first("sampler_abs_log_ratio_max"),
-            **(
-                {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
-                if cfg.loss.tis_cap is not None
-                else {}
-            ),
-            "grad_norm": mean("grad_norm"),
-            "skipped_updates": int(state.skipped),
-            "reward_status": counts,
-            "rollout_tokens_per_s": sum(r.tokens for r in got.stats)
-            / max(sum(r.wall_s for r in got.stats), 1e-9),
-            "t_rollout_s": t1 - t0 - got.wait_s,
-            "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1 + got.wait_s,
-        }
+def _counts(state: Any) -> dict[str, Any]:
+    return {
+        "optimizer_steps": int(state.step),
+        "skipped_updates": int(state.skipped),
+        "entropy_coef": float(state.entropy.coef),
+    }
 
 
 def _format(row: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from magic_jax import interrupt, watchdog
 from magic_jax.model.sharding import batch_sharding, data_shards
 from magic_jax.update.buffer import RolloutBuffer, split_mini_batches
 from magic_jax.update.entropy import entropy_coefficient, measure_entropy, update_entropy_control
@@ -207,6 +208,10 @@ class PolicyUpdater:
           (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
           and scalars ``buffer_entropy``, ``alpha``, ``kept_group_fraction``,
           ``num_sgd_steps``, ``entropy_coef_next``.
+
+        Raises:
+          interrupt.Interrupted: a stop was asked (checked after each optimizer step;
+            ``state`` is then consumed and the step must be redone from a checkpoint).
         """
         cfg = self.config
         buffer = jax.tree.map(np.asarray, buffer)
@@ -253,6 +258,10 @@ class PolicyUpdater:
                 live_micro=n_live,
             )
             steps.append(m)
+            if len(steps) > 1:  # one optimizer step in flight: a stop waits for at most two
+                jax.block_until_ready(steps[-2])
+            watchdog.beat("optimizer step")
+            interrupt.check("update")
         new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
         shardings = jax.tree.map(lambda x: x.sharding, state.entropy)
         state = dataclasses.replace(state, entropy=jax.device_put(new_ctl, shardings))

@@ -1,0 +1,82 @@
+"""One training step's metrics line (``metrics.jsonl``), from its rollouts and its update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from magic_jax.rewards import status_counts
+
+
+def step_row(
+    cfg: Any,
+    stage: int,
+    st: Any,
+    step: int,
+    k: int,
+    got: Any,
+    m: dict[str, Any],
+    skipped: int,
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """The record of global step ``step`` (stage ``stage``'s step ``k``, stage config ``st``):
+    ``got`` the rollout's ``Collected``, ``m`` the update's metrics, ``skipped`` the updates
+    skipped so far, ``times`` the step's wall-clock split."""
+    every = [s for g in got.every for s in g.samples]
+    all_rewards = np.concatenate([g.rewards for g in got.every])
+    lengths = np.asarray([s.length for s in every])
+    truncated = np.asarray([s.truncated for s in every])
+    counts = status_counts([r for g in got.every for r in g.results or ()])
+
+    def mean(key):
+        return float(np.mean(m[key])) if key in m and np.size(m[key]) else 0.0
+
+    def first(key):  # the first optimizer step's value: the policy the sampler ran
+        return float(m[key][0]) if key in m and np.size(m[key]) else None
+
+    return {
+        "step": step,
+        "stage": stage,
+        "stage_step": k,
+        "max_response_length": st.max_response_length,
+        "prompts": len(got.every),
+        "reward": float(all_rewards.mean()),
+        "accuracy_not_truncated": (
+            float(all_rewards[~truncated].mean()) if (~truncated).any() else 0.0
+        ),
+        "truncated_fraction": float(truncated.mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "entropy": m["buffer_entropy"],
+        "alpha": m["alpha"],
+        "entropy_coef_next": m["entropy_coef_next"],
+        "kept_group_fraction": m["kept_group_fraction"],
+        "mixed_groups": got.mixed,
+        "refill_rounds": got.rounds,
+        "extra_rollouts": got.extra_rollouts,
+        "sgd_steps": m["num_sgd_steps"],
+        "loss": mean("loss"),
+        "clipfrac_low": mean("clipfrac_low"),
+        "clipfrac_high": mean("clipfrac_high"),
+        "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
+        "approx_kl": mean("approx_kl"),
+        "kl_beta": cfg.kl_beta(stage),
+        "ref_kl": mean("ref_kl"),
+        "sampler_ratio_mean": first("sampler_ratio_mean"),
+        "sampler_ratio_max": first("sampler_ratio_max"),
+        "sampler_kl": first("sampler_kl"),
+        "sampler_abs_log_ratio_mean": first("sampler_abs_log_ratio_mean"),
+        "sampler_abs_log_ratio_max": first("sampler_abs_log_ratio_max"),
+        **(
+            {"tis_weight_mean": mean("tis_weight_mean"), "tis_capped": mean("tis_capped")}
+            if cfg.loss.tis_cap is not None
+            else {}
+        ),
+        "grad_norm": mean("grad_norm"),
+        "skipped_updates": skipped,
+        "reward_status": counts,
+        "rollout_tokens_per_s": sum(r.tokens for r in got.stats)
+        / max(sum(r.wall_s for r in got.stats), 1e-9),
+        **times,
+    }
