@@ -14,7 +14,16 @@ a plain store, safe in a handler, and reading it costs a load.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
+
+STOP_AT_ENV = "MAGIC_JAX_STOP_AT"
+
 _requested = 0
+_step = -1  # the training step running (``at``), for the test hook
+_seen: dict[tuple[str, int], int] = {}
 
 
 class Interrupted(Exception):
@@ -42,11 +51,31 @@ def clear() -> None:
     _requested = 0
 
 
+def at(step: int) -> None:
+    """Says which training step runs now (for ``MAGIC_JAX_STOP_AT``)."""
+    global _step
+    _step = int(step)
+
+
 def check(where: str) -> None:
     """Raises ``Interrupted`` when a stop is pending.
+
+    A test hook: with ``MAGIC_JAX_STOP_AT=where:step:n`` the process sends itself a
+    SIGTERM at the n-th check of ``where`` (``rollout``: a decode chunk; ``update``: an
+    optimizer step) during training step ``step``, and prints when, so a test can time
+    the exit from that moment.
 
     Raises:
       Interrupted: a stop was asked; ``where`` names the work it stopped.
     """
+    want = os.environ.get(STOP_AT_ENV)
+    if want:
+        key = (where, _step)
+        _seen[key] = _seen.get(key, 0) + 1
+        if want == f"{where}:{_step}:{_seen[key]}":
+            sys.stderr.write(f"[test] SIGTERM at {time.time():.3f} ({want})\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs in the main thread
     if _requested:
         raise Interrupted(_requested, where)

@@ -48,15 +48,15 @@ def step_dir(output_dir: Any, step: int) -> Any:
     return storage.path(output_dir) / ROLLOUTS / f"step_{step:08d}"
 
 
-def prune(output_dir: Any, keep: int | None) -> list[int]:
-    """Removes the saved rollouts of every step but ``keep``; returns the steps removed."""
+def prune(output_dir: Any, keep: Sequence[int]) -> list[int]:
+    """Removes the saved rollouts of every step not in ``keep``; returns the steps removed."""
     root = storage.path(output_dir) / ROLLOUTS
     if not root.exists():
         return []
     gone = []
     for d in sorted(root.iterdir()):
         name = d.name
-        if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) == keep:
+        if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) in keep:
             continue
         storage.remove_tree(d)
         gone.append(int(name[5:]))

@@ -266,8 +266,8 @@ class Trainer:
         dropped = rundir.trim_records(self.out, step) if primary else {}
         if any(dropped.values()):
             self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
-        saved = self._resumable = step
-        stage: Stage | None = None
+        saved = self._resumable = self._kept_rollouts = step
+        self._stage_now: Stage | None = None
         end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         self._monitor = Monitor(
             self.out,
@@ -282,38 +282,21 @@ class Trainer:
         counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
             with self._monitor, VerifierPool(cfg.rewards) as pool:
-                if cfg.eval is not None and step == 0:
-                    self._evaluate(state, 0, pool, schedule)
                 while step < end and not schedule.finished(cfg) and not stop:
-                    if stage is None or stage.index != schedule.index:
-                        stage = self._stage(schedule.index, loop.excluded)
-                    k = schedule.stage_step(step)
                     try:
-                        new, row = self._step(state, stage, step, k, pool, loop.tracker)
+                        if cfg.eval is not None and step == 0:
+                            self._evaluate(state, 0, pool, schedule)
+                        step, state, ended = self._one_step(step, state, loop, pool)
+                        counts = _counts(state)
                     except interrupt.Interrupted as e:
                         # the finished groups are saved; the step resumes from checkpoint `saved`
                         stop = e.signum
-                        self.log(f"[stop] {e}: step {step} not finished")
+                        self.log(f"[stop] {e}: step {step} resumes from its saved groups")
                         break
-                    state, counts = new, _counts(new)
-                    step = loop.step = step + 1
-                    ended = schedule.after_step(cfg, step, row["truncated_fraction"])
-                    if ended is not None:
-                        row["stage_end"] = ended
-                    self._monitor.step(row, _format(row))
-                    rundir.kill_point("step", step)
                     stop = distributed.max_int(signals.received or 0)
                     if not stop and distributed.preemption_notice(step):
                         self.log(f"[stop] preemption notice at step {step}")
                         stop = int(signal.SIGTERM)
-                    last = ended is not None and schedule.index == len(cfg.stages) - 1
-                    if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
-                        ev = self._evaluate(state, step, pool, None if ended else schedule)
-                        ended = ended or ev.get("stage_end")
-                    if ended is not None:
-                        # the stage switch: online filtering, fresh statistics (checkpointed)
-                        self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
-                        loop.end_stage(cfg, ended)
                     if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
                         self._save(ckpts, state, loop)
                         saved = self._resumable = step
@@ -339,6 +322,37 @@ class Trainer:
         if primary:
             rundir.write_summary(self.out, summary)
         return summary
+
+    def _one_step(self, step: int, state: Any, loop: LoopState, pool: Any):
+        """Global step ``step``: rollouts, update, its record, evaluation when due and the
+        stage switch; returns (the next step, the new state, how its stage ended or None).
+
+        Raises:
+          interrupt.Interrupted: a stop came during the rollout, update or evaluation.
+        """
+        from magic_jax.run import rundir
+
+        cfg, schedule = self.config, loop.schedule
+        stage = self._stage_now
+        if stage is None or stage.index != schedule.index:
+            stage = self._stage_now = self._stage(schedule.index, loop.excluded)
+        interrupt.at(step)
+        state, row = self._step(state, stage, step, schedule.stage_step(step), pool, loop.tracker)
+        step = loop.step = step + 1
+        ended = schedule.after_step(cfg, step, row["truncated_fraction"])
+        if ended is not None:
+            row["stage_end"] = ended
+        self._monitor.step(row, _format(row))
+        rundir.kill_point("step", step)
+        last = ended is not None and schedule.index == len(cfg.stages) - 1
+        if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
+            ev = self._evaluate(state, step, pool, None if ended else schedule)
+            ended = ended or ev.get("stage_end")
+        if ended is not None:
+            # the stage switch: online filtering, fresh statistics (checkpointed)
+            self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
+            loop.end_stage(cfg, ended)
+        return step, state, ended
 
     def _save(self, ckpts, state, loop: LoopState) -> Path:
         import jax
@@ -435,8 +449,9 @@ class Trainer:
         params = stage.driver.engine.load_params(state.params)
         saved = None
         if step == self._resumable:  # a stop resumes here: keep the groups as they finish
-            if jax.process_index() == 0:
-                partial.prune(self.out, keep=step)
+            if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
+                partial.prune(self.out, keep=(step, self._kept_rollouts))
+            self._kept_rollouts = step
             saved = partial.StepStore(self.out, step, limit=st.max_response_length, log=self.log)
         rounds = [stage.batches[k]]
         if cfg.rollout.refill:

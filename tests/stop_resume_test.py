@@ -1,0 +1,168 @@
+"""A stop in the middle of a step costs seconds and loses no finished group.
+
+SIGTERM during a rollout or an update, sent by the run to itself at a named
+decode chunk or optimizer step (``MAGIC_JAX_STOP_AT=where:step:n``, a real
+signal through the real handler): the process exits with 143 within 20 s of
+the signal; the same command then decodes only the groups that had not
+finished (and says how many it loaded), and the run's records and final
+weights equal an uninterrupted run's bit for bit, locally and on the GCS
+emulator. ``rollout.compact_batch: false`` in both runs: with compaction XLA's
+CPU products round a row with its batch size, so a step resumed with fewer
+groups would differ in the last bits (``rollout.partial``).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from resume_test import OVERRIDES, _cfg, assert_same_run
+from trainer_test import files as files  # a fixture, used by name
+
+from magic_jax import interrupt
+from magic_jax.rewards import RewardResult, RewardStatus
+from magic_jax.rollout import partial
+from magic_jax.rollout.driver import Sample
+from magic_jax.run import rundir
+
+EXACT = "rollout.compact_batch=false"
+
+
+@pytest.fixture(scope="module")
+def exact_reference(files):
+    from magic_jax.run.trainer import Trainer
+
+    Trainer(_cfg(files, "exact_reference", EXACT), log=lambda s: None).run()
+    return files / "exact_reference"
+
+
+def _cmd(out, *more):
+    sets = [x for o in (*OVERRIDES, EXACT, f"output_dir={out}", *more) for x in ("--set", o)]
+    return [sys.executable, "-m", "magic_jax.jobs.cli", "train", "run.yaml", *sets]
+
+
+def _stop_then_resume(files, out, at, *more):
+    """Runs until the SIGTERM sent at ``at``; returns (seconds from signal to exit, the
+    resumed run's output)."""
+    env = dict(os.environ, **{interrupt.STOP_AT_ENV: at})
+    stopped = subprocess.run(_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True)
+    ended = time.time()
+    assert stopped.returncode == rundir.STOP_EXIT_CODES[signal.SIGTERM], stopped.stderr[-3000:]
+    sent = float(re.search(r"\[test\] SIGTERM at ([\d.]+)", stopped.stderr).group(1))
+    assert "Traceback" not in stopped.stdout + stopped.stderr
+    env.pop(interrupt.STOP_AT_ENV)
+    again = subprocess.run(_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return ended - sent, stopped.stdout, again.stdout
+
+
+@pytest.mark.slow  # two subprocess runs (~15 s each cold)
+def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exact_reference):
+    out = files / "stop_rollout"
+    # step 2 (stage 1): 8 slots hold one group of 8, so the second chunk's check comes
+    # after group 0 finished
+    took, first, log = _stop_then_resume(files, out, "rollout:2:2")
+    assert took < 20, took
+    assert "step 2 resumes from its saved groups" in first
+    assert "continuing at step 2" in log
+    assert re.search(
+        r"step_00000002/round_0: 1 of 4 groups finished before; decoding the other 3", log
+    )
+    assert_same_run(exact_reference, out)
+    assert not (out / partial.ROLLOUTS / "step_00000001").exists()  # pruned as the run went on
+
+
+@pytest.mark.slow
+def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
+    metrics = rundir.read_records(exact_reference / "metrics.jsonl")
+    step = next(r["step"] for r in metrics if r["step"] >= 1 and r["sgd_steps"] >= 1)
+    out = files / "stop_update"
+    took, _, log = _stop_then_resume(files, out, f"update:{step}:1")
+    assert took < 20, took
+    assert f"continuing at step {step}" in log
+    assert "4 of 4 groups finished before; decoding the other 0" in log
+    assert_same_run(exact_reference, out)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_rollout_on_the_bucket(files, exact_reference, tmp_path):
+    from conftest import GcsEmulator
+    from gcs_test import _download, _upload
+
+    from magic_jax import storage
+    from magic_jax.run import runlock
+
+    emulator = GcsEmulator(tmp_path / "emulator.log")
+    saved = {k: os.environ.get(k) for k in emulator.env}
+    os.environ.update(emulator.env)
+    os.environ[storage.CACHE_ENV] = str(tmp_path / "cache")
+    os.environ[runlock.LEASE_ENV] = "4"
+    try:
+        model = emulator.uri("model")
+        _upload(files / "model", model)
+        out = emulator.uri("stopped")
+        took, _, log = _stop_then_resume(files, out, "rollout:3:2", f"model={model}")
+        assert took < 20, took
+        assert "1 of 4 groups finished before; decoding the other 3" in log
+        assert_same_run(exact_reference, _download(out, tmp_path / "run"))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        os.environ.pop(storage.CACHE_ENV, None)
+        os.environ.pop(runlock.LEASE_ENV, None)
+        emulator.stop()
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _group(p, lengths, rng):
+    def one(j, n):
+        f = rng.standard_normal((3, n)).astype(np.float32)
+        return Sample(
+            prompt_index=p, sample_index=j, prompt_tokens=np.asarray([5, 6, p], np.int32),
+            tokens=rng.integers(0, 50, n).astype(np.int32), logprobs=f[0], entropies=f[1],
+            sampling_logprobs=f[2], truncated=bool(j % 2), length=n,
+            finish_reason="eos" if j % 2 else "length",
+        )  # fmt: skip
+
+    samples = [one(j, n) for j, n in enumerate(lengths)]
+    results = [
+        RewardResult.of(RewardStatus.CORRECT if j % 2 else RewardStatus.WRONG, "d", 0.5)
+        for j in range(len(lengths))
+    ]
+    return samples, results
+
+
+def test_a_saved_group_reads_back_exactly_and_a_foreign_one_is_decoded_again(tmp_path):
+    rng = np.random.default_rng(0)
+    store = partial.StepStore(tmp_path, 7, limit=9, log=lambda s: None).round(0)
+    samples, results = _group(3, [4, 0, 9], rng)
+    store.put(3, "uid-3", samples, results)
+    store.put(1, "uid-1", *_group(1, [2, 2, 2], rng))
+    store.close()
+    lines = []
+    again = partial.StepStore(tmp_path, 7, limit=9, log=lines.append).round(0)
+    found = again.load(["uid-0", "other", "uid-2", "uid-3"], group_size=3)
+    assert list(found) == [3]  # prompt 1's file names another prompt: decoded again
+    assert any("holds ('uid-1', 3, 9)" in x for x in lines)
+    got, got_results, _ = found[3]
+    for a, b in zip(samples, got):
+        assert a.prompt_index == b.prompt_index and a.sample_index == b.sample_index
+        assert a.length == b.length and a.truncated == b.truncated
+        for f in ("tokens", "logprobs", "entropies", "sampling_logprobs", "prompt_tokens"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert got_results == results
+    other_limit = partial.StepStore(tmp_path, 7, limit=5, log=lines.append).round(0)
+    assert other_limit.load(["uid-0", "uid-1", "uid-2", "uid-3"], group_size=3) == {}
+    (tmp_path / partial.ROLLOUTS / "step_00000007" / "round_0" / "group_000003.npz").write_bytes(
+        b"not npz"
+    )
+    assert again.load(["uid-0", "other", "uid-2", "uid-3"], group_size=3) == {}
+    assert any("unreadable" in x for x in lines)
+    partial.StepStore(tmp_path, 8, limit=9).round(0).put(0, "u", *_group(0, [1], rng))
+    assert partial.prune(tmp_path, keep=(8,)) == [7]
