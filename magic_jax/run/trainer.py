@@ -236,6 +236,7 @@ class Trainer:
             step_path,
         )
         from magic_jax.run.monitor import Monitor
+        from magic_jax.run.profile import StepProfiler
         from magic_jax.update.state import init_train_state
 
         cfg = self.config
@@ -277,11 +278,12 @@ class Trainer:
             primary=primary,
         )
         self.log = self._monitor.write  # the run's other lines print above the progress bar
+        self._profiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
         # the stop signal every process agrees on (0: none), asked once per step
         stop = distributed.max_int(signals.received or 0)
         counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
-            with self._monitor, VerifierPool(cfg.rewards) as pool:
+            with self._monitor, VerifierPool(cfg.rewards) as pool, self._profiler:
                 while step < end and not schedule.finished(cfg) and not stop:
                     try:
                         if cfg.eval is not None and step == 0:
@@ -337,7 +339,10 @@ class Trainer:
         if stage is None or stage.index != schedule.index:
             stage = self._stage_now = self._stage(schedule.index, loop.excluded)
         interrupt.at(step)
-        state, row = self._step(state, stage, step, schedule.stage_step(step), pool, loop.tracker)
+        with self._profiler.step(step):  # profile_steps: a trace of steps A to B-1
+            state, row = self._step(
+                state, stage, step, schedule.stage_step(step), pool, loop.tracker
+            )
         step = loop.step = step + 1
         ended = schedule.after_step(cfg, step, row["truncated_fraction"])
         if ended is not None:
