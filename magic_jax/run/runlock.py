@@ -148,20 +148,22 @@ class GcsRunLock:
     and notes the generation and the time it read it on its own monotonic
     clock; that read returned after the generation was written, so after the
     writer had sent it. If the generation is the same a lease later (by the
-    waiter's clock), the holder has not renewed for at least a lease, and the
-    waiter takes over with a write conditional on that generation (of two
+    waiter's clock; the longer of its own lease and the one the object
+    states), the holder has not renewed for at least a lease, and the waiter
+    takes over with a write conditional on that generation (of two
     waiters, one wins). A new generation while it waits means the holder is
     alive: the new run is refused (within a third of the lease). A skewed wall
     clock changes none of this.
 
-    The holder, for its part, stops writing a lease less ``MARGIN`` after it
+    The holder, for its part, stops writing ``1 - MARGIN`` of a lease after it
     sent its last renewal that succeeded (its own monotonic clock), which is
     before any waiter can have watched that generation for a lease:
     ``check_fence`` raises ``LockLost`` from then on, and the renewal thread
-    ends the process with status 75. It does the same at once when a renewal
-    finds another owner in the object. A renewal that reached the server but
-    whose reply was lost comes back 412 on the retry; an object that still
-    names this owner is then this holder's own write, not a takeover.
+    (whose requests time out by then) ends the process with status 75. It
+    does the same at once when a renewal finds another owner in the object.
+    A renewal that reached the server but whose reply was lost comes back 412
+    on the retry; an object that still names this owner is then this holder's
+    own write, not a takeover.
 
     What it cannot stop: a write that passed the fence and is still in flight
     (or a process paused between the fence and its write for longer than the
@@ -299,17 +301,27 @@ class GcsRunLock:
 
     def check(self, what: str, *, server: bool = False) -> None:
         """``check_fence`` for this lock."""
-        if self._lost is None and server:
-            gen, holder = self._read()
-            if gen is None or holder.get("owner") != self._owner:
+        import google.api_core.exceptions as gex
+
+        while self._lost is None and server and (left := self._deadline() - time.monotonic()) > 0:
+            try:  # the bucket unanswering: ask again until the lease may have ended
+                gen, holder = self._read(timeout=max(0.1, min(left, self.lease_s / 3)))
+            except (OSError, gex.ServerError, gex.TooManyRequests):  # requests' errors are OSErrors
+                time.sleep(max(0.0, min(self._deadline() - time.monotonic(), self.lease_s / 12)))
+                continue
+            if gen is None or holder.get("owner") != self._owner:  # naming us: ours
                 self._lost = "another process took over this run"
+            break
         if self._lost is None and time.monotonic() >= self._deadline():
-            self._lost = f"its lease was not renewed within {self.lease_s * (1 - MARGIN):.0f} s"
+            self._lost = self._unrenewed()
         if self._lost is not None:
             raise LockLost(
                 f"{self._dir}: not writing {what}: this process no longer holds the run lock "
                 f"({self._lost}); stopping (exit status {LOST_LOCK_EXIT})"
             )
+
+    def _unrenewed(self) -> str:
+        return f"could not renew the lease within {self.lease_s * (1 - MARGIN):g} s"
 
     def _lose(self, reason: str) -> None:
         self._lost = reason
@@ -326,10 +338,7 @@ class GcsRunLock:
                 return
             left = self._deadline() - time.monotonic()
             if left <= 0:
-                self._lose(
-                    f"could not renew the lease for {self.lease_s * (1 - MARGIN):.0f} s "
-                    f"(it may be taken over)"
-                )
+                self._lose(self._unrenewed())
                 return
             try:
                 ok = self._write(self._generation, timeout=max(0.5, min(left, self.lease_s / 3)))
