@@ -80,13 +80,22 @@ def test_lock_refuses_a_second_run_and_frees_when_the_holder_dies(tmp_path):
 
 
 def test_stop_signals_set_a_flag_and_restore_the_handlers(capfd):
+    from magic_jax import interrupt
+
     before = signal.getsignal(signal.SIGTERM)
     with rundir.StopSignals() as stop:
+        assert not interrupt.requested()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == signal.SIGTERM
+        # the decode loop and the updater see it at their next chunk / optimizer step
+        assert interrupt.requested() == signal.SIGTERM
+        with pytest.raises(interrupt.Interrupted, match="during rollout"):
+            interrupt.check("rollout")
     assert signal.getsignal(signal.SIGTERM) is before
+    assert not interrupt.requested()
     assert capfd.readouterr().err == (
-        "[stop] SIGTERM: stopping after this step with a checkpoint (again: at once)\n"
+        "[stop] SIGTERM: stopping at the next decode chunk or optimizer step; finished "
+        "groups and the last checkpoint are kept (again: at once)\n"
     )
 
 

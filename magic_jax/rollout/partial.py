@@ -140,15 +140,21 @@ class StepStore:
       step: the global step.
       limit: the step's response limit T (a saved group of another T is not reused).
       log: where a resume's counts and problems are said.
+      fence: called with a file's name before it is written; raises when this process
+        may no longer write into the run directory (``runlock.check_fence``).
     """
 
-    def __init__(self, output_dir: Any, step: int, *, limit: int, log: Any = None):
+    def __init__(self, output_dir: Any, step: int, *, limit: int, log: Any = None,
+                 fence: Any = None):  # fmt: skip
         self.root = step_dir(output_dir, step)
         self.limit = int(limit)
         self.log = log
+        self.fence = fence
 
     def round(self, r: int) -> RoundStore:
-        return RoundStore(self.root / f"round_{r}", limit=self.limit, log=self.log)
+        return RoundStore(
+            self.root / f"round_{r}", limit=self.limit, log=self.log, fence=self.fence
+        )
 
 
 class RoundStore:
@@ -161,8 +167,9 @@ class RoundStore:
       store.close()                           # every queued group written
     """
 
-    def __init__(self, root: Any, *, limit: int, log: Any = None):
+    def __init__(self, root: Any, *, limit: int, log: Any = None, fence: Any = None):
         self.root = root
+        self.fence = fence
         self.limit = int(limit)
         self.log = log or logger.info
         self._queue: queue.Queue = queue.Queue()
@@ -218,6 +225,8 @@ class RoundStore:
                 if item is None:
                     return
                 p, uid, samples, results, texts = item
+                if self.fence is not None:
+                    self.fence(self.path(p).name)
                 _write_bytes(self.path(p), encode_group(uid, self.limit, samples, results, texts))
                 self.written += 1
             except BaseException as e:  # reported by close(); the run goes on without it

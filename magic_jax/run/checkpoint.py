@@ -462,7 +462,10 @@ class TrainCheckpoints:
         ``wait`` / ``close`` wait for this one's."""
         import orbax.checkpoint as ocp
 
+        from magic_jax.run.runlock import check_fence
+
         self.wait()
+        check_fence(f"checkpoint step {step}")  # a run that lost its lock writes nothing
         mgr = self._mgr()
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
         path = self.root / f"step_{step:08d}"

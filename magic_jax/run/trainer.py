@@ -374,10 +374,12 @@ class Trainer:
         from flax import nnx
 
         from magic_jax.model.convert import save_hf
+        from magic_jax.run import runlock
 
         out = self.out / "hf_final"
         primary = jax.process_index() == 0
         if primary:
+            runlock.check_fence("hf_final", server=True)  # before the old export goes
             storage.remove_tree(out)  # this run's own earlier export
         with storage.staged(out, upload=primary) as local:
             save_hf(
@@ -387,6 +389,7 @@ class Trainer:
             )
             if primary:
                 self.tokenizer.save_pretrained(local)
+                runlock.check_fence("hf_final", server=True)  # the upload follows
         return out
 
     def _evaluate(
@@ -446,7 +449,7 @@ class Trainer:
 
         from magic_jax.rollout import partial
         from magic_jax.rollout.collect import collect_groups, flatten
-        from magic_jax.run import rundir
+        from magic_jax.run import rundir, runlock
         from magic_jax.update.buffer import pack_rollouts
 
         cfg, st = self.config, stage.config
@@ -457,7 +460,13 @@ class Trainer:
             if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
                 partial.prune(self.out, keep=(step, self._kept_rollouts))
             self._kept_rollouts = step
-            saved = partial.StepStore(self.out, step, limit=st.max_response_length, log=self.log)
+            saved = partial.StepStore(
+                self.out,
+                step,
+                limit=st.max_response_length,
+                log=self.log,
+                fence=runlock.check_fence,
+            )
         rounds = [stage.batches[k]]
         if cfg.rollout.refill:
             first = k * cfg.rollout.refill_max_rounds
