@@ -9,11 +9,26 @@ step's prompts (token ids, uids), the rewards its verifiers computed, process
 function here is a collective when ``jax.process_count() > 1`` (all processes
 must call it, in the same order) and a plain no-op copy in a single process,
 so single-process code paths run unchanged.
+
+They also agree that the job has failed. A process that fails (an exception,
+the step watchdog) publishes its report in the coordination service's
+key-value store (``end_job``) before it exits; a thread on every process
+(``watch_failures``) reads that store each second and ends its own process
+when another one failed, since a thread cannot interrupt a collective its main
+thread is blocked in. A process killed outright publishes nothing: JAX's
+coordination service notices its missing heartbeats (``initialize_options``)
+and ends the others itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -161,3 +176,259 @@ def allgather_strings(strings: Sequence[str]) -> list[str]:
         return list(strings)
     raw = [np.frombuffer(s.encode("utf-8"), np.uint8) for s in strings]
     return [bytes(a).decode("utf-8") for a in allgather_ragged(raw, np.uint8)]
+
+
+# --------------------------------------------------------------------------- failures
+
+# Seconds without a heartbeat after which JAX's coordination service declares a process
+# dead and ends every other one (a process killed with SIGKILL, a lost host).
+HEARTBEAT_ENV = "MAGIC_JAX_HEARTBEAT_S"
+HEARTBEAT_S = 60
+# Exit status of a process ended because another process of its job failed.
+PEER_FAILED_EXIT = 3
+POLL_S = 1.0  # how often each process reads the failures published
+ACK_S = 5.0  # how long a failing process 0 (the service's host) waits for the others to read
+END_S = 60.0  # the most a failing process spends on its report before it exits anyway
+REPORT_CHARS = 64_000  # the tail of a report kept in the store (a traceback's end matters)
+_FAILED = "magic_jax/failed/"
+_SEEN = "magic_jax/seen/"
+
+_ending = False  # this process is ending after its own failure (the watcher stands aside)
+_watcher: threading.Thread | None = None
+_stop_watch = threading.Event()
+# called with (the failed process, its report) before the watcher ends this process
+_on_peer_failure: list[Callable[[int, str], None]] = []
+
+
+def initialize_options() -> dict[str, int]:
+    """``jax.distributed.initialize``'s timeouts for a run that must not hang.
+
+    ``heartbeat_timeout_seconds`` bounds how long the other processes outlive one
+    killed outright (``$MAGIC_JAX_HEARTBEAT_S``, default 60 s; JAX's own default is
+    100 s). Processes that fail in Python end the others within ``POLL_S``.
+    """
+    return {"heartbeat_timeout_seconds": int(os.environ.get(HEARTBEAT_ENV) or HEARTBEAT_S)}
+
+
+def _client() -> Any:
+    """JAX's coordination-service client of a multi-process job, else None (jax not
+    imported, not distributed, or a single process)."""
+    jd = sys.modules.get("jax._src.distributed")
+    state = getattr(jd, "global_state", None)
+    if state is None or state.client is None or state.num_processes < 2:
+        return None
+    return state.client
+
+
+def running() -> bool:
+    """Whether this process is one of several under ``jax.distributed`` (imports no JAX)."""
+    return _client() is not None
+
+
+def process_index() -> int:
+    """This process's index in its job (0 without ``jax.distributed``; imports no JAX)."""
+    jd = sys.modules.get("jax._src.distributed")
+    return int(getattr(getattr(jd, "global_state", None), "process_id", 0) or 0)
+
+
+def failed_processes() -> dict[int, tuple[str, str]]:
+    """The processes that published a failure: (report file name or "", report) each
+    ({} in one process)."""
+    client = _client()
+    if client is None:
+        return {}
+    out = {}
+    for key, value in client.key_value_dir_get(_FAILED):
+        name, _, report = value.partition("\n")
+        out[int(key.rsplit("/", 1)[1])] = (name, report)
+    return out
+
+
+def stderr_line(text: str) -> None:
+    """Writes ``text`` to stderr at once (os.write: safe from any thread, never raises)."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode("utf-8", "replace"))
+
+
+def write_report(path: Any, text: str) -> bool:
+    """Writes a failure report (local or ``gs://``); False, with a line on stderr, if it
+    could not be written (the report is on stderr and in the store as well)."""
+    from magic_jax import storage
+
+    try:
+        p = storage.path(path)
+        if not storage.is_gcs(p):
+            p.parent.mkdir(parents=True, exist_ok=True)
+        storage.write_text(p, text)
+        return True
+    except Exception as e:  # a report must never raise over the failure it reports
+        stderr_line(f"[failure] could not write {path}: {e}\n")
+        return False
+
+
+def report_name(kind: str) -> str:
+    """``<kind>-process<k>-<UTC time>.txt``: a report's file name under the run's ``logs/``."""
+    return f"{kind}-process{process_index()}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.txt"
+
+
+def _exit_later(code: int) -> None:
+    """Exits with ``code`` in ``END_S`` seconds whatever this process is doing then (a
+    report written to a bucket that does not answer must not hang a failing process)."""
+    timer = threading.Timer(END_S, os._exit, (code,))
+    timer.daemon = True
+    timer.start()
+
+
+def _exit(code: int) -> NoReturn:
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(code)
+
+
+def end_job(
+    report: str,
+    code: int,
+    *,
+    log_file: Any | Callable[[], Any] = None,
+    after_peer: int | None = PEER_FAILED_EXIT,
+) -> NoReturn:
+    """Ends this process after its own failure, and with it every process of the job.
+
+    In a multi-process job the report is published first (every other process
+    ends within ``POLL_S``), then written to ``log_file``; process 0, whose
+    process hosts the coordination service, waits up to ``ACK_S`` for the others
+    to have read it. The process then exits at once, without JAX's shutdown
+    barrier (which would wait for processes blocked in a collective). In one
+    process it writes ``log_file`` and exits.
+
+    Args:
+      report: what happened (a traceback, the watchdog's stacks).
+      code: this process's exit status (nonzero).
+      log_file: where the report goes too (under the run's ``logs/``), or None, or
+        a function that returns it (asked under the ``END_S`` bound).
+      after_peer: the exit status instead of ``code`` when another process had
+        failed first (this failure is then likely its consequence: a broken
+        collective); None keeps ``code``.
+    """
+    global _ending
+    _ending = True
+    _exit_later(code)
+    if callable(log_file):
+        try:
+            log_file = log_file()
+        except Exception as e:
+            stderr_line(f"[failure] no run directory for the report: {e}\n")
+            log_file = None
+    client, me = _client(), process_index()
+    earlier: dict[int, tuple[str, str]] = {}
+    if client is not None:
+        # the report's file name first: process 0 writes the report there too
+        name = "" if log_file is None else str(log_file).rstrip("/").rsplit("/", 1)[-1]
+        try:
+            earlier = {p: r for p, r in failed_processes().items() if p != me}
+            value = f"{name}\n{report[-REPORT_CHARS:]}"
+            client.key_value_set(_FAILED + str(me), value, allow_overwrite=True)
+        except Exception as e:
+            stderr_line(f"[failure] could not publish this failure: {e}\n")
+    if log_file is not None:
+        write_report(log_file, report)
+    if earlier:
+        code = code if after_peer is None else after_peer
+        stderr_line(
+            f"[failure] process {min(earlier)} had failed before this one (its log says why); "
+            f"exit {code}\n"
+        )
+    if client is not None and me == 0:
+        _wait_for_others(client)
+    _exit(code)
+
+
+def _wait_for_others(client: Any) -> None:
+    """Keeps process 0 (and the service) up until every other process read the failure."""
+    n = int(sys.modules["jax._src.distributed"].global_state.num_processes)
+    deadline = time.monotonic() + ACK_S
+    while time.monotonic() < deadline:
+        try:
+            seen = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(_SEEN)}
+            seen |= {str(p) for p in failed_processes()}
+        except Exception:
+            return
+        if all(str(p) in seen for p in range(1, n)):
+            return
+        time.sleep(POLL_S / 4)
+
+
+def watch_failures(log_dir: Callable[[], Any] | None = None, *, poll_s: float = POLL_S) -> bool:
+    """Starts this process's failure watcher (once); returns whether it runs.
+
+    A daemon thread reads the published failures every ``poll_s`` seconds. When
+    another process failed, it prints that process's report to stderr (so every
+    host's log holds it), process 0 writes it under ``log_dir()`` as well (the file
+    the failing process named) when that gives a directory, and it ends this
+    process with ``PEER_FAILED_EXIT`` (``os._exit``: the main thread may be
+    blocked in a collective). It stops before JAX's own shutdown at a normal
+    exit. Does nothing in one process.
+
+    Args:
+      log_dir: returns the run's ``logs/`` directory, or None while there is none.
+      poll_s: seconds between reads.
+    """
+    global _watcher
+    client = _client()
+    if client is None:
+        return False
+    if _watcher is not None:
+        return True
+    import atexit
+
+    _stop_watch.clear()
+    _watcher = threading.Thread(
+        target=_watch, args=(client, log_dir, poll_s), name="failure-watch", daemon=True
+    )
+    _watcher.start()
+    atexit.register(_stop_watch.set)  # runs before JAX's shutdown (registered earlier)
+    return True
+
+
+def _watch(client: Any, log_dir: Callable[[], Any] | None, poll_s: float) -> None:
+    me = process_index()
+    n = int(sys.modules["jax._src.distributed"].global_state.num_processes)
+    while not _stop_watch.wait(poll_s):
+        try:
+            failed = {p: r for p, r in failed_processes().items() if p != me}
+        except Exception:  # the service unreachable: its heartbeats decide, not this thread
+            continue
+        if not failed or _ending or _stop_watch.is_set():
+            continue
+        _exit_later(PEER_FAILED_EXIT)
+        first = min(failed)
+        stderr_line(
+            f"[failure] process {first} of {n} failed; ending process {me} "
+            f"(exit {PEER_FAILED_EXIT}). Its report:\n{failed[first][1].rstrip()}\n"
+        )
+        where = None
+        if me == 0 and log_dir is not None:
+            with contextlib.suppress(Exception):
+                where = log_dir()
+        if where is not None:  # the failing host's own write may not have reached it
+            for name, report in failed.values():
+                if name:
+                    write_report(f"{str(where).rstrip('/')}/{name}", report)
+        with contextlib.suppress(Exception):
+            client.key_value_set(_SEEN + str(me), "1", allow_overwrite=True)
+        for fn in list(_on_peer_failure):
+            with contextlib.suppress(Exception):
+                fn(first, failed[first][1])
+        _exit(PEER_FAILED_EXIT)
+
+
+def on_peer_failure(fn: Callable[[int, str], None], *, remove: bool = False) -> None:
+    """Registers (or removes) ``fn(process, report)``, called before the failure watcher
+    ends this process because ``process`` failed (the step watchdog writes this host's
+    stacks there: where each host was matters when one hung)."""
+    if remove:
+        with contextlib.suppress(ValueError):
+            _on_peer_failure.remove(fn)
+    else:
+        _on_peer_failure.append(fn)

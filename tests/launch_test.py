@@ -16,6 +16,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "tpu_scripts" / "launch.sh"
 # (the node PREEMPTED, or gone with its queued resource SUSPENDED) and ssh fails; in run
 # $STUB_VANISH the command is gone without an exit status (3). A missing resource answers
 # NOT_FOUND. Every call is appended to $STUB_DIR/calls, one per line.
+# While worker 0's command runs, asked how its command is, worker W answers "running", or
+# $STUB_EARLY_W when set (it ended early: a status, or "gone"). With $STUB_HOLD=N worker
+# 0's command runs until the job is stopped (pkill on every worker: $STUB_DIR/down) or N
+# such questions were answered; with $STUB_HANG_W worker W's command runs until stopped.
 STUB = r"""#!/usr/bin/env bash
 printf '%q ' gcloud "$@" >> "$STUB_DIR/calls"; echo >> "$STUB_DIR/calls"
 cd "$STUB_DIR" || exit 1
@@ -39,8 +43,22 @@ case $args in
   *"tpu-vm ssh"*)
     case $command in
       *nohup*) echo >> runs ;;
+      *"echo running"*)
+        echo >> polls
+        v="STUB_EARLY_$worker"; h="STUB_HANG_$worker"; x="STUB_EXIT_$worker"
+        if [ -n "${!v:-}" ]; then echo "${!v}"
+        elif [ -n "${!h:-}" ] && [ ! -e down ]; then echo running
+        elif [ -e down ]; then echo "${!x:-0}"
+        else echo running; fi ;;
+      *pkill*) touch down ;;
       *"tail -n "*" -f"*)
         echo >> streams
+        if [ -n "${STUB_HOLD:-}" ]; then
+          for _ in $(seq 200); do
+            [ -e down ] || [ "$(cat polls 2>/dev/null | wc -l)" -ge "$STUB_HOLD" ] && break
+            sleep 0.1
+          done
+        fi
         if [ "$(wc -l < streams)" -le "${STUB_SSH_DROPS:-0}" ]; then exit 255; fi
         if [ "$run" = "${STUB_PREEMPT:-}" ]; then
           if [ -e qr ]; then rm -f created; echo SUSPENDED > qr; else echo PREEMPTED > created; fi
@@ -49,7 +67,9 @@ case $args in
         [ "$run" = "${STUB_VANISH:-}" ] && exit 3
         echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log") echo "log of worker $worker" ;;
-      "cat "*".exit") v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
+      "cat "*".exit")
+        h="STUB_HANG_$worker"; [ -n "${!h:-}" ] && [ ! -e down ] && exit 0
+        v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
     esac ;;
 esac
 exit 0
@@ -81,12 +101,16 @@ def _calls(state):
     return [shlex.split(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _verbs(calls):
-    """Each call as 'create' / 'scp' / 'setup' / 'start' / 'stream' / 'collect' / ..."""
+def _verbs(calls, polls=False):
+    """Each call as 'create' / 'scp' / 'setup' / 'start' / 'stream' / 'collect' / 'stop' /
+    ...; the questions to the workers while the command runs ('poll', as many as time
+    allows) only with ``polls``."""
     out = []
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
         if "ssh" in c:
+            if "echo running" in cmd and not polls:
+                continue
             out.append(
                 "setup"
                 if "pip install" in cmd
@@ -94,6 +118,10 @@ def _verbs(calls):
                 if "nohup" in cmd
                 else "stream"
                 if "tail" in cmd
+                else "poll"
+                if "echo running" in cmd
+                else "stop"
+                if "pkill" in cmd
                 else "collect"
             )
         else:
@@ -233,6 +261,70 @@ def test_other_failures_are_not_retried(stub, tmp_path):
     assert out.returncode == 7
     assert _verbs(_calls(state)) == UP + COLLECT + DELETE
     assert "preempted" not in out.stderr and "worker 0 exited with 7" in out.stderr
+
+
+def test_another_worker_failing_while_worker_0_runs_stops_the_job(stub, tmp_path):
+    env, state = stub
+    logs = tmp_path / "logs"
+    # worker 1 ends with 9 mid-run; worker 0 runs until stopped (then exits 143, which
+    # must not count as a preemption: no retry)
+    env = dict(env, STUB_HOLD="50", STUB_EARLY_1="9", STUB_EXIT_1="9", STUB_EXIT_0="143")
+    out = _launch(env, "--retry", "2", "--delete-on-exit", "--logs", str(logs), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 9, out.stderr
+    calls = _calls(state)
+    verbs = _verbs(calls)
+    assert verbs == [*UP, "stop", *COLLECT, *DELETE]  # stopped, collected, no retry
+    assert 1 <= _verbs(calls, polls=True).count("poll") < 50  # it noticed at once
+    stop = next(c for c in calls if "pkill" in c[-1])
+    assert "--worker=all" in stop and "pkill -TERM" in stop[-1] and "pkill -KILL" in stop[-1]
+    assert (
+        "launch.sh: worker 1 ended with 9 while worker 0's command still ran: the job failed"
+        in out.stderr
+    )
+    assert out.stderr.strip().splitlines()[-2:] == [
+        f"launch.sh: worker 1 failed (exit 9) while worker 0 still ran; the command was "
+        f"stopped on every worker (logs: {logs})",
+        "[launch] deleting magic-jax",
+    ]  # fmt: skip
+    assert "worker 1 exited with 9" in out.stderr and "worker 0 exited with 143" in out.stderr
+    assert (logs / "worker-0.log").exists() and (logs / "worker-1.log").exists()
+    assert "preempted" not in out.stderr
+
+
+def test_another_worker_gone_without_a_status_fails_the_job(stub, tmp_path):
+    env, state = stub
+    env = dict(env, STUB_HOLD="50", STUB_EARLY_1="gone", STUB_EXIT_0="143")
+    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 1, out.stderr
+    assert _verbs(_calls(state)) == [*UP, "stop", *COLLECT]
+    assert (
+        "worker 1 ended with no exit status (its command is gone) while worker 0's command "
+        "still ran" in out.stderr
+    )
+
+
+def test_a_stop_on_another_worker_is_left_to_worker_0(stub, tmp_path):
+    env, state = stub
+    # worker 1 stopped with 143 first (a SIGTERM the processes agree on): worker 0 follows
+    env = dict(env, STUB_HOLD="3", STUB_EARLY_1="143", STUB_EXIT_1="143", STUB_EXIT_0="143")
+    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 143, out.stderr
+    verbs = _verbs(_calls(state), polls=True)
+    assert "stop" not in verbs and verbs.count("poll") >= 3
+    assert "preempted (worker 0 stopped with 143; attempt 1 of 1)" in out.stderr
+
+
+def test_a_worker_still_running_after_worker_0_ended_is_stopped(stub, tmp_path):
+    env, state = stub
+    env = dict(env, STUB_HANG_1="1", STUB_EXIT_1="137", LAUNCH_GRACE_S="1")
+    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 1, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs[: len(UP)] == UP and verbs.count("stop") == 1
+    assert "worker 1's command still ran 1s after worker 0's ended: stopping it" in out.stderr
+    assert "worker 1 exited with 137" in out.stderr
+    assert "launch.sh: worker(s) 1 still ran 1s after worker 0 ended; stopped" in out.stderr
 
 
 def test_an_ssh_drop_on_a_live_slice_reconnects(stub, tmp_path):

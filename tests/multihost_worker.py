@@ -3,6 +3,10 @@
 Run as ``python multihost_worker.py OUT MODEL_DIR NUM_PROCESSES PROCESS_ID PORT``; the
 number of CPU devices per process comes from XLA_FLAGS. With one process the same
 program runs without jax.distributed (the reference). Process 0 writes OUT/result.npz.
+
+``python multihost_worker.py loop OUT NUM_PROCESSES PROCESS_ID PORT WATCHDOG_S`` is one
+process of tests/multihost_failure_test.py instead: steps of collectives with the
+failure handling of ``magic-jax train`` (``loop``).
 """
 
 import sys
@@ -115,6 +119,51 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
         np.savez(f"{out}/result.npz", **flat)
 
 
+def loop(out: str, num_processes: int, process_id: int, port: int, watchdog_s: float) -> None:
+    """200 steps of an all-gather (and a beat), failing as ``magic-jax train`` fails.
+
+    The test hooks choose the fault: ``MAGIC_JAX_FAULT_AT=raise:loop:S`` / ``hang:loop:S``
+    (``magic_jax.watchdog``) and ``MAGIC_JAX_KILL_AT=step:S`` (SIGKILL). ``watchdog_s`` 0:
+    no watchdog. Reports go to OUT/logs.
+    """
+    import time
+    import traceback
+
+    import jax
+
+    from magic_jax import distributed, interrupt, watchdog
+    from magic_jax.run.rundir import kill_point
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        **distributed.initialize_options(),
+    )
+    from jax.experimental import multihost_utils
+
+    distributed.watch_failures(lambda: f"{out}/logs")
+    print(f"[loop] process {process_id} started at {time.time():.3f}", flush=True)
+    try:
+        with watchdog.Watchdog(watchdog_s or None, out):
+            for step in range(200):
+                interrupt.at(step)
+                kill_point("step", step)
+                watchdog.beat("loop")
+                got = multihost_utils.process_allgather(np.asarray([step], np.int32))
+                assert list(got.reshape(-1)) == [step] * num_processes
+                time.sleep(0.05)
+    except Exception:  # as jobs/cli.py does for `magic-jax train`
+        traceback.print_exc()
+        name = f"{out}/logs/{distributed.report_name('failure')}"
+        distributed.end_job(traceback.format_exc(), 1, log_file=name)
+
+
 if __name__ == "__main__":
-    o, m, n, i, port = sys.argv[1:]
-    main(o, m, int(n), int(i), int(port))
+    if sys.argv[1] == "loop":
+        o, n, i, port, wd = sys.argv[2:]
+        loop(o, int(n), int(i), int(port), float(wd))
+    else:
+        o, m, n, i, port = sys.argv[1:]
+        main(o, m, int(n), int(i), int(port))

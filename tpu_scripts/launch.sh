@@ -26,7 +26,12 @@
 #   --dry-run           print every gcloud command instead of running it (or DRY_RUN=1)
 #
 # The command runs in ~/magic-jax/<commit> inside its venv on every worker; magic_jax
-# starts jax.distributed itself on a multi-host slice. The exit status is worker 0's.
+# starts jax.distributed itself on a multi-host slice. The exit status is worker 0's,
+# unless another worker's command ends with a failure while worker 0's still runs (any
+# status but 0, 130 or 143, or gone without one): then every worker's command is
+# stopped (SIGTERM, SIGKILL $LAUNCH_KILL_S [30] s later) and the status is that worker's
+# (1 when it left none). Commands still running $LAUNCH_GRACE_S [120] s after worker 0's
+# ended are stopped too (status 1 if worker 0's was 0).
 # A preemption is worker 0 exiting with 143 (stopped at a checkpoint on SIGTERM or a
 # preemption notice) or the slice lost while the command runs (PREEMPTED, TERMINATED,
 # gone; a queued resource SUSPENDED or FAILED); with no retries left the status is 143.
@@ -36,11 +41,12 @@ set -euo pipefail
 
 quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
 die() { quit 2 "$@"; }
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" SPOT=() QUEUED=0
 SETUP=1 LOGS="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT=3600 DRY="${DRY_RUN:-0}" RETRY=0
 POLL_S="${LAUNCH_POLL_S:-30}" SSH_TRIES="${LAUNCH_SSH_TRIES:-10}"
+GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
 need() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
 while [ $# -gt 0 ]; do
   case $1 in
@@ -225,16 +231,62 @@ start() {
   ssh_on all "mkdir -p magic-jax/logs && cd $DIR || exit 1; nohup bash -c 'source .venv/bin/activate && \
     $CMD; echo \$? > $L.exit' > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
+# Worker W's command: its exit status, "running", or "gone" (no status and no process);
+# nothing when the worker does not answer.
+status_of() {
+  ssh_on "$1" "if [ -e $L.exit ]; then cat $L.exit; elif kill -0 \$(cat $L.pid 2>/dev/null) \
+    2>/dev/null; then echo running; else echo gone; fi" 2>/dev/null | tr -dc 'a-z0-9' || true
+}
+# Stops the command on every worker: SIGTERM, then SIGKILL to what is left KILL_S later.
+# Each worker still records its command's exit status.
+bring_down() {
+  say "stopping the command on every worker"
+  ssh_on all "p=\$(cat $L.pid 2>/dev/null) || exit 0; pkill -TERM -P \$p; \
+    for i in \$(seq $KILL_S); do pgrep -P \$p >/dev/null || exit 0; sleep 1; done; \
+    pkill -KILL -P \$p; exit 0" || true
+}
+# Follows worker 0's log (the ssh in the background, pid $1) and asks the other workers
+# how their command is every POLL_S; one that ended with a failure while worker 0's runs
+# brings the job down: FAILED says which worker, FAILED_STATUS its status. 130 and 143
+# are stops that every process of a run agrees on: worker 0 stops as well.
+watch_workers() {
+  local spid=$1 w s next=$((SECONDS + POLL_S)) tick=1
+  [ "$POLL_S" -ge 1 ] || tick=0.2
+  [ "$DRY" = 0 ] && [ "$WORKERS" -gt 1 ] || return 0
+  while kill -0 "$spid" 2>/dev/null; do
+    sleep "$tick"
+    [ "$SECONDS" -ge "$next" ] && kill -0 "$spid" 2>/dev/null || continue
+    next=$((SECONDS + POLL_S))
+    for ((w = 1; w < WORKERS; w++)); do
+      s=$(status_of "$w")
+      case $s in ""|running|0|130|143) continue ;; esac
+      FAILED=$w FAILED_STATUS=$s
+      [ "$s" != gone ] || FAILED_STATUS=1
+      if [ "$s" = gone ]; then s="no exit status (its command is gone)"; fi
+      note "worker $w ended with $s while worker 0's command still ran: the job failed"
+      bring_down >/dev/null
+      for ((w = 0; w < KILL_S + 30; w++)); do kill -0 "$spid" 2>/dev/null || return 0; sleep 1; done
+      kill "$spid" 2>/dev/null || true
+      return 0
+    done
+  done
+}
 # Streams worker 0's log until its command ends. 0: it ended; 1: the slice is lost (LOST
-# says why). Quits when worker 0 stays unreachable (or its command vanished) on a live slice.
+# says why); 2: another worker's command failed first (FAILED; the job is stopped).
+# Quits when worker 0 stays unreachable (or its command vanished) on a live slice.
 await() {
-  local from=+1 tries=0 rc
+  local from=+1 tries=0 rc spid
+  FAILED="" FAILED_STATUS=""
   while :; do
     rc=0
     run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker=0 --ssh-flag=-oServerAliveInterval=30 \
       --ssh-flag=-oServerAliveCountMax=6 --command "tail -n $from -f $L.log & t=\$!; \
       while [ ! -e $L.exit ] && kill -0 \$(cat $L.pid) 2>/dev/null; do sleep 5; done; \
-      sleep 2; kill \$t; [ -e $L.exit ] || exit 3" || rc=$?
+      sleep 2; kill \$t; [ -e $L.exit ] || exit 3" &
+    spid=$!
+    watch_workers "$spid"
+    wait "$spid" || rc=$?
+    [ -z "$FAILED" ] || return 2
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
     [ "$rc" != 3 ] || quit 1 "worker 0's command ended without an exit status ($NAME is $STATE)"
@@ -244,20 +296,38 @@ await() {
     sleep "$POLL_S"; from=0
   done
 }
+# Sets CODE to the exit status of worker W's command once it ended (empty: none). A
+# command still running is waited for until GRACE_S after worker 0's ended, then the job
+# is stopped (STOPPED lists those workers).
+exit_of() {
+  local w=$1 s
+  CODE=$(ssh_on "$w" "cat magic-jax/logs/$RUN_ID.exit" 2>/dev/null | tr -dc 0-9) || CODE=""
+  while [ -z "$CODE" ] && s=$(status_of "$w") && [ "$s" = running ]; do
+    if [ "$SECONDS" -ge "$DEADLINE" ]; then
+      note "worker $w's command still ran ${GRACE_S}s after worker 0's ended: stopping it"
+      STOPPED="$STOPPED $w"
+      bring_down >/dev/null
+      DEADLINE=$((SECONDS + KILL_S + 30))
+    else
+      sleep "$(( POLL_S < 5 ? 1 : 5 ))"
+    fi
+    CODE=$(ssh_on "$w" "cat magic-jax/logs/$RUN_ID.exit" 2>/dev/null | tr -dc 0-9) || CODE=""
+  done
+}
 # Collects every worker's log (worker-N.log, worker-N.attempt-K.log on a retry) and exit
 # status. Sets STATUS to worker 0's; 1 when the slice is lost (LOST says why).
 collect() {
   local w code suffix=""
   [ "$attempt" = 1 ] || suffix=".attempt-$attempt"
   [ "$DRY" = 1 ] || mkdir -p "$LOGS"
-  STATUS=0
+  STATUS=0 STOPPED="" DEADLINE=$((SECONDS + GRACE_S))
   for ((w = 0; w < WORKERS; w++)); do
     if [ "$DRY" = 1 ]; then
       ssh_on "$w" "cat magic-jax/logs/$RUN_ID.log"
       continue
     fi
+    exit_of "$w"; code=$CODE  # first: the log is whole once the command ended
     ssh_on "$w" "cat magic-jax/logs/$RUN_ID.log" > "$LOGS/worker-$w$suffix.log" || true
-    code=$(ssh_on "$w" "cat magic-jax/logs/$RUN_ID.exit" 2>/dev/null | tr -dc 0-9) || code=""
     if [ -z "$code" ] && [ "$w" = 0 ] && slice_lost; then return 1; fi
     [ -n "$code" ] || code=1
     [ "$w" != 0 ] || STATUS=$code
@@ -271,7 +341,7 @@ trap 'exit 143' TERM
 attempt=1 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
-  LOST="" STATUS=0
+  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED=""
   if [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "setting up $NAME failed"
   fi
@@ -280,7 +350,15 @@ while :; do
   fi
   if [ -z "$LOST" ]; then
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows"
-    await && collect || true
+    rc=0; await || rc=$?
+    [ "$rc" = 1 ] || collect || true
+  fi
+  if [ -n "$FAILED" ]; then  # a failure, not a preemption: no retry
+    quit "$FAILED_STATUS" "worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still" \
+      "ran; the command was stopped on every worker (logs: $LOGS)"
+  fi
+  if [ -n "$STOPPED" ] && [ "$STATUS" = 0 ]; then
+    quit 1 "worker(s)$STOPPED still ran ${GRACE_S}s after worker 0 ended; stopped (logs: $LOGS)"
   fi
   if [ -z "$LOST" ] && [ "$STATUS" = 143 ]; then LOST="worker 0 stopped with 143"; fi
   [ -n "$LOST" ] || break

@@ -9,6 +9,54 @@ import sys
 import time
 from collections.abc import Sequence
 
+# The commands every host of a multi-host job runs (under jax.distributed, with a mesh).
+MULTI_HOST = ("train", "convert", "export", "eval", "estimate-difficulty")
+# The run directory of the running command (``train`` sets it): where a failure's report goes.
+_RUN_DIR: list[str | None] = [None]
+
+
+def _start_distributed() -> None:
+    """Starts ``jax.distributed`` on a multi-host job (a no-op elsewhere) and the thread
+    that ends this process when another process of the job fails."""
+    from magic_jax import distributed
+    from magic_jax.model.sharding import maybe_initialize_distributed
+
+    maybe_initialize_distributed()
+    distributed.watch_failures(_logs_dir)
+
+
+def _logs_dir() -> object | None:
+    """The run's ``logs/`` once the run directory is this project's (claimed), else None:
+    a report must not make a directory that the run would then refuse as not its own."""
+    from magic_jax import storage
+    from magic_jax.run.rundir import MARKER
+
+    if _RUN_DIR[0] is None:
+        return None
+    out = storage.path(_RUN_DIR[0])
+    return out / "logs" if (out / MARKER).exists() else None
+
+
+def _failed(command: str, code: int) -> int:
+    """``code``; in a multi-host job this process ends here instead, after publishing
+    its traceback so every other process ends too (and writing it to the run's ``logs/``)."""
+    from magic_jax import distributed
+
+    if not distributed.running():
+        return code
+    import traceback
+
+    report = (
+        f"magic-jax {command} failed on process {distributed.process_index()} "
+        f"(exit {code}):\n{traceback.format_exc()}"
+    )
+
+    def log_file():
+        logs = _logs_dir()
+        return None if logs is None else f"{logs}/{distributed.report_name('failure')}"
+
+    distributed.end_job(report, code, log_file=log_file)
+
 
 def _check_new_dir(path: str, option: str) -> None:
     """Refuses, before any work, an output directory that exists or lies under a file."""
@@ -144,6 +192,9 @@ def _train(args: argparse.Namespace) -> int:
         summary = run_default(args.set or ())
     else:
         config = load_config(args.config or _default_config(), args.set or ())
+        _RUN_DIR[0] = config.output_dir
+        if config.mesh is not None:
+            _start_distributed()
         summary = Trainer(config).run(stop_after=args.stop_after)
     stopped = summary.get("stopped_by")
     return 0 if stopped is None else STOP_EXIT_CODES[getattr(signal, stopped)]
@@ -312,7 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a MAGIC training config (resumes from its output_dir)",
         description="Runs a training config; a run directory that has checkpoints resumes "
         "from the newest good one. SIGINT / SIGTERM stop after the current step with a "
-        "checkpoint (exit status 130 / 143); errors exit with status 2.",
+        "checkpoint (exit status 130 / 143); errors exit with status 2. On a multi-host "
+        "job an error on one host ends every host (status 3 on the others; the traceback "
+        "in OUTPUT_DIR/logs). With watchdog_s set, watchdog_s seconds without progress end "
+        "the run with status 124 (every thread's stack in OUTPUT_DIR/logs).",
     )
     p.add_argument(
         "config",
@@ -449,15 +503,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from magic_jax import compile_cache
 
         compile_cache.enable()
+    # In a multi-host job a failure on any host ends every host (``_failed``): the
+    # others would otherwise wait in their next collective forever.
     try:
+        if args.command in MULTI_HOST and getattr(args, "mesh", None):
+            _start_distributed()
         return args.func(args)
     except (CheckpointError, DataError, ValueError, OSError) as e:
         # one line naming what is wrong; OSError covers unwritable or misplaced outputs
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _failed(args.command, 2)
     except KeyboardInterrupt:
         print(f"magic-jax {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _failed(args.command, 130)
+    except Exception:
+        from magic_jax import distributed
+
+        if not distributed.running():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return _failed(args.command, 1)
 
 
 if __name__ == "__main__":
