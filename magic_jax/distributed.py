@@ -178,6 +178,40 @@ def allgather_strings(strings: Sequence[str]) -> list[str]:
     return [bytes(a).decode("utf-8") for a in allgather_ragged(raw, np.uint8)]
 
 
+# --------------------------------------------------------------------------- stops
+
+_STOP = "magic_jax/stop"
+_stop_at: tuple[int, int] | None = None  # (signal, check) once the job's stop is known
+
+
+def agreed_stop(check: int, local: int) -> int:
+    """The signal to stop with at this process's ``check``-th stop check (0: go on).
+
+    In one process, ``local`` (the pending signal) itself. In a multi-host job the
+    first process with a pending signal publishes ``signal:check+1`` (creating
+    the key only if absent), and every process stops once its own count reaches
+    that check: a process can be at most one check ahead of another (each check
+    sits between collectives), so the one that published has not yet left the
+    collective before it, and no process waits for one that stopped.
+    """
+    global _stop_at
+    client = _client()
+    if client is None:
+        return local
+    if _stop_at is None:
+        if local:
+            with contextlib.suppress(Exception):  # another process published first
+                client.key_value_set(_STOP, f"{local}:{check + 1}")
+        try:
+            value = client.key_value_try_get(_STOP)
+        except Exception:  # not published
+            value = None
+        if value:
+            sig, at = value.split(":")
+            _stop_at = (int(sig), int(at))
+    return _stop_at[0] if _stop_at is not None and check >= _stop_at[1] else 0
+
+
 # --------------------------------------------------------------------------- failures
 
 # Seconds without a heartbeat after which JAX's coordination service declares a process

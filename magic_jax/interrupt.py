@@ -9,7 +9,12 @@ trainer catches ``Interrupted``, waits for the writes in flight and exits with t
 signal's status; the resumed run redoes only what was not finished.
 
 A module-level flag (one per process), as a signal handler needs: setting it is
-a plain store, safe in a handler, and reading it costs a load.
+a plain store, safe in a handler, and reading it costs a load. In a multi-host
+job every process must stop at the same check, or the others would wait in
+the next collective for one that left: the first process asked publishes
+"stop at check i + 1" in the coordination service and every process stops
+there (``distributed.agreed_stop``; the processes run the same checks in the
+same order, as they run the same programs).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ STOP_AT_ENV = "MAGIC_JAX_STOP_AT"
 
 _requested = 0
 _step = -1  # the training step running (``at``), for the test hook
+_checks = 0  # checks so far: the same sequence on every process of a multi-host job
 _seen: dict[tuple[str, int], int] = {}
 
 
@@ -77,5 +83,10 @@ def check(where: str) -> None:
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)  # the handler runs in the main thread
-    if _requested:
-        raise Interrupted(_requested, where)
+    global _checks
+    _checks += 1
+    from magic_jax import distributed
+
+    stop = distributed.agreed_stop(_checks, _requested)
+    if stop:
+        raise Interrupted(stop, where)

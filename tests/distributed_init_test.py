@@ -31,6 +31,9 @@ VARIABLES = (
 )  # fmt: skip
 
 
+HEARTBEAT = {"heartbeat_timeout_seconds": 60}  # distributed.initialize_options()
+
+
 class Recorder:
     """Stands in for ``jax.distributed``: records ``initialize``'s arguments and what
     JAX's cluster detection makes of them."""
@@ -94,7 +97,7 @@ def test_cloud_tpu_vm_slice_starts_from_the_metadata(dist, monkeypatch, capsys):
         "tpu-env": "ACCELERATOR_TYPE: 'v5p-32'\nTYPE: 'V5P'",
     })  # fmt: skip
     assert sharding.maybe_initialize_distributed()
-    assert dist.calls == [{"cluster_detection_method": "gcetpu"}]
+    assert dist.calls == [{"cluster_detection_method": "gcetpu", **HEARTBEAT}]
     assert dist.resolved == [("10.130.0.2:8482", 4, 2, None)]
     # the second call (the trainer's after the CLI's) does nothing and prints nothing more
     assert not sharding.maybe_initialize_distributed()
@@ -135,7 +138,7 @@ def test_gke_tpu_starts_from_the_worker_hostnames(dist, monkeypatch):
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.8.0.4,10.8.0.5,10.8.0.6,10.8.0.7")
     monkeypatch.setenv("TPU_WORKER_ID", "3")
     assert sharding.maybe_initialize_distributed()
-    assert dist.calls == [{"cluster_detection_method": "gketpu"}]
+    assert dist.calls == [{"cluster_detection_method": "gketpu", **HEARTBEAT}]
     assert dist.resolved == [("10.8.0.4:8482", 4, 3, None)]
 
 
@@ -145,7 +148,7 @@ def test_slurm_gpu_job_starts_one_process_per_gpu(dist, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert sharding.maybe_initialize_distributed()
-    assert dist.calls == [{"cluster_detection_method": "slurm"}]
+    assert dist.calls == [{"cluster_detection_method": "slurm", **HEARTBEAT}]
     # port: JAX's rule, the job id mod 4096 in the top 4096 ports (4242 % 4096 + 61440)
     assert dist.resolved == [("gpu017:61586", 16, 9, [1])]
 
@@ -165,7 +168,7 @@ def test_open_mpi_job_starts(dist, monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
     assert sharding.maybe_initialize_distributed()
-    assert dist.calls == [{"cluster_detection_method": "ompi"}]
+    assert dist.calls == [{"cluster_detection_method": "ompi", **HEARTBEAT}]
     # port: (1531576320 // 4096) % 4096 + 61440
     assert dist.resolved == [("10.96.0.1:62624", 4, 3, [1])]
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # mpirun -n 1
@@ -183,7 +186,7 @@ def test_explicit_variables_win_and_are_passed_as_given(dist, monkeypatch, capsy
     assert sharding.maybe_initialize_distributed()
     assert dist.calls == [{
         "coordinator_address": "10.0.0.2:8476", "num_processes": 2, "process_id": 1,
-        "cluster_detection_method": "deactivate",
+        "cluster_detection_method": "deactivate", **HEARTBEAT,
     }]  # fmt: skip
     assert "(via MAGIC_JAX_COORDINATOR)" in capsys.readouterr().out
     assert not sharding.maybe_initialize_distributed()

@@ -220,7 +220,10 @@ def maybe_initialize_distributed() -> bool:
         if via is None:
             return False
         kwargs = {"cluster_detection_method": via}
-    jax.distributed.initialize(**kwargs)
+    from magic_jax import distributed
+
+    # a host killed outright ends the others after the heartbeat timeout, not never
+    jax.distributed.initialize(**kwargs, **distributed.initialize_options())
     devices = jax.local_devices()
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
     print(

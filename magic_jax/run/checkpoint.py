@@ -11,7 +11,8 @@ object, so verifying reads one listing, not the checkpoint). A checkpoint
 counts only once its manifest is written and every file matches it. On
 resume the newest checkpoint that verifies is used; a checkpoint that does
 not is named in one log line with the reason and moved to
-``RUN/checkpoints_bad/`` (never deleted).
+``RUN/checkpoints_bad/`` (never deleted). Saves are asynchronous: the state is
+written while training goes on, and the manifest follows once orbax commits it.
 """
 
 from __future__ import annotations
@@ -462,19 +463,15 @@ class TrainCheckpoints:
         ``wait`` / ``close`` wait for this one's."""
         import orbax.checkpoint as ocp
 
-        from magic_jax.run.runlock import check_fence
+        from magic_jax.run import runlock
 
         self.wait()
-        check_fence(f"checkpoint step {step}")  # a run that lost its lock writes nothing
+        runlock.check_fence(f"checkpoint step {step}")  # a run that lost its lock writes nothing
         mgr = self._mgr()
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
         path = self.root / f"step_{step:08d}"
-        self._pending = threading.Thread(
-            target=self._finish,
-            args=(mgr, step, path, dict(meta), model_config),
-            name=f"checkpoint-{step}",
-            daemon=True,
-        )
+        args = (mgr, step, path, dict(meta), model_config)
+        self._pending = threading.Thread(target=self._finish, args=args, daemon=True)
         self._pending.start()
         return path
 
@@ -536,6 +533,6 @@ class TrainCheckpoints:
         try:
             self.wait()
         finally:
-            if self._manager is not None:
-                self._manager.close()
-                self._manager = None
+            manager, self._manager = self._manager, None
+            if manager is not None:
+                manager.close()

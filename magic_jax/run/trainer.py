@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax import interrupt, storage
+from magic_jax import interrupt, storage, watchdog
 from magic_jax.data.rows import offline_filter, read_rows, tokenize_rows
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
@@ -283,7 +283,12 @@ class Trainer:
         stop = distributed.max_int(signals.received or 0)
         counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
-            with self._monitor, VerifierPool(cfg.rewards) as pool, self._profiler:
+            with (
+                self._monitor,
+                VerifierPool(cfg.rewards) as pool,
+                self._profiler,
+                watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
+            ):
                 while step < end and not schedule.finished(cfg) and not stop:
                     try:
                         if cfg.eval is not None and step == 0:
