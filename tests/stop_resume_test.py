@@ -45,19 +45,30 @@ def _cmd(out, *more):
     return [sys.executable, "-m", "magic_jax.jobs.cli", "train", "run.yaml", *sets]
 
 
-def _stop_then_resume(files, out, at, *more):
-    """Runs until the SIGTERM sent at ``at``; returns (seconds from signal to exit, the
-    resumed run's output)."""
+def _status(files, out):
+    """``magic-jax status OUT`` as a user types it."""
+    got = subprocess.run([sys.executable, "-m", "magic_jax.jobs.cli", "status", str(out)],
+                         cwd=files, capture_output=True, text=True)  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def _stop_then_resume(files, out, at, *more, resume=()):
+    """Runs until the SIGTERM sent at ``at``, then again (with ``resume``'s arguments);
+    returns (seconds from signal to exit, the stopped run's output, ``magic-jax status``
+    between the two, the resumed run's output)."""
     env = dict(os.environ, **{interrupt.STOP_AT_ENV: at})
     stopped = subprocess.run(_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True)
     ended = time.time()
     assert stopped.returncode == rundir.STOP_EXIT_CODES[signal.SIGTERM], stopped.stderr[-3000:]
     sent = float(re.search(r"\[test\] SIGTERM at ([\d.]+)", stopped.stderr).group(1))
     assert "Traceback" not in stopped.stdout + stopped.stderr
+    status = _status(files, out)
     env.pop(interrupt.STOP_AT_ENV)
-    again = subprocess.run(_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True)
+    again = subprocess.run([*_cmd(out, *more), *resume], cwd=files, env=env, capture_output=True,
+                           text=True)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    return ended - sent, stopped.stdout, again.stdout
+    return ended - sent, stopped.stdout, status, again.stdout
 
 
 @pytest.mark.slow  # two subprocess runs (~15 s each cold)
@@ -65,9 +76,11 @@ def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exac
     out = files / "stop_rollout"
     # step 2 (stage 1): 8 slots hold one group of 8, so the second chunk's check comes
     # after group 0 finished
-    took, first, log = _stop_then_resume(files, out, "rollout:2:2")
+    took, first, status, log = _stop_then_resume(files, out, "rollout:2:2")
     assert took < 20, took
     assert "step 2 resumes from its saved groups" in first
+    assert "stopped by SIGTERM" in status and "resumes at step 2 from" in status
+    assert "step 2: finished groups saved (round_0: 1), not decoded again" in status
     assert "continuing at step 2" in log
     assert re.search(
         r"step_00000002/round_0: 1 of 4 groups finished before; decoding the other 3", log
@@ -81,11 +94,16 @@ def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
     metrics = rundir.read_records(exact_reference / "metrics.jsonl")
     step = next(r["step"] for r in metrics if r["step"] >= 1 and r["sgd_steps"] >= 1)
     out = files / "stop_update"
-    took, _, log = _stop_then_resume(files, out, f"update:{step}:1")
+    # the resumed run traces the step it redoes (--profile-steps may change on resume)
+    took, _, status, log = _stop_then_resume(
+        files, out, f"update:{step}:1", resume=("--profile-steps", f"{step}:{step + 1}")
+    )
     assert took < 20, took
+    assert "finished groups saved (round_0: 4)" in status
     assert f"continuing at step {step}" in log
     assert "4 of 4 groups finished before; decoding the other 0" in log
     assert_same_run(exact_reference, out)
+    assert list((out / "profile").rglob("*.xplane.pb")), log[-2000:]
 
 
 @pytest.mark.slow
@@ -105,7 +123,8 @@ def test_sigterm_mid_rollout_on_the_bucket(files, exact_reference, tmp_path):
         model = emulator.uri("model")
         _upload(files / "model", model)
         out = emulator.uri("stopped")
-        took, _, log = _stop_then_resume(files, out, "rollout:3:2", f"model={model}")
+        took, _, status, log = _stop_then_resume(files, out, "rollout:3:2", f"model={model}")
+        assert "resumes at step 3" in status and "(round_0: 1)" in status
         assert took < 20, took
         assert "1 of 4 groups finished before; decoding the other 3" in log
         assert_same_run(exact_reference, _download(out, tmp_path / "run"))

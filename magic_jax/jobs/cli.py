@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -11,51 +12,6 @@ from collections.abc import Sequence
 
 # The commands every host of a multi-host job runs (under jax.distributed, with a mesh).
 MULTI_HOST = ("train", "convert", "export", "eval", "estimate-difficulty")
-# The run directory of the running command (``train`` sets it): where a failure's report goes.
-_RUN_DIR: list[str | None] = [None]
-
-
-def _start_distributed() -> None:
-    """Starts ``jax.distributed`` on a multi-host job (a no-op elsewhere) and the thread
-    that ends this process when another process of the job fails."""
-    from magic_jax import distributed
-    from magic_jax.model.sharding import maybe_initialize_distributed
-
-    maybe_initialize_distributed()
-    distributed.watch_failures(_logs_dir)
-
-
-def _logs_dir() -> object | None:
-    """The run's ``logs/`` once the run directory is this project's (claimed), else None:
-    a report must not make a directory that the run would then refuse as not its own."""
-    from magic_jax import storage
-    from magic_jax.run.rundir import MARKER
-
-    if _RUN_DIR[0] is None:
-        return None
-    out = storage.path(_RUN_DIR[0])
-    return out / "logs" if (out / MARKER).exists() else None
-
-
-def _failed(command: str, code: int) -> int:
-    """``code``; in a multi-host job this process ends here instead, after publishing
-    its traceback so every other process ends too (and writing it to the run's ``logs/``)."""
-    from magic_jax import distributed
-
-    if not distributed.running():
-        return code
-    import traceback
-
-    report = (
-        f"magic-jax {command} failed on process {distributed.process_index()} "
-        f"(exit {code}):\n{traceback.format_exc()}"
-    )
-
-    def log_file():
-        logs = _logs_dir()
-        return None if logs is None else f"{logs}/{distributed.report_name('failure')}"
-
-    distributed.end_job(report, code, log_file=log_file)
 
 
 def _check_new_dir(path: str, option: str) -> None:
@@ -180,24 +136,35 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from magic_jax.jobs import hosts
     from magic_jax.run.config import load_config
     from magic_jax.run.rundir import STOP_EXIT_CODES
     from magic_jax.run.trainer import Trainer
 
     if args.stop_after is not None and args.stop_after <= 0:
         raise ValueError(f"--stop-after {args.stop_after}: must be a positive number of steps")
+    if args.profile_steps is not None:  # as a string: YAML reads 3:5 as a number (185)
+        args.set = [*(args.set or ()), f"profile_steps={json.dumps(args.profile_steps)}"]
     if args.config is None and args.stop_after is None:  # the embedded default
         from magic_jax.jobs.demo import run_default
 
         summary = run_default(args.set or ())
     else:
         config = load_config(args.config or _default_config(), args.set or ())
-        _RUN_DIR[0] = config.output_dir
+        hosts.RUN_DIR[0] = config.output_dir
         if config.mesh is not None:
-            _start_distributed()
+            hosts.start()
         summary = Trainer(config).run(stop_after=args.stop_after)
     stopped = summary.get("stopped_by")
     return 0 if stopped is None else STOP_EXIT_CODES[getattr(signal, stopped)]
+
+
+def _status(args: argparse.Namespace) -> int:
+    from magic_jax.jobs.status import format_status, run_status
+
+    info = run_status(args.run_dir)
+    print(json.dumps(info, indent=1) if args.json else format_status(info))
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -362,11 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run a MAGIC training config (resumes from its output_dir)",
         description="Runs a training config; a run directory that has checkpoints resumes "
-        "from the newest good one. SIGINT / SIGTERM stop after the current step with a "
-        "checkpoint (exit status 130 / 143); errors exit with status 2. On a multi-host "
-        "job an error on one host ends every host (status 3 on the others; the traceback "
-        "in OUTPUT_DIR/logs). With watchdog_s set, watchdog_s seconds without progress end "
-        "the run with status 124 (every thread's stack in OUTPUT_DIR/logs).",
+        "from the newest good one. SIGINT / SIGTERM stop at the next decode chunk or "
+        "optimizer step, keeping the step's finished groups (exit status 130 / 143); "
+        "errors exit with status 2; a run whose lock another run took exits 75. On a "
+        "multi-host job an error on one host ends every host (status 3 on the others; "
+        "the traceback in OUTPUT_DIR/logs). With watchdog_s set, watchdog_s seconds "
+        "without progress end the run with status 124 (every thread's stack in "
+        "OUTPUT_DIR/logs).",
     )
     p.add_argument(
         "config",
@@ -383,7 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stop-after", type=int, help="stop after this many steps in all (resumable; >= 1)"
     )
+    p.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="a jax.profiler trace of global steps A to B-1 into OUTPUT_DIR/profile "
+        "(--set profile_steps=A:B)",
+    )
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "status",
+        help="where a stopped run resumes: checkpoint, saved groups, lock, host reports",
+    )
+    p.add_argument("run_dir", help="a run directory (local or gs://)")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=_status)
 
     p = sub.add_parser(
         "plan",
@@ -490,7 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from magic_jax.data.rows import DataError
+    from magic_jax.jobs import hosts
     from magic_jax.model.convert import CheckpointError
+    from magic_jax.run.runlock import LOST_LOCK_EXIT, LockLost
 
     if args.command in (
         "train",
@@ -503,19 +488,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from magic_jax import compile_cache
 
         compile_cache.enable()
-    # In a multi-host job a failure on any host ends every host (``_failed``): the
+    # In a multi-host job a failure on any host ends every host (``hosts.failed``): the
     # others would otherwise wait in their next collective forever.
     try:
         if args.command in MULTI_HOST and getattr(args, "mesh", None):
-            _start_distributed()
+            hosts.start()
         return args.func(args)
+    except LockLost as e:  # another run holds the directory now: this one writes nothing more
+        print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
+        return hosts.failed(args.command, LOST_LOCK_EXIT)
     except (CheckpointError, DataError, ValueError, OSError) as e:
         # one line naming what is wrong; OSError covers unwritable or misplaced outputs
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
-        return _failed(args.command, 2)
+        return hosts.failed(args.command, 2)
     except KeyboardInterrupt:
         print(f"magic-jax {args.command}: interrupted", file=sys.stderr)
-        return _failed(args.command, 130)
+        return hosts.failed(args.command, 130)
     except Exception:
         from magic_jax import distributed
 
@@ -524,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        return _failed(args.command, 1)
+        return hosts.failed(args.command, 1)
 
 
 if __name__ == "__main__":
