@@ -1,6 +1,7 @@
 """Rollout driver: continuous vs static batching, trainer log-prob parity, scheduling invariance."""
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -371,13 +372,13 @@ def test_default_lanes(monkeypatch):
     from magic_jax.rollout import driver as driver_lib
     from magic_jax.run.config import RolloutConfig
 
-    monkeypatch.setattr(driver_lib.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
     assert driver_lib.default_lanes(128) == (2 if jax.default_backend() == "cpu" else 1)
     assert driver_lib.default_lanes(128, num_params=740_000) == driver_lib.default_lanes(128)
     assert driver_lib.default_lanes(32, num_params=58_000_000) == 1  # matmul-bound step
     assert driver_lib.default_lanes(8) == 1  # a lane would hold fewer than 8 slots
     assert driver_lib.default_lanes(17) == 1  # the slots do not split evenly
-    monkeypatch.setattr(driver_lib.os, "sched_getaffinity", lambda _: {0}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
     assert driver_lib.default_lanes(128) == 1  # one core
     with pytest.raises(ValueError, match="lanes"):
         driver_lib.make_driver(

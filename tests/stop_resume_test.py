@@ -63,6 +63,7 @@ def _stop_then_resume(files, out, at, *more, resume=()):
     assert stopped.returncode == rundir.STOP_EXIT_CODES[signal.SIGTERM], stopped.stderr[-3000:]
     sent = float(re.search(r"\[test\] SIGTERM at ([\d.]+)", stopped.stderr).group(1))
     assert "Traceback" not in stopped.stdout + stopped.stderr
+    print(f"[measured] {at}: exit {ended - sent:.2f} s after the SIGTERM")
     status = _status(files, out)
     env.pop(interrupt.STOP_AT_ENV)
     again = subprocess.run([*_cmd(out, *more), *resume], cwd=files, env=env, capture_output=True,
