@@ -1,6 +1,7 @@
 """Test configuration: eight virtual CPU devices for the sharding tests; XLA's CPU backend
 compiled at LLVM optimisation level 0; ``gpu`` tests skip without a GPU."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -134,6 +135,29 @@ class GcsEmulator:
         self._proc.terminate()
         self._proc.wait(timeout=10)
         self._log.close()
+
+    @contextlib.contextmanager
+    def in_env(self, **extra: str):
+        """This process (and those it starts) pointed at the emulator for the block: ``env``
+        and ``extra`` set (before gcsfs is first imported: it reads them then), gcsfs's
+        cached clients of any other emulator dropped; the variables restored and the
+        emulator stopped after it."""
+        import fsspec
+
+        saved = {k: os.environ.get(k) for k in (*self.env, *extra)}
+        os.environ.update({**self.env, **extra})
+        fs = fsspec.get_filesystem_class("gs")
+        fs.clear_instance_cache()
+        try:
+            yield self
+        finally:
+            fs.clear_instance_cache()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self.stop()
 
 
 def _has_gpu() -> bool:

@@ -31,17 +31,9 @@ from magic_jax.run.checkpoint import latest_good_checkpoint, step_dirs
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs")
-    emulator = GcsEmulator(root / "emulator.log")
-    emulator.env[storage.CACHE_ENV] = str(root / "cache")  # gs:// models copied here
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)
-    yield emulator
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    emulator.stop()
+    cache = {storage.CACHE_ENV: str(root / "cache")}  # gs:// models copied here
+    with GcsEmulator(root / "emulator.log").in_env(**cache) as emulator:
+        yield emulator
 
 
 def _upload(local, uri):

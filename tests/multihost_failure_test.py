@@ -143,29 +143,10 @@ def train_files(tmp_path_factory):
     return root
 
 
-# Until the trainer starts the watchdog itself, the test starts it around Trainer.run (a
-# second one, the trainer's, would do nothing: one per process).
-TRAIN = """
-import sys
-from magic_jax import watchdog
-from magic_jax.run import trainer
-
-run = trainer.Trainer.run
-
-def watched(self, **kw):
-    with watchdog.Watchdog(self.config.watchdog_s, self.config.output_dir):
-        return run(self, **kw)
-
-trainer.Trainer.run = watched
-from magic_jax.jobs.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def _train(root, out, port, *more):
     def argv(i):
-        return [sys.executable, "-c", TRAIN, "train", str(root / "run.yaml"), "--set",
-                f"output_dir={out}", *more]  # fmt: skip
+        return [sys.executable, "-m", "magic_jax.jobs.cli", "train", str(root / "run.yaml"),
+                "--set", f"output_dir={out}", *more]  # fmt: skip
 
     def env(i):
         return {"MAGIC_JAX_COORDINATOR": f"localhost:{port}", "MAGIC_JAX_NUM_PROCESSES": "2",
@@ -181,15 +162,24 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-@pytest.mark.slow
-def test_train_a_raise_on_process_1_at_step_2_ends_both(train_files, cache, tmp_path):
+def _train_with_fault(train_files, cache, tmp_path, process, fault, *more):
+    """Two processes of ``magic-jax train`` with ``MAGIC_JAX_FAULT_AT=fault`` in
+    ``process``; returns (the run directory, exit codes, end times, logs)."""
     out = tmp_path / "run"
-    argv, env = _train(train_files, out, free_port())
-    faults = {1: {"MAGIC_JAX_FAULT_AT": "raise:decode chunk:2"}}
+    argv, env = _train(train_files, out, free_port(), *more)
+    faults = {process: {"MAGIC_JAX_FAULT_AT": fault}}
     codes, ended, logs = run_two(
         argv, lambda i: dict(env(i), MAGIC_JAX_COMPILATION_CACHE=cache, **faults.get(i, {})),
         tmp_path, 600,
     )  # fmt: skip
+    return out, codes, ended, logs
+
+
+@pytest.mark.slow
+def test_train_a_raise_on_process_1_at_step_2_ends_both(train_files, cache, tmp_path):
+    out, codes, ended, logs = _train_with_fault(
+        train_files, cache, tmp_path, 1, "raise:decode chunk:2"
+    )
     t = fault_time(logs[1])
     print(f"both ended {max(ended) - t:.1f}s after the raise (exit {codes})")
     assert codes[1] == 1 and codes[0] == 3, (codes, logs[0][-3000:], logs[1][-3000:])
@@ -208,13 +198,10 @@ def test_train_a_raise_on_process_1_at_step_2_ends_both(train_files, cache, tmp_
 
 @pytest.mark.slow
 def test_train_a_hang_on_process_0_ends_both_by_the_watchdog(train_files, cache, tmp_path):
-    out, limit = tmp_path / "run", 30
-    argv, env = _train(train_files, out, free_port(), "--set", f"watchdog_s={limit}")
-    faults = {0: {"MAGIC_JAX_FAULT_AT": "hang:decode chunk:2"}}
-    codes, ended, logs = run_two(
-        argv, lambda i: dict(env(i), MAGIC_JAX_COMPILATION_CACHE=cache, **faults.get(i, {})),
-        tmp_path, 600,
-    )  # fmt: skip
+    limit = 30
+    out, codes, ended, logs = _train_with_fault(
+        train_files, cache, tmp_path, 0, "hang:decode chunk:2", "--set", f"watchdog_s={limit}"
+    )
     t = fault_time(logs[0])
     print(f"both ended {max(ended) - t:.1f}s after the hang (limit {limit}s, exit {codes})")
     assert all(c in (124, 3) for c in codes) and 124 in codes, (codes, logs)

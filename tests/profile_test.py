@@ -95,21 +95,8 @@ def test_each_process_writes_its_own_file(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    import fsspec
-
-    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs") / "emulator.log")
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)  # before gcsfs is imported: it reads them then
-    gcs_fs = fsspec.get_filesystem_class("gs")
-    gcs_fs.clear_instance_cache()  # none pointing at another emulator
-    yield emulator
-    gcs_fs.clear_instance_cache()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    emulator.stop()
+    with GcsEmulator(tmp_path_factory.mktemp("gcs") / "emulator.log").in_env() as emulator:
+        yield emulator
 
 
 def test_gcs_trace_is_uploaded(gcs):

@@ -77,17 +77,8 @@ HOLDER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     # an emulator of this file's own: one test pauses it
-    root = tmp_path_factory.mktemp("gcs")
-    emulator = GcsEmulator(root / "emulator.log")
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)
-    yield emulator
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    emulator.stop()
+    with GcsEmulator(tmp_path_factory.mktemp("gcs") / "emulator.log").in_env() as emulator:
+        yield emulator
 
 
 class Holder:

@@ -115,12 +115,8 @@ def test_sigterm_mid_rollout_on_the_bucket(files, exact_reference, tmp_path):
     from magic_jax import storage
     from magic_jax.run import runlock
 
-    emulator = GcsEmulator(tmp_path / "emulator.log")
-    saved = {k: os.environ.get(k) for k in emulator.env}
-    os.environ.update(emulator.env)
-    os.environ[storage.CACHE_ENV] = str(tmp_path / "cache")
-    os.environ[runlock.LEASE_ENV] = "4"
-    try:
+    extra = {storage.CACHE_ENV: str(tmp_path / "cache"), runlock.LEASE_ENV: "4"}
+    with GcsEmulator(tmp_path / "emulator.log").in_env(**extra) as emulator:
         model = emulator.uri("model")
         _upload(files / "model", model)
         out = emulator.uri("stopped")
@@ -129,12 +125,6 @@ def test_sigterm_mid_rollout_on_the_bucket(files, exact_reference, tmp_path):
         assert took < 20, took
         assert "1 of 4 groups finished before; decoding the other 3" in log
         assert_same_run(exact_reference, _download(out, tmp_path / "run"))
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        os.environ.pop(storage.CACHE_ENV, None)
-        os.environ.pop(runlock.LEASE_ENV, None)
-        emulator.stop()
 
 
 # --------------------------------------------------------------------------- the store
