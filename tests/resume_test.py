@@ -328,7 +328,11 @@ def test_kill_9_anywhere_then_the_same_command(files, reference, point, more, re
     if resumes_at is None:
         assert "continuing at step" not in log
     else:
-        assert f"continuing at step {resumes_at}" in log
+        # Checkpoints are written asynchronously: a kill that comes while the newest one
+        # is still being written (orbax's temporary folder, or no manifest yet) resumes
+        # from the one before, and ends the same.
+        resumed = [at for at in (resumes_at, resumes_at - 1) if f"continuing at step {at}" in log]
+        assert resumed, log[-2000:]
     assert_same_run(reference, out)
 
 

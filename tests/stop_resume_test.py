@@ -108,23 +108,27 @@ def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
 
 
 @pytest.mark.slow
-def test_sigterm_mid_rollout_on_the_bucket(files, exact_reference, tmp_path):
+def test_sigterm_mid_rollout_and_mid_update_on_the_bucket(files, exact_reference, tmp_path):
     from conftest import GcsEmulator
     from gcs_test import _download, _upload
 
     from magic_jax import storage
     from magic_jax.run import runlock
 
+    metrics = rundir.read_records(exact_reference / "metrics.jsonl")
+    step = next(r["step"] for r in metrics if r["step"] >= 1 and r["sgd_steps"] >= 1)
     extra = {storage.CACHE_ENV: str(tmp_path / "cache"), runlock.LEASE_ENV: "4"}
     with GcsEmulator(tmp_path / "emulator.log").in_env(**extra) as emulator:
         model = emulator.uri("model")
         _upload(files / "model", model)
-        out = emulator.uri("stopped")
-        took, _, status, log = _stop_then_resume(files, out, "rollout:3:2", f"model={model}")
-        assert "resumes at step 3" in status and "(round_0: 1)" in status
-        assert took < 20, took
-        assert "1 of 4 groups finished before; decoding the other 3" in log
-        assert_same_run(exact_reference, _download(out, tmp_path / "run"))
+        cases = (("rollout:3:2", 3, 1), (f"update:{step}:1", step, 4))
+        for i, (at, resumes, saved) in enumerate(cases):
+            out = emulator.uri(f"stopped{i}")
+            took, _, status, log = _stop_then_resume(files, out, at, f"model={model}")
+            assert f"resumes at step {resumes}" in status and f"(round_0: {saved})" in status
+            assert took < 20, took
+            assert f"{saved} of 4 groups finished before; decoding the other {4 - saved}" in log
+            assert_same_run(exact_reference, _download(out, tmp_path / f"run{i}"))
 
 
 # --------------------------------------------------------------------------- the store
