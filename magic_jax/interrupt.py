@@ -19,6 +19,7 @@ same order, as they run the same programs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ STOP_AT_ENV = "MAGIC_JAX_STOP_AT"
 _requested = 0
 _step = -1  # the training step running (``at``), for the test hook
 _checks = 0  # checks so far: the same sequence on every process of a multi-host job
+_deferred = 0  # inside ``deferred()``: checks count and agree, but do not raise
 _seen: dict[tuple[str, int], int] = {}
 
 
@@ -88,5 +90,17 @@ def check(where: str) -> None:
     from magic_jax import distributed
 
     stop = distributed.agreed_stop(_checks, _requested)
-    if stop:
+    if stop and not _deferred:
         raise Interrupted(stop, where)
+
+
+@contextlib.contextmanager
+def deferred():
+    """Work that a stop must not cut short (nothing would keep it): inside, ``check``
+    never raises; the stop stays pending for the loop's next safe point."""
+    global _deferred
+    _deferred += 1
+    try:
+        yield
+    finally:
+        _deferred -= 1

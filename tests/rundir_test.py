@@ -91,6 +91,10 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers(capfd):
         assert interrupt.requested() == signal.SIGTERM
         with pytest.raises(interrupt.Interrupted, match="during rollout"):
             interrupt.check("rollout")
+        with interrupt.deferred():  # work nothing would keep: the stop waits for it
+            interrupt.check("update")
+        with pytest.raises(interrupt.Interrupted, match="during update"):
+            interrupt.check("update")
     assert signal.getsignal(signal.SIGTERM) is before
     assert not interrupt.requested()
     assert capfd.readouterr().err == (

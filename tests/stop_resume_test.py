@@ -79,7 +79,7 @@ def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exac
     # after group 0 finished
     took, first, status, log = _stop_then_resume(files, out, "rollout:2:2")
     assert took < 20, took
-    assert "step 2 resumes from its saved groups" in first
+    assert "step 2 is redone on resume" in first
     assert "stopped by SIGTERM" in status and "resumes at step 2 from" in status
     assert "step 2: finished groups saved (round_0: 1), not decoded again" in status
     assert "continuing at step 2" in log

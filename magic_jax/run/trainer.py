@@ -67,8 +67,6 @@ class Trainer:
         self._eval_driver = None
         self._extra_eval_drivers: dict[float, Any] = {}
 
-    # ------------------------------------------------------------------ set-up
-
     def _setup(self) -> None:
         from flax import nnx
 
@@ -150,8 +148,6 @@ class Trainer:
         )
         self.log(stage.describe())
         return stage
-
-    # ------------------------------------------------------------------ the loop
 
     def run(self, *, stop_after: int | None = None) -> dict[str, Any]:
         """Trains to the end of the last stage; returns a summary (also in ``summary.json``).
@@ -296,9 +292,13 @@ class Trainer:
                         step, state, ended = self._one_step(step, state, loop, pool)
                         counts = _counts(state)
                     except interrupt.Interrupted as e:
-                        # the finished groups are saved; the step resumes from checkpoint `saved`
+                        # Only a rollout or an update with its groups saved is cut short
+                        # (``_step``): the state is that of `step` steps, or checkpointed.
                         stop = e.signum
-                        self.log(f"[stop] {e}: step {step} resumes from its saved groups")
+                        self.log(f"[stop] {e}: step {step} is redone on resume")
+                        if saved < step:  # a rollout without saved groups: keep the state
+                            self._save(ckpts, state, loop)
+                            saved = self._resumable = step
                         break
                     stop = distributed.max_int(signals.received or 0)
                     if not stop and distributed.preemption_notice(step):
@@ -356,7 +356,8 @@ class Trainer:
         rundir.kill_point("step", step)
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
-            ev = self._evaluate(state, step, pool, None if ended else schedule)
+            with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
+                ev = self._evaluate(state, step, pool, None if ended else schedule)
             ended = ended or ev.get("stage_end")
         if ended is not None:
             # the stage switch: online filtering, fresh statistics (checkpointed)
@@ -512,7 +513,9 @@ class Trainer:
         )
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-        state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        # an update is cut short only where its groups and the state before it are kept
+        with contextlib.nullcontext() if saved is not None else interrupt.deferred():
+            state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
         rundir.kill_point("update", step)  # the update is dispatched, not yet done
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
@@ -522,11 +525,8 @@ class Trainer:
 
 
 def _counts(state: Any) -> dict[str, Any]:
-    return {
-        "optimizer_steps": int(state.step),
-        "skipped_updates": int(state.skipped),
-        "entropy_coef": float(state.entropy.coef),
-    }
+    s, skipped, coef = int(state.step), int(state.skipped), float(state.entropy.coef)
+    return {"optimizer_steps": s, "skipped_updates": skipped, "entropy_coef": coef}
 
 
 def _format(row: dict[str, Any]) -> str:
