@@ -15,11 +15,12 @@ t with ``fold_in(seed, step, p, j, t)`` whichever lane, slot or batch decodes it
 whole step), so the resumed groups draw what the uninterrupted step drew.
 
 Files are written whole or not at all (a temporary name and a rename locally,
-one upload on Cloud Storage), by a thread of their own, so the decode loop does
-not wait on storage. Each records its prompt's uid, G and response limit; a file
-that does not match the step's prompt, or cannot be read, is decoded again (and
-said so). The trainer keeps only the directory of the step its newest
-checkpoint resumes at (``prune``).
+one upload on Cloud Storage), by the thread that waits for the group's rewards
+(``scoring._Saver``), so the decode loop does not wait on storage. Each records
+its prompt's uid, G and response limit; a file that does not match the step's
+prompt, or cannot be read, is decoded again (and said so). The trainer keeps the
+groups of the step its newest checkpoint resumes at, and of the one before until
+that checkpoint is whole (``prune``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import io
 import json
 import logging
 import os
-import queue
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -163,8 +162,8 @@ class RoundStore:
     Example:
       store = RoundStore(step_dir(out, step) / "round_0", limit=T)
       done = store.load(uids, group_size=G)   # {prompt index: (samples, results, texts)}
-      store.put(p, uid, samples, results)     # queued; written by the store's thread
-      store.close()                           # every queued group written
+      store.put(p, uid, samples, results)     # written now, whole or not at all
+      store.close()                           # says what could not be written
     """
 
     def __init__(self, root: Any, *, limit: int, log: Any = None, fence: Any = None):
@@ -172,8 +171,6 @@ class RoundStore:
         self.fence = fence
         self.limit = int(limit)
         self.log = log or logger.info
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
         self.errors: list[BaseException] = []
         self.written = 0
 
@@ -210,36 +207,19 @@ class RoundStore:
 
     def put(self, prompt: int, uid: str, samples: Sequence[Any], results: Sequence[Any],
             texts: Sequence[str] | None = None) -> None:  # fmt: skip
-        """Queues one finished, verified group for writing (returns at once)."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._write_loop, name="rollout-store", daemon=True
-            )
-            self._thread.start()
-        self._queue.put((prompt, uid, list(samples), list(results), texts))
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                p, uid, samples, results, texts = item
-                if self.fence is not None:
-                    self.fence(self.path(p).name)
-                _write_bytes(self.path(p), encode_group(uid, self.limit, samples, results, texts))
-                self.written += 1
-            except BaseException as e:  # reported by close(); the run goes on without it
-                self.errors.append(e)
-            finally:
-                self._queue.task_done()
+        """Writes one finished, verified group (whole or not at all). A write that fails
+        is counted, not raised: the run goes on and a resume decodes that group again."""
+        try:
+            if self.fence is not None:
+                self.fence(self.path(prompt).name)
+            data = encode_group(uid, self.limit, samples, results, texts)
+            _write_bytes(self.path(prompt), data)
+            self.written += 1
+        except Exception as e:
+            self.errors.append(e)
 
     def close(self) -> None:
-        """Waits until every queued group is written; says so once if some could not be."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        """Says once, if some groups could not be written, how many and why."""
         if self.errors:
             e = self.errors[0]
             self.log(

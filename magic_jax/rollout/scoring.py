@@ -132,8 +132,8 @@ def score_groups(
         ids, first, labels = _gather(rows, ids)
     mine = range(first, first + len(rows))
     done: dict[int, tuple] = {}
+    uids = [] if store is None else [label.uid for label in labels]
     if store is not None:
-        uids = [getattr(label, "uid", str(p)) for p, label in enumerate(labels)]
         done = store.load(uids, group_size=num_samples)
         if per_host:
             done = _agree(done, len(ids))
@@ -157,7 +157,7 @@ def score_groups(
                 if len(group) == num_samples:
                     group.sort(key=lambda x: x.sample_index)
                     keys = [(p, x.sample_index) for x in group]
-                    saver.add(p, labels[p].uid, finished.pop(p), [tickets[k] for k in keys],
+                    saver.add(p, uids[p], finished.pop(p), [tickets[k] for k in keys],
                               [texts[k] for k in keys] if keep_texts else None)  # fmt: skip
         if on_sample is not None:
             on_sample(s)
@@ -218,9 +218,9 @@ def score_groups(
 
 
 class _Saver:
-    """Writes each finished group to a ``RoundStore`` once its G results are in, from a
-    thread of its own (it waits on the verifier pool); ``results`` keeps them for the
-    caller, which collects only the rest."""
+    """Writes each finished group to a ``RoundStore`` once its G results are in, from one
+    thread of its own (it waits on the verifier pool, then writes); ``results`` keeps them
+    for the caller, which collects only the rest."""
 
     def __init__(self, pool: Any, store: Any):
         import queue

@@ -263,7 +263,7 @@ class Trainer:
         dropped = rundir.trim_records(self.out, step) if primary else {}
         if any(dropped.values()):
             self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
-        saved = self._resumable = self._kept_rollouts = step
+        self._saved = self._kept_rollouts = step  # the newest checkpoint's step
         self._stage_now: Stage | None = None
         end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         self._monitor = Monitor(
@@ -296,9 +296,9 @@ class Trainer:
                         # (``_step``): the state is that of `step` steps, or checkpointed.
                         stop = e.signum
                         self.log(f"[stop] {e}: step {step} is redone on resume")
-                        if saved < step:  # a rollout without saved groups: keep the state
+                        if self._saved < step:  # a rollout without saved groups: keep the state
                             self._save(ckpts, state, loop)
-                            saved = self._resumable = step
+                            self._saved = step
                         break
                     stop = distributed.max_int(signals.received or 0)
                     if not stop and distributed.preemption_notice(step):
@@ -306,7 +306,7 @@ class Trainer:
                         stop = int(signal.SIGTERM)
                     if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
                         self._save(ckpts, state, loop)
-                        saved = self._resumable = step
+                        self._saved = step
         finally:
             ckpts.close()
         summary = rundir.build_summary(
@@ -320,7 +320,7 @@ class Trainer:
             name = signal.Signals(stop).name
             summary["stopped_by"] = name
             self.log(
-                f"[stop] {name}: stopped at step {step} (checkpoint at step {saved}); "
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {self._saved}); "
                 f"run the same command to resume"
             )
         elif schedule.finished(cfg) and cfg.export_hf:
@@ -461,12 +461,12 @@ class Trainer:
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
         params = stage.driver.engine.load_params(state.params)
-        saved = None
-        if step == self._resumable:  # a stop resumes here: keep the groups as they finish
+        store = None
+        if step == self._saved:  # a stop resumes here: keep the groups as they finish
             if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
                 partial.prune(self.out, keep=(step, self._kept_rollouts))
             self._kept_rollouts = step
-            saved = partial.StepStore(
+            store = partial.StepStore(
                 self.out,
                 step,
                 limit=st.max_response_length,
@@ -494,7 +494,7 @@ class Trainer:
             truncation=cfg.rollout.truncation,
             on_sample=lambda s: rundir.kill_point("rollout", step),
             per_host=jax.process_count() > 1,
-            saved=saved,
+            saved=store,
         )
         params = None  # the engine's copy of the weights is not needed for the update
         t1 = time.perf_counter()
@@ -514,7 +514,7 @@ class Trainer:
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
         # an update is cut short only where its groups and the state before it are kept
-        with contextlib.nullcontext() if saved is not None else interrupt.deferred():
+        with contextlib.nullcontext() if store is not None else interrupt.deferred():
             state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
         rundir.kill_point("update", step)  # the update is dispatched, not yet done
         jax.block_until_ready(state.params)
