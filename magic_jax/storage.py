@@ -263,8 +263,9 @@ def local_copy(
     (``$MAGIC_JAX_GCS_CACHE``, default ``~/.cache/magic-jax/gcs``), keyed by the
     URI; a file already there with the object's size and CRC32C is not fetched
     again, so every worker of a slice gets its own copy and a restarted run
-    reuses it. ``only`` picks the files to copy by their relative path (a
-    tokenizer's files beside a checkpoint's weights).
+    reuses it (a model converted by ``magic-jax convert`` is not copied: orbax
+    reads each host's shards from the bucket). ``only`` picks the files to copy
+    by their relative path (a tokenizer's files beside a checkpoint's weights).
 
     Raises:
       StorageError: the bucket cannot be used, or nothing is at ``p``.

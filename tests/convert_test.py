@@ -21,15 +21,24 @@ from magic_jax.model.convert import (
     save_hf,
     write_safetensors,
 )
-from magic_jax.testing import TINY_CONFIGS, make_hf_model, save_hf_model, torch_logits
+from magic_jax.testing import (
+    TINY_CONFIGS,
+    make_char_tokenizer,
+    make_hf_model,
+    save_hf_model,
+    torch_logits,
+)
 
 IDS = np.random.RandomState(0).randint(3, 128, (2, 9))
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
+    """A random model with a tokenizer beside it, as `magic-jax convert` needs."""
     hf = make_hf_model(seed=1, **TINY_CONFIGS["gqa_untied"])
-    return hf, save_hf_model(hf, tmp_path_factory.mktemp("hf"))
+    path = save_hf_model(hf, tmp_path_factory.mktemp("hf"))
+    make_char_tokenizer().save_pretrained(path)
+    return hf, path
 
 
 @pytest.mark.parametrize(

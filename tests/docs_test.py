@@ -13,6 +13,10 @@ before a fenced block.
   none run; the command after ``--`` checked as above), ``python -m magic_jax.experiments.ablations
   SUB ...`` (its options appear in ``SUB --help``), ``python FILE`` and ``pytest FILE...``
   (the files exist). Any other command in a marked block fails the test.
+- ``<!-- test: pod -->`` before a ``bash`` block: the README's pod walkthrough. Its
+  commands are checked as above (``gcloud storage ...`` and ``tensorboard --logdir``
+  allowed too), and tests/walkthrough_test.py runs every one of them: against a stub
+  ``gcloud`` and the Cloud Storage emulator, or with ``--dry-run``.
 """
 
 import os
@@ -61,7 +65,7 @@ def _of(kind):
 
 def test_markers_are_known_and_blocks_exist():
     kinds = {k for _, k, *_ in BLOCKS}
-    assert kinds <= {"run", "cli"}, kinds
+    assert kinds <= {"run", "cli", "pod"}, kinds
     for page, kind, info, line, _ in BLOCKS:
         want = "python" if kind == "run" else "bash"
         assert info == want, f"{page.name}:{line}: a '{kind}' block must be {want}, got {info!r}"
@@ -188,6 +192,10 @@ def _check_command(words: list[str], tmp_path: Path) -> None:
         _check_launch(args[1:], tmp_path)
     elif name.startswith("python") and args[:2] == ["-m", "magic_jax.experiments.ablations"]:
         _check_ablations(args[2:])
+    elif cmd == "gcloud" and args[:1] == ["storage"]:  # run by tests/walkthrough_test.py
+        assert args[1] in ("buckets", "cp"), shlex.join(words)
+    elif cmd == "tensorboard":  # run by tests/walkthrough_test.py
+        assert args[:1] == ["--logdir"] and len(args) == 2, shlex.join(words)
     elif name.startswith("python") or name == "pytest":
         files = [a for a in args if not a.startswith("-")]
         assert files, shlex.join(words)
@@ -197,7 +205,9 @@ def _check_command(words: list[str], tmp_path: Path) -> None:
         raise AssertionError(f"no check for the command {shlex.join(words)!r}")
 
 
-@pytest.mark.parametrize(("page", "info", "code"), _of("cli"), ids=_ids("cli"))
+@pytest.mark.parametrize(
+    ("page", "info", "code"), _of("cli") + _of("pod"), ids=_ids("cli") + _ids("pod")
+)
 def test_commands_exist(page, info, code, tmp_path):
     commands = list(_commands(code))
     assert commands

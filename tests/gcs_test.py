@@ -146,9 +146,13 @@ def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, re
     got = load_file(str(_download(hf, tmp_path / "hf") / "model.safetensors"))
     want = load_file(str(reference / "hf_final" / "model.safetensors"))
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    # an export holds the weights alone: convert takes the tokenizer from beside them
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        storage.path(f"{hf}/{name}").write_bytes((files / "model" / name).read_bytes())
     orbax = gcs.uri("orbax")
     assert main(["convert", hf, orbax, "--dtype", "float32"]) == 0  # gs:// in, gs:// out
     assert storage.path(orbax + "/model_config.json").exists()
+    assert json.loads(storage.path(orbax + "/source.json").read_text())["path"] == hf
     page = gcs.uri("report") + "/report.html"
     assert main(["report", bucket_run, "-o", page]) == 0
     assert "<h1>Training report</h1>" in storage.path(page).read_text()
@@ -156,9 +160,9 @@ def test_export_convert_report_and_eval_read_and_write_the_bucket(bucket_run, re
     data = gcs.uri("data") + "/sums.jsonl"
     storage.path(data).write_text("".join((files / "train.jsonl").read_text().splitlines(True)[:3]))
     out = gcs.uri("eval")
-    assert main(["eval", orbax, data, "--tokenizer", str(files / "model"), "--n", "2",
-                 "--max-response-length", "3", "--max-prompt-length", "16",
-                 "--out", out]) == 0  # fmt: skip
+    # the converted model's own tokenizer (no --tokenizer)
+    assert main(["eval", orbax, data, "--n", "2", "--max-response-length", "3",
+                 "--max-prompt-length", "16", "--out", out]) == 0  # fmt: skip
     summary = json.loads(storage.path(out + "/summary.json").read_text())
     assert summary["sums"]["problems"] == 3 and summary["sums"]["num_samples"] == 2
     # the per-problem log, rewritten whole at each chunk on gs://

@@ -1,47 +1,148 @@
-"""tpu_scripts/launch.sh against a stub `gcloud` that records its calls (a 2-worker slice)."""
+"""tpu_scripts/launch.sh against a stub `gcloud`: one that records its calls (a 2-worker
+slice), and a faithful one whose workers are directories where ssh and scp really run.
+
+The faithful workers stand for the stock TPU images: their `python3` is Python 3.10 (a
+real 3.10 where this machine has one), the only Python on their PATH but for a real
+python3.11 (this test's version), which uv finds for `uv venv --python 3.11`; on a real
+worker uv would download a managed CPython, which these workers may not do
+(UV_PYTHON_DOWNLOADS=never). Their `python3 -m pip install --user uv==PIN` links this
+environment's uv (the test extra's, the same pin) into ~/.local/bin instead of fetching
+it. Minutes of backoff (ssh reconnects, creates without capacity) are simulated:
+LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file, which the stub reads."""
 
 import os
-import shlex
+import re
+import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tpu_scripts" / "launch.sh"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tpu_scripts" / "launch.sh"
+SETUP_SCRIPT = ROOT / "tpu_scripts" / "worker_setup.sh"
 
 # The stub: a slice exists once created ($STUB_DIR/created holds its state, READY when
-# empty; $STUB_DIR/qr its queued resource's); 2 workers. Run K (the K-th start) of worker W
-# exits with $STUB_EXIT_W_K, else $STUB_EXIT_W (default 0). Streaming worker 0's log:
-# the first $STUB_SSH_DROPS streams drop (255); in run $STUB_PREEMPT the slice is preempted
-# (the node PREEMPTED, or gone with its queued resource SUSPENDED) and ssh fails; in run
-# $STUB_VANISH the command is gone without an exit status (3). A missing resource answers
-# NOT_FOUND. Every call is appended to $STUB_DIR/calls, one per line.
+# empty; $STUB_DIR/qr its queued resource's); $STUB_WORKERS workers (2). A preempted or
+# missing node answers no ssh (255), nor does any worker once the command started while
+# the clock ($LAUNCH_CLOCK, advanced by launch.sh's waits) is under $STUB_SSH_DOWN_UNTIL.
+# Create K (counting from 1) finds no capacity when K is in $STUB_NO_CAPACITY ("2 3", or
+# "all"), or fails with $STUB_CREATE_ERROR, with gcloud's own words.
+# Run K (the K-th start) of worker W exits with $STUB_EXIT_W_K, else $STUB_EXIT_W
+# (default 0). Streaming worker 0's log: the first $STUB_SSH_DROPS streams drop (255); in
+# run $STUB_PREEMPT the slice is preempted (the node PREEMPTED, or gone with its queued
+# resource SUSPENDED) and ssh fails; in run $STUB_VANISH the command is gone without an
+# exit status (3). A missing resource answers NOT_FOUND. Every call is appended to
+# $STUB_DIR/calls (its words ended by \x1f, the call by \x1e).
 # While worker 0's command runs, asked how its command is, worker W answers "running", or
 # $STUB_EARLY_W when set (it ended early: a status, or "gone"). With $STUB_HOLD=N worker
 # 0's command runs until the job is stopped (pkill on every worker: $STUB_DIR/down) or N
 # such questions were answered; with $STUB_HANG_W worker W's command runs until stopped.
+# Set-up answers "ready" from every worker but $STUB_SETUP_LOST, whose ssh fails.
+# With $STUB_FAITHFUL set, scp and ssh are real instead (see `faithful` below): each worker
+# is a directory $STUB_DIR/worker-W, made anew from $STUB_TEMPLATE by each create (a new
+# slice has empty disks), where `ssh --command C` runs C with bash, HOME there.
 STUB = r"""#!/usr/bin/env bash
-printf '%q ' gcloud "$@" >> "$STUB_DIR/calls"; echo >> "$STUB_DIR/calls"
+printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/calls"; printf '\x1e' >> "$STUB_DIR/calls"
 cd "$STUB_DIR" || exit 1
-args="$*"
+args="$*" argv=("$@")
 worker=""; command=""
 for a in "$@"; do
   case $a in --worker=*) worker=${a#--worker=} ;; esac
 done
 while [ $# -gt 0 ]; do [ "$1" = --command ] && command=$2; shift; done
+n=${STUB_WORKERS:-2}
 missing() { echo "ERROR: (gcloud) NOT_FOUND: Resource was not found" >&2; exit 1; }
+no_capacity() {  # gcloud's words, the message on one line
+  local why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
+  why+=' where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions)'
+  why+=' [EID: 0x1bc8f9d790be9142]'
+  echo "Create request issued for: [magic-jax]" >&2
+  echo "Waiting for operation [projects/p/locations/us-east5-a/operations/operation-1] to" \
+    "complete...failed." >&2
+  printf 'ERROR: (gcloud.compute.tpus.tpu-vm.create) {\n  "code": 8,\n  "message": "%s"\n}\n' \
+    "$why" >&2
+  exit 1
+}
+workers() { if [ "$worker" = all ]; then seq 0 $((n - 1)); else echo "$worker"; fi; }
+# the VMs of a deleted (or recreated) slice stop, and a new slice has new disks
+stop_vms() {
+  local f p
+  for f in worker-*/magic-jax/logs/*.pid; do
+    [ -e "$f" ] || continue; p=$(cat "$f")
+    pkill -KILL -P "$p"; kill -KILL "$p"
+  done 2>/dev/null
+}
+new_disks() {
+  local w
+  stop_vms; rm -rf worker-*
+  for w in $(seq 0 $((n - 1))); do
+    cp -a "$STUB_TEMPLATE" "worker-$w" && mkdir -p "worker-$w/metadata"
+    echo "$w" > "worker-$w/metadata/agent-worker-number"
+    printf "ACCELERATOR_TYPE: 'v5litepod-16'\nWORKER_ID: '%s'\nZONE: 'us-east5-a'\n" "$w" \
+      > "worker-$w/metadata/tpu-env"
+  done
+  [ -z "${STUB_NO_PYTHON_ON:-}" ] || rm -f "worker-$STUB_NO_PYTHON_ON"/bin/python3.*
+}
+on_worker() {
+  local h=$STUB_DIR/worker-$1
+  cd "$h" && env -i HOME="$h" USER=tpu PATH="$h/bin:$STUB_SYSBIN" LANG=C.UTF-8 \
+    UV_PYTHON_DOWNLOADS=never LAUNCH_METADATA_URL="file://$h/metadata" "$BASH" -c "$command" \
+    3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-  # only stdin, stdout and stderr cross ssh
+}
 run=$(cat runs 2>/dev/null | wc -l)
+case $args in
+  *"tpu-vm ssh"*|*"tpu-vm scp"*)
+    clock=$(cat clock 2>/dev/null || echo 0)
+    if [ ! -e created ] || [ -s created ] ||
+       { [ -e runs ] && [ "$clock" -lt "${STUB_SSH_DOWN_UNTIL:-0}" ]; }; then
+      echo "ssh: connect to host 10.0.0.1 port 22: Connection timed out" >&2; exit 255
+    fi ;;
+esac
+if [ -n "${STUB_FAITHFUL:-}" ]; then
+  case $args in
+    *"tpu-vm scp"*)
+      for w in $(workers); do cp "${argv[4]}" "worker-$w/${argv[5]#*:}" || exit 1; done
+      exit 0 ;;
+    *"tpu-vm ssh"*)
+      case $command in *nohup*) echo >> runs ;; esac
+      pids=() rc=0
+      for w in $(workers); do on_worker "$w" & pids+=($!); done
+      for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+      exit "$rc" ;;
+  esac
+fi
 case $args in
   *"tpu-vm describe"*"value(state)"*)
     [ -e created ] || missing; [ -s created ] && cat created || echo READY ;;
-  *"tpu-vm describe"*"networkEndpoints"*) echo "10.0.0.1;10.0.0.2" ;;
-  *"tpu-vm create"*) touch created ;;
-  *"queued-resources create"*) touch created; echo ACTIVE > qr ;;
+  *"tpu-vm describe"*"networkEndpoints"*)
+    printf '%s\tv2-alpha-tpuv5\n' "$(seq -f '10.0.0.%g' -s ';' 1 "$n")" ;;
+  *" create "*)
+    echo >> creates; k=$(wc -l < creates)
+    case " ${STUB_NO_CAPACITY:-} " in *" $k "*|*" all "*) no_capacity ;; esac
+    if [ -n "${STUB_CREATE_ERROR:-}" ]; then
+      echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) $STUB_CREATE_ERROR" >&2; exit 1
+    fi
+    touch created
+    case $args in *queued-resources*) echo ACTIVE > qr ;; esac
+    [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
   *"queued-resources describe"*"state.state"*) [ -e qr ] && cat qr || missing ;;
   *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
-  *" delete "*) rm -f created qr ;;
+  *" delete "*) stop_vms; rm -f created qr ;;
   *"tpu-vm ssh"*)
     case $command in
+      *worker_setup.sh*)
+        for w in $(workers); do
+          [ "$w" = "${STUB_SETUP_LOST:-}" ] || echo "worker $w: ready (python /h/bin/python 3.11)"
+        done
+        if [ -n "${STUB_SETUP_LOST:-}" ]; then
+          echo "ERROR: (gcloud.compute.tpus.tpu-vm.ssh) [/usr/bin/ssh] exited with return code" \
+            "[255]." >&2
+          exit 255
+        fi ;;
       *nohup*) echo >> runs ;;
       *"echo running"*)
         echo >> polls
@@ -67,8 +168,8 @@ case $args in
         [ "$run" = "${STUB_VANISH:-}" ] && exit 3
         echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log") echo "log of worker $worker" ;;
-      "cat "*".exit")
-        h="STUB_HANG_$worker"; [ -n "${!h:-}" ] && [ ! -e down ] && exit 0
+      "cat "*".exit 2>/dev/null || echo none")
+        h="STUB_HANG_$worker"; [ -n "${!h:-}" ] && [ ! -e down ] && echo none && exit 0
         v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
     esac ;;
 esac
@@ -76,29 +177,47 @@ exit 0
 """
 
 
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """A small git repository holding this checkout's launch.sh, worker_setup.sh and
+    constraints.txt: the scripts under test, whose commit (git archive HEAD) is what
+    reaches the workers, a few kB instead of the whole checkout."""
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "tpu_scripts").mkdir()
+    for name in ("tpu_scripts/launch.sh", "tpu_scripts/worker_setup.sh", "constraints.txt"):
+        shutil.copy(ROOT / name, repo / name)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "launch scripts"]):
+        subprocess.run([*git, *args], check=True)
+    return repo
+
+
 @pytest.fixture
-def stub(tmp_path):
+def stub(tmp_path, repo):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(STUB)
     (bin_dir / "gcloud").chmod(0o755)
     state = tmp_path / "state"
     state.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_DIR=str(state))
-    env.update(LAUNCH_POLL_S="0", TMPDIR=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LAUNCH_", "STUB_"))}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_DIR=str(state))
+    # waits between retries advance a clock in a file instead of sleeping
+    env.update(LAUNCH_POLL_S="0", TMPDIR=str(tmp_path), LAUNCH_CLOCK=str(state / "clock"))
     env.pop("DRY_RUN", None)
-    return env, state
+    return env, state, repo / "tpu_scripts" / "launch.sh"
 
 
-def _launch(env, *args):
+def _launch(script, env, *args):
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60
+        ["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60
     )
 
 
 def _calls(state):
     path = state / "calls"
-    return [shlex.split(line) for line in path.read_text().splitlines()] if path.exists() else []
+    calls = path.read_text().split("\x1e")[:-1] if path.exists() else []
+    return [call.split("\x1f")[:-1] for call in calls]
 
 
 def _verbs(calls, polls=False):
@@ -113,7 +232,7 @@ def _verbs(calls, polls=False):
                 continue
             out.append(
                 "setup"
-                if "pip install" in cmd
+                if "worker_setup.sh" in cmd
                 else "start"
                 if "nohup" in cmd
                 else "stream"
@@ -129,6 +248,11 @@ def _verbs(calls, polls=False):
     return out
 
 
+def _launch_lines(stderr):
+    """launch.sh's own messages (its errors and notes), not the progress lines."""
+    return [line for line in stderr.splitlines() if line.startswith("launch.sh: ")]
+
+
 GS = ["--set", "output_dir=gs://b/r"]
 # One attempt on a fresh slice, and the two collected workers (log, exit status each).
 UP = ["describe", "create", "describe", "describe", "scp", "setup", "start", "stream"]
@@ -137,9 +261,9 @@ DELETE = ["qr-describe", "delete"]  # is there a queued resource? no: delete the
 
 
 def test_create_setup_run_collect_delete(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     logs = tmp_path / "logs"
-    out = _launch(env, "--name", "pod", "--zone", "z1", "--accelerator", "v5e-8",
+    out = _launch(script, env, "--name", "pod", "--zone", "z1", "--accelerator", "v5e-8",
                   "--delete-on-exit", "--logs", str(logs), "--",
                   "magic-jax", "train", "my config.yaml", *GS)  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -152,10 +276,15 @@ def test_create_setup_run_collect_delete(stub, tmp_path):
     assert create[5:8] == ["pod", "--zone", "z1"]
     # setup and start go to every worker; the command keeps its quoting
     assert "--worker=all" in calls[5] and "--worker=all" in calls[6]
+    setup = calls[5][calls[5].index("--command") + 1]
+    assert "bash tpu_scripts/worker_setup.sh" in setup and "LAUNCH_INSTALL" not in setup
     start = calls[6][calls[6].index("--command") + 1]
     assert "magic-jax train my\\ config.yaml --set output_dir=gs://b/r" in start
+    assert "export" not in start  # no --env
     assert "--worker=0" in calls[7]  # worker 0's log is streamed
     assert "step 0 from worker 0" in out.stdout
+    assert "[launch] pod: 2 worker(s), runtime version v2-alpha-tpuv5" in out.stderr
+    assert "worker 1: ready (python /h/bin/python 3.11)" in out.stderr
     assert (logs / "worker-0.log").read_text() == "log of worker 0\n"
     assert (logs / "worker-1.log").read_text() == "log of worker 1\n"
     assert not (state / "created").exists()
@@ -163,10 +292,10 @@ def test_create_setup_run_collect_delete(stub, tmp_path):
 
 
 def test_reuse_keeps_the_slice_and_returns_worker_0s_status(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     (state / "created").touch()
     env = dict(env, STUB_EXIT_0="3", STUB_EXIT_1="4")
-    out = _launch(env, "--no-setup", "--logs", str(tmp_path / "l"), "--", "python", "-V")
+    out = _launch(script, env, "--no-setup", "--logs", str(tmp_path / "l"), "--", "python", "-V")
     assert out.returncode == 3
     verbs = _verbs(_calls(state))
     assert "create" not in verbs and "delete" not in verbs and "setup" not in verbs
@@ -174,20 +303,20 @@ def test_reuse_keeps_the_slice_and_returns_worker_0s_status(stub, tmp_path):
 
 
 def test_a_preempted_slice_is_deleted_before_it_is_created(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     (state / "created").write_text("PREEMPTED\n")
-    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "true")
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "true")
     assert out.returncode == 0, out.stderr
     assert _verbs(_calls(state))[:4] == ["describe", "qr-describe", "delete", "create"]
     assert "magic-jax is PREEMPTED; deleting it" in out.stderr
 
 
 def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     logs = tmp_path / "logs"
     env = dict(env, STUB_EXIT_0_1="143", STUB_EXIT_1_1="143")
-    out = _launch(env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(logs), "--",
-                  "magic-jax", "train", *GS)  # fmt: skip
+    out = _launch(script, env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(logs),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     # run, preempted: delete, create again, setup, rerun (resume), finish, delete
@@ -204,45 +333,54 @@ def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_pa
         "launch.sh: resumed run finished",
         "[launch] deleting magic-jax",
     ]  # fmt: skip
-    assert (logs / "worker-0.log").exists() and (logs / "worker-0.attempt-2.log").exists()
+    # every worker's log, at the preemption and at the end
+    for w in (0, 1):
+        assert (logs / f"worker-{w}.log").exists() and (logs / f"worker-{w}.attempt-2.log").exists()
     assert not (state / "created").exists()
 
 
 def test_a_preempted_node_is_noticed_when_ssh_fails(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
+    logs = tmp_path / "l"
     env = dict(env, STUB_PREEMPT="1")
-    out = _launch(env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+    out = _launch(script, env, "--spot", "--retry", "1", "--delete-on-exit", "--logs", str(logs),
                   "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 0, out.stderr
     verbs = _verbs(_calls(state))
-    # the stream fails, the node is PREEMPTED: no collection, deleted and created again
-    assert verbs == [*UP, "describe", *DELETE, *UP, *COLLECT, *DELETE]
+    # the stream fails, the node is PREEMPTED: worker 0's log is asked for once (a lost
+    # slice answers no ssh, so the other workers are not tried), deleted and created again
+    assert verbs == [*UP, "describe", "collect", *DELETE, *UP, *COLLECT, *DELETE]
+    assert "[launch] logs of 0 of 2 worker(s) in " in out.stderr
     assert "preempted (magic-jax is PREEMPTED; attempt 1 of 2); recreating the slice" in out.stderr
     assert "launch.sh: resumed run finished" in out.stderr
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "worker-0.attempt-2.log",
+        "worker-1.attempt-2.log",
+    ]
 
 
 def test_a_suspended_queued_resource_is_requested_again(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     config = tmp_path / "run.yaml"
     config.write_text('model: m\noutput_dir: "gs://b/cfg"  # shared\ndata:\n  output_dir: x\n')
     env = dict(env, STUB_PREEMPT="1")
-    out = _launch(env, "--queued", "--spot", "--name", "n", "--retry", "2", "--logs",
+    out = _launch(script, env, "--queued", "--spot", "--name", "n", "--retry", "2", "--logs",
                   str(tmp_path / "l"), "--", "magic-jax", "train", str(config))  # fmt: skip
     assert out.returncode == 0, out.stderr
     verbs = _verbs(_calls(state))
     up = ["describe", "qr-create", "qr-describe", "describe", "describe", "scp", "setup", "start",
           "stream"]  # fmt: skip
-    assert verbs == [*up, "qr-describe", "qr-delete", *up, *COLLECT]
+    assert verbs == [*up, "qr-describe", "collect", "qr-delete", *up, *COLLECT]
     assert "preempted (queued resource n-qr is SUSPENDED; attempt 1 of 3)" in out.stderr
     assert "launch.sh: resumed run finished" in out.stderr
     assert (state / "created").exists()  # no --delete-on-exit: the new slice stays
 
 
 def test_retries_used_up_exit_with_143(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     env = dict(env, STUB_EXIT_0="143")
-    out = _launch(env, "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"), "--",
-                  "magic-jax", "train", *GS)  # fmt: skip
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 143
     verbs = _verbs(_calls(state))
     assert verbs == UP + COLLECT + DELETE + UP + COLLECT + DELETE
@@ -254,22 +392,22 @@ def test_retries_used_up_exit_with_143(stub, tmp_path):
 
 
 def test_other_failures_are_not_retried(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     env = dict(env, STUB_EXIT_0_1="7")
-    out = _launch(env, "--retry", "2", "--delete-on-exit", "--logs", str(tmp_path / "l"), "--",
-                  "magic-jax", "train", *GS)  # fmt: skip
+    out = _launch(script, env, "--retry", "2", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 7
     assert _verbs(_calls(state)) == UP + COLLECT + DELETE
     assert "preempted" not in out.stderr and "worker 0 exited with 7" in out.stderr
 
 
 def test_another_worker_failing_while_worker_0_runs_stops_the_job(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     logs = tmp_path / "logs"
     # worker 1 ends with 9 mid-run; worker 0 runs until stopped (then exits 143, which
     # must not count as a preemption: no retry)
     env = dict(env, STUB_HOLD="50", STUB_EARLY_1="9", STUB_EXIT_1="9", STUB_EXIT_0="143")
-    out = _launch(env, "--retry", "2", "--delete-on-exit", "--logs", str(logs), "--",
+    out = _launch(script, env, "--retry", "2", "--delete-on-exit", "--logs", str(logs), "--",
                   "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 9, out.stderr
     calls = _calls(state)
@@ -293,9 +431,9 @@ def test_another_worker_failing_while_worker_0_runs_stops_the_job(stub, tmp_path
 
 
 def test_another_worker_gone_without_a_status_fails_the_job(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     env = dict(env, STUB_HOLD="50", STUB_EARLY_1="gone", STUB_EXIT_0="143")
-    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1, out.stderr
     assert _verbs(_calls(state)) == [*UP, "stop", *COLLECT]
     assert (
@@ -305,10 +443,10 @@ def test_another_worker_gone_without_a_status_fails_the_job(stub, tmp_path):
 
 
 def test_a_stop_on_another_worker_is_left_to_worker_0(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     # worker 1 stopped with 143 first (a SIGTERM the processes agree on): worker 0 follows
     env = dict(env, STUB_HOLD="3", STUB_EARLY_1="143", STUB_EXIT_1="143", STUB_EXIT_0="143")
-    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
     assert out.returncode == 143, out.stderr
     verbs = _verbs(_calls(state), polls=True)
     assert "stop" not in verbs and verbs.count("poll") >= 3
@@ -316,9 +454,9 @@ def test_a_stop_on_another_worker_is_left_to_worker_0(stub, tmp_path):
 
 
 def test_a_worker_still_running_after_worker_0_ended_is_stopped(stub, tmp_path):
-    env, state = stub
+    env, state, script = stub
     env = dict(env, STUB_HANG_1="1", STUB_EXIT_1="137", LAUNCH_GRACE_S="1")
-    out = _launch(env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1, out.stderr
     verbs = _verbs(_calls(state))
     assert verbs[: len(UP)] == UP and verbs.count("stop") == 1
@@ -328,38 +466,134 @@ def test_a_worker_still_running_after_worker_0_ended_is_stopped(stub, tmp_path):
 
 
 def test_an_ssh_drop_on_a_live_slice_reconnects(stub, tmp_path):
-    env, state = stub
-    out = _launch(dict(env, STUB_SSH_DROPS="1"), "--logs", str(tmp_path / "l"), "--", "true")
+    env, state, script = stub
+    out = _launch(
+        script, dict(env, STUB_SSH_DROPS="1"), "--logs", str(tmp_path / "l"), "--", "true"
+    )
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     assert _verbs(calls) == [*UP, "describe", "stream", *COLLECT]
     streams = [c[-1] for c in calls if "tail" in c[-1]]
     assert "tail -n +1 -f" in streams[0] and "tail -n 0 -f" in streams[1]  # no repeated lines
-    assert "ssh to worker 0 failed (255; magic-jax is READY); reconnecting" in out.stderr
+    assert "ssh to worker 0 failed (255; magic-jax is READY); reconnecting in 30s" in out.stderr
 
 
-@pytest.mark.parametrize(
-    "knobs, message",
-    [
-        ({"STUB_SSH_DROPS": "9", "LAUNCH_SSH_TRIES": "2"},
-         "launch.sh: lost worker 0 of magic-jax: ssh failed 2 times (magic-jax is READY)"),
-        ({"STUB_VANISH": "1"},
-         "launch.sh: worker 0's command ended without an exit status (magic-jax is READY)"),
-    ],
-)  # fmt: skip
-def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path, knobs, message):
-    env, state = stub
-    out = _launch(dict(env, **knobs), "--retry", "1", "--logs", str(tmp_path / "l"), "--",
-                  "magic-jax", "train", *GS)  # fmt: skip
+def test_a_worker_that_never_reports_its_set_up_fails_it(stub, tmp_path):
+    env, state, script = stub
+    out = _launch(script, dict(env, STUB_SETUP_LOST="1"), "--", "magic-jax", "train")
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == message
+    assert _launch_lines(out.stderr) == [
+        "launch.sh: set-up failed on worker(s) 1 (1 of 2 ready): ERROR: "
+        "(gcloud.compute.tpus.tpu-vm.ssh) [/usr/bin/ssh] exited with return code [255]."
+    ]
+    assert "start" not in _verbs(_calls(state))
+
+
+def test_ssh_down_for_15_minutes_on_a_live_slice_never_deletes_it(stub, tmp_path):
+    """Every ssh fails for 15 minutes after the command started; launch.sh waits 30 s,
+    then twice as long each time up to 5 minutes, reporting each failure, and never gives
+    up while the slice is READY. The minutes are simulated: LAUNCH_CLOCK makes launch.sh's
+    waits advance a clock in a file, which the stub reads to know when ssh is back; the
+    production intervals are used unchanged."""
+    env, state, script = stub
+    env = dict(env, STUB_SSH_DOWN_UNTIL="900")
+    out = _launch(script, env, "--retry", "3", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    # waits 30 60 120 240 300 300: back at 1050 s; one describe (still READY?) per failure
+    assert verbs == [*UP, *["describe", "stream"] * 6, *COLLECT, *DELETE]
+    failures = [line for line in out.stderr.splitlines() if "ssh to worker 0 failed" in line]
+    assert len(failures) == 6
+    assert [line.split("reconnecting in ")[1].split()[0] for line in failures] == [
+        "30s", "1m00s", "2m00s", "4m00s", "5m00s", "5m00s"]  # fmt: skip
+    assert "(failure 6; unreachable for 12m30s; the command goes on)" in failures[-1]
+    assert int((state / "clock").read_text()) == 1050
+    assert "delete" not in verbs[: -len(COLLECT) - len(DELETE)] and verbs.count("create") == 1
+    assert not _launch_lines(out.stderr)  # no error, no preemption
+
+
+def test_no_capacity_on_recreate_is_retried_then_the_run_resumes(stub, tmp_path):
+    env, state, script = stub
+    # preempted (143) in run 1; creates 2 and 3 find no capacity, create 4 works
+    env = dict(env, STUB_EXIT_0_1="143", STUB_NO_CAPACITY="2 3")
+    out = _launch(script, env, "--spot", "--retry", "1", "--delete-on-exit", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    # each failed create: is a node left behind? (no)
+    assert verbs == [*UP, *COLLECT, *DELETE, "describe", "create", "describe", "create",
+                     "describe", *UP[1:], *COLLECT, *DELETE]  # fmt: skip
+    why = ('There is no more capacity in the zone "us-east5-a"; you can try in another zone '
+           "where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions) "
+           "[EID: 0x1bc8f9d790be9142]")  # fmt: skip
+    assert (
+        f"[launch] no capacity for v5p-64 in us-east5-a (try 1 of 12): {why}; trying again in 1m00s"
+        in out.stderr
+    )
+    assert "(try 2 of 12)" in out.stderr and "trying again in 2m00s" in out.stderr
+    assert int((state / "clock").read_text()) == 180
+    assert "launch.sh: resumed run finished" in out.stderr
+
+
+def test_no_capacity_gives_up_after_the_tries_in_one_line(stub, tmp_path):
+    env, state, script = stub
+    env = dict(env, STUB_NO_CAPACITY="all", LAUNCH_CREATE_TRIES="5")
+    out = _launch(script, env, "--create-tries", "3", "--create-backoff-max", "90",
+                  "--delete-on-exit", "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 1
+    assert _verbs(_calls(state)) == ["describe", *["create", "describe"] * 3]  # nothing left
+    assert _launch_lines(out.stderr) == [
+        "launch.sh: no capacity for v5p-64 in us-east5-a after 3 tries (--create-tries 3): "
+        'There is no more capacity in the zone "us-east5-a"; you can try in another zone where '
+        "Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions) "
+        "[EID: 0x1bc8f9d790be9142]"
+    ]
+    assert int((state / "clock").read_text()) == 60 + 90  # the second wait is capped
+    assert "deleting" not in out.stderr
+
+
+def test_another_create_error_fails_at_once(stub, tmp_path):
+    env, state, script = stub
+    error = ("PERMISSION_DENIED: Permission 'tpu.nodes.create' denied on resource "
+             "'projects/p/locations/us-east5-a/nodes/magic-jax'")  # fmt: skip
+    out = _launch(script, dict(env, STUB_CREATE_ERROR=error), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 1
+    assert _verbs(_calls(state)) == ["describe", "create", "describe"]
+    assert _launch_lines(out.stderr) == [
+        f"launch.sh: creating magic-jax failed: ERROR: (gcloud.compute.tpus.tpu-vm.create) {error}"
+    ]
+
+
+def test_env_and_compile_cache_reach_the_command_quoted(stub, tmp_path):
+    env, state, script = stub
+    out = _launch(script, env, "--env", "A=1", "--env", "MSG=it's $HOME \"x\"", "--env", "EMPTY=",
+                  "--compile-cache", "gs://b/jax cache", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    start = next(c[-1] for c in _calls(state) if "nohup" in c[-1])
+    script = start.split("<<'LAUNCH_SH'\n")[1].split("\nLAUNCH_SH\n")[0]
+    assert script.splitlines()[0] == (
+        "source .venv/bin/activate && export A=1 MSG=it\\'s\\ \\$HOME\\ \\\"x\\\" EMPTY='' "
+        "MAGIC_JAX_COMPILATION_CACHE=gs://b/jax\\ cache && magic-jax train "
+    )
+
+
+def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path):
+    env, state, script = stub
+    out = _launch(script, dict(env, STUB_VANISH="1"), "--retry", "1", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "launch.sh: worker 0's command ended without an exit status (magic-jax is READY)"
+    )
     assert _verbs(_calls(state)).count("create") == 1
 
 
 def test_queued_spot_resource_and_delete(stub, tmp_path):
-    env, state = stub
-    out = _launch(env, "--queued", "--spot", "--name", "n", "--logs", str(tmp_path / "l"), "--",
-                  "true")  # fmt: skip
+    env, state, script = stub
+    out = _launch(script, env, "--queued", "--spot", "--name", "n", "--logs", str(tmp_path / "l"),
+                  "--", "true")  # fmt: skip
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     create = next(c for c in calls if c[3:5] == ["queued-resources", "create"])
@@ -367,28 +601,31 @@ def test_queued_spot_resource_and_delete(stub, tmp_path):
     assert "--runtime-version=v2-alpha-tpuv5" in create
     assert any(c[3:5] == ["queued-resources", "describe"] for c in calls)
     (state / "calls").unlink()
-    out = _launch(env, "--name", "n", "--delete")
+    out = _launch(script, env, "--name", "n", "--delete")
     assert out.returncode == 0, out.stderr
     last = _calls(state)[-1]
     assert last[3:6] == ["queued-resources", "delete", "n-qr"] and "--force" in last
 
 
 def test_dry_run_prints_every_command_with_the_defaults(stub):
-    env, state = stub
-    out = _launch(env, "--dry-run", "--", "magic-jax", "demo")
+    env, state, script = stub
+    out = _launch(script, env, "--dry-run", "--", "magic-jax", "demo")
     assert out.returncode == 0, out.stderr
     assert not _calls(state)  # nothing ran
     lines = out.stdout.splitlines()
     create = next(line for line in lines if " create " in line)
     assert "magic-jax --zone us-east5-a" in create and "--accelerator-type=v5p-64" in create
     assert "--version=v2-alpha-tpuv5" in create
-    assert any("scp" in line for line in lines) and any("pip\\ install" in line for line in lines)
-    assert any("magic-jax\\ demo" in line and "--worker=all" in line for line in lines)
+    assert any("scp" in line for line in lines)
+    assert any("worker_setup.sh" in line and "--worker=all" in line for line in lines)
+    assert any("magic-jax demo" in line and "nohup" in line and "--worker=all" in line
+               for line in lines)  # fmt: skip
+    assert any("tail\\ -n\\ +1\\ -f" in line and "--worker=0" in line for line in lines)
 
 
 def test_dry_run_with_retry_and_delete_on_exit(stub):
-    env, state = stub
-    out = _launch(env, "--dry-run", "--retry", "2", "--delete-on-exit", "--", "magic-jax",
+    env, state, script = stub
+    out = _launch(script, env, "--dry-run", "--retry", "2", "--delete-on-exit", "--", "magic-jax",
                   "train", "configs/skywork-or1-7b.yaml", "--set=output_dir=gs://b/r")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert not _calls(state)
@@ -406,6 +643,15 @@ def test_dry_run_with_retry_and_delete_on_exit(stub):
         (["--zone"], "--zone needs a value"),
         (["--accelerator", "tpu-9", "--", "x"], "no default runtime version"),
         (["--retry", "two", "--", "x"], "--retry must be a number of retries, got two"),
+        (["--env", "1A=x", "--", "x"],
+         "--env needs KEY=VALUE with KEY a variable name (letters, digits, _), got 1A=x"),
+        (["--env", "MSG", "--", "x"], "--env needs KEY=VALUE"),
+        (["--env", "", "--", "x"], "--env needs a value"),
+        (["--compile-cache"], "--compile-cache needs a value"),
+        (["--create-tries", "0", "--", "x"],
+         "--create-tries must be a number of tries (1 or more), got 0"),
+        (["--create-backoff-max", "5m", "--", "x"],
+         "--create-backoff-max must be a number of seconds, got 5m"),
         (["--delete-on-exit", "--", "magic-jax", "train", "configs/skywork-or1-7b.yaml"],
          "--delete-on-exit needs output_dir on gs:// (the slice's disks are deleted with it); "
          "the command's output_dir is runs/skywork-or1-7b"),
@@ -418,7 +664,7 @@ def test_dry_run_with_retry_and_delete_on_exit(stub):
     ],
 )  # fmt: skip
 def test_errors_are_one_line(stub, args, message):
-    out = _launch(stub[0], *args)
+    out = _launch(SCRIPT, stub[0], *args)  # the checkout's configs/
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"launch.sh: {out.stderr.split(': ', 1)[1].strip()}"]
     assert message in out.stderr
@@ -434,3 +680,304 @@ def test_missing_gcloud(tmp_path):
     assert out.stderr.strip() == (
         "launch.sh: gcloud not found on PATH (install the Google Cloud CLI)"
     )
+
+
+def test_help_is_the_header():
+    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert out.stdout.startswith("The whole life of a run on a Cloud TPU slice")
+    assert "--env KEY=VALUE" in out.stdout and "--create-tries N" in out.stdout
+    assert out.stdout.rstrip().endswith("on gs://: the slice's disks go with it.")
+
+
+def test_the_workers_uv_is_the_pinned_one():
+    pin = re.search(r"^UV_VERSION=(\S+)", SETUP_SCRIPT.read_text(), re.M).group(1)
+    constraints = (ROOT / "constraints.txt").read_text()
+    assert f"\nuv=={pin}\n" in constraints
+    assert f'"uv=={pin}"' in (ROOT / "setup.py").read_text()
+
+
+# --------------------------------------------------------------------------- faithful stub
+# Workers as on a stock TPU image (tpu-ubuntu2204-base, v2-alpha-tpuv5-lite, ...): their
+# `python3` is Python 3.10, which magic-jax and jax 0.10 refuse, and nothing else is set
+# up. Each is a directory $STUB_DIR/worker-W (its HOME) where `gcloud ... ssh` runs the
+# command with bash and `scp` copies; its PATH is its own bin/ and a bin/ of links to the
+# system tools (sysbin/), so no Python of this machine leaks in. In bin/:
+# - python3: the image's 3.10. It runs a real Python 3.10 where this machine has one (so
+#   uv inspects and rejects a real 3.10), else it only answers version queries. Its
+#   `-m pip install --user uv==V` puts this environment's uv (the test extra's, pinned as
+#   worker_setup.sh pins it) into ~/.local/bin as pip would, and fails like pip for any
+#   other version: no network is used.
+# - python3.X (this Python's version): a real interpreter, the one uv finds for
+#   `uv venv --python 3.X` (LAUNCH_PYTHON). A real worker has none and uv downloads a
+#   managed CPython instead; these workers cannot download (UV_PYTHON_DOWNLOADS=never).
+# `uv pip install` installs a small wheel made here, offline, through LAUNCH_INSTALL
+# (jax[tpu] cannot be installed offline); the venv, its Python and the install are real.
+FAKE_PYTHON3 = r"""#!/usr/bin/env bash
+if [ "${1:-}" = -m ] && [ "${2:-}" = pip ] && [ "${3:-}" = install ]; then
+  for a in "$@"; do case $a in uv==*) want=${a#uv==} ;; esac; done
+  if [ "${want:-}" = "@UV_VERSION@" ]; then
+    mkdir -p "$HOME/.local/bin" && ln -sf "@UV@" "$HOME/.local/bin/uv"
+    echo "Successfully installed uv-@UV_VERSION@"; exit 0
+  fi
+  echo "ERROR: Could not find a version that satisfies the requirement uv==${want:-}" \
+    "(from versions: none)" >&2
+  echo "ERROR: No matching distribution found for uv==${want:-}" >&2
+  exit 1
+fi
+case "$*" in --version|-V) echo "Python 3.10.12"; exit 0 ;; esac
+if [ -n "@PYTHON310@" ]; then exec "@PYTHON310@" "$@"; fi
+echo "python3 (the image's 3.10, a stand-in): cannot run $*" >&2
+exit 1
+"""
+TOOLS = ["bash", "sh", "env", "tar", "gzip", "mkdir", "cat", "rm", "cp", "mv", "ln", "ls", "sed",
+         "grep", "tail", "head", "sleep", "nohup", "pkill", "pgrep", "seq", "date", "hostname",
+         "curl", "tr", "wc", "dirname", "basename", "touch", "chmod", "mktemp", "sort", "cut",
+         "tee", "readlink", "uname", "id", "ps"]  # fmt: skip
+
+
+def _python310() -> str:
+    """A real Python 3.10 on this machine, or ''."""
+    candidates = [*Path.home().glob(".pyenv/versions/3.10*/bin/python3.10")]
+    candidates += [Path("/usr/bin/python3.10"), Path("/usr/local/bin/python3.10")]
+    for path in candidates:
+        try:
+            out = subprocess.run([str(path), "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30)  # fmt: skip
+        except OSError:
+            continue
+        if out.returncode == 0 and out.stdout.strip() == "(3, 10)":
+            return str(path)
+    return ""
+
+
+def _wheel(path: Path) -> Path:
+    """A one-module wheel (launchprobe) that `uv pip install` installs offline."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "launchprobe/__init__.py": b"WHERE = 'installed by uv pip install'\n",
+        "launchprobe-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: launchprobe\n"
+        b"Version: 0.1\n",
+        "launchprobe-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: launch_test\n"
+        b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("launchprobe-0.1.dist-info/RECORD,,")
+    wheel = path / "launchprobe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("launchprobe-0.1.dist-info/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """The stock image (bin/, sysbin/) and the wheel, made once."""
+    uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
+    if not Path(uv).exists():
+        pytest.skip("no uv in this environment (pip install -e '.[test]')")
+    uv_version = subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.split()[1]
+    pin = re.search(r"^UV_VERSION=(\S+)", SETUP_SCRIPT.read_text(), re.M).group(1)
+    if uv_version != pin:
+        pytest.skip(f"this environment's uv is {uv_version}, worker_setup.sh pins {pin}")
+    root = tmp_path_factory.mktemp("image")
+    sysbin = root / "sysbin"
+    sysbin.mkdir()
+    for tool in TOOLS:
+        if found := shutil.which(tool):
+            (sysbin / tool).symlink_to(found)
+    template = root / "home"
+    (template / "bin").mkdir(parents=True)
+    fake = FAKE_PYTHON3.replace("@UV_VERSION@", uv_version).replace("@UV@", uv)
+    (template / "bin" / "python3").write_text(fake.replace("@PYTHON310@", _python310()))
+    (template / "bin" / "python3").chmod(0o755)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    real = Path(sys._base_executable).resolve()  # the interpreter under any venv
+    (template / "bin" / f"python{version}").symlink_to(real)
+    return dict(sysbin=sysbin, template=template, version=version, wheel=_wheel(root))
+
+
+@pytest.fixture
+def faithful(stub, image):
+    env, state, script = stub
+    install = f"-c constraints.txt --offline --no-deps {image['wheel']}"
+    env = dict(env, STUB_FAITHFUL="1", STUB_TEMPLATE=str(image["template"]),
+               STUB_SYSBIN=str(image["sysbin"]), LAUNCH_PYTHON=image["version"],
+               LAUNCH_INSTALL=install)  # fmt: skip
+    return env, state, script
+
+
+def _leftovers(root: Path, tries: int = 20) -> list[str]:
+    """The processes still running whose command line names ``root`` (asked ``tries``
+    times, 0.1 s apart, until there are none)."""
+    for _ in range(tries):
+        ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
+        left = [line for line in ps.stdout.splitlines() if str(root) in line]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+# The command: each worker prints its Python from inside the venv and what --env set;
+# with $BUCKET (a stand-in for the run's gs:// output_dir, which outlives the slice) it
+# stops with 143 the first time, as a run does on a preemption notice, and finishes the
+# second.
+PROBE = """
+import os, sys, launchprobe
+who = os.path.basename(os.environ["HOME"])
+print(who, "python", sys.version.split()[0], sys.prefix, launchprobe.WHERE, flush=True)
+print(who, "MSG=" + os.environ.get("MSG", "-"), "CACHE=" + os.environ.get(
+    "MAGIC_JAX_COMPILATION_CACHE", "-"), flush=True)
+bucket = os.environ.get("BUCKET")
+if bucket and not os.path.exists(os.path.join(bucket, who)):
+    open(os.path.join(bucket, who), "w").close()
+    print(who, "preempted: stopping with 143", flush=True)
+    sys.exit(143)
+print(who, "finished", flush=True)
+"""
+MSG = 'it\'s $HOME "quoted"; `not run`'
+
+
+def test_stock_image_workers_get_a_new_python_venv_and_run(faithful, tmp_path):
+    """(i) python3 is 3.10 on every worker: uv comes through the image's pip, makes a
+    3.11+ venv, installs into it, and the command runs in it; (vi) --env and
+    --compile-cache reach the command on every worker, quoted; a second launch on the
+    same slice skips the set-up (once per commit)."""
+    env, state, script = faithful
+    env = dict(env, STUB_WORKERS="4")
+    logs = tmp_path / "logs"
+    args = ["--env", f"MSG={MSG}", "--compile-cache", "gs://b/jax cache", "--logs", str(logs),
+            "--", "python", "-c", PROBE]  # fmt: skip
+    out = _launch(script, env, *args)
+    assert out.returncode == 0, out.stderr
+    version = image_version = env["LAUNCH_PYTHON"]
+    for w in range(4):
+        home = state / f"worker-{w}"
+        venv = home / "magic-jax" / next(p.name for p in (home / "magic-jax").iterdir()
+                                         if p.is_dir() and p.name != "logs") / ".venv"  # fmt: skip
+        assert (home / ".local" / "bin" / "uv").is_symlink()  # installed by "pip"
+        line = f"worker {w}: python {sys.version.split()[0]} ("
+        assert line in out.stderr and f") in {venv.parent}/.venv" in out.stderr
+        assert f"worker {w}: host " in out.stderr and "v5litepod-16" in out.stderr
+        log = (logs / f"worker-{w}.log").read_text()
+        assert (
+            f"worker-{w} python {sys.version.split()[0]} {venv} installed by uv pip install" in log
+        )
+        assert f"worker-{w} MSG={MSG} CACHE=gs://b/jax cache" in log
+        assert f"worker-{w} finished" in log
+    assert image_version >= "3.11" and version == image_version
+    assert "worker 0's log follows" in out.stderr and "worker-0 finished" in out.stdout
+    assert not _launch_lines(out.stderr)
+
+    again = _launch(script, env, *args)  # the slice is reused: set up already
+    assert again.returncode == 0, again.stderr
+    assert "reusing magic-jax (READY)" in again.stderr
+    assert again.stderr.count("already installed, skipping set-up") == 4
+    assert not _leftovers(tmp_path)
+
+
+def test_set_up_failing_on_one_worker_is_one_line_and_starts_nothing(faithful, tmp_path):
+    """(ii) worker 2 of 4 has no Python 3.11 and cannot download one: one line names it
+    and uv's error; no command starts anywhere, nothing is left running, the slice is
+    deleted (--delete-on-exit)."""
+    env, state, script = faithful
+    env = dict(env, STUB_WORKERS="4", STUB_NO_PYTHON_ON="2")
+    out = _launch(script, env, "--delete-on-exit", "--logs", str(tmp_path / "l"), "--",
+                  "python", "-c", PROBE, *GS)  # fmt: skip
+    assert out.returncode == 1
+    lines = _launch_lines(out.stderr)
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: set-up failed on worker 2: error: ")
+    assert "more worker" not in lines[0]
+    assert out.stderr.strip().splitlines()[-1] == "[launch] deleting magic-jax"
+    verbs = _verbs(_calls(state))
+    assert "start" not in verbs and "stream" not in verbs and verbs[-2:] == DELETE
+    assert sum(f"worker {w}: ready" in out.stderr for w in range(4)) == 3
+    assert not list(state.glob("worker-*/magic-jax/logs"))  # nothing was ever started
+    assert not _leftovers(tmp_path)
+
+
+def test_every_workers_log_is_collected_at_a_preemption_and_at_the_end(faithful, tmp_path):
+    """(v) the command stops with 143 on every worker (a preemption notice): every log is
+    collected, the slice is deleted and created again (new disks: set up again), the
+    command resumes and finishes, and every log is collected again."""
+    env, state, script = faithful
+    env = dict(env, STUB_WORKERS="3")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    logs = tmp_path / "logs"
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
+                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "preempted (worker 0 stopped with 143; attempt 1 of 2)" in out.stderr
+    assert _launch_lines(out.stderr)[-1] == "launch.sh: resumed run finished"
+    for w in range(3):
+        first = (logs / f"worker-{w}.log").read_text()
+        second = (logs / f"worker-{w}.attempt-2.log").read_text()
+        assert f"worker-{w} preempted: stopping with 143" in first and "finished" not in first
+        assert f"worker-{w} finished" in second and "preempted" not in second
+    assert out.stderr.count("worker 1: ready") == 2  # set up on both slices
+    assert _verbs(_calls(state)).count("create") == 2
+    assert not (state / "created").exists()
+    assert not _leftovers(tmp_path)
+
+
+def _interrupt_a_running_command(script, env, state, *args):
+    """Starts a command that runs until stopped; SIGINT to launch.sh (Ctrl-C) once every
+    worker's log shows it running. Returns launch.sh's exit status and stderr."""
+    code = "import time\nprint('looping', flush=True)\nwhile True: time.sleep(0.1)\n"
+    proc = subprocess.Popen(["bash", str(script), *args, "--", "python", "-c", code, *GS],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        logs = list(state.glob("worker-*/magic-jax/logs/*.log"))
+        if len(logs) == 2 and all("looping" in p.read_text() for p in logs):
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr
+
+
+def test_ctrl_c_with_delete_on_exit_stops_collects_and_deletes(faithful, tmp_path):
+    """Ctrl-C while the command runs, with --delete-on-exit: SIGTERM to the command on
+    every worker (it exits 143), every log collected, the slice deleted, exit 130."""
+    env, state, script = faithful
+    logs = tmp_path / "logs"
+    code, stderr = _interrupt_a_running_command(script, env, state, "--delete-on-exit",
+                                                "--logs", str(logs))  # fmt: skip
+    assert code == 130, stderr
+    assert "launch.sh: interrupted: stopping the command on every worker" in stderr
+    assert "[launch] logs of 2 of 2 worker(s)" in stderr
+    assert stderr.strip().splitlines()[-1] == "[launch] deleting magic-jax"
+    for w in range(2):
+        assert "looping" in (logs / f"worker-{w}.log").read_text()
+        (status,) = state.glob(f"worker-{w}/magic-jax/logs/*.exit")
+        assert status.read_text() == "143\n"
+    assert not (state / "created").exists()
+    assert not _leftovers(tmp_path)
+
+
+def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_path):
+    """Without --delete-on-exit, Ctrl-C leaves the slice and the detached command running
+    (exit 130); --delete stops both."""
+    env, state, script = faithful
+    code, stderr = _interrupt_a_running_command(script, env, state, "--logs", str(tmp_path))
+    assert code == 130, stderr
+    assert _launch_lines(stderr) == [
+        "launch.sh: interrupted: the command goes on running on magic-jax, detached "
+        "(tpu_scripts/launch.sh --name magic-jax --zone us-east5-a --delete stops it with the "
+        "slice)"
+    ]
+    assert (state / "created").exists() and not list(state.glob("worker-*/magic-jax/logs/*.exit"))
+    assert len(_leftovers(state, tries=1)) >= 2  # each worker's command
+    assert _launch(script, env, "--delete").returncode == 0
+    assert not (state / "created").exists() and not _leftovers(tmp_path)

@@ -83,19 +83,23 @@ def _hand_param_bytes(fsdp: int, tensor: int) -> int:
 
 
 def test_topology_names_and_errors(tmp_path, capsys):
-    assert parse_topology("v5p:4x4x4")[1] == 64
+    # (gcloud's names and their chip counts: tests/plan_names_test.py)
+    assert parse_topology("v5p:4x4x4")[1] == 64 == parse_topology("v5p-128")[1]
     assert parse_topology("v5e:2x2")[0].hbm_gib == 16
-    with pytest.raises(PlanError, match="expected GENERATION:SHAPE"):
-        parse_topology("pod-16")
+    with pytest.raises(PlanError, match="expected a gcloud accelerator type"):
+        parse_topology("pod:16")
     with pytest.raises(PlanError, match="unknown TPU generation 'v9'"):
         parse_topology("v9:2x2")
     cfg = _run(tmp_path)
-    assert main(["plan", str(cfg), "--topology", "v9:2x2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "v9" in err[0]
+    for bad in ("v9:2x2", "v6e-48"):
+        assert main(["plan", str(cfg), "--topology", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and bad in err[0]
     if not libtpu_available():  # the main environment: one line saying what to install
-        assert main(["plan", str(cfg), "--topology", "v5e:2x2"]) == 2
-        assert "jax[tpu]" in capsys.readouterr().err
+        for name in ("v5e:2x2", "v5litepod-4"):
+            assert main(["plan", str(cfg), "--topology", name]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "jax[tpu]" in err[0]
 
 
 def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
@@ -178,6 +182,52 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
         "update: compute float32, remat none; rollout: weights and compute float32, "
         "KV cache float32" in out
     )
+    # the decode step compiled again with an int8 cache (1 + 4/16 bytes per element for
+    # float32's 4), and its line in the plan
+    q = p.int8
+    assert q is not None and q.error is None and not q.over_hbm, q
+    assert 0.3 < q.kv_cache / p.kv_cache < 0.34 and q.step_bytes > 0 and q.temps >= 0
+    assert "int8 KV cache, compiled (rollout.kv_dtype int8, bf16 weights): KV" in out
+    # gcloud's name of the same slice, the time bounds, the recommendation and a cost
+    args = ["plan", str(_run(tmp_path)), "--topology", "v5litepod-4", "-q"]
+    assert main([*args, "--price-per-chip-hour", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "slice: v5litepod-4 (v5e:2x2), 4 chips, 4 devices" in out
+    # the 8 x 4 samples per step cap the slots (over fsdp 2 slot shards)
+    assert "recommended rollout.max_concurrent_decodes: 32 (" in out
+    assert "time (roofline lower bounds" in out and "real steps are slower" in out
+    assert "chip-hours; at $1.5 per chip-hour: >= $" in out
+
+
+@needs_libtpu
+def test_gcloud_names_compile_for_their_chips():
+    from magic_jax.jobs.topology import topology_devices
+
+    # v5p-N and v4-N count TensorCores: v5p-128 is 64 chips (one device each), v4-32 is 16
+    # (libtpu's v4 devices are its TensorCores)
+    assert len(topology_devices("v5p-128")) == 64 == parse_topology("v5p-128")[1]
+    assert parse_topology("v4-32")[1] == 16 and len(topology_devices("v4-32")) == 32
+    assert len(topology_devices("v6e-64")) == 64 and len(topology_devices("v5litepod-8")) == 8
+    assert len(topology_devices("v6e-1")) == 1
+
+
+@needs_libtpu
+def test_an_int8_decode_step_that_does_not_compile_says_why(tmp_path, monkeypatch):
+    from magic_jax.jobs import stage_plan
+    from magic_jax.model.config import ModelConfig
+
+    compile_decode = stage_plan._compile_decode
+
+    def failing(e, sampling):
+        if e["engine"].config.kv_dtype == "int8":
+            raise RuntimeError("INTERNAL: the int8 step failed\nmore lines")
+        return compile_decode(e, sampling)
+
+    monkeypatch.setattr(stage_plan, "_compile_decode", failing)
+    config = load_config(_run(tmp_path))
+    mesh = _slice_mesh("v5e:2x2", fsdp=2, tensor=2)
+    p = stage_plan.plan_stage(config, 0, ModelConfig.from_hf_config(HF), mesh)
+    assert p.int8.error == "RuntimeError: INTERNAL: the int8 step failed"
 
 
 @needs_libtpu
@@ -225,6 +275,8 @@ def test_bf16_rollouts_halve_the_engine_weights_cache_and_decode_bytes_int8_kv_m
         for d, kv in (("float32", None), ("bfloat16", None), ("bfloat16", "int8"))
     }  # fmt: skip
     f32, bf16, int8 = plans.values()
+    assert int8.int8 is None and bf16.int8 is not None  # an int8 run's own step is int8
+    assert bf16.int8.kv_cache == pytest.approx(int8.kv_cache, rel=0.01)
     assert bf16.params == f32.params and bf16.opt_state == f32.opt_state  # master weights
     assert bf16.engine_params * 2 == f32.engine_params
     # keys and values halve; the cache's int32 positions and lengths do not

@@ -18,6 +18,13 @@
 #   --retry N           when the slice is preempted, delete it, recreate it (re-request
 #                       it with --queued), set it up and rerun the command, up to N
 #                       times; the run resumes from its output_dir [0]
+#   --create-tries N    a create that finds no capacity is tried again, after 60 s, then
+#                       twice as long each time (at most --create-backoff-max), up to N
+#                       tries in all [$LAUNCH_CREATE_TRIES or 12]; other errors end at once
+#   --create-backoff-max S  the longest wait between creates [$LAUNCH_CREATE_BACKOFF_MAX_S or 1800]
+#   --env KEY=VALUE     set KEY for the command on every worker (repeatable)
+#   --compile-cache URL the command's persistent compilation cache on every worker, e.g.
+#                       gs://BUCKET/jax-cache (sets MAGIC_JAX_COMPILATION_CACHE)
 #   --no-setup          the workers already have this commit installed
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
@@ -25,6 +32,12 @@
 #   --timeout S         seconds to wait for the slice to be ready [3600]
 #   --dry-run           print every gcloud command instead of running it (or DRY_RUN=1)
 #
+# Set-up (tpu_scripts/worker_setup.sh, from the archive, on every worker): uv (found, or
+# installed with the image's pip, or with uv's installer) makes ~/magic-jax/<commit>/.venv
+# with Python $LAUNCH_PYTHON [3.11] (the stock images' python3 is 3.10: uv takes a 3.11
+# on the worker or downloads one) and runs `uv pip install $LAUNCH_INSTALL`
+# [-c constraints.txt -e .[tpu]]; once per commit. A worker that fails ends the launch
+# with one line naming it and its last error line; no command is started.
 # The command runs in ~/magic-jax/<commit> inside its venv on every worker; magic_jax
 # starts jax.distributed itself on a multi-host slice. The exit status is worker 0's,
 # unless another worker's command ends with a failure while worker 0's still runs (any
@@ -35,18 +48,30 @@
 # A preemption is worker 0 exiting with 143 (stopped at a checkpoint on SIGTERM or a
 # preemption notice) or the slice lost while the command runs (PREEMPTED, TERMINATED,
 # gone; a queued resource SUSPENDED or FAILED); with no retries left the status is 143.
+# Every worker's log is collected into --logs when the command ends and at each
+# preemption (from the workers that still answer), worker-N.log, worker-N.attempt-K.log.
+# An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
+# worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
+# $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
+# Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
+# the command goes on, detached (--delete stops it with the slice); with it, the command
+# is stopped on every worker (SIGTERM: the run checkpoints), the logs are collected and
+# the slice is deleted; a second Ctrl-C deletes it at once. Before the command runs,
+# --delete-on-exit deletes the slice (a create in flight included).
 # --retry and --delete-on-exit need the command's output_dir (--set output_dir=..., or
 # the top-level output_dir: of its YAML config) on gs://: the slice's disks go with it.
 set -euo pipefail
 
 quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
 die() { quit 2 "$@"; }
-usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" SPOT=() QUEUED=0
 SETUP=1 LOGS="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT=3600 DRY="${DRY_RUN:-0}" RETRY=0
-POLL_S="${LAUNCH_POLL_S:-30}" SSH_TRIES="${LAUNCH_SSH_TRIES:-10}"
-GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
+ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
+POLL_S="${LAUNCH_POLL_S:-30}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
+SSH_WAIT_S="${LAUNCH_SSH_BACKOFF_S:-30}" SSH_MAX_S="${LAUNCH_SSH_BACKOFF_MAX_S:-300}"
+CREATE_WAIT_S="${LAUNCH_CREATE_BACKOFF_S:-60}"
 need() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
 while [ $# -gt 0 ]; do
   case $1 in
@@ -58,6 +83,13 @@ while [ $# -gt 0 ]; do
     --spot) SPOT=(--spot); shift ;;
     --queued) QUEUED=1; shift ;;
     --retry) need "$@"; RETRY=$2; shift 2 ;;
+    --create-tries) need "$@"; CREATE_TRIES=$2; shift 2 ;;
+    --create-backoff-max) need "$@"; CREATE_MAX_S=$2; shift 2 ;;
+    --env) need "$@"
+      [[ $2 =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] ||
+        die "--env needs KEY=VALUE with KEY a variable name (letters, digits, _), got $2"
+      ENVS+=("$2"); shift 2 ;;
+    --compile-cache) need "$@"; ENVS+=("MAGIC_JAX_COMPILATION_CACHE=$2"); shift 2 ;;
     --no-setup) SETUP=0; shift ;;
     --logs) need "$@"; LOGS=$2; shift 2 ;;
     --delete-on-exit) DELETE_ON_EXIT=1; shift ;;
@@ -72,6 +104,8 @@ done
 [ "$DELETE_ONLY" = 1 ] || [ $# -gt 0 ] || die "no command after -- (or --delete to tear down)"
 [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout must be a number of seconds, got $TIMEOUT"
 [[ $RETRY =~ ^[0-9]+$ ]] || die "--retry must be a number of retries, got $RETRY"
+[[ $CREATE_TRIES =~ ^[1-9][0-9]*$ ]] || die "--create-tries must be a number of tries (1 or more), got $CREATE_TRIES"
+[[ $CREATE_MAX_S =~ ^[0-9]+$ ]] || die "--create-backoff-max must be a number of seconds, got $CREATE_MAX_S"
 if [ -z "$VERSION" ]; then
   case $ACCEL in
     v4-*) VERSION=tpu-ubuntu2204-base ;;
@@ -124,6 +158,34 @@ run() { if [ "$DRY" = 1 ]; then printf '%q ' "$@" >&3; echo >&3; else "$@"; fi; 
 # A query: in a dry run it is printed and answers nothing.
 ask() { if [ "$DRY" = 1 ]; then run "$@"; return 1; else "$@" 2>/dev/null; fi; }
 ssh_on() { local w=$1; shift; run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker="$w" --command "$*"; }
+tmpfile() { mktemp "${TMPDIR:-/tmp}/launch-XXXXXX"; }
+# Waits S seconds. LAUNCH_CLOCK=FILE (tests) makes the waits between retries (ssh
+# reconnects, creates) advance a clock kept in FILE instead, and `now` read it.
+now() { if [ -n "${LAUNCH_CLOCK:-}" ]; then cat "$LAUNCH_CLOCK" 2>/dev/null || echo 0; else date +%s; fi; }
+nap() { if [ -n "${LAUNCH_CLOCK:-}" ]; then echo $(($(now) + $1)) > "$LAUNCH_CLOCK"; else sleep "$1"; fi; }
+twice() { local s=$(($1 * 2)); echo $((s > $2 ? $2 : s)); }  # the next backoff, capped
+span() {  # seconds as 45s, 12m05s, 3h07m
+  local s=$1
+  if [ "$s" -ge 3600 ]; then printf '%dh%02dm' $((s / 3600)) $((s % 3600 / 60))
+  elif [ "$s" -ge 60 ]; then printf '%dm%02ds' $((s / 60)) $((s % 60))
+  else printf '%ds' "$s"; fi
+}
+# The line of gcloud's error output that says what went wrong: its JSON "message", else
+# its last ERROR line, else its last line.
+error_line() {
+  local line
+  line=$(sed -n 's/^[[:space:]]*"message": "\(.*\)",\{0,1\}$/\1/p' "$1" | tail -n 1)
+  [ -n "$line" ] || line=$(grep -E 'ERROR|[Ee]rror' "$1" | tail -n 1)
+  [ -n "$line" ] || line=$(grep -v '^[[:space:]]*$' "$1" | tail -n 1)
+  line=${line//\\\"/\"}
+  echo "${line:0:300}"
+}
+# Kills a process and its descendants (a backgrounded gcloud and its ssh).
+kill_tree() {
+  local c
+  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
+  kill "$1" 2>/dev/null || true
+}
 
 teardown() {
   if [ "$QUEUED" = 1 ] || ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(name)' >/dev/null; then
@@ -141,7 +203,7 @@ fi
 # A described state, or GONE when gcloud says NOT_FOUND (UNKNOWN on any other failure).
 state_of() {
   local out err
-  err=$(mktemp "${TMPDIR:-/tmp}/launch-XXXXXX")
+  err=$(tmpfile)
   if out=$("$@" 2>"$err"); then echo "${out:-UNKNOWN}"
   elif grep -q NOT_FOUND "$err"; then echo GONE
   else echo UNKNOWN; fi
@@ -163,25 +225,60 @@ slice_lost() {
 }
 
 # ------------------------------------------------------------------ create or reuse, wait
-TRAPPED=0
+# HAVE_SLICE: the slice may exist (a create was asked for, or it was reused); the exit
+# trap deletes it then with --delete-on-exit.
+HAVE_SLICE=0
+on_exit() {
+  if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+}
+trap on_exit EXIT
+# gcloud's words for a zone without the capacity asked for (the TPU API's RESOURCE_EXHAUSTED,
+# code 8; a reservation's code 9; Compute Engine's stockouts).
+NO_CAPACITY='no more capacity|RESOURCE_EXHAUSTED|ZONE_RESOURCE_POOL_EXHAUSTED'
+NO_CAPACITY+='|[Ii]nsufficient (reserved )?capacity|[Ss]tockout|"code": *8,'
+# Creates the node (or requests the queued resource); a create that finds no capacity is
+# tried again with exponential backoff, up to CREATE_TRIES tries; any other error ends it.
+create() {
+  local try=1 wait=$CREATE_WAIT_S err rc line
+  err=$(tmpfile)
+  while :; do
+    HAVE_SLICE=1 rc=0
+    if [ "$QUEUED" = 1 ]; then
+      { run "${QRS[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
+          --runtime-version="$VERSION" "${SPOT[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+    else
+      { run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
+          "${SPOT[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+    fi
+    [ "$rc" != 0 ] || break
+    line=$(error_line "$err")
+    # a failed create may leave the node (or the queued resource) behind
+    if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
+      teardown >/dev/null 2>&1 || true
+    fi
+    HAVE_SLICE=0
+    if ! grep -qE "$NO_CAPACITY" "$err"; then rm -f "$err"; quit 1 "creating $NAME failed: $line"; fi
+    if [ "$try" -ge "$CREATE_TRIES" ]; then
+      rm -f "$err"
+      quit 1 "no capacity for $ACCEL in $ZONE after $try tries (--create-tries $CREATE_TRIES): $line"
+    fi
+    say "no capacity for $ACCEL in $ZONE (try $try of $CREATE_TRIES): $line; trying again in $(span "$wait")"
+    nap "$wait"
+    wait=$(twice "$wait" "$CREATE_MAX_S") try=$((try + 1))
+  done
+  rm -f "$err"
+}
 bring_up() {
-  local state s deadline
+  local state s deadline info runtime
   state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
   case $state in
     PREEMPTED|TERMINATED) say "$NAME is $state; deleting it"; teardown; state="" ;;
   esac
   if [ -n "$state" ]; then
     say "reusing $NAME ($state)"
-  elif [ "$QUEUED" = 1 ]; then
-    run "${QRS[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
-      --runtime-version="$VERSION" "${SPOT[@]}"
+    HAVE_SLICE=1
   else
-    run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
-      "${SPOT[@]}"
-  fi
-  if [ "$DELETE_ON_EXIT" = 1 ] && [ "$TRAPPED" = 0 ]; then
-    trap 'say "deleting $NAME"; teardown || true' EXIT
-    TRAPPED=1
+    create
   fi
   deadline=$(( $(date +%s) + TIMEOUT ))
   if [ "$QUEUED" = 1 ]; then
@@ -197,9 +294,12 @@ bring_up() {
     [ "$(date +%s)" -lt "$deadline" ] || die "$NAME not READY after ${TIMEOUT}s (${s:-unknown})"
     say "$NAME: ${s:-not yet}"; sleep "$POLL_S"
   done
-  endpoints=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(networkEndpoints[].ipAddress)') || endpoints="10.0.0.1"
+  info=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
+    --format='value(networkEndpoints[].ipAddress,runtimeVersion)') || info=$'10.0.0.1\t'"$VERSION"
+  IFS=$'\t' read -r endpoints runtime <<< "$info"
   IFS=';, ' read -r -a ips <<< "$endpoints"
   WORKERS=${#ips[@]}
+  say "$NAME: $WORKERS worker(s), runtime version ${runtime:-unknown}"
 }
 
 # ------------------------------------------------------------------ install this commit
@@ -207,29 +307,67 @@ COMMIT=$(git -C "$REPO" rev-parse --short=12 HEAD)
 [ -z "$(git -C "$REPO" status --porcelain --untracked-files=no)" ] ||
   say "warning: uncommitted changes are not installed (commit $COMMIT is)"
 DIR="magic-jax/$COMMIT"
+# Copies this commit to every worker and runs tpu_scripts/worker_setup.sh there (its
+# lines pass through to stderr). On failure SETUP_ERR says which worker and why.
 setup() {
-  local archive
-  archive=$(mktemp "${TMPDIR:-/tmp}/magic-jax-XXXXXX.tar.gz") || return
-  git -C "$REPO" archive --format=tar.gz -o "$archive" HEAD &&
-    run "${TPU[@]}" scp "$archive" "$NAME:magic-jax-$COMMIT.tar.gz" "${WHERE[@]}" --worker=all &&
-    ssh_on all "set -e; mkdir -p $DIR && tar -xzf magic-jax-$COMMIT.tar.gz -C $DIR && cd $DIR && \
-      python3 -m venv .venv && .venv/bin/pip install -q -U pip && \
-      .venv/bin/pip install -q -c constraints.txt -e '.[tpu]'"
-  local rc=$?
+  local archive out rc=0 knobs="" failed first n more="" ready w missing=()
+  SETUP_ERR="setting up $NAME failed"
+  archive=$(tmpfile) && out=$(tmpfile) || return 1
+  git -C "$REPO" archive --format=tar.gz -o "$archive" HEAD || { rm -f "$archive" "$out"; return 1; }
+  [ -z "${LAUNCH_PYTHON:-}" ] || knobs+="LAUNCH_PYTHON=$(printf %q "$LAUNCH_PYTHON") "
+  [ -z "${LAUNCH_INSTALL:-}" ] || knobs+="LAUNCH_INSTALL=$(printf %q "$LAUNCH_INSTALL") "
+  if ! run "${TPU[@]}" scp "$archive" "$NAME:magic-jax-$COMMIT.tar.gz" "${WHERE[@]}" --worker=all; then
+    rm -f "$archive" "$out"
+    SETUP_ERR="copying commit $COMMIT to $NAME failed"
+    return 1
+  fi
   rm -f "$archive"
-  return "$rc"
+  { ssh_on all "mkdir -p $DIR && { [ -e $DIR/.installed ] || tar -xzf magic-jax-$COMMIT.tar.gz -C $DIR; } \
+    && cd $DIR && ${knobs}bash tpu_scripts/worker_setup.sh $COMMIT" 2>&1 | tee "$out" >&2; } || rc=$?
+  [ "$DRY" = 0 ] || { rm -f "$out"; return 0; }
+  failed=$(grep -oE 'worker [^ :]+: set-up failed: .*' "$out" | sort -k2,2n || true)
+  ready=$(grep -cE 'worker [^ :]+: ready' "$out" || true)
+  if [ -n "$failed" ]; then
+    first=$(head -n 1 <<< "$failed") n=$(wc -l <<< "$failed")
+    [ "$n" -le 1 ] || more=" (and on $((n - 1)) more worker(s))"
+    SETUP_ERR="set-up failed on ${first%%: set-up failed: *}: ${first#*: set-up failed: }$more"
+  elif [ "$rc" != 0 ] || [ "$ready" -lt "$WORKERS" ]; then
+    for ((w = 0; w < WORKERS; w++)); do grep -qE "worker $w: ready" "$out" || missing+=("$w"); done
+    first=$(grep -v '^[[:space:]]*$' "$out" | tail -n 1 || true)
+    SETUP_ERR="set-up failed on worker(s) ${missing[*]:-?} ($ready of $WORKERS ready):"
+    SETUP_ERR+=" ${first:-gcloud exited with $rc}"
+  else
+    rm -f "$out"
+    return 0
+  fi
+  rm -f "$out"
+  return 1
 }
 
 # ------------------------------------------------------------------ run, stream, collect
 RUN_ID="run-$(date -u +%Y%m%d-%H%M%S)"
 LOGS=${LOGS:-$REPO/runs/launch/$NAME-$RUN_ID}
 printf -v CMD '%q ' "$@"
-L="\$HOME/magic-jax/logs/$RUN_ID"  # each worker's log, .pid and .exit
-# Every worker runs the command detached (an ssh drop does not kill it), writing its log,
-# its pid and then its exit status under ~/magic-jax/logs.
+EXPORTS=""  # --env and --compile-cache, quoted for the command's shell
+if [ "${#ENVS[@]}" -gt 0 ]; then
+  EXPORTS="export"
+  for kv in "${ENVS[@]}"; do EXPORTS+=" ${kv%%=*}=$(printf %q "${kv#*=}")"; done
+  EXPORTS+=" && "
+fi
+L="\$HOME/magic-jax/logs/$RUN_ID"  # each worker's log, .sh, .pid and .exit
+# Worker-side waits of the log stream: 5 s (0.2 s when LAUNCH_POLL_S is under 5, in tests).
+TICK=5 FLUSH=2; [ "$POLL_S" -ge 5 ] || TICK=0.2 FLUSH=0.5
+# Every worker runs the command detached (an ssh drop does not kill it) from a script
+# (the command, quoted once), writing its log, its pid and then its exit status under
+# ~/magic-jax/logs; only where this commit is set up.
 start() {
-  ssh_on all "mkdir -p magic-jax/logs && cd $DIR || exit 1; nohup bash -c 'source .venv/bin/activate && \
-    $CMD; echo \$? > $L.exit' > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
+  ssh_on all "mkdir -p magic-jax/logs && cd $DIR && [ -e .installed ] || \
+{ echo \"magic-jax $COMMIT is not set up in ~/$DIR\" >&2; exit 1; }
+cat > $L.sh <<'LAUNCH_SH'
+source .venv/bin/activate && $EXPORTS$CMD
+echo \$? > \"\${0%.sh}.exit\"
+LAUNCH_SH
+nohup bash $L.sh > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
 # Worker W's command: its exit status, "running", or "gone" (no status and no process);
 # nothing when the worker does not answer.
@@ -250,7 +388,7 @@ bring_down() {
 # brings the job down: FAILED says which worker, FAILED_STATUS its status. 130 and 143
 # are stops that every process of a run agrees on: worker 0 stops as well.
 watch_workers() {
-  local spid=$1 w s next=$((SECONDS + POLL_S)) tick=1
+  local spid=$1 w i s next=$((SECONDS + POLL_S)) tick=1
   [ "$POLL_S" -ge 1 ] || tick=0.2
   [ "$DRY" = 0 ] && [ "$WORKERS" -gt 1 ] || return 0
   while kill -0 "$spid" 2>/dev/null; do
@@ -265,69 +403,93 @@ watch_workers() {
       if [ "$s" = gone ]; then s="no exit status (its command is gone)"; fi
       note "worker $w ended with $s while worker 0's command still ran: the job failed"
       bring_down >/dev/null
-      for ((w = 0; w < KILL_S + 30; w++)); do kill -0 "$spid" 2>/dev/null || return 0; sleep 1; done
-      kill "$spid" 2>/dev/null || true
+      for ((i = 0; i < KILL_S + 30; i++)); do kill -0 "$spid" 2>/dev/null || return 0; sleep 1; done
+      kill_tree "$spid"
       return 0
     done
   done
 }
 # Streams worker 0's log until its command ends. 0: it ended; 1: the slice is lost (LOST
 # says why); 2: another worker's command failed first (FAILED; the job is stopped).
-# Quits when worker 0 stays unreachable (or its command vanished) on a live slice.
+# An ssh that fails on a slice that is not lost is retried, after SSH_WAIT_S, twice as long
+# each time up to SSH_MAX_S, with no limit: the command goes on without us. Quits only
+# when worker 0's command vanished without an exit status.
 await() {
-  local from=+1 tries=0 rc spid
+  local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream
   FAILED="" FAILED_STATUS=""
   while :; do
-    rc=0
-    run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker=0 --ssh-flag=-oServerAliveInterval=30 \
+    rc=0 t0=$(now)
+    stream=("${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker=0 --ssh-flag=-oServerAliveInterval=30
       --ssh-flag=-oServerAliveCountMax=6 --command "tail -n $from -f $L.log & t=\$!; \
-      while [ ! -e $L.exit ] && kill -0 \$(cat $L.pid) 2>/dev/null; do sleep 5; done; \
-      sleep 2; kill \$t; [ -e $L.exit ] || exit 3" &
-    spid=$!
-    watch_workers "$spid"
-    wait "$spid" || rc=$?
+      while [ ! -e $L.exit ] && kill -0 \$(cat $L.pid) 2>/dev/null; do sleep $TICK; done; \
+      sleep $FLUSH; kill \$t; [ -e $L.exit ] || exit 3")
+    # not through run: $! is gcloud's own pid, so that kill_tree reaches its ssh
+    if [ "$DRY" = 1 ]; then run "${stream[@]}" & else "${stream[@]}" & fi
+    STREAM_PID=$!
+    watch_workers "$STREAM_PID"
+    wait "$STREAM_PID" || rc=$?
+    STREAM_PID=""
     [ -z "$FAILED" ] || return 2
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
     [ "$rc" != 3 ] || quit 1 "worker 0's command ended without an exit status ($NAME is $STATE)"
-    tries=$((tries + 1))
-    [ "$tries" -lt "$SSH_TRIES" ] || quit 1 "lost worker 0 of $NAME: ssh failed $tries times ($NAME is $STATE)"
-    say "ssh to worker 0 failed ($rc; $NAME is $STATE); reconnecting"
-    sleep "$POLL_S"; from=0
+    # a stream that was up for a while dropped: a new outage, not the same one
+    if [ $(($(now) - t0)) -ge "$SSH_MAX_S" ]; then fails=0 wait=$SSH_WAIT_S down=""; fi
+    fails=$((fails + 1)); [ -n "$down" ] || down=$(now)
+    say "ssh to worker 0 failed ($rc; $NAME is ${STATE:-UNKNOWN}); reconnecting in $(span "$wait")" \
+      "(failure $fails; unreachable for $(span $(($(now) - down))); the command goes on)"
+    nap "$wait"
+    wait=$(twice "$wait" "$SSH_MAX_S") from=0
   done
 }
 # Sets CODE to the exit status of worker W's command once it ended (empty: none). A
 # command still running is waited for until GRACE_S after worker 0's ended, then the job
-# is stopped (STOPPED lists those workers).
+# is stopped (STOPPED lists those workers). A worker that does not answer is asked again
+# (worker 0 for as long as the slice is not lost; another one 3 times).
 exit_of() {
-  local w=$1 s
-  CODE=$(ssh_on "$w" "cat magic-jax/logs/$RUN_ID.exit" 2>/dev/null | tr -dc 0-9) || CODE=""
-  while [ -z "$CODE" ] && s=$(status_of "$w") && [ "$s" = running ]; do
-    if [ "$SECONDS" -ge "$DEADLINE" ]; then
-      note "worker $w's command still ran ${GRACE_S}s after worker 0's ended: stopping it"
-      STOPPED="$STOPPED $w"
-      bring_down >/dev/null
-      DEADLINE=$((SECONDS + KILL_S + 30))
-    else
-      sleep "$(( POLL_S < 5 ? 1 : 5 ))"
-    fi
-    CODE=$(ssh_on "$w" "cat magic-jax/logs/$RUN_ID.exit" 2>/dev/null | tr -dc 0-9) || CODE=""
+  local w=$1 s tries=0 wait=$SSH_WAIT_S
+  CODE=""
+  while :; do
+    s=$(ssh_on "$w" "cat $L.exit 2>/dev/null || echo none" 2>/dev/null | tr -dc 'a-z0-9') || s=""
+    [ "$s" != none ] || s=$(status_of "$w")
+    case $s in
+      [0-9]*) CODE=$s; return 0 ;;
+      gone) return 0 ;;
+      running)
+        if [ "$SECONDS" -ge "$DEADLINE" ]; then
+          note "worker $w's command still ran ${GRACE_S}s after worker 0's ended: stopping it"
+          STOPPED="$STOPPED $w"
+          bring_down >/dev/null
+          DEADLINE=$((SECONDS + KILL_S + 30))
+        else
+          sleep "$(( POLL_S < 5 ? 1 : 5 ))"
+        fi ;;
+      *)
+        tries=$((tries + 1))
+        if [ "$w" != 0 ] && [ "$tries" -ge 3 ]; then
+          say "worker $w did not answer ($tries tries): its exit status is unknown"; return 0
+        fi
+        slice_lost && return 0
+        say "ssh to worker $w failed ($NAME is ${STATE:-UNKNOWN}); asking again in $(span "$wait")"
+        nap "$wait"; wait=$(twice "$wait" "$SSH_MAX_S") ;;
+    esac
   done
 }
+log_suffix() { [ "$attempt" = 1 ] || echo ".attempt-$attempt"; }
 # Collects every worker's log (worker-N.log, worker-N.attempt-K.log on a retry) and exit
 # status. Sets STATUS to worker 0's; 1 when the slice is lost (LOST says why).
 collect() {
-  local w code suffix=""
-  [ "$attempt" = 1 ] || suffix=".attempt-$attempt"
+  local w code suffix
+  suffix=$(log_suffix)
   [ "$DRY" = 1 ] || mkdir -p "$LOGS"
   STATUS=0 STOPPED="" DEADLINE=$((SECONDS + GRACE_S))
   for ((w = 0; w < WORKERS; w++)); do
     if [ "$DRY" = 1 ]; then
-      ssh_on "$w" "cat magic-jax/logs/$RUN_ID.log"
+      ssh_on "$w" "cat $L.log"
       continue
     fi
     exit_of "$w"; code=$CODE  # first: the log is whole once the command ended
-    ssh_on "$w" "cat magic-jax/logs/$RUN_ID.log" > "$LOGS/worker-$w$suffix.log" || true
+    ssh_on "$w" "cat $L.log" > "$LOGS/worker-$w$suffix.log" || true
     if [ -z "$code" ] && [ "$w" = 0 ] && slice_lost; then return 1; fi
     [ -n "$code" ] || code=1
     [ "$w" != 0 ] || STATUS=$code
@@ -335,24 +497,65 @@ collect() {
   done
   [ "$DRY" = 1 ] || say "logs of $WORKERS worker(s) in $LOGS"
 }
+# Collects the log of every worker that still answers, one try each (a preemption, an
+# interrupt). When worker 0 does not answer the slice is taken as unreachable.
+salvage_logs() {
+  local w suffix got=0 f
+  [ "$DRY" = 0 ] || return 0
+  suffix=$(log_suffix)
+  mkdir -p "$LOGS"
+  for ((w = 0; w < WORKERS; w++)); do
+    f=$LOGS/worker-$w$suffix.log
+    if ssh_on "$w" "cat $L.log" > "$f" 2>/dev/null; then got=$((got + 1)); continue; fi
+    [ -s "$f" ] && got=$((got + 1)) || rm -f "$f"
+    [ "$w" != 0 ] || break
+  done
+  say "logs of $got of $WORKERS worker(s) in $LOGS${LOST:+ ($LOST)}"
+}
 
-trap 'exit 130' INT  # also when gcloud catches the Ctrl-C itself
-trap 'exit 143' TERM
-attempt=1 ATTEMPTS=$((RETRY + 1))
+# Ctrl-C or SIGTERM (code 130 or 143). While the command runs: with --delete-on-exit,
+# stop it on every worker (the run checkpoints on SIGTERM), collect the logs, then the
+# exit trap deletes the slice; without it, leave the command running, detached. A second
+# one exits at once (and the exit trap deletes).
+RUNNING=0 STREAM_PID="" attempt=1
+on_signal() {
+  trap 'note "interrupted again: exiting now"; exit '"$1" INT TERM
+  [ -z "$STREAM_PID" ] || kill_tree "$STREAM_PID"
+  if [ "$RUNNING" = 1 ] && [ "$DRY" = 0 ]; then
+    if [ "$DELETE_ON_EXIT" = 1 ]; then
+      note "interrupted: stopping the command on every worker, collecting the logs, then" \
+        "deleting $NAME (interrupt again to delete it at once)"
+      bring_down >/dev/null 2>&1 || true
+      salvage_logs || true
+    else
+      note "interrupted: the command goes on running on $NAME, detached (tpu_scripts/launch.sh" \
+        "--name $NAME --zone $ZONE --delete stops it with the slice)"
+    fi
+  fi
+  exit "$1"
+}
+trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
+trap 'on_signal 143' TERM
+ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
   LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED=""
   if [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
-    setup || slice_lost || quit 1 "setting up $NAME failed"
+    setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
   if [ -z "$LOST" ]; then
-    start || slice_lost || quit 1 "starting the command on $NAME failed"
+    RUNNING=1
+    if ! start && ! slice_lost; then
+      bring_down >/dev/null 2>&1 || true  # where it did start
+      quit 1 "starting the command on $NAME failed"
+    fi
   fi
   if [ -z "$LOST" ]; then
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows"
     rc=0; await || rc=$?
-    [ "$rc" = 1 ] || collect || true
+    if [ "$rc" = 1 ]; then salvage_logs; else collect || salvage_logs; fi
   fi
+  RUNNING=0
   if [ -n "$FAILED" ]; then  # a failure, not a preemption: no retry
     quit "$FAILED_STATUS" "worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still" \
       "ran; the command was stopped on every worker (logs: $LOGS)"
@@ -368,6 +571,7 @@ while :; do
   fi
   note "preempted ($LOST; attempt $attempt of $ATTEMPTS); recreating the slice"
   teardown || say "deleting $NAME failed; creating it anyway"
+  HAVE_SLICE=0
   attempt=$((attempt + 1))
 done
 if [ "$attempt" -gt 1 ]; then

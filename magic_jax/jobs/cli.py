@@ -10,48 +10,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from magic_jax.jobs import convert as convert_job
+
 # The commands every host of a multi-host job runs (under jax.distributed, with a mesh).
 MULTI_HOST = ("train", "convert", "export", "eval", "estimate-difficulty")
-
-
-def _check_new_dir(path: str, option: str) -> None:
-    """Refuses, before any work, an output directory that exists or lies under a file."""
-    from pathlib import Path
-
-    from magic_jax import storage
-
-    if storage.is_gcs(path):
-        storage.check(path, what=option)
-        if storage.path(path).exists():
-            raise FileExistsError(f"{option} {path}: exists; refusing to overwrite it")
-        return
-    p = Path(path).absolute()
-    if p.exists():
-        raise FileExistsError(f"{option} {p}: exists; refusing to overwrite it")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{option} {p}: {parent} is a file, not a directory")
-            break
-
-
-def _convert(args: argparse.Namespace) -> int:
-    from magic_jax import storage
-    from magic_jax.model.convert import load_hf
-    from magic_jax.model.qwen2 import count_params
-    from magic_jax.model.sharding import mesh_from_text
-    from magic_jax.run.checkpoint import save_model
-
-    _check_new_dir(args.out, "out")
-    t0 = time.perf_counter()
-    hf_dir = storage.local_copy(args.hf_dir, what="hf_dir")  # gs://: a local copy, once
-    model = load_hf(hf_dir, dtype=args.dtype, mesh=mesh_from_text(args.mesh))
-    out = save_model(model, args.out)
-    print(
-        f"converted {args.hf_dir} -> {out}: {count_params(model):,} parameters "
-        f"({args.dtype}) in {time.perf_counter() - t0:.1f}s"
-    )
-    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -178,6 +140,9 @@ def _plan(args: argparse.Namespace) -> int:
     from magic_jax.model.sharding import MeshConfig
     from magic_jax.run.config import load_config
 
+    price = args.price_per_chip_hour
+    if price is not None and not 0 < price < float("inf"):
+        raise ValueError(f"--price-per-chip-hour {price:g}: expected a positive number of USD")
     config = load_config(args.config, args.set or ())
     mesh = None
     if args.mesh:
@@ -204,8 +169,9 @@ def _plan(args: argparse.Namespace) -> int:
     shown += ["--mesh", args.mesh] if args.mesh else []
     shown += ["--stage", str(args.stage)] if args.stage is not None else []
     shown += [a for kv in args.set or () for a in ("--set", kv)]
+    shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
     print("magic-jax plan " + " ".join(shown))
-    print(format_plan(result))
+    print(format_plan(result, price=price))
     if log:
         log(f"planned in {time.perf_counter() - t0:.0f}s")
     return 0
@@ -301,17 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="Hugging Face checkpoint dir -> orbax checkpoint")
-    p.add_argument("hf_dir", help="directory with config.json and *.safetensors")
-    p.add_argument("out", help="new orbax checkpoint directory")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="parameter dtype (fp32 master weights by default)",
-    )
-    p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
-    p.set_defaults(func=_convert)
+    convert_job.add_parser(sub)
 
     p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face checkpoint dir")
     p.add_argument(
@@ -373,12 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-device memory and roofline time of each stage on a TPU slice (needs libtpu)",
     )
     p.add_argument("config", help="YAML run configuration (see configs/)")
-    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:4x4, v5p:4x4x4, v6e:8x8")
+    p.add_argument("--topology", required=True, help="TPU slice: v5p-128, v6e-64 (gcloud), v5e:8x8")
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: the config's mesh)")
     p.add_argument("--preset", help="model preset when the config's model is not here")
     p.add_argument("--stage", type=int, help="plan only this stage (index)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
     p.add_argument("--no-search", action="store_true", help="do not look for a slice that fits")
+    p.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="print a cost too")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_plan)
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from magic_jax.jobs.stage_plan import StagePlan, plan_stage, resolve_model
-from magic_jax.jobs.topology import Chip, GiB, PlanError, parse_topology, topology_devices
+from magic_jax.jobs.topology import Chip, GiB, PlanError, resolve_topology, topology_devices
 from magic_jax.model.sharding import make_mesh
 
 # --------------------------------------------------------------------------- a run
@@ -87,7 +87,7 @@ def smallest_fit(
         p.activations = int(compiled.activations * rows_per_device)
         p.decode_temps = int(compiled.decode_temps * n_old / n_new)
         if p.peak() <= hbm:
-            p = plan_stage(cfg, index, model_config, mesh)
+            p = plan_stage(cfg, index, model_config, mesh, int8_probe=False)
             if p.peak() <= hbm:
                 return name, p
     return None
@@ -117,7 +117,7 @@ def plan_run(
 
     Args:
       config: the run.
-      topology: e.g. ``v5p:4x4x4``.
+      topology: a gcloud accelerator type (``v5p-128``) or ``GEN:SHAPE`` (``v5p:4x4x4``).
       mesh_config: the mesh (default: the run's, else all devices on fsdp).
       preset: model preset, when ``config.model`` is not a checkpoint here.
       stages: indices of the stages to plan (default all).
@@ -126,7 +126,8 @@ def plan_run(
     """
     from magic_jax.model.sharding import MeshConfig
 
-    chip, chips = parse_topology(topology)
+    slice_ = resolve_topology(topology)
+    chip, chips = slice_.chip, slice_.chips
     devices = topology_devices(topology)
     mesh_config = mesh_config or config.mesh or MeshConfig()
     try:
@@ -141,7 +142,7 @@ def plan_run(
     out.kv_dtype = config.rollout.kv_dtype
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
-            log(f"compiling stage {config.stages[i].name or i} for {topology} ...")
+            log(f"compiling stage {config.stages[i].name or i} for {slice_} ...")
         p = plan_stage(config, i, model_config, mesh)
         out.stages.append(p)
         if search and p.peak() > out.hbm_bytes:
@@ -222,6 +223,73 @@ def own_option(rollout_dtype: str, kv_dtype: str | None) -> str | None:
     )
 
 
+def recommend_slots(fit: int, samples: int, shards: int) -> int:
+    """``rollout.max_concurrent_decodes`` to run: the largest power of two that is a
+    multiple of the ``shards`` slot shards (data x fsdp) and at most both the slots that
+    fit and the samples per step; else the largest such multiple; 0 when none fits."""
+    limit = min(fit, samples)
+    if limit < shards:
+        return 0
+    n = 1 << (limit.bit_length() - 1)
+    while n >= shards:
+        if n % shards == 0:
+            return n
+        n //= 2
+    return limit // shards * shards
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBound:
+    """A stage's decode at ``slots`` slots on the roofline: ``step_s`` (the bytes a step
+    reads / HBM bandwidth, or its flops / peak), ``tokens_per_s`` = slots / step_s, and
+    ``rollout_s`` for the stage's samples each run to T (ceil(samples / slots) x T steps)."""
+
+    slots: int
+    step_s: float
+    tokens_per_s: float
+    rollout_s: float
+
+
+def decode_bound(p: StagePlan, slots: int, bandwidth: float, peak: float) -> DecodeBound:
+    """The decode roofline at ``slots`` slots, the cache and flops scaled from the compiled
+    step's (``bandwidth`` bytes/s and ``peak`` flop/s per device)."""
+    scale = slots / p.slots
+    step_bytes = p.engine_params + p.kv_cache * scale * p.held_share
+    step = max(step_bytes / bandwidth, p.decode_flops * scale / peak)
+    steps = math.ceil(p.samples / slots) * p.response_length
+    return DecodeBound(slots, step, slots / step, steps * step)
+
+
+def update_bound(p: StagePlan, peak: float) -> float:
+    """Seconds of a training step's updates at the bf16 peak: each optimizer step's flops
+    (XLA's count, or 6 x parameters x tokens when larger) / peak."""
+    return max(p.update_flops, p.model_flops) / peak * p.sgd_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeBound:
+    """Roofline lower bounds of a stage, seconds: ``rollout`` + ``update`` per step, and the
+    stage's ``steps`` of them."""
+
+    stage: str
+    steps: int
+    rollout: float
+    update: float
+
+    @property
+    def step(self) -> float:
+        return self.rollout + self.update
+
+    @property
+    def total(self) -> float:
+        return self.steps * self.step
+
+
+def chip_hours(bounds: Sequence[TimeBound], chips: int) -> float:
+    """chips x hours of the stages' bounds, summed."""
+    return chips * sum(b.total for b in bounds) / 3600
+
+
 def _copies(n: int) -> str:
     if n == 0:
         return "the compiled step copies no cache"
@@ -233,10 +301,7 @@ def _ragged_lines(p: StagePlan, float32_step: float) -> list[str]:
     if not p.ragged or not p.kv_cache:
         return ["  decode attention: dense (the whole attended cache every step)"]
     s = p.prompt_length + p.response_length
-    # a response that runs to T holds P + T/2 slots on average over its steps (P the
-    # longest prompt: shorter prompts and earlier EOS hold fewer)
-    held = p.kv_cache * (p.prompt_length + p.response_length / 2) / s
-    step = p.engine_params + held
+    step = p.engine_params + p.kv_cache * p.held_share
     return [
         "  decode attention: ragged (the TPU kernel, in the decode step above): rows hold "
         f"P + T/2 = {p.prompt_length + p.response_length // 2} of {s} slots on average, so a step "
@@ -249,8 +314,181 @@ def _gib(n: float) -> str:
     return f"{n / GiB:9.2f}"
 
 
-def format_plan(plan: RunPlan) -> str:
-    """The plan as printed by ``magic-jax plan``."""
+def _int8_line(p: StagePlan, weights: float, hbm: float, kv_dtype: str | None) -> str:
+    """The decode step compiled with an int8 cache: its sizes, or why there are none."""
+    q = p.int8
+    if q is None:
+        why = "the run's own cache is int8: * above" if kv_dtype else "not asked for"
+        return f"    int8 KV cache: not compiled separately ({why})"
+    if q.error:
+        return f"    int8 KV cache: the decode step did not compile: {q.error}"
+    head = (
+        f"    int8 KV cache, compiled (rollout.kv_dtype int8, bf16 weights): KV "
+        f"{q.kv_cache / GiB:.2f} GiB, decode temporaries {q.temps / GiB:.2f} GiB"
+    )
+    if q.over_hbm:
+        return head + " (XLA refused it: over HBM)"
+    # with copies of the cache the temporaries grow with the slots: scaled with them
+    per_slot = (q.kv_cache + (q.temps if q.cache_copies else 0)) / p.slots
+    room = hbm - p.params - p.opt_state - weights - (0 if q.cache_copies else q.temps)
+    fit = max(0, int(room // per_slot)) if per_slot > 0 else 0
+    return (
+        f"{head}, a step reads >= {q.step_bytes / 1e9:.2f} GB, "
+        f"{_copies(q.cache_copies)}; slots that fit: {fit}"
+    )
+
+
+def _stage_header(p: StagePlan, hbm: float) -> list[str]:
+    mesh = " x ".join(f"{k} {v}" for k, v in p.mesh.items())
+    lines = [
+        "",
+        f"stage {p.stage}: T {p.response_length}, {p.steps} steps; mesh {mesh}; update: "
+        f"{p.rows} rows in micro-batches of {p.micro_batch}, {p.sgd_steps} optimizer step(s) "
+        "per step",
+        f"  {'per device, GiB':<30}{'update':>9}{'rollout':>9}",
+    ]
+    for label, (u, r) in p.terms().items():
+        lines.append(f"  {label:<30}{_gib(u)}{_gib(r)}".replace("     0.00", "        -"))
+    verdict = "fits" if p.peak() <= hbm else "DOES NOT FIT"
+    lines.append(
+        f"  {'total':<30}{_gib(p.update_total)}{_gib(p.rollout_total)}"
+        f"  of {hbm / GiB:.2f}: {verdict}"
+    )
+    if p.over_hbm:
+        lines.append(
+            f"  XLA refused the {' and '.join(p.over_hbm)} program(s) for this chip "
+            "(over HBM); their temporaries above are the sizes XLA stated"
+        )
+    return lines
+
+
+def _option_lines(plan: RunPlan, p: StagePlan, opts: list[DecodeOption]) -> list[str]:
+    own = own_option(plan.rollout_dtype, plan.kv_dtype)
+    lines = [
+        f"  decode by rollout precision (sizes scaled from this plan's, * compiled; "
+        f"{p.slots} slots at T {p.response_length}):"
+    ]
+    for o in opts:
+        mark = "*" if o.label == own else " "
+        lines.append(
+            f"   {mark}{o.label:<15} weights {o.weights / GiB:6.2f} GiB, "
+            f"KV {o.kv_cache / GiB:6.2f} GiB: {o.step_bytes / 1e9:6.2f} GB/step "
+            f"({opts[0].step_bytes / o.step_bytes:.2f}x less than "
+            f"float32), <= {o.tokens_per_s:,.0f} tokens/s; slots that fit: {o.slots_fit}"
+        )
+    lines.append("    (set by rollout.dtype and rollout.kv_dtype; the last is bfloat16 + int8)")
+    return [*lines, _int8_line(p, opts[-1].weights, plan.hbm_bytes, plan.kv_dtype)]
+
+
+def _bound_text(b: DecodeBound) -> str:
+    return (
+        f"{b.slots} slots >= {b.step_s * 1e3:.2f} ms/step, <= {b.tokens_per_s:,.0f} tokens/s, "
+        f">= {b.rollout_s / 60:.1f} min"
+    )
+
+
+def _slot_lines(plan: RunPlan, p: StagePlan, bw: float, peak: float) -> tuple[list[str], int]:
+    """The recommended decode slots and the decode bound there and as configured."""
+    fit = p.slots_fit(plan.hbm_bytes)
+    shards = p.mesh.get("data", 1) * p.mesh.get("fsdp", 1)
+    rec = recommend_slots(fit, p.samples, shards)
+    precision = plan.rollout_dtype + (" + int8 KV" if plan.kv_dtype else "")
+    why = (
+        f"the largest power of two, a multiple of the {shards} slot shards, within the {fit} "
+        f"slots that fit at {precision} and the {p.samples} samples per step"
+    )
+    if not rec:
+        return [f"  recommended rollout.max_concurrent_decodes: none fits ({why})"], 0
+    reads = "ragged reads" if p.ragged else "the whole cache"
+    lines = [
+        f"  recommended rollout.max_concurrent_decodes: {rec} ({why}; scaled from the "
+        "compiled sizes, decode temporaries as compiled)",
+        f"  decode roofline ({reads}, {p.samples} samples of T): configured "
+        f"{_bound_text(decode_bound(p, p.slots, bw, peak))}; recommended "
+        f"{_bound_text(decode_bound(p, rec, bw, peak))}",
+    ]
+    return lines, rec
+
+
+def _decode_step_lines(p: StagePlan, bw: float, peak: float, base: float) -> list[str]:
+    t_dec = max(p.decode_bytes / bw, p.decode_flops / peak)
+    full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
+    return [
+        f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read "
+        f"({_copies(p.decode_cache_copies)}), "
+        f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
+        f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
+        f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
+        *_ragged_lines(p, base),
+        f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
+        f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
+        f"{max(p.update_flops, p.model_flops) / peak:.1f} s at the bf16 peak; "
+        f"x {p.sgd_steps} per step",
+    ]
+
+
+def _no_fit_lines(plan: RunPlan, p: StagePlan) -> list[str]:
+    c = plan.chip
+    lines = [f"  largest term: {p.dominant()}"]
+    if p.stage in plan.fits_on:
+        fit = plan.fits_on[p.stage]
+        if fit is None:
+            lines.append(f"  no {c.name} slice up to {c.topologies[-1]} fits it")
+        else:
+            name, q = fit
+            m = " x ".join(f"{k} {v}" for k, v in q.mesh.items())
+            lines.append(
+                f"  smallest {c.name} slice that fits: {resolve_topology(name)} (mesh {m}, "
+                f"micro-batches of {q.micro_batch}): peak {q.peak() / GiB:.2f} GiB per device "
+                "(compiled)"
+            )
+    return lines
+
+
+def _dur(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def _money(chip_h: float, price: float | None) -> str:
+    return f"; at ${price:g} per chip-hour: >= ${chip_h * price:,.0f}" if price else ""
+
+
+def _time_lines(
+    plan: RunPlan, bounds: list[TimeBound], at_rec: list[TimeBound], price: float | None
+) -> list[str]:
+    """The recipe's time, chip-hour and cost bounds (as configured and at the
+    recommended slots)."""
+    lines = [
+        "",
+        "time (roofline lower bounds: a decode step's bytes / HBM bandwidth, an update's "
+        "flops / bf16 peak; every response run to T; prefill, the log-prob pass, "
+        "collectives and host work left out: real steps are slower)",
+    ]
+    for b in bounds:
+        lines.append(
+            f"  stage {b.stage}: per step >= {_dur(b.step)} (rollout >= {_dur(b.rollout)} + "
+            f"update >= {_dur(b.update)}) x {b.steps} steps: >= {b.total / 3600:.1f} h"
+        )
+    unfit = [p.stage for p in plan.stages if p.peak() > plan.hbm_bytes]
+    for label, bs in (("as configured", bounds), ("at the recommended slots", at_rec)):
+        if len(bs) < len(plan.stages):
+            continue
+        hours = sum(b.total for b in bs) / 3600
+        ch = chip_hours(bs, plan.chips)
+        lines.append(
+            f"  stage(s) {' + '.join(b.stage for b in bs)} {label}: >= {hours:.1f} h on "
+            f"{plan.chips} chips = >= {ch:,.0f} chip-hours{_money(ch, price)}"
+        )
+    if unfit:
+        lines.append(f"  (stage(s) {', '.join(unfit)} do not fit this slice as configured)")
+    return lines
+
+
+def format_plan(plan: RunPlan, price: float | None = None) -> str:
+    """The plan as printed by ``magic-jax plan``; ``price``: US dollars per chip-hour, for
+    a cost line."""
     c, mc = plan.chip, plan.model
     per_chip = plan.devices // plan.chips
     bw = c.hbm_gbps * 1e9 / per_chip
@@ -260,73 +498,26 @@ def format_plan(plan: RunPlan) -> str:
         f"V {mc.vocab_size}; parameters {mc.param_dtype}; update: compute {plan.compute_dtype}, "
         f"remat {plan.remat}; rollout: weights and compute {plan.rollout_dtype}, KV cache "
         f"{plan.kv_dtype or plan.rollout_dtype}",
-        f"slice: {plan.topology}, {plan.chips} chips, {plan.devices} devices",
+        f"slice: {resolve_topology(plan.topology)}, {plan.chips} chips, {plan.devices} devices",
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
     ]
+    bounds, at_rec = [], []
     for p in plan.stages:
-        mesh = " x ".join(f"{k} {v}" for k, v in p.mesh.items())
-        lines += [
-            "",
-            f"stage {p.stage}: T {p.response_length}; mesh {mesh}; update: {p.rows} rows "
-            f"in micro-batches of {p.micro_batch}, {p.sgd_steps} optimizer step(s) per step",
-            f"  {'per device, GiB':<30}{'update':>9}{'rollout':>9}",
-        ]
-        for label, (u, r) in p.terms().items():
-            lines.append(f"  {label:<30}{_gib(u)}{_gib(r)}".replace("     0.00", "        -"))
-        hbm = plan.hbm_bytes
-        verdict = "fits" if p.peak() <= hbm else "DOES NOT FIT"
-        lines.append(
-            f"  {'total':<30}{_gib(p.update_total)}{_gib(p.rollout_total)}"
-            f"  of {hbm / GiB:.2f}: {verdict}"
-        )
-        if p.over_hbm:
-            lines.append(
-                f"  XLA refused the {' and '.join(p.over_hbm)} program(s) for this chip "
-                "(over HBM); their temporaries above are the sizes XLA stated"
-            )
-        t_dec = max(p.decode_bytes / bw, p.decode_flops / peak)
-        t_upd = max(p.update_flops, p.model_flops) / peak
-        full = math.ceil(p.samples / p.slots) * p.response_length * t_dec
+        lines += _stage_header(p, plan.hbm_bytes)
         head_dim = mc.head_dim or mc.hidden_size // mc.num_heads
-        opts = decode_options(p, plan.rollout_dtype, head_dim, hbm, bw, plan.kv_dtype)
-        base = opts[0].step_bytes
-        own = own_option(plan.rollout_dtype, plan.kv_dtype)
-        lines.append(
-            f"  decode by rollout precision (sizes scaled from this plan's, * compiled; "
-            f"{p.slots} slots at T {p.response_length}):"
+        opts = decode_options(p, plan.rollout_dtype, head_dim, plan.hbm_bytes, bw, plan.kv_dtype)
+        lines += _option_lines(plan, p, opts)
+        slot_lines, rec = _slot_lines(plan, p, bw, peak)
+        lines += _decode_step_lines(p, bw, peak, opts[0].step_bytes) + slot_lines
+        if p.peak() > plan.hbm_bytes:
+            lines += _no_fit_lines(plan, p)
+        upd = update_bound(p, peak)
+        bounds.append(
+            TimeBound(p.stage, p.steps, decode_bound(p, p.slots, bw, peak).rollout_s, upd)
         )
-        for o in opts:
-            mark = "*" if o.label == own else " "
-            lines.append(
-                f"   {mark}{o.label:<15} weights {o.weights / GiB:6.2f} GiB, "
-                f"KV {o.kv_cache / GiB:6.2f} GiB: {o.step_bytes / 1e9:6.2f} GB/step "
-                f"({base / o.step_bytes:.2f}x less than "
-                f"float32), <= {o.tokens_per_s:,.0f} tokens/s; slots that fit: {o.slots_fit}"
+        if rec:
+            at_rec.append(
+                TimeBound(p.stage, p.steps, decode_bound(p, rec, bw, peak).rollout_s, upd)
             )
-        lines.append("    (set by rollout.dtype and rollout.kv_dtype; the last is bfloat16 + int8)")
-        lines += [
-            f"  decode step over the full cache: {p.decode_bytes / 1e9:.2f} GB read "
-            f"({_copies(p.decode_cache_copies)}), "
-            f"{p.decode_flops / 1e9:.1f} GFLOP per device -> >= {t_dec * 1e3:.2f} ms, "
-            f"<= {p.slots / t_dec:,.0f} tokens/s over {p.slots} slots; "
-            f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
-            *_ragged_lines(p, base),
-            f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
-            f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
-            f"{t_upd:.1f} s at the bf16 peak; x {p.sgd_steps} per step",
-        ]
-        if p.peak() > hbm:
-            lines.append(f"  largest term: {p.dominant()}")
-            if p.stage in plan.fits_on:
-                fit = plan.fits_on[p.stage]
-                if fit is None:
-                    lines.append(f"  no {c.name} slice up to {c.topologies[-1]} fits it")
-                else:
-                    name, q = fit
-                    m = " x ".join(f"{k} {v}" for k, v in q.mesh.items())
-                    lines.append(
-                        f"  smallest {c.name} slice that fits: {name} (mesh {m}, micro-batches "
-                        f"of {q.micro_batch}): peak {q.peak() / GiB:.2f} GiB per device (compiled)"
-                    )
-    return "\n".join(lines)
+    return "\n".join(lines + _time_lines(plan, bounds, at_rec, price))

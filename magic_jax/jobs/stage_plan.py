@@ -65,6 +65,28 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Int8Decode:
+    """The decode step compiled with an int8 KV cache (bfloat16 weights), per device.
+
+    Attributes:
+      kv_cache: bytes of the int8 cache and its float32 scales.
+      temps: XLA's temporaries of the step (what XLA asked for when over HBM).
+      step_bytes: bytes one step reads at least (its weights and cache once), or XLA's
+        count when larger.
+      cache_copies: copies of a layer's cache or more in the compiled step (relayouts).
+      error: why it did not compile (None: it did); over HBM is reported in ``over_hbm``.
+      over_hbm: XLA refused it for the chip's HBM.
+    """
+
+    kv_cache: int = 0
+    temps: int = 0
+    step_bytes: float = 0.0
+    cache_copies: int = 0
+    error: str | None = None
+    over_hbm: bool = False
+
+
 @dataclasses.dataclass
 class StagePlan:
     """Per-device bytes and roofline figures of one stage on one mesh.
@@ -82,9 +104,11 @@ class StagePlan:
     weights and cache, each read once; XLA counts the layer loop's body once);
     ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
     step (a relayout XLA inserts, each a read and write of that much); ``slots`` decode
-    slots, ``samples`` = D_R x G responses per training step. ``over_hbm``
-    names the programs XLA refused to compile for the chip (too large): their
-    temporaries are the sizes XLA's error stated, their costs unknown (0).
+    slots, ``samples`` = D_R x G responses per training step, ``steps`` the stage's
+    training steps. ``over_hbm`` names the programs XLA refused to compile for the chip
+    (too large): their temporaries are the sizes XLA's error stated, their costs unknown
+    (0). ``int8`` is the decode step compiled again with ``rollout.kv_dtype: int8`` and
+    bfloat16 weights (None: not compiled, e.g. the run's own cache is int8).
     """
 
     stage: str
@@ -112,6 +136,8 @@ class StagePlan:
     over_hbm: tuple[str, ...] = ()
     prompt_length: int = 0
     ragged: bool = False
+    steps: int = 0
+    int8: Int8Decode | None = None
 
     @property
     def update_total(self) -> int:
@@ -123,6 +149,23 @@ class StagePlan:
 
     def peak(self) -> int:
         return max(self.update_total, self.rollout_total)
+
+    def slots_fit(self, hbm: float) -> int:
+        """Decode slots at T that fit in ``hbm`` bytes per device at the compiled precision:
+        room beside the train state, the engine's weights and the decode temporaries (as
+        compiled), by the compiled cache's bytes per slot (0: none)."""
+        per_slot = self.kv_cache / self.slots if self.slots else 0
+        room = hbm - self.params - self.opt_state - self.engine_params - self.decode_temps
+        return max(0, int(room // per_slot)) if per_slot > 0 else 0
+
+    @property
+    def held_share(self) -> float:
+        """The share of the cache a decode step reads: P + T/2 of P + T slots on average for
+        responses run to T with the ragged kernel (all of it with the dense attention)."""
+        if not self.ragged:
+            return 1.0
+        p, t = self.prompt_length, self.response_length
+        return (p + t / 2) / (p + t)
 
     def terms(self) -> dict[str, tuple[int, int]]:
         """Label -> (bytes in the update phase, bytes in the rollout phase)."""
@@ -266,12 +309,20 @@ def abstract_batch(
 
 
 def plan_stage(
-    config: Any, index: int, model_config: Any, mesh: Any, *, compile: bool = True
+    config: Any,
+    index: int,
+    model_config: Any,
+    mesh: Any,
+    *,
+    compile: bool = True,
+    int8_probe: bool = True,
 ) -> StagePlan:
     """Measures stage ``index`` on ``mesh`` (see the module doc).
 
     With ``compile=False`` only the sharded terms (parameters, optimizer state,
-    gradients, engine weights, KV cache) are filled in; temporaries are 0.
+    gradients, engine weights, KV cache) are filled in; temporaries are 0. With
+    ``int8_probe`` (and a float cache in the run) the decode step is compiled a second
+    time with ``rollout.kv_dtype: int8`` (``StagePlan.int8``).
     """
     import functools
 
@@ -279,7 +330,7 @@ def plan_stage(
     from jax.sharding import NamedSharding, PartitionSpec
 
     from magic_jax.model.sharding import BATCH_AXES
-    from magic_jax.rollout.decode import decode_step, prefill_fn
+    from magic_jax.rollout.decode import prefill_fn
     from magic_jax.update.step import loss_and_grads, train_step
 
     st = config.stages[index]
@@ -320,6 +371,7 @@ def plan_stage(
         decode_temps=0,
         slots=config.rollout.max_concurrent_decodes,
         samples=st.prompts_per_step * st.group_size,
+        steps=st.steps,
         compiled=compile,
     )
     if not compile:
@@ -349,19 +401,10 @@ def plan_stage(
         )
     )
     micro_c = _compile(one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha))
-    engine = e["engine"]
-    decode = _compile(
-        jax.jit(
-            functools.partial(
-                decode_step, engine.graphdef, sampling=config.sampling, **engine.decode_statics()
-            ),
-            donate_argnums=1,
-            out_shardings=(engine.state_shardings(), None),
-        ).lower(e["params"], e["state"], engine.eos_array)
-    )
+    decode = _compile_decode(e, config.sampling)
     prompt = jax.ShapeDtypeStruct((config.data.max_prompt_length,), "int32", sharding=repl)
     length = jax.ShapeDtypeStruct((), "int32", sharding=repl)
-    prefill = jax.jit(functools.partial(prefill_fn, engine.graphdef))
+    prefill = jax.jit(functools.partial(prefill_fn, e["engine"].graphdef))
     prefill = _compile(prefill.lower(e["params"], prompt, length))
 
     n_micro = rows // micro
@@ -381,7 +424,50 @@ def plan_stage(
     out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
     out.decode_cache_copies = _cache_copies(decode, e["state"].cache.k)
     out.decode_flops = decode.cost("flops")
+    if int8_probe and config.rollout.kv_dtype is None:
+        out.int8 = _int8_decode(config, index, model_config, mesh)
     return out
+
+
+def _compile_decode(e: dict[str, Any], sampling: Any) -> _Program:
+    """The engine's decode step (``_engine``'s), compiled as the engine compiles it."""
+    import functools
+
+    import jax
+
+    from magic_jax.rollout.decode import decode_step
+
+    engine = e["engine"]
+    step = functools.partial(
+        decode_step, engine.graphdef, sampling=sampling, **engine.decode_statics()
+    )
+    jitted = jax.jit(step, donate_argnums=1, out_shardings=(engine.state_shardings(), None))
+    return _compile(jitted.lower(e["params"], e["state"], engine.eos_array))
+
+
+def _int8_decode(config: Any, index: int, model_config: Any, mesh: Any) -> Int8Decode:
+    """The stage's decode step compiled with ``rollout.kv_dtype: int8`` and bfloat16 weights
+    (the ``bf16 + int8 KV`` option); what went wrong, when it does not compile."""
+    rollout = dataclasses.replace(
+        config.rollout, dtype="bfloat16", kv_dtype="int8", decode_attention=None
+    )
+    try:
+        e = _engine(dataclasses.replace(config, rollout=rollout), index, model_config, mesh)
+        decode = _compile_decode(e, config.sampling)
+    # A probe beside the plan: whatever stops it (a lowering or compiler error) is
+    # reported in the plan, not raised.
+    except Exception as err:
+        text = str(err).strip()
+        return Int8Decode(error=f"{type(err).__name__}: {text.splitlines()[0] if text else ''}")
+    kv = shard_bytes(e["state"])
+    weights = shard_bytes(e["params"])
+    return Int8Decode(
+        kv_cache=kv,
+        temps=decode.temp,
+        step_bytes=max(decode.cost("bytes accessed"), weights + kv),
+        cache_copies=_cache_copies(decode, e["state"].cache.k),
+        over_hbm=decode.over_hbm,
+    )
 
 
 def _cache_copies(program: _Program, cache_k: Any) -> int:

@@ -73,21 +73,99 @@ class PlanError(ValueError):
     """A plan that cannot be made (no libtpu, an unknown topology or model)."""
 
 
-def parse_topology(name: str) -> tuple[Chip, int]:
-    """``v5e:4x4`` -> (the v5e chip, 16 chips).
+# gcloud accelerator types -> slice shape, from the "Configurations" tables of
+# cloud.google.com/tpu/docs/{v4,v5p,v5e,v6e} and /tpu/docs/types-topologies. v4-N and v5p-N
+# count TensorCores (2 per chip: v5p-128 is 64 chips), v5litepod-N and v6e-N count chips.
+_CUBE_TYPES = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8",
+               512: "4x8x8", 1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16"}  # fmt: skip
+_TORUS_TYPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+                256: "16x16"}  # fmt: skip
+# prefix -> (generation, TensorCores per chip counted by N, N -> shape)
+ACCELERATOR_TYPES: dict[str, tuple[str, int, dict[int, str]]] = {
+    "v4": ("v4", 2, _CUBE_TYPES),
+    "v5p": ("v5p", 2, _CUBE_TYPES | {8192: "16x16x16", 12288: "16x16x24"}),
+    "v5litepod": ("v5e", 1, _TORUS_TYPES),
+    "v6e": ("v6e", 1, _TORUS_TYPES),
+}
+_GCLOUD_PREFIX = {gen: prefix for prefix, (gen, _, _) in ACCELERATOR_TYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceName:
+    """A TPU slice by both its names.
+
+    Attributes:
+      chip: the generation's figures.
+      shape: ``GEN:SHAPE`` as libtpu's ``get_topology_desc`` takes it (``v5p:4x4x4``).
+      chips: chips in the slice.
+      gcloud: the gcloud accelerator type (``v5p-128``); None for a shape it does not name.
+    """
+
+    chip: Chip
+    shape: str
+    chips: int
+    gcloud: str | None
+
+    def __str__(self) -> str:
+        return f"{self.gcloud} ({self.shape})" if self.gcloud else self.shape
+
+
+def gcloud_name(gen: str, shape: str) -> str | None:
+    """The accelerator type of a ``gen`` slice of ``shape`` (``v5p``, ``4x4x4`` -> ``v5p-128``)."""
+    prefix = _GCLOUD_PREFIX.get(gen)
+    if prefix is None:
+        return None
+    sizes = ACCELERATOR_TYPES[prefix][2]
+    return next((f"{prefix}-{n}" for n, s in sizes.items() if s == shape), None)
+
+
+def resolve_topology(name: str) -> SliceName:
+    """A slice named as gcloud names it (``v5p-128``, ``v5litepod-64``, ``v6e-64``, ``v4-32``)
+    or as ``GEN:SHAPE`` (``v5e:8x8``).
 
     Raises:
-      PlanError: an unknown generation or a malformed shape.
+      PlanError: an unknown generation, accelerator type or size, or a malformed shape.
     """
-    m = re.fullmatch(r"(v\d+[a-z]*)[:_-]((?:\d+x)*\d+)", name.strip())
+    text = name.strip().lower()
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
+    if m:
+        return _accelerator_type(name, m[1], int(m[2]))
+    m = re.fullmatch(r"(v\d+[a-z]*)[:_-]((?:\d+x)*\d+)", text)
     if not m:
-        raise PlanError(f"--topology {name!r}: expected GENERATION:SHAPE, e.g. v5e:4x4, v5p:2x2x2")
+        raise PlanError(
+            f"--topology {name!r}: expected a gcloud accelerator type (v5p-128, v5litepod-64, "
+            "v6e-64, v4-32) or GENERATION:SHAPE (v5e:8x8, v5p:4x4x4)"
+        )
     gen, shape = m.groups()
     if gen not in CHIPS:
         raise PlanError(
             f"--topology {name!r}: unknown TPU generation {gen!r}; known: {list(CHIPS)}"
         )
-    return CHIPS[gen], math.prod(int(s) for s in shape.split("x"))
+    chips = math.prod(int(s) for s in shape.split("x"))
+    return SliceName(CHIPS[gen], f"{gen}:{shape}", chips, gcloud_name(gen, shape))
+
+
+def _accelerator_type(name: str, prefix: str, n: int) -> SliceName:
+    if prefix not in ACCELERATOR_TYPES:
+        hint = f" (v5e's is v5litepod-{n})" if prefix == "v5e" else ""
+        raise PlanError(
+            f"--topology {name!r}: unknown accelerator type {prefix!r}{hint}; known: "
+            f"{', '.join(p + '-N' for p in ACCELERATOR_TYPES)}, or GENERATION:SHAPE"
+        )
+    gen, per_chip, sizes = ACCELERATOR_TYPES[prefix]
+    if n not in sizes:
+        unit = "TensorCores, 2 per chip" if per_chip == 2 else "chips"
+        raise PlanError(
+            f"--topology {name!r}: no {prefix}-{n} slice; N ({unit}) is one of "
+            f"{', '.join(map(str, sizes))}"
+        )
+    return SliceName(CHIPS[gen], f"{gen}:{sizes[n]}", n // per_chip, f"{prefix}-{n}")
+
+
+def parse_topology(name: str) -> tuple[Chip, int]:
+    """``v5e:4x4`` or ``v5litepod-16`` -> (the v5e chip, 16 chips) (see ``resolve_topology``)."""
+    s = resolve_topology(name)
+    return s.chip, s.chips
 
 
 def libtpu_available() -> bool:
@@ -105,7 +183,7 @@ def topology_devices(name: str) -> list[Any]:
     """
     from jax.experimental import topologies
 
-    _, chips = parse_topology(name)  # a clear error for a malformed name first
+    s = resolve_topology(name)  # a clear error for a malformed name first
     if not libtpu_available():
         raise PlanError(
             "compiling for TPU needs libtpu here: pip install 'jax[tpu]' "
@@ -114,13 +192,13 @@ def topology_devices(name: str) -> list[Any]:
     # Nothing runs on a TPU here: several planning processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        name = name.replace("-", ":")
+        name = s.shape
         kw = {}
-        if chips < 4:  # slices below one host's 2x2 chips
+        if s.chips < 4:  # slices below one host's 2x2 chips
             dims = [int(d) for d in name.split(":")[1].split("x")]
             kw["chips_per_host_bounds"] = tuple([*dims, 1, 1, 1][:3])
         topo = topologies.get_topology_desc(platform="tpu", topology_name=name, **kw)
     except Exception as e:  # libtpu's own message names what is wrong
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PlanError(f"--topology {name!r}: {msg}") from None
+        raise PlanError(f"--topology {s}: {msg}") from None
     return list(topo.devices)

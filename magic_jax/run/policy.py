@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from magic_jax.run.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str = "model") -> Any:
@@ -27,6 +30,7 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     Raises:
       ConfigError: ``path`` is not a directory or holds no kind of checkpoint.
     """
+    import jax
     import jax.numpy as jnp
 
     from magic_jax import storage
@@ -38,10 +42,20 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     if kind == "hf":
+        if storage.is_gcs(p) and jax.process_count() > 1:
+            log.warning(
+                "%s %s: a Hugging Face directory is copied whole to every host; `magic-jax "
+                "convert %s gs://BUCKET/models/NAME` stages it once, and each host then reads "
+                "only its own shards",
+                option, p, p,
+            )  # fmt: skip
         # safetensors are read with plain file reads: a gs:// checkpoint is copied to the
         # local cache first (once per machine)
         return load_hf(storage.local_copy(p, what=option), dtype=jnp.dtype(dtype), mesh=mesh)
-    return load_model(p, mesh=mesh)  # orbax reads gs:// itself (and checks a run's manifest)
+    # orbax reads gs:// itself: each process only the chunks of its own shards (see
+    # jobs/convert.py for the chunking that makes that a host's share), and checks a
+    # run's manifest first
+    return load_model(p, mesh=mesh)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
