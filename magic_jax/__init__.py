@@ -28,6 +28,11 @@ _LAZY = {
     "PolicyUpdater": "magic_jax.update.updater",
     "UpdateConfig": "magic_jax.update.state",
     "VerifierPool": "magic_jax.rewards",
+    # the three extension points (docs/extending.md)
+    "RewardResult": "magic_jax.rewards",
+    "register_reward": "magic_jax.rewards",
+    "register_advantage": "magic_jax.update.advantages",
+    "register_attention": "magic_jax.rollout.attention",
 }
 
 

@@ -936,11 +936,14 @@ def _interrupt_a_running_command(script, env, state, *args):
     proc = subprocess.Popen(["bash", str(script), *args, "--", "python", "-c", code, *GS],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # a loaded machine: set-up and start take a while
+    while True:
         logs = list(state.glob("worker-*/magic-jax/logs/*.log"))
         if len(logs) == 2 and all("looping" in p.read_text() for p in logs):
             break
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(f"the command never ran on both workers: {proc.communicate()}")
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)

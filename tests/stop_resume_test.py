@@ -149,6 +149,8 @@ def _group(p, lengths, rng):
         RewardResult.of(RewardStatus.CORRECT if j % 2 else RewardStatus.WRONG, "d", 0.5)
         for j in range(len(lengths))
     ]
+    # partial credit (a registered reward's) is kept too
+    results[0] = RewardResult(reward=0.25, status=RewardStatus.WRONG, detail="d", elapsed_s=0.5)
     return samples, results
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.rewards.types import ABILITIES
+from magic_jax.rewards.registry import find_reward, reward_names
 
 # Special tokens of the DeepSeek-R1-Distill chat format.
 R1_BOS = "<｜begin▁of▁sentence｜>"
@@ -135,10 +135,11 @@ def parse_row(row: Mapping[str, Any], where: str, default_uid: str) -> PromptRow
     ability = _field(row, "ability", where)
     if not isinstance(ability, str) or not ability:
         raise DataError(f"{where}: field 'ability' must be a non-empty string")
-    if ability.strip().lower() not in ABILITIES:
+    if find_reward(ability) is None:
         # every reward of such a row would be an error: refuse it before training
         raise DataError(
-            f"{where}: ability {ability!r} has no verifier (expected one of {', '.join(ABILITIES)})"
+            f"{where}: ability {ability!r} has no verifier "
+            f"(expected one of {', '.join(reward_names())}, or register one: docs/extending.md)"
         )
     reward_model = _field(row, "reward_model", where)
     reward_model = _maybe_json(reward_model, "reward_model", where)
@@ -381,8 +382,9 @@ class AccuracyTracker:
     """Per-prompt accuracy over a stage, for online filtering (SPEC item 10).
 
     ``record`` adds a step's rewards; ``solved()`` lists the prompts whose
-    accuracy over the stage is 1 (they are dropped at the start of the next
-    stage); ``reset`` starts a new stage. The state is plain JSON
+    accuracy (mean reward) over the stage is 1, every response at full credit (they
+    are dropped at the start of the next stage; partial credit never solves a
+    prompt); ``reset`` starts a new stage. The state is plain JSON
     (``state_dict`` / ``from_state_dict``), saved with the checkpoint.
     """
 

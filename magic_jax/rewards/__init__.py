@@ -1,4 +1,5 @@
-"""Rule-based rewards: Math-Verify for math, sandboxed unit tests for code, and a verifier pool.
+"""Rule-based rewards: Math-Verify for math, sandboxed unit tests for code, registered
+rewards (``register_reward``), and a verifier pool.
 
 Importing this package is cheap and never imports JAX; Math-Verify (sympy) is
 loaded on first use, in the worker processes when ``VerifierPool`` is used.
@@ -14,6 +15,13 @@ from magic_jax.rewards.math_reward import (
     parse_math_ground_truth,
 )
 from magic_jax.rewards.pool import PoolConfig, VerifierPool
+from magic_jax.rewards.registry import (
+    RewardScoreError,
+    RewardSpec,
+    get_reward,
+    register_reward,
+    reward_names,
+)
 from magic_jax.rewards.sandbox import SandboxConfig, isolation_plan
 from magic_jax.rewards.types import (
     GroundTruthError,
@@ -30,6 +38,8 @@ __all__ = [
     "PoolConfig",
     "RewardItem",
     "RewardResult",
+    "RewardScoreError",
+    "RewardSpec",
     "RewardStatus",
     "SandboxConfig",
     "VerifierPool",
@@ -37,9 +47,12 @@ __all__ = [
     "compute_reward",
     "extract_answer_region",
     "extract_code",
+    "get_reward",
     "isolation_plan",
     "math_reward",
     "parse_code_ground_truth",
     "parse_math_ground_truth",
+    "register_reward",
+    "reward_names",
     "status_counts",
 ]

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+# The built-in verifiers; ``registry.reward_names()`` adds the registered rewards.
 ABILITIES = ("math", "code")
 
 
 class RewardStatus(enum.StrEnum):
     """Why a response got its reward.
 
-    Only ``CORRECT`` earns reward 1. The other statuses are kept apart so that
-    timeouts and broken ground truth are counted and logged separately from
-    plain wrong answers.
+    Only ``CORRECT`` earns reward 1. A partial score (0 < reward < 1, from a
+    registered reward) is ``WRONG``: not fully correct. The other statuses earn 0
+    and are kept apart so that timeouts and broken ground truth are counted and
+    logged separately from plain wrong answers.
     """
 
     CORRECT = "correct"
@@ -35,7 +38,8 @@ class RewardResult:
     """Outcome of verifying one response.
 
     Attributes:
-      reward: 1.0 when ``status`` is ``CORRECT``, else 0.0.
+      reward: the score in [0, 1]: 1.0 when ``status`` is ``CORRECT``; a ``WRONG``
+        response may hold partial credit (0 <= reward < 1); any other status 0.0.
       status: the verdict.
       detail: a short human-readable reason (empty for plain verdicts).
       elapsed_s: wall-clock seconds spent verifying (set by the pool).
@@ -49,6 +53,12 @@ class RewardResult:
     def __post_init__(self) -> None:
         if not isinstance(self.status, RewardStatus):
             object.__setattr__(self, "status", RewardStatus(self.status))
+        if not (isinstance(self.reward, numbers.Real) and 0.0 <= self.reward <= 1.0):
+            raise ValueError(f"reward must be a finite number in [0, 1], got {self.reward!r}")
+        if self.status is RewardStatus.WRONG:
+            if self.reward == 1.0:
+                raise ValueError("reward=1.0 does not match status=wrong (expected < 1)")
+            return
         expected = 1.0 if self.status is RewardStatus.CORRECT else 0.0
         if self.reward != expected:
             raise ValueError(
@@ -62,6 +72,14 @@ class RewardResult:
         reward = 1.0 if status is RewardStatus.CORRECT else 0.0
         return cls(reward=reward, status=status, detail=detail, elapsed_s=elapsed_s)
 
+    @classmethod
+    def scored(cls, score: float, detail: str = "") -> RewardResult:
+        """A result of a score in [0, 1]: ``CORRECT`` at 1, else ``WRONG`` with the score
+        as its (partial) reward."""
+        score = float(score)
+        status = RewardStatus.CORRECT if score == 1.0 else RewardStatus.WRONG
+        return cls(reward=score, status=status, detail=detail)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardItem:
@@ -71,18 +89,21 @@ class RewardItem:
       response: the decoded model output (special tokens removed).
       ground_truth: ``reward_model.ground_truth`` as stored in the data: a plain
         string, a JSON string, or an already-parsed list or dict.
-      ability: ``"math"`` or ``"code"`` (the row's ``ability`` field). ``None``
-        infers it from the ground-truth shape (a test dict means code). An
-        unknown ability is not rejected here: it verifies to ``ERROR`` so that a
-        bad data row does not stop a training run.
-      deadline_s: wall-clock limit enforced by the pool; ``None`` uses the pool's
-        per-ability default.
+      ability: the reward that scores it: ``"math"``, ``"code"`` or a registered
+        one (the row's ``ability`` field, or where ``PoolConfig.abilities`` routes
+        it). ``None`` infers math or code from the ground-truth shape (a test dict
+        means code). An unknown ability is not rejected here: it verifies to
+        ``ERROR`` so that a bad data row does not stop a training run.
+      deadline_s: wall-clock limit enforced by the pool; ``None`` uses the
+        reward's own (``register_reward``) or the pool's default.
+      uid: the row's uid, named in the errors about the item (optional).
     """
 
     response: str
     ground_truth: Any
     ability: str | None = None
     deadline_s: float | None = None
+    uid: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.response, str):
@@ -94,7 +115,12 @@ class RewardItem:
 
     @classmethod
     def from_row(
-        cls, row: Mapping[str, Any], response: str, *, deadline_s: float | None = None
+        cls,
+        row: Mapping[str, Any],
+        response: str,
+        *,
+        deadline_s: float | None = None,
+        uid: str | None = None,
     ) -> RewardItem:
         """Builds an item from a verl / Skywork-OR1 data row and a response.
 
@@ -102,6 +128,7 @@ class RewardItem:
           row: a mapping with ``ability`` and ``reward_model.ground_truth``.
           response: the decoded response to verify.
           deadline_s: optional per-item deadline.
+          uid: the row's uid (for error messages).
 
         Raises:
           GroundTruthError: ``row`` has no ``reward_model.ground_truth``.
@@ -114,6 +141,7 @@ class RewardItem:
             ground_truth=reward_model["ground_truth"],
             ability=row.get("ability"),
             deadline_s=deadline_s,
+            uid=uid,
         )
 
 

@@ -54,7 +54,7 @@ def serve(conn: Connection) -> None:
     rewards_log = logging.getLogger("magic_jax.rewards")
     rewards_log.addHandler(notes)
     rewards_log.propagate = False
-    kind, math_config, sandbox_config, memory_mb = conn.recv()
+    kind, math_config, sandbox_config, memory_mb, setup = conn.recv()
     if kind != "init":
         raise RuntimeError(f"expected an init message, got {kind!r}")
     if memory_mb:
@@ -62,7 +62,11 @@ def serve(conn: Connection) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from magic_jax.rewards.dispatch import compute_reward
     from magic_jax.rewards.math_reward import math_reward
+    from magic_jax.rewards.registry import install
     from magic_jax.rewards.sandbox import isolation_plan
+
+    # The rewards registered in the pool's process, imported by reference (registry.py).
+    install(setup)
 
     # Warm up before reporting ready: the first Math-Verify call loads the
     # LaTeX grammar, and the sandbox probes its isolation once per uid.

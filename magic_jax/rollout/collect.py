@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from magic_jax.rollout.scoring import Group, score_groups
-from magic_jax.update.advantages import AdvantageConfig, group_advantages, group_keep_mask
+from magic_jax.update.advantages import AdvantageConfig, estimate_advantages, group_keep_mask
 
 
 @dataclasses.dataclass
@@ -50,7 +50,8 @@ class Collected:
 
 
 def advantages_of(groups: Sequence[Group], advantage: AdvantageConfig) -> list[np.ndarray]:
-    """Each group's [G] advantages (``advantages.group_advantages``)."""
+    """Each group's [G] advantages (``advantages.estimate_advantages``: the config's
+    estimator)."""
     sizes = {len(g.samples) for g in groups}
     if len(sizes) > 1:
         return [a for g in groups for a in advantages_of([g], advantage)]
@@ -58,8 +59,7 @@ def advantages_of(groups: Sequence[Group], advantage: AdvantageConfig) -> list[n
         return []
     r = np.stack([g.rewards for g in groups])
     t = np.stack([g.truncated for g in groups])
-    adv = group_advantages(r, t, mask=advantage.mask, eps=advantage.eps, ddof=advantage.ddof)
-    return list(np.asarray(adv, np.float32))
+    return list(estimate_advantages(advantage, r, t))
 
 
 def mixed_groups(groups: Sequence[Group], advantage: AdvantageConfig) -> np.ndarray:

@@ -16,6 +16,7 @@ from magic_jax.model.kv_cache import KVCache, layer_slice, quantize_kv, write_sl
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout import ragged_attention
 from magic_jax.rollout import sampling as sampling_lib
+from magic_jax.rollout.attention import AttendFn
 from magic_jax.rollout.sampling import SamplingConfig
 
 
@@ -289,6 +290,7 @@ def decode_forward(
     layer_unroll: int | bool = 1,
     per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
+    attention: AttendFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The model's forward for one new token per row, with the decode attention above.
 
@@ -305,11 +307,15 @@ def decode_forward(
     formulation (``decode_attention``). ``ragged`` runs ``ragged_attention``'s kernel
     instead: each row reads its past slots ``[0, length)`` only and the new token is
     merged in after (a float cache without sliding windows, at an attended length the
-    kernel's blocks divide; otherwise the dense product runs).
+    kernel's blocks divide; otherwise the dense product runs). ``attention``, a
+    registered attention's product (``attention.AttendFn``, a float cache), runs in
+    place of the dense one.
 
     Returns:
       (logits [B, V], the cache with the token written).
     """
+    if attention is not None and (ragged is not None or cache.quantized):
+        raise ValueError("a registered decode attention reads a float cache, without ragged")
     windows = model.layer_windows()
     if not ragged_attention.applies(
         ragged, quantized=cache.quantized, sliding=windows is not None, length=cache.max_len
@@ -346,14 +352,16 @@ def decode_forward(
                 )
                 out_BKGH = ragged_attention.merge_new_token(*past, q_BKGH, k_BKH, v_BKH)
                 return out_BKGH[:, None], new
-            out_BKGH = decode_attention(
+            args = (
                 q_B1KGH[:, 0],
                 write_slot(layer_slice(cache.k, li), new["k"], at_B),
                 write_slot(layer_slice(cache.v, li), new["v"], at_B),
                 mask_BS,
-                **scales,
-                per_head=per_head,
             )
+            if attention is not None:
+                out_BKGH = attention(*args)
+            else:
+                out_BKGH = decode_attention(*args, **scales, per_head=per_head)
             # Only the new token's key and value leave the layer: returning the whole
             # updated cache slice would copy every layer's cache each step.
             return out_BKGH[:, None], new
@@ -393,11 +401,12 @@ def decode_step(
     layer_unroll: int | bool = 1,
     per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
+    attention: AttendFn | None = None,
 ) -> tuple[DecodeState, StepOutput]:
     """One token for every live slot: feed the last token, sample the next.
 
     ``eos_E`` [E] int32 holds the ids that end a response (E may be 0);
-    ``unembed_VD`` is passed on to ``decode_forward``.
+    ``unembed_VD`` and the attention's options are passed on to ``decode_forward``.
     """
     model: Qwen2 = nnx.merge(graphdef, params)
     logits_BV, cache = decode_forward(
@@ -409,6 +418,7 @@ def decode_step(
         layer_unroll=layer_unroll,
         per_head=per_head,
         ragged=ragged,
+        attention=attention,
     )
     return sample_next(state, logits_BV, cache, eos_E, sampling)
 

@@ -13,6 +13,7 @@ from flax import nnx
 from magic_jax.model.kv_cache import KVCache, write_slot
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout import ragged_attention
+from magic_jax.rollout.attention import AttendFn
 from magic_jax.rollout.decode import (
     DecodeState,
     StepOutput,
@@ -46,6 +47,7 @@ def split_forward(
     unembed_VD: jax.Array | None = None,
     *,
     per_head: bool = False,
+    attention: AttendFn | None = None,
 ) -> tuple[jax.Array, KVCache, tuple]:
     """``decode_forward`` over a float cache held as one (k, v) pair of [B, S, K, H]
     arrays per layer (``kv_L``; ``cache`` gives positions and lengths, its k and v are
@@ -54,7 +56,8 @@ def split_forward(
     Each layer writes its new key and value into its own arrays in place and attends
     over them: no per-step copy of a layer's slice out of the [B, L, S, K, H] cache,
     which on CPU was half of a small model's layer time (measured: 0.78 of 1.48 ms per
-    step at 64 rows, S 80, the 0.74M default model).
+    step at 64 rows, S 80, the 0.74M default model). ``attention``: a registered
+    attention's product in place of the dense one (``decode_forward``).
 
     Returns:
       (logits [B, V], ``cache`` with the new positions and lengths, the new ``kv_L``).
@@ -71,7 +74,12 @@ def split_forward(
         def attend(q_B1KGH, k_B1KH, v_B1KH, kv=kv_L[i], mask_BS=mask_BS):
             k_BSKH = write_slot(kv[0], k_B1KH[:, 0], at_B)
             v_BSKH = write_slot(kv[1], v_B1KH[:, 0], at_B)
-            out_BKGH = decode_attention(q_B1KGH[:, 0], k_BSKH, v_BSKH, mask_BS, per_head=per_head)
+            if attention is not None:
+                out_BKGH = attention(q_B1KGH[:, 0], k_BSKH, v_BSKH, mask_BS)
+            else:
+                out_BKGH = decode_attention(
+                    q_B1KGH[:, 0], k_BSKH, v_BSKH, mask_BS, per_head=per_head
+                )
             return out_BKGH[:, None], (k_BSKH, v_BSKH)
 
         x_B1D, kv = layer(x_B1D, pos_B[:, None], attend)
@@ -155,6 +163,7 @@ def decode_chunk_fn(
     layer_unroll: int | bool = 1,
     per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
+    attention: AttendFn | None = None,
     split_layers: bool = False,
 ) -> tuple[DecodeState, StepOutput, jax.Array]:
     """Up to ``num_steps`` decode steps on device, stopping early when the host has work.
@@ -166,7 +175,8 @@ def decode_chunk_fn(
     row reached ``attend``. ``unembed_VD`` is ``Engine.decode_unembedding(params)``,
     or None for the model's own layout. ``split_layers``: the loop holds each
     layer's keys and values apart (``split_forward``; ``EngineConfig.decode_layers``)
-    where the cache is float and the attention dense.
+    where the cache is float and the attention dense (or ``attention``, a registered
+    attention's product).
 
     Returns:
       (state, outputs [num_steps, b] (rows past the step count are invalid), steps run).
@@ -204,13 +214,14 @@ def decode_chunk_fn(
         if split:
             logits_BV, cache, kv = split_forward(
                 model, layers, sub.tokens, ~sub.done, sub.cache, kv, unembed_VD,
-                per_head=per_head,
+                per_head=per_head, attention=attention,
             )  # fmt: skip
             sub, out = sample_next(sub, logits_BV, cache, eos_E, sampling)
         else:
             sub, out = decode_step(
                 graphdef, params, sub, eos_E, sampling=sampling, unembed_VD=unembed_VD,
                 layer_unroll=layer_unroll, per_head=per_head, ragged=ragged,
+                attention=attention,
             )  # fmt: skip
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, kv, outs

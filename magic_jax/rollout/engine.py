@@ -18,6 +18,7 @@ from magic_jax.model.qwen2 import Qwen2, abstract_model
 from magic_jax.model.sharding import SAMPLE_RULES, Rules, logical_to_spec, model_shardings
 from magic_jax.rollout import engine_config
 from magic_jax.rollout import sampling as sampling_lib
+from magic_jax.rollout.attention import DecodeAttention, get_attention
 from magic_jax.rollout.decode import (
     DecodeState,
     Prefix,
@@ -143,15 +144,22 @@ class Engine:
         return any(kv.mesh.shape[a] > 1 for a in axes)
 
     @functools.cached_property
-    def ragged_spec(self) -> RaggedSpec | None:
-        """The ragged decode attention's settings, or None for the dense product (where
-        the kernel does not apply, ``ragged_attention.applies``, the step runs dense)."""
-        platform = jax.default_backend() if self._mesh is None else self._platform()
+    def attention(self) -> DecodeAttention:
+        """The decode attention (``EngineConfig.decode_attention``), looked up once here:
+        a registered one is a static argument of the compiled decode programs."""
         mode = self.config.decode_attention
         if mode is None:
+            platform = jax.default_backend() if self._mesh is None else self._platform()
             mode = "ragged" if platform in ("tpu", "gpu") else "dense"
-        if mode == "dense":
+        return get_attention(mode)
+
+    @functools.cached_property
+    def ragged_spec(self) -> RaggedSpec | None:
+        """The ragged decode attention's settings, or None for a dense product (where
+        the kernel does not apply, ``ragged_attention.applies``, the step runs dense)."""
+        if not self.attention.ragged:
             return None
+        platform = jax.default_backend() if self._mesh is None else self._platform()
         backend = platform if platform in ("tpu", "gpu") else "interpret"
         if self._shardings is None:
             return RaggedSpec(backend)
@@ -188,11 +196,15 @@ class Engine:
 
     def decode_statics(self) -> dict[str, Any]:
         """The decode step's static options: the layer unroll, the per-kv-head dense
-        attention when kv heads are split over devices (``decode.decode_attention``)
-        and the ragged kernel's settings (``ragged_spec``)."""
-        return dict(
+        attention when kv heads are split over devices (``decode.decode_attention``),
+        the ragged kernel's settings (``ragged_spec``) and a registered attention's
+        product (``attention``, only then: the built-ins' programs keep their keys)."""
+        statics = dict(
             layer_unroll=self.layer_unroll, per_head=self.kv_heads_split, ragged=self.ragged_spec
         )
+        if self.attention.attend is not None:
+            statics["attention"] = self.attention.attend
+        return statics
 
     @property
     def eos_array(self) -> jax.Array:

@@ -10,7 +10,7 @@ import jax
 
 from magic_jax.model.config import check_unroll
 from magic_jax.model.kv_cache import KV_DTYPES
-from magic_jax.rollout.ragged_attention import DECODE_ATTENTION
+from magic_jax.rollout.attention import get_attention
 from magic_jax.rollout.sampling import SamplingConfig
 
 ENGINE_DTYPES = (None, "float32", "bfloat16")
@@ -55,7 +55,8 @@ class EngineConfig:
         elsewhere: slow, for tests); ``"dense"`` reads the whole attended cache and
         masks it. None: ragged on TPU and GPU, dense on CPU. Ragged needs a float
         cache (not ``kv_dtype="int8"``) and no sliding-window layers; elsewhere
-        the dense product runs.
+        the dense product runs. Any other name is a registered attention
+        (``attention.register_attention``; a float cache).
       decode_layers: how the decode loop (``generate_chunk``) holds the cache and runs
         the layers. ``"split"``: each layer's keys and values as their own arrays for
         the chunk (split from the slot-major cache once per chunk, stacked back at
@@ -96,16 +97,18 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}"
             )
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(
-                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
-                f"got {self.decode_attention!r}"
-            )
-        if self.decode_attention == "ragged" and self.kv_dtype is not None:
-            raise ValueError(
-                "EngineConfig.decode_attention='ragged' reads a float cache; "
-                f"kv_dtype={self.kv_dtype!r} runs the dense attention"
-            )
+        if self.decode_attention is not None:
+            try:
+                attention = get_attention(self.decode_attention)
+            except ValueError as e:
+                raise ValueError(
+                    f"EngineConfig.decode_attention must be one of the registered or None: {e}"
+                ) from None
+            if self.kv_dtype is not None and not attention.reads_int8:
+                raise ValueError(
+                    f"EngineConfig.decode_attention={self.decode_attention!r} reads a float "
+                    f"cache; kv_dtype={self.kv_dtype!r} runs the dense attention"
+                )
         check_unroll("EngineConfig.layer_unroll", self.layer_unroll, allow_none=True)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
             if getattr(self, name) <= 0:

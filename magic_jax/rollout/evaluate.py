@@ -63,8 +63,9 @@ class ProblemResult:
       index: the problem's position in its data set.
       uid / data_source: from the row.
       rewards / statuses / lengths / truncated: per sample, in sample order
-        (reward in {0, 1}, ``RewardStatus`` value, response tokens, no EOS
-        within the limit).
+        (reward in [0, 1]: 0 or 1 from the built-in verifiers, partial credit from a
+        registered reward; ``RewardStatus`` value, response tokens, no EOS within
+        the limit).
       responses: the decoded responses, when kept.
     """
 
@@ -79,7 +80,8 @@ class ProblemResult:
 
     @property
     def correct(self) -> int:
-        return int(sum(r > 0 for r in self.rewards))
+        """Samples with full credit (reward 1): pass@k's c and the difficulty count."""
+        return int(sum(r >= 1.0 for r in self.rewards))
 
     def to_json(self) -> dict[str, Any]:
         """One JSON line of the per-problem output."""
@@ -185,9 +187,10 @@ def summarize(problems: Sequence[ProblemResult]) -> dict[str, Any]:
 
     Returns:
       ``problems``, ``num_samples`` (n), ``accuracy`` (avg@n, the mean reward
-      over all samples), ``accuracy_stderr`` (standard error over problems),
-      ``pass_at_k`` (``{k: unbiased pass@k averaged over problems}`` for k in
-      ``k_values(n)``), ``response_length_mean``, ``response_length_max``,
+      over all samples: partial credit counts as its fraction), ``accuracy_stderr``
+      (standard error over problems), ``pass_at_k`` (``{k: unbiased pass@k averaged
+      over problems}`` for k in ``k_values(n)``, a pass being a full-credit sample),
+      ``response_length_mean``, ``response_length_max``,
       ``truncated_fraction`` and ``reward_status`` (samples per status).
 
     Raises:

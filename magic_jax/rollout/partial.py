@@ -82,6 +82,7 @@ def encode_group(uid: str, limit: int, samples: Sequence[Any], results: Sequence
         "group_size": len(samples),
         "limit": int(limit),
         "status": [r.status.value for r in results],
+        "reward": [float(r.reward) for r in results],
         "detail": [r.detail for r in results],
         "elapsed_s": [float(r.elapsed_s) for r in results],
         "finish_reason": [s.finish_reason for s in samples],
@@ -124,9 +125,15 @@ def decode_group(data: bytes, prompt: int) -> tuple[dict[str, Any], list[Any], l
         )
         for j, (a, b) in enumerate(zip(starts, ends))
     ]
+    # A group saved before rewards were stored: each reward follows from its status.
+    rewards = meta.get("reward") or [None] * len(meta["status"])
     results = [
         RewardResult.of(RewardStatus(st), detail, elapsed)
-        for st, detail, elapsed in zip(meta["status"], meta["detail"], meta["elapsed_s"])
+        if r is None
+        else RewardResult(reward=r, status=RewardStatus(st), detail=detail, elapsed_s=elapsed)
+        for st, r, detail, elapsed in zip(
+            meta["status"], rewards, meta["detail"], meta["elapsed_s"]
+        )
     ]
     return meta, samples, results
 

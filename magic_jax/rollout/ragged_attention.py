@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-DECODE_ATTENTION = (None, "dense", "ragged")
 BACKENDS = ("tpu", "gpu", "interpret")
 # Key-block sizes tried, largest first: the block must divide the attended length.
 _BLOCKS = (128, 64, 32, 16)

@@ -147,7 +147,8 @@ def score_groups(
         p = s.prompt_index
         if p in mine:  # in a multi-host run the other hosts score theirs
             text = tokenizer.decode(s.tokens, skip_special_tokens=True)
-            item = RewardItem.from_row(rows[p - first].as_verl_row(), text)
+            row = rows[p - first]
+            item = RewardItem.from_row(row.as_verl_row(), text, uid=getattr(row, "uid", None))
             tickets[p, s.sample_index] = pool.submit(item)
             if keep_texts:
                 texts[p, s.sample_index] = text
@@ -296,20 +297,26 @@ def _gather(rows: Sequence[Any], ids: list[np.ndarray]) -> tuple[list[np.ndarray
 
 
 def _share_results(samples: Sequence[Any], local: Sequence[Any], results: Sequence[Any]) -> list:
-    """Every sample's result on every host: the statuses, gathered in process order.
+    """Every sample's result on every host: the statuses and rewards, gathered in process
+    order.
 
     Samples come in (prompt, sample) order and the hosts' prompts are contiguous,
-    so the gathered statuses line up with ``samples``. A reward is a function of
-    its status; the verifier's detail stays on the host that scored it.
+    so the gathered statuses line up with ``samples``. The rewards travel as their
+    float32 bits (a registered reward may give partial credit, which no status
+    tells); the verifier's detail stays on the host that scored it.
     """
     from magic_jax import distributed
     from magic_jax.rewards import RewardResult, RewardStatus
 
     statuses = list(RewardStatus)
     codes = np.asarray([statuses.index(r.status) for r in results], np.int32)
-    gathered = np.concatenate(distributed.allgather_ragged([codes], np.int32))
+    bits = np.asarray([r.reward for r in results], np.float32).view(np.int32)
+    gathered = distributed.allgather_ragged([codes, bits], np.int32)
+    codes = np.concatenate(gathered[0::2])
+    rewards = np.concatenate(gathered[1::2]).view(np.float32)
     own = {(s.prompt_index, s.sample_index): r for s, r in zip(local, results)}
     return [
-        own.get((s.prompt_index, s.sample_index)) or RewardResult.of(statuses[int(c)])
-        for s, c in zip(samples, gathered)
+        own.get((s.prompt_index, s.sample_index))
+        or RewardResult(reward=float(r), status=statuses[int(c)])
+        for s, c, r in zip(samples, codes, rewards)
     ]

@@ -19,8 +19,9 @@ from typing import Any, Literal
 from magic_jax.model.config import check_unroll
 from magic_jax.model.sharding import MeshConfig
 from magic_jax.rewards.pool import PoolConfig
+from magic_jax.rollout.attention import get_attention
 from magic_jax.rollout.sampling import SamplingConfig
-from magic_jax.run.config_dict import ConfigError, apply_override, from_dict
+from magic_jax.run.config_dict import ConfigError, apply_override, from_dict, import_extensions
 from magic_jax.update.advantages import AdvantageConfig
 from magic_jax.update.entropy import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
@@ -170,7 +171,8 @@ class RolloutConfig:
         reads only the cache slots each row holds (TPU and GPU; interpreted, slowly,
         on CPU); ``dense`` reads the whole attended cache and masks it; null:
         ragged on TPU and GPU, dense on CPU. Ragged needs a float cache (no
-        ``kv_dtype``); layers with sliding windows run dense.
+        ``kv_dtype``); layers with sliding windows run dense. Another name is a
+        registered attention (docs/extending.md; a float cache).
       decode_layers: ``split`` holds each layer's KV cache apart through a decode
         chunk and loops over the layers; ``scan`` runs the layer scan over the
         stacked cache; null: split for a light step on CPU of at most 4 layers
@@ -195,7 +197,7 @@ class RolloutConfig:
     refill_max_rounds: int = 4
     dtype: Literal["float32", "bfloat16"] | None = None
     kv_dtype: Literal["int8"] | None = None
-    decode_attention: Literal["ragged", "dense"] | None = None
+    decode_attention: str | None = None
     decode_layers: Literal["scan", "split"] | None = None
     lanes: int | None = None
     compact_batch: bool = True
@@ -214,12 +216,15 @@ class RolloutConfig:
             )
         if self.kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype must be int8 or null, got {self.kv_dtype!r}")
-        if self.decode_attention not in (None, "ragged", "dense"):
-            raise ValueError(
-                f"decode_attention must be ragged, dense or null, got {self.decode_attention!r}"
-            )
-        if self.decode_attention == "ragged" and self.kv_dtype is not None:
-            raise ValueError("decode_attention: ragged reads a float cache; unset kv_dtype")
+        if self.decode_attention is not None:
+            try:
+                attention = get_attention(self.decode_attention)
+            except ValueError as e:
+                raise ValueError(f"decode_attention: {e}") from None
+            if self.kv_dtype is not None and not attention.reads_int8:
+                raise ValueError(
+                    f"decode_attention: {attention.name} reads a float cache; unset kv_dtype"
+                )
         if self.truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:
@@ -326,6 +331,9 @@ class TrainConfig:
         written to ``<output_dir>/profile`` (``gs://`` included); null: none.
       export_hf: write the final policy as a Hugging Face checkpoint.
       export_dtype: its dtype (bf16, as released checkpoints; fp32 for tiny models).
+      extensions: modules ``load_config`` imports before it checks the config, so that
+        the rewards, advantage estimators and decode attentions they register can be
+        named in it (``[my_pkg.my_rewards]``; docs/extending.md).
     """
 
     model: str
@@ -358,6 +366,7 @@ class TrainConfig:
     profile_steps: str | None = None
     export_hf: bool = True
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    extensions: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.stages:
@@ -502,6 +511,7 @@ def load_config(
     raw = copy.deepcopy(dict(raw or {}))
     for o in overrides:
         apply_override(raw, o)
+    import_extensions(raw.get("extensions"))
     # The trainer recomputes the sampler's log-probs: one temperature for both.
     sampling = raw.get("sampling")
     if isinstance(sampling, dict) and "temperature" in sampling:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -137,8 +138,36 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
+        named = re.match(r"([a-z_]+)[:\[]", str(e))
+        if path and named and named.group(1) in fields:  # "option: ..." gets its whole path
+            raise ConfigError(f"{path}.{e}") from None
         # the whole run's checks name their options' paths themselves
         raise ConfigError(f"{where}: {e}" if path else str(e)) from None
+
+
+def import_extensions(names: Any) -> None:
+    """Imports the modules a config's ``extensions`` lists, before the config is checked,
+    so that what they register (rewards, advantage estimators, decode attentions) can be
+    named in it. A name is looked up on ``sys.path``, then in the working directory
+    (which joins ``sys.path``: the verifier workers import a reward from there too).
+
+    Raises:
+      ConfigError: not a list of module names, or a module that does not import.
+    """
+    import importlib.util
+    import os
+    import sys
+
+    names = [names] if isinstance(names, str) else names or []
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"extensions: expected a list of module names, got {names!r}")
+    for i, name in enumerate(names):
+        try:
+            if importlib.util.find_spec(name.split(".")[0]) is None and os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            importlib.import_module(name)
+        except Exception as e:
+            raise ConfigError(f"extensions[{i}]: cannot import {name!r}: {e}") from None
 
 
 def to_dict(obj: Any) -> Any:

@@ -215,7 +215,10 @@ MAY_CHANGE = (
     "mesh",
     "rewards.num_workers",
     "output_dir",
+    "extensions",  # what they register is named by the options that use it
 )
+# Options added after runs were stored: a stored config without one ran with this value.
+ADDED_DEFAULTS = {"advantage.estimator": "grpo", "rewards.abilities": {}}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -266,7 +269,7 @@ def check_resume_config(
     Raises:
       RunDirError: one line naming every option that may not change.
     """
-    a, b = _flatten(dict(old)), _flatten(dict(new))
+    a, b = ({**ADDED_DEFAULTS, **_flatten(dict(c))} for c in (old, new))
     old_stages, new_stages = list(old.get("stages") or ()), list(new.get("stages") or ())
     starts = [sum(int(s.get("steps", 0)) for s in old_stages[:i]) for i in range(len(old_stages))]
 

@@ -1,13 +1,16 @@
-"""Group-relative (GRPO) advantages, truncation masks and the rejection-sampling keep mask."""
+"""Group-relative (GRPO) advantages, advantage estimators by name, truncation masks and the
+rejection-sampling keep mask."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class TruncationMask(enum.StrEnum):
@@ -31,13 +34,21 @@ class AdvantageConfig:
       mask: truncation advantage mask (``"none"`` is the report's default).
       eps: added to the group std.
       ddof: delta degrees of freedom of the group std (1 = unbiased, as the reference code).
+      estimator: the advantage estimator by name: ``"grpo"`` (``group_advantages``,
+        the report's) or one added with ``register_advantage`` (docs/extending.md),
+        which gets these options and may use or ignore them.
     """
 
     mask: TruncationMask = TruncationMask.NONE
     eps: float = 1e-6
     ddof: int = 1
+    estimator: str = "grpo"
 
     def __post_init__(self):
+        try:
+            get_advantage(self.estimator)
+        except ValueError as e:
+            raise ValueError(f"estimator: {e}") from None
         if self.mask not in {m.value for m in TruncationMask}:
             raise ValueError(
                 f"AdvantageConfig.mask must be one of {[m.value for m in TruncationMask]}, "
@@ -103,6 +114,99 @@ def group_advantages(
     if mask is TruncationMask.BEFORE:
         zero_NG = zero_NG | single_N[:, None]
     return jnp.where(zero_NG, 0.0, adv_NG)
+
+
+class AdvantageFn(Protocol):
+    """An advantage estimator: one advantage per response, from the rewards of its group.
+
+    Called once per round of rollouts on host arrays (numpy): ``rewards_NG`` [N prompts,
+    G samples] float32 in [0, 1], ``truncated_NG`` [N, G] bool (no EOS within the
+    limit), ``valid_NG`` [N, G] bool or None (False for padding slots, which get 0
+    whatever it returns), ``config`` the run's ``AdvantageConfig``. Returns [N, G]
+    (any array; it is taken as float32). A group whose advantages are all 0 does not
+    train (``group_keep_mask``).
+    """
+
+    def __call__(
+        self,
+        rewards_NG: np.ndarray,
+        truncated_NG: np.ndarray,
+        valid_NG: np.ndarray | None,
+        config: AdvantageConfig,
+    ) -> Any: ...
+
+
+def _grpo(rewards_NG, truncated_NG, valid_NG, config):
+    return group_advantages(
+        rewards_NG,
+        truncated_NG,
+        mask=config.mask,
+        valid_NG=valid_NG,
+        eps=config.eps,
+        ddof=config.ddof,
+    )
+
+
+_BUILTIN = ("grpo",)
+_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": _grpo}
+
+
+def register_advantage(name: str, fn: AdvantageFn, *, replace: bool = False) -> None:
+    """Registers ``fn`` (an ``AdvantageFn``) as the estimator ``name``
+    (``advantage.estimator: name`` in a run's config).
+
+    Raises:
+      ValueError: an empty name, a built-in's name, or a name another function holds
+        (unless ``replace``).
+    """
+    if not isinstance(name, str) or not name.strip() or name in _BUILTIN:
+        raise ValueError(f"advantage estimator name {name!r} is empty or built in")
+    if not callable(fn):
+        raise ValueError(f"advantage estimator {name!r}: {fn!r} is not callable")
+    if _ESTIMATORS.get(name, fn) is not fn and not replace:
+        raise ValueError(f"advantage estimator {name!r} is already registered; pass replace=True")
+    _ESTIMATORS[name] = fn
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """The estimator ``name``.
+
+    Raises:
+      ValueError: one line naming ``name`` and the registered estimators.
+    """
+    fn = _ESTIMATORS.get(name) if isinstance(name, str) else None
+    if fn is None:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; registered: {', '.join(_ESTIMATORS)}"
+        )
+    return fn
+
+
+def estimate_advantages(
+    config: AdvantageConfig,
+    rewards_NG: Any,
+    truncated_NG: Any,
+    valid_NG: Any = None,
+) -> np.ndarray:
+    """[N, G] float32 advantages by ``config.estimator`` (the one path the rollouts and
+    ``buffer.pack_rollouts`` take); padding slots (``valid_NG`` False) get 0.
+
+    Raises:
+      ValueError: a registered estimator returned another shape, or NaN or infinity.
+    """
+    name = config.estimator
+    r_NG = np.asarray(rewards_NG, np.float32)
+    t_NG = np.asarray(truncated_NG, bool)
+    adv_NG = np.asarray(get_advantage(name)(r_NG, t_NG, valid_NG, config), np.float32)
+    if name in _BUILTIN:
+        return adv_NG
+    if adv_NG.shape != r_NG.shape:
+        raise ValueError(
+            f"advantage estimator {name!r} returned shape {adv_NG.shape}, expected {r_NG.shape}"
+        )
+    if not np.isfinite(adv_NG).all():
+        raise ValueError(f"advantage estimator {name!r} returned NaN or infinite advantages")
+    return adv_NG if valid_NG is None else np.where(valid_NG, adv_NG, np.float32(0))
 
 
 @jax.jit

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol
 import jax
 import numpy as np
 
-from magic_jax.update.advantages import AdvantageConfig, group_advantages, group_keep_mask
+from magic_jax.update.advantages import AdvantageConfig, estimate_advantages, group_keep_mask
 
 
 class SampleRecord(Protocol):
@@ -191,7 +191,7 @@ def pack_rollouts(
     ``sample_index``. Lengths are padded up to multiples of the buckets (or to the
     fixed ``prompt_len`` / ``response_len``) so jit sees few distinct shapes.
     Advantages are ``advantages`` when given (the trainer's, computed once when
-    the rollouts were collected), else ``group_advantages``; the keep mask is
+    the rollouts were collected), else ``advantage``'s estimator; the keep mask is
     ``group_keep_mask`` of them. Missing samples of a group (fewer than
     ``group_size``) become padding rows that take no part in the statistics.
 
@@ -202,7 +202,8 @@ def pack_rollouts(
       rewards: one reward per record, same order as ``samples``.
       group_size: G; default the largest number of samples of any prompt.
       num_groups: pad to this many groups (rows of padding); default the prompts seen.
-      advantage: advantage options (truncation mask, eps, ddof); default ``AdvantageConfig()``.
+      advantage: advantage options (estimator, truncation mask, eps, ddof); default
+        ``AdvantageConfig()``.
       advantages: one advantage per record, same order as ``samples`` (then
         ``advantage`` is not used).
       prompt_bucket: P is the longest prompt rounded up to a multiple of this.
@@ -293,13 +294,8 @@ def pack_rollouts(
     positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
 
     if advantages is None:
-        adv = group_advantages(
-            rew.reshape(n, g),
-            trunc.reshape(n, g),
-            mask=advantage.mask,
-            valid_NG=valid.reshape(n, g),
-            eps=advantage.eps,
-            ddof=advantage.ddof,
+        adv = estimate_advantages(
+            advantage, rew.reshape(n, g), trunc.reshape(n, g), valid.reshape(n, g)
         )
     adv_NG = np.asarray(adv, np.float32).reshape(n, g)
     keep_N = np.asarray(group_keep_mask(adv_NG))
