@@ -187,6 +187,16 @@ def test_a_stage_with_no_room_for_a_slot_gets_no_recommendation():
     assert "at the recommended slots" not in text
 
 
+def test_a_decode_step_over_hbm_is_recommended_slots_without_xla_s_stated_temporaries():
+    # XLA refused the step: its 80 GiB of temporaries are what it asked, not a fitting
+    # step's; the room beside the train state and the weights, 75 GiB, by 1/8 GiB a slot
+    p = _stage(decode_temps=80 * GiB, over_hbm=("decode",))
+    assert p.slots_fit(95 * GiB) == 0
+    text = format_plan(_plan([_stage(samples=4096, decode_temps=80 * GiB, over_hbm=("decode",))]))
+    assert "within the 600 slots that fit" in text
+    assert "max_concurrent_decodes: 512 (" in text and "left out: the step was over HBM" in text
+
+
 def test_the_int8_decode_line_gives_the_compiled_sizes_or_why_not():
     ok = Int8Decode(kv_cache=2 * GiB, temps=GiB // 2, step_bytes=6e9, cache_copies=0)
     text = format_plan(_plan([_stage(int8=ok)]))
