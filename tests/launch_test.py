@@ -818,7 +818,7 @@ def _leftovers(root: Path, tries: int = 20) -> list[str]:
     """The processes still running whose command line names ``root`` (asked ``tries``
     times, 0.1 s apart, until there are none)."""
     for _ in range(tries):
-        ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True)
         left = [line for line in ps.stdout.splitlines() if str(root) in line]
         if not left:
             return []
