@@ -35,7 +35,7 @@ from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.testing import Sample
 from magic_jax.update.buffer import pack_rollouts
-from magic_jax.update.state import UpdateConfig
+from magic_jax.update.config import UpdateConfig
 from magic_jax.update.updater import PolicyUpdater
 
 PROMPT, RESPONSE, GROUPS, G = 16, 48, 2, 4

@@ -26,17 +26,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magic_jax.model.logprobs import logprob_entropy_lse, token_logprobs_and_entropy
 from magic_jax.update.buffer import RolloutBuffer
-from magic_jax.update.entropy import token_logprobs_and_entropy, token_logprobs_and_entropy_naive
+from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig, policy_loss
 from magic_jax.update.optim import OptimizerConfig
-from magic_jax.update.state import UpdateConfig
 from magic_jax.update.updater import PolicyUpdater
 
 GIB = 2**30
 
 
 # --------------------------------------------------------------------------- part 1: memory
+
+
+def token_logprobs_and_entropy_naive(h_BTD, w_DV, tgt_BT):
+    """The unchunked reference: the full [B, T, V] logits, autodiff's backward pass."""
+    z_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    logp_BT, ent_BT, _ = logprob_entropy_lse(z_BTV, tgt_BT)
+    return logp_BT, ent_BT
 
 
 def _loss_grad(chunk: int | None):

@@ -30,8 +30,8 @@ from magic_jax.jobs.topology import topology_devices
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import abstract_model
 from magic_jax.model.sharding import BATCH_AXES, TRAIN_RULES, MeshConfig, make_mesh, model_shardings
+from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
-from magic_jax.update.state import UpdateConfig
 from magic_jax.update.step import loss_and_grads
 
 GIB = 2**30

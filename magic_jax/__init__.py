@@ -11,25 +11,31 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it, by role
 _LAZY = {
+    # the policy network and its weights
     "ModelConfig": "magic_jax.model.config",
+    "PRESETS": "magic_jax.model.config",
     "Qwen2": "magic_jax.model.qwen2",
     "KVCache": "magic_jax.model.kv_cache",
-    "PRESETS": "magic_jax.model.config",
     "load_hf": "magic_jax.model.convert",
     "save_hf": "magic_jax.model.convert",
     "MeshConfig": "magic_jax.model.sharding",
     "make_mesh": "magic_jax.model.sharding",
+    # sampling: the engine and the driver that batches requests on it
     "Engine": "magic_jax.rollout.engine",
     "EngineConfig": "magic_jax.rollout.engine",
+    "EngineOptions": "magic_jax.rollout.engine_config",
     "RolloutDriver": "magic_jax.rollout.driver",
     "SamplingConfig": "magic_jax.rollout.sampling",
+    # the policy update
     "PolicyUpdater": "magic_jax.update.updater",
-    "UpdateConfig": "magic_jax.update.state",
+    "UpdateConfig": "magic_jax.update.config",
+    "UpdateOptions": "magic_jax.update.config",
+    # verification
     "VerifierPool": "magic_jax.rewards",
-    # the three extension points (docs/extending.md)
     "RewardResult": "magic_jax.rewards",
+    # the three extension points (docs/extending.md)
     "register_reward": "magic_jax.rewards",
     "register_advantage": "magic_jax.update.advantages",
     "register_attention": "magic_jax.rollout.attention",

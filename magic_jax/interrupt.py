@@ -15,6 +15,10 @@ the next collective for one that left: the first process asked publishes
 "stop at check i + 1" in the coordination service and every process stops
 there (``distributed.agreed_stop``; the processes run the same checks in the
 same order, as they run the same programs).
+
+The crash tests' hook lives here too, where every floor can reach it:
+``kill_point`` SIGKILLs the process at a named point of a training step
+(``MAGIC_JAX_KILL_AT``); the rollout names its point without being told the step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ import sys
 import time
 
 STOP_AT_ENV = "MAGIC_JAX_STOP_AT"
+# Test hook: ``MAGIC_JAX_KILL_AT=point:step`` makes the process SIGKILL itself when the
+# named point of that training step is reached (``kill_point``), so a test can crash a
+# run at a known place.
+KILL_AT_ENV = "MAGIC_JAX_KILL_AT"
 
 _requested = 0
 _step = -1  # the training step running (``at``), for the test hook
@@ -63,6 +71,22 @@ def at(step: int) -> None:
     """Says which training step runs now (for ``MAGIC_JAX_STOP_AT``)."""
     global _step
     _step = int(step)
+
+
+def current_step() -> int:
+    """The training step ``at`` last named (-1 before the first)."""
+    return _step
+
+
+def kill_point(name: str, step: int | None = None) -> None:
+    """SIGKILLs this process if ``MAGIC_JAX_KILL_AT`` is ``name:step`` (a test hook).
+
+    ``step`` defaults to the training step ``at`` set (none outside training), so the
+    work a step runs (its rollout's samples) can name its point without knowing it.
+    """
+    want = os.environ.get(KILL_AT_ENV)
+    if want and want == f"{name}:{_step if step is None else step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check(where: str) -> None:

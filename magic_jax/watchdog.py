@@ -177,7 +177,7 @@ def _fault_hook(what: str) -> None:
 
     kind, _, rest = str(_fault).partition(":")
     want, _, step = rest.rpartition(":")
-    if what != want or step != str(interrupt._step):
+    if what != want or step != str(interrupt.current_step()):
         return
     distributed.stderr_line(f"[test] {kind} at {time.time():.3f} ({_fault})\n")
     if kind == "raise":

@@ -48,7 +48,7 @@
 import json
 
 from magic_jax.experiments import ablation_report, ablations
-from magic_jax.jobs.world import CARRY_BUILD
+from magic_jax.jobs.carry_world import CARRY_BUILD
 
 ABLATION = "central"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -79,7 +79,7 @@ print(ablation_report.world_table(ABLATION, runs, base=base))
 # The supervised baseline: for each seed of the shipped controller's run (target 0.08, delta
 # 0.01), and for seeds 0-2 of the first shipped config's (target 0.05), supervised training
 # continued from the same base for the same seconds of training steps, on fresh solutions at
-# the base's own habit (`magic_jax.jobs.world.sft_continuation`; made once and kept in
+# the base's own habit (`magic_jax.jobs.carry_world.sft_continuation`; made once and kept in
 # `results/sft/`).
 
 # %%

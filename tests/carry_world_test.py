@@ -10,8 +10,19 @@ from magic_jax.data.tasks import carry
 from magic_jax.rewards import math_reward
 
 
+def hurried_sum(a: int, b: int) -> int:
+    """The column-wise sum with every carry dropped (every column hurried)."""
+    return int("".join(str((x + y) % 10) for x, y, _ in reversed(carry.columns(a, b))))
+
+
+def answer_of(a: int, b: int, checks) -> int:
+    """The number ``carry.solution(a, b, checks)`` boxes."""
+    text = carry.solution(a, b, checks)
+    return int(text[text.rindex("{") + 1 : -1])
+
+
 def test_carries_needed_columns_and_the_hurried_sum():
-    assert carry.carries(389, 423) == 2 and carry.hurried_sum(389, 423) == 702
+    assert carry.carries(389, 423) == 2 and hurried_sum(389, 423) == 702
     assert carry.needed(389, 423) == [True, True, True]
     assert carry.carries(12, 34) == 0 and carry.needed(12, 34) == [False, False]
     # the top column's carry out counts; a missing digit is 0
@@ -39,7 +50,7 @@ def test_an_answer_is_right_exactly_when_every_needed_column_is_checked():
     for a, b in carry.CarryTask().problems(300, rng):
         need = carry.needed(a, b)
         for checks in itertools.product((False, True), repeat=len(need)):
-            right = carry.answer_of(a, b, checks) == a + b
+            right = answer_of(a, b, checks) == a + b
             assert right == all(c for c, n in zip(checks, need) if n), (a, b, checks)
             assert carry.read_checks(carry.solution(a, b, checks)) == list(checks)
     # and the math verifier agrees
@@ -80,7 +91,7 @@ def test_supervised_solutions_check_columns_at_the_set_rate():
 
 
 def test_tokenizer_covers_every_solution_with_no_unknown_token():
-    from magic_jax.jobs.world import MAX_RESPONSE
+    from magic_jax.jobs.carry_world import MAX_RESPONSE
 
     tok = carry.tokenizer()
     unk = tok.convert_tokens_to_ids("<unk>")
@@ -96,13 +107,13 @@ def test_tokenizer_covers_every_solution_with_no_unknown_token():
 
 @pytest.mark.slow  # ~30 s: a few supervised steps, then held-out statistics
 def test_build_world_writes_a_loadable_model_its_curve_and_statistics(tmp_path):
-    from magic_jax.jobs.world import WorldBuildConfig, build_world
+    from magic_jax.jobs.carry_world import WorldBuildConfig, build_carry_world
     from magic_jax.run.policy import load_policy
 
     cfg = WorldBuildConfig(balanced_steps=8, mixture_steps=8, batch=4, train_problems=16,
                            heldout_problems=8, eval_every=8, eval_samples=2,
                            eval_problems=4)  # fmt: skip
-    info = build_world(tmp_path / "w", cfg, log=lambda s: None)
+    info = build_carry_world(tmp_path / "w", cfg, log=lambda s: None)
     assert {p.name for p in (tmp_path / "w").iterdir()} >= {
         "model", "train.jsonl", "heldout.jsonl", "build.json"}  # fmt: skip
     assert len(info["evals"]) >= 2
@@ -116,7 +127,7 @@ def test_build_world_writes_a_loadable_model_its_curve_and_statistics(tmp_path):
     with pytest.raises(FileExistsError, match="not a build of this command"):
         (tmp_path / "x").mkdir()
         (tmp_path / "x" / "keep.txt").write_text("mine")
-        build_world(tmp_path / "x", cfg, log=lambda s: None)
+        build_carry_world(tmp_path / "x", cfg, log=lambda s: None)
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
@@ -124,7 +135,7 @@ def test_the_shipped_base_has_the_worlds_structure():
     """The base in magic_jax/assets/carry, as its build measured it (256 held-out x 8)."""
     import json
 
-    from magic_jax.jobs.world import CARRY_BUILD
+    from magic_jax.jobs.carry_world import CARRY_BUILD
 
     info = json.loads(CARRY_BUILD.read_text())
     st = info["statistics"]
@@ -141,7 +152,7 @@ def test_the_shipped_base_has_the_worlds_structure():
 def test_model_statistics_reads_a_saved_model_and_a_rows_file():
     import json
 
-    from magic_jax.jobs.world import CARRY_ASSETS, model_statistics
+    from magic_jax.jobs.carry_world import CARRY_ASSETS, model_statistics
 
     rows = [json.loads(x) for x in (CARRY_ASSETS / "heldout.jsonl").read_text().splitlines()][:24]
     st = model_statistics(CARRY_ASSETS / "model", rows, num_samples=2, seed=3)

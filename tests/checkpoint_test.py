@@ -32,7 +32,14 @@ def _state(step):
 
 
 def _meta(step):
-    return {"next_step": step, "stage": 0, "excluded": [], "tracker": {"counts": {}}}
+    schedule = {"index": 0, "start": 0, "switches": []}
+    return {
+        "next_step": step,
+        "stage": 0,
+        "excluded": [],
+        "tracker": {"counts": {}},
+        "schedule": schedule,
+    }
 
 
 def _save_steps(out, steps, keep=2):
@@ -128,6 +135,10 @@ def test_no_usable_checkpoint_stops_and_moves_nothing(run2, tmp_path):
         (b"\x00\x9f\x92\x96binary", "not a JSON trainer state"),
         (b"[1, 2]", "not a JSON object"),
         (b'{"next_step": "3", "stage": 0, "excluded": [], "tracker": {"counts": {}}}', "next_step"),
+        (
+            b'{"next_step": 3, "stage": 0, "excluded": [], "tracker": {"counts": {}}}',
+            "missing field 'schedule'",
+        ),
     ],
 )
 def test_bad_trainer_state_is_named_even_with_a_matching_manifest(run2, tmp_path, content, reason):

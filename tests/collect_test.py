@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from magic_jax.rollout.collect import flatten, mixed_groups, select_groups
-from magic_jax.rollout.scoring import Group
+from magic_jax.rollout.collect import advantages_of, flatten, select_groups
+from magic_jax.rollout.scoring import Group, RemotePrompt
 from magic_jax.run.config import (
     ConfigError,
     DataConfig,
@@ -18,7 +18,7 @@ from magic_jax.run.config import (
 )
 from magic_jax.run.stages import Schedule
 from magic_jax.testing import Sample
-from magic_jax.update.advantages import AdvantageConfig
+from magic_jax.update.advantages import AdvantageConfig, group_keep_mask
 from magic_jax.update.buffer import pack_rollouts
 
 G, D_R = 4, 4
@@ -26,11 +26,24 @@ G, D_R = 4, 4
 
 def _group(uid, rewards):
     samples = [
-        Sample(0, j, np.array([1, 2], np.int32), np.array([3, 4], np.int32),
-               np.full(2, -1.0, np.float32), np.ones(2, np.float32), False, 2)
+        Sample(
+            0,
+            j,
+            np.array([1, 2], np.int32),
+            np.array([3, 4], np.int32),
+            np.full(2, -1.0, np.float32),
+            np.ones(2, np.float32),
+            False,
+            2,
+        )
         for j in range(G)
-    ]  # fmt: skip
-    return Group(uid, samples, np.asarray(rewards, np.float32))
+    ]
+    return Group(RemotePrompt(uid), samples, np.asarray(rewards, np.float32))
+
+
+def mixed_groups(groups, advantage):
+    """[N] bool: the groups rejection sampling keeps (some non-zero advantage)."""
+    return np.asarray(group_keep_mask(np.stack(advantages_of(groups, advantage))))
 
 
 def _script(rounds):
@@ -60,7 +73,7 @@ def test_refill_fills_the_batch_with_mixed_groups():
     )
     assert calls == [0, 1, 2]
     assert got.rounds == 2 and got.extra_rollouts == 2 * D_R * G and got.mixed == 6
-    assert [g.row for g in got.groups] == ["r0p0", "r1p1", "r1p2", "r2p0"]
+    assert [g.row.uid for g in got.groups] == ["r0p0", "r1p1", "r1p2", "r2p0"]
     assert len(got.every) == 3 * D_R
     samples, rewards = flatten(got.groups)
     buf = pack_rollouts(samples, rewards, group_size=G, num_groups=D_R, response_bucket=8)
@@ -75,7 +88,7 @@ def test_refill_stops_at_the_cap_and_fills_with_unmixed_groups():
     )
     assert calls == [0, 1, 2, 3] and got.rounds == 3 and got.mixed == 1
     # the one mixed group first, then round 0's others: always D_R groups (static shapes)
-    assert [g.row for g in got.groups] == ["r0p1", "r0p0", "r0p2", "r0p3"]
+    assert [g.row.uid for g in got.groups] == ["r0p1", "r0p0", "r0p2", "r0p3"]
     samples, rewards = flatten(got.groups)
     buf = pack_rollouts(samples, rewards, group_size=G, num_groups=D_R, response_bucket=8)
     assert buf.group_keep().tolist() == [True, False, False, False]
@@ -108,7 +121,7 @@ def test_without_refill_the_step_keeps_its_own_groups():
     sample_round, calls = _script([[ALL_WRONG, MIXED, ALL_RIGHT, ALL_WRONG], [MIXED] * 4])
     got = select_groups(sample_round, num_groups=D_R, advantage=AdvantageConfig())
     assert calls == [0] and got.rounds == 0 and got.extra_rollouts == 0
-    assert [g.row for g in got.groups] == ["r0p0", "r0p1", "r0p2", "r0p3"]
+    assert [g.row.uid for g in got.groups] == ["r0p0", "r0p1", "r0p2", "r0p3"]
 
 
 def test_mixed_follows_the_truncation_mask():
@@ -120,8 +133,7 @@ def test_mixed_follows_the_truncation_mask():
 
 
 def _run_config(**stage0):
-    st = dict(steps=5, max_response_length=8, prompts_per_step=4, mini_batch_groups=2,
-              group_size=4)  # fmt: skip
+    st = dict(steps=5, max_response_length=8, prompts_per_step=4, mini_batch_groups=2, group_size=4)
     return TrainConfig(
         model="m",
         output_dir="o",
@@ -172,10 +184,10 @@ def test_schedule_eval_rule():
         ("stages.0.until={eval_patiense: 2}", r"stages\[0\]\.until\.eval_patiense: unknown"),
         ("stages.1.kl_beta=-1", r"stages\[1\]: kl_beta must be >= 0"),
         ("rollout.refill=3", r"rollout\.refill: expected true or false"),
-        ("rollout.refill_max_rounds=0", r"rollout: refill_max_rounds must be >= 1"),
+        ("rollout.refill_max_rounds=0", r"rollout\.refill_max_rounds: must be >= 1"),
         ("loss.tis_cap=0.5", r"loss: LossConfig\.tis_cap must be >= 1"),
         ("loss.behaviour_logprobs=top_p", r"loss\.behaviour_logprobs: expected one of"),
-        ("mini_batch_split=half", r"mini_batch_split: expected one of"),
+        ("update.mini_batch_split=half", r"update\.mini_batch_split: expected one of"),
         ("stages.0.mini_batch_groups=3", r"stages\[0\]: prompts_per_step \(4\) must be a multiple"),
     ],
 )
@@ -184,9 +196,17 @@ def test_new_options_are_checked_at_load(override, message):
         "model": "m",
         "output_dir": "o",
         "data": {"train": ["t"]},
-        "stages": [{"steps": 2, "max_response_length": 8, "prompts_per_step": 4,
-                    "mini_batch_groups": 2, "group_size": 4} for _ in range(2)],
-    }  # fmt: skip
+        "stages": [
+            {
+                "steps": 2,
+                "max_response_length": 8,
+                "prompts_per_step": 4,
+                "mini_batch_groups": 2,
+                "group_size": 4,
+            }
+            for _ in range(2)
+        ],
+    }
     with pytest.raises(ConfigError, match=message):
         load_config(raw=raw, overrides=[override])
 
@@ -199,11 +219,19 @@ class _Driver:
 
     def run(self, params, prompts, *, num_samples, seed, step, truncation, on_sample, **kw):
         out = [
-            Sample(p, j, np.asarray(x, np.int32), np.asarray([(p + j) % 3], np.int32),
-                   np.zeros(1, np.float32), np.zeros(1, np.float32), False, 1)
+            Sample(
+                p,
+                j,
+                np.asarray(x, np.int32),
+                np.asarray([(p + j) % 3], np.int32),
+                np.zeros(1, np.float32),
+                np.zeros(1, np.float32),
+                False,
+                1,
+            )
             for p, x in enumerate(prompts)
             for j in range(num_samples)
-        ]  # fmt: skip
+        ]
         for s in reversed(out):
             on_sample(s)
         return out, "stats"
@@ -241,9 +269,10 @@ class _Pool:
 def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     """The multi-host path (gathers, own-prompt scoring, gathered verdicts) with one host:
     the same groups, every sample scored once. tests/multihost_test.py runs it on two."""
+    from helpers import sums_rows
+
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.rollout.scoring import score_groups
-    from magic_jax.testing import sums_rows
 
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(sums_rows(5, seed=1))]
     rows, _ = tokenize_rows(rows, _Tokenizer(), max_prompt_length=64)
@@ -251,15 +280,26 @@ def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     for per_host in (False, True):
         pool = _Pool()
         groups, stats, _ = score_groups(
-            _Driver(), None, rows, tokenizer=_Tokenizer(), pool=pool, num_samples=3,
-            seed=0, step=0, per_host=per_host,
-        )  # fmt: skip
+            _Driver(),
+            None,
+            rows,
+            tokenizer=_Tokenizer(),
+            pool=pool,
+            num_samples=3,
+            seed=0,
+            step=0,
+            per_host=per_host,
+        )
         assert stats == "stats" and len(pool.items) == 15
         got[per_host] = [
-            (g.row.uid, [int(s.tokens[0]) for s in g.samples], g.rewards.tolist(),
-             [r.status for r in g.results])
+            (
+                g.row.uid,
+                [int(s.tokens[0]) for s in g.samples],
+                g.rewards.tolist(),
+                [r.status for r in g.results],
+            )
             for g in groups
-        ]  # fmt: skip
+        ]
     assert got[True] == got[False]
     assert [uid for uid, *_ in got[True]] == [r.uid for r in rows]
     assert 0 < sum(sum(r) for _, _, r, _ in got[True]) < 15  # some right, some wrong
@@ -273,9 +313,14 @@ class _LaneDriver(_Driver):
 
         calls = []
         out, stats = super().run(
-            params, prompts, num_samples=num_samples, seed=seed, step=step,
-            truncation=truncation, on_sample=calls.append,
-        )  # fmt: skip
+            params,
+            prompts,
+            num_samples=num_samples,
+            seed=seed,
+            step=step,
+            truncation=truncation,
+            on_sample=calls.append,
+        )
         lane = threading.Thread(target=lambda: [on_sample(s) for s in calls], name="lane-1")
         lane.start()
         lane.join()
@@ -286,18 +331,25 @@ def test_score_groups_without_a_pool_verifies_lane_samples_in_the_calling_thread
     """Without a pool the verdicts are computed in the thread that called score_groups:
     samples a decode lane finished in another thread are verified like the others (Math-Verify
     answers ERROR outside the main thread)."""
+    from helpers import sums_rows
+
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.rewards import RewardItem, RewardStatus, compute_reward
     from magic_jax.rollout.scoring import score_groups
-    from magic_jax.testing import sums_rows
 
     raw = sums_rows(4, seed=2)
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(raw)]
     rows, _ = tokenize_rows(rows, _Tokenizer(), max_prompt_length=64)
     groups, _, _ = score_groups(
-        _LaneDriver(), None, rows, tokenizer=_Tokenizer(), num_samples=3, seed=0, step=0,
+        _LaneDriver(),
+        None,
+        rows,
+        tokenizer=_Tokenizer(),
+        num_samples=3,
+        seed=0,
+        step=0,
         keep_texts=True,
-    )  # fmt: skip
+    )
     got = [r.status for g in groups for r in g.results]
     assert RewardStatus.ERROR not in got
     want = [

@@ -43,12 +43,13 @@ def test_recipe_loads_with_the_released_schedule(name):
     assert cfg.loss.eps_low == cfg.loss.eps_high == 0.2 and cfg.loss.kl_beta == 0
     assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
     assert (cfg.entropy.mode, cfg.entropy.target, cfg.entropy.delta) == ("adaptive", 0.2, 0.005)
-    assert cfg.num_reuse == 1 and cfg.advantage.mask == "none"
+    assert cfg.update.num_reuse == 1 and cfg.advantage.mask == "none"
     # the update's memory options (docs/tpu.md, "Will a stage fit?"): every mini-batch splits
-    assert (cfg.remat, cfg.compute_dtype) == ("full", "bfloat16")
+    assert (cfg.update.remat, cfg.update.compute_dtype) == ("full", "bfloat16")
     # rollouts sample in bf16 (weights and KV cache); master weights stay fp32
     assert (cfg.rollout.dtype, cfg.param_dtype) == ("bfloat16", "float32")
-    assert all(s.mini_batch_groups * s.group_size % cfg.micro_batch_size == 0 for s in cfg.stages)
+    micro = cfg.update.micro_batch_size
+    assert all(s.mini_batch_groups * s.group_size % micro == 0 for s in cfg.stages)
     if cfg.data.offline_filter_model:  # the report's N: 16 samples per math prompt, 8 per code
         assert cfg.data.offline_filter_samples == {"math": 16, "code": 8}
 
@@ -113,3 +114,55 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
     assert engine.config.kv_dtype == "int8"
     assert engine.config.decode_attention is None and engine.ragged_spec is None  # CPU
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("micro_batch_size", "update.micro_batch_size"),
+        ("num_reuse", "update.num_reuse"),
+        ("mini_batch_split", "update.mini_batch_split"),
+        ("remat", "update.remat"),
+        ("compute_dtype", "update.compute_dtype"),
+        ("attention_chunk", "update.attention_chunk"),
+        ("update_layer_unroll", "update.layer_unroll"),
+        ("update_mlp_kernel", "update.mlp_kernel"),
+    ],
+)
+def test_moved_update_options_are_refused_with_their_new_key(tmp_path, old, new):
+    import yaml
+
+    from magic_jax.run.config import MOVED_OPTIONS, ConfigError
+
+    assert MOVED_OPTIONS[old] == new
+    values = {"mini_batch_split": "even", "remat": "full", "compute_dtype": "bfloat16"}
+    value = values.get(old, False if old == "update_mlp_kernel" else 1)
+    message = f"{old} moved: use {new}"
+    with pytest.raises(ConfigError, match=message):  # on the command line
+        load_config(CONFIGS / "default.yaml", [f"{old}={value}"])
+    raw = yaml.safe_load((CONFIGS / "default.yaml").read_text()) | {old: value}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=f"old.yaml: {message}"):  # in a file
+        load_config(path)
+    section, key = new.split(".")
+    cfg = load_config(CONFIGS / "default.yaml", [f"{new}={value}"])
+    assert getattr(getattr(cfg, section), key) == value
+
+
+def test_engine_options_are_the_rollout_sections(tmp_path):
+    """The run's ``rollout`` section is the engine's options plus the loop's own, and the
+    trainer's engine takes every one of them (none copied by hand)."""
+    import dataclasses
+
+    from magic_jax.rollout.engine_config import EngineConfig, EngineOptions
+    from magic_jax.run.config import RolloutConfig
+
+    engine = {f.name for f in dataclasses.fields(EngineOptions)}
+    rollout = {f.name for f in dataclasses.fields(RolloutConfig)}
+    assert rollout - engine == {"truncation", "refill", "refill_max_rounds"}
+    sets = ["rollout.cache_bucket=32", "rollout.layer_unroll=2", "rollout.decode_steps=8"]
+    cfg = load_config(CONFIGS / "default.yaml", sets)
+    config = EngineConfig.of(cfg.rollout, max_prefill_length=16, max_decode_length=8)
+    assert (config.cache_bucket, config.layer_unroll, config.decode_steps) == (32, 2, 8)
+    assert EngineOptions().max_concurrent_decodes == RolloutConfig().max_concurrent_decodes

@@ -57,10 +57,10 @@ def our_tmp_dirs() -> set[str]:
 
 def write_sums_run(root, *, rows: int = 12, seed: int = 0):
     """The tiny sums model (``root/model``) and ``rows`` training prompts
-    (``root/train.jsonl``) of the trainer tests (``magic_jax.testing``)."""
+    (``root/train.jsonl``) of the trainer tests (``helpers.save_sums_model``)."""
     import json
 
-    from magic_jax.testing import save_sums_model, sums_rows
+    from helpers import save_sums_model, sums_rows
 
     save_sums_model(root / "model", seed=seed)
     data = sums_rows(rows, seed=seed)

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import TINY_CONFIGS, make_char_tokenizer, torch_logits
 from transformers import AutoModelForCausalLM
 
 from magic_jax.jobs import cli
@@ -21,13 +22,7 @@ from magic_jax.model.convert import (
     save_hf,
     write_safetensors,
 )
-from magic_jax.testing import (
-    TINY_CONFIGS,
-    make_char_tokenizer,
-    make_hf_model,
-    save_hf_model,
-    torch_logits,
-)
+from magic_jax.testing import make_hf_model, save_hf_model
 
 IDS = np.random.RandomState(0).randint(3, 128, (2, 9))
 
@@ -242,8 +237,8 @@ def test_streaming_load_peak_memory(tmp_path):
 
 
 def test_orbax_checkpoints_of_both_layouts_load(hf_dir, tmp_path):
-    """A stacked save loads stacked; a checkpoint written before the layers were stacked
-    (per-layer parameters, no ``scan_layers`` in its config) still loads, as the loop model."""
+    """A stacked save loads stacked and a loop-model save as the loop model; a config
+    without ``scan_layers`` (an older layout) is refused with a message."""
     from magic_jax.run.checkpoint import CONFIG_FILE, load_model, save_model
 
     hf, src = hf_dir
@@ -251,10 +246,12 @@ def test_orbax_checkpoints_of_both_layouts_load(hf_dir, tmp_path):
     stacked = load_model(save_model(load_hf(src), tmp_path / "new"))
     assert stacked.config.scan_layers
     old = save_model(load_hf(src, overrides={"scan_layers": False}), tmp_path / "old")
-    raw = json.loads((old / CONFIG_FILE).read_text())
-    del raw["scan_layers"], raw["remat"]
-    (old / CONFIG_FILE).write_text(json.dumps(raw))
     loop = load_model(old)
     assert not loop.config.scan_layers
     for m in (stacked, loop):
         np.testing.assert_allclose(np.asarray(m(jnp.asarray(IDS))), want, atol=1e-4)
+    raw = json.loads((old / CONFIG_FILE).read_text())
+    del raw["scan_layers"]
+    (old / CONFIG_FILE).write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="no scan_layers; written by an older layout"):
+        load_model(old)

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import make_char_tokenizer
 
 from magic_jax.data.rows import (
     AccuracyTracker,
@@ -15,11 +16,10 @@ from magic_jax.data.rows import (
     offline_filter,
     online_filter,
     prompt_batches,
-    read_rows,
     render_r1,
 )
+from magic_jax.data.sources import read_rows
 from magic_jax.rewards import RewardItem, RewardStatus, compute_reward
-from magic_jax.testing import make_char_tokenizer
 
 DATA = Path(__file__).parent / "data"
 

@@ -10,31 +10,39 @@ from pathlib import Path
 import pytest
 
 from magic_jax.data.rows import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
-from magic_jax.jobs import cli, demo
+from magic_jax.jobs import cli
+from magic_jax.jobs.default_world import (
+    CONFIG_FILE,
+    HELDOUT_FILE,
+    MODEL_DIR,
+    TRAIN_FILE,
+    BuildConfig,
+    build_default,
+)
+from magic_jax.jobs.worlds import read_rows_file
 from magic_jax.run.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_default_config_is_the_shipped_recipe():
-    assert (REPO / "configs" / "default.yaml").read_text() == demo.CONFIG_FILE.read_text()
+    assert (REPO / "configs" / "default.yaml").read_text() == CONFIG_FILE.read_text()
     cfg = load_config(REPO / "configs" / "default.yaml")
-    assert Path(cfg.model) == demo.MODEL_DIR and Path(cfg.data.train[0]) == demo.TRAIN_FILE
+    assert Path(cfg.model) == MODEL_DIR and Path(cfg.data.train[0]) == TRAIN_FILE
     assert cfg.output_dir == os.path.abspath("runs/default")
     t = [s.max_response_length for s in cfg.stages]
     assert len(t) == 2 and t[0] < t[1]
     assert cfg.sampling.temperature == cfg.loss.temperature == 1.0
     assert cfg.entropy.mode == "adaptive" and cfg.loss.eps_high > cfg.loss.eps_low
-    assert cfg.num_reuse == 1 and all(s.prompts_per_step == s.mini_batch_groups for s in cfg.stages)
+    assert cfg.update.num_reuse == 1
+    assert all(s.prompts_per_step == s.mini_batch_groups for s in cfg.stages)
     assert cfg.eval.num_samples == 8 and cfg.eval.every < cfg.total_steps
     # >= 200 held-out problems, none of them a training prompt
-    held = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in demo.read_rows_file(
-        demo.HELDOUT_FILE)}  # fmt: skip
-    train = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in demo.read_rows_file(
-        demo.TRAIN_FILE)}  # fmt: skip
+    held = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in read_rows_file(HELDOUT_FILE)}
+    train = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in read_rows_file(TRAIN_FILE)}
     assert len(held) >= 200 and not held & train
     # --set works on it as on any config
-    assert load_config(demo.CONFIG_FILE, ["seed=3"]).seed == 3
+    assert load_config(CONFIG_FILE, ["seed=3"]).seed == 3
 
 
 def test_shipped_model_is_a_small_hf_checkpoint_with_r1_markers():
@@ -43,16 +51,16 @@ def test_shipped_model_is_a_small_hf_checkpoint_with_r1_markers():
     from magic_jax.model.convert import load_hf
     from magic_jax.run.trainer import load_tokenizer
 
-    size = sum(p.stat().st_size for p in demo.MODEL_DIR.iterdir())
+    size = sum(p.stat().st_size for p in MODEL_DIR.iterdir())
     assert size <= 20 * 2**20
-    config = json.loads((demo.MODEL_DIR / "config.json").read_text())
+    config = json.loads((MODEL_DIR / "config.json").read_text())
     assert config["model_type"] == "qwen2"
-    tok = load_tokenizer(demo.MODEL_DIR)
+    tok = load_tokenizer(MODEL_DIR)
     vocab = tok.get_vocab()
     assert all(m in vocab for m in (R1_BOS, R1_EOS, R1_USER, R1_ASSISTANT, "<think>", "</think>"))
-    model = load_hf(demo.MODEL_DIR)
+    model = load_hf(MODEL_DIR)
     assert model.config.vocab_size == len(tok) == config["vocab_size"]
-    hf = AutoModelForCausalLM.from_pretrained(demo.MODEL_DIR)
+    hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     assert hf.config.tie_word_embeddings
 
 
@@ -80,7 +88,7 @@ def test_train_without_a_config_runs_the_default_end_to_end(tmp_path, capsys):
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2] and evals[0]["problems"] >= 200
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    t = [s.max_response_length for s in load_config(demo.CONFIG_FILE).stages]
+    t = [s.max_response_length for s in load_config(CONFIG_FILE).stages]
     assert [m["max_response_length"] for m in metrics] == [t[0], t[1]]
     assert (out / "report.html").exists() and list((out / "report_png").glob("*.png"))
     assert list((out / "checkpoints").iterdir())
@@ -103,7 +111,7 @@ def test_missing_or_corrupt_model_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere" in err and "missing" in err
     bad = tmp_path / "bad"
-    shutil.copytree(demo.MODEL_DIR, bad)
+    shutil.copytree(MODEL_DIR, bad)
     (bad / "model.safetensors").write_bytes(b"\0" * 100)
     assert cli.main(["train", "--set", f"model={bad}", "--set", f"output_dir={out}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -146,10 +154,10 @@ def test_build_default_writes_a_loadable_model_and_its_curve(tmp_path):
     held-out evaluations scored through the rollout path (scoring.score_groups)."""
     from magic_jax.run.policy import load_policy
 
-    cfg = demo.BuildConfig(worked_steps=12, mixture_steps=12, batch=4, train_problems=16,
+    cfg = BuildConfig(worked_steps=12, mixture_steps=12, batch=4, train_problems=16,
                            heldout_problems=8, eval_every=12, eval_samples=2,
                            eval_problems=4)  # fmt: skip
-    info = demo.build_default(tmp_path / "b", cfg, log=lambda s: None)
+    info = build_default(tmp_path / "b", cfg, log=lambda s: None)
     assert {p.name for p in (tmp_path / "b").iterdir()} >= {
         "model", "train.jsonl", "heldout.jsonl", "build.json"}  # fmt: skip
     evals = info["evals"]

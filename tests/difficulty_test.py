@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from magic_jax.data.rows import DataError, offline_filter, parse_row, read_rows
+from magic_jax.data.rows import DataError, offline_filter, parse_row
+from magic_jax.data.sources import read_rows
 from magic_jax.jobs.cli import main
 from magic_jax.jobs.difficulty import with_difficulty
 
@@ -28,7 +29,7 @@ def _row(i, a, b, **extra):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import save_sums_model
+    from helpers import save_sums_model
 
     root = tmp_path_factory.mktemp("difficulty")
     save_sums_model(root / "model", seed=1)
@@ -47,8 +48,9 @@ def _run(files, out):
     args = ["estimate-difficulty", str(files / "model"), str(files / "a.jsonl"),
             str(files / "b.parquet"), "--out", str(out), "--model-name", "tiny",
             "--samples", "math=4", "--chunk", "3", "--max-response-length", "3",
-            "--max-prompt-length", "16", "--workers", "1", "--max-concurrent-decodes", "8",
-            "--decode-steps", "4"]  # fmt: skip
+            "--max-prompt-length", "16", "--workers", "1",
+            "--set", "rollout.max_concurrent_decodes=8",
+            "--set", "rollout.decode_steps=4"]  # fmt: skip
     err, out_text = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out_text):
         code = main(args)

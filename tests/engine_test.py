@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import TINY_CONFIGS
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.convert import load_hf
@@ -24,7 +25,7 @@ from magic_jax.rollout.decode_loop import layer_modules, split_forward
 from magic_jax.rollout.driver import RolloutDriver
 from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig
-from magic_jax.testing import TINY_CONFIGS, make_hf_model, save_hf_model
+from magic_jax.testing import make_hf_model, save_hf_model
 
 GREEDY = SamplingConfig(greedy=True)
 EOS = 2

@@ -5,16 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import token_logprobs_and_entropy_naive
 
-from magic_jax.update.entropy import (
+from magic_jax.model.logprobs import token_logprobs_and_entropy
+from magic_jax.update.entropy_control import (
     EntropyControlConfig,
     EntropyControlState,
     EntropyEstimator,
     entropy_coefficient,
     init_entropy_control,
     measure_entropy,
-    token_logprobs_and_entropy,
-    token_logprobs_and_entropy_naive,
     update_entropy_control,
 )
 

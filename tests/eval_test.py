@@ -19,7 +19,7 @@ AIME = ["tests/data/aime24.parquet", "tests/data/aime25.parquet"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from magic_jax.testing import save_sums_model, sums_rows
+    from helpers import save_sums_model, sums_rows
 
     root = tmp_path_factory.mktemp("eval")
     save_sums_model(root / "model", seed=0)
@@ -106,7 +106,8 @@ def _by_hand(problems):
 def test_eval_on_the_aime_files_resumes_and_checks_its_protocol(files, tmp_path):
     opts = ["--n", "aime24=4", "--n", "2", "--limit", "5", "--max-response-length", "4",
             "--max-prompt-length", "256", "--chunk", "2", "--workers", "1",
-            "--max-concurrent-decodes", "8", "--decode-steps", "4"]  # fmt: skip
+            "--set", "rollout.max_concurrent_decodes=8",
+            "--set", "rollout.decode_steps=4"]  # fmt: skip
     out = tmp_path / "out"
     code, err = _eval(out, str(files / "model"), *AIME, *opts)
     assert code == 0, err
@@ -146,25 +147,24 @@ def test_eval_on_the_aime_files_resumes_and_checks_its_protocol(files, tmp_path)
 
 def test_eval_command_reports_what_the_trainers_evaluation_does(files, tmp_path):
     """``evaluate`` (the trainer's in-run call) and the command give one table."""
-    from magic_jax.data.rows import read_rows
+    from magic_jax.data.sources import prepare_dataset, read_rows
     from magic_jax.jobs.eval import EvalOptions, run_eval
     from magic_jax.rollout.driver import make_driver
+    from magic_jax.rollout.engine_config import EngineOptions
     from magic_jax.rollout.evaluate import evaluate
     from magic_jax.rollout.sampling import SamplingConfig
     from magic_jax.run.policy import load_model_any, load_tokenizer
 
-    shapes = {"max_prompt_length": 16, "max_response_length": 3, "max_concurrent_decodes": 8,
-              "decode_steps": 4}  # fmt: skip
-    from magic_jax.data.tfds import prepare_dataset
-
-    opts = EvalOptions(default_num_samples=8, chunk=100, seed=3, workers=1, **shapes)
+    engine = EngineOptions(max_concurrent_decodes=8, decode_steps=4)
+    limits = {"max_prompt_length": 16, "max_response_length": 3}
+    opts = EvalOptions(default_num_samples=8, chunk=100, seed=3, workers=1, engine=engine, **limits)
     data = [str(files / "sums.jsonl")]
     prepare_dataset(data, tmp_path / "sums_ar")  # the same rows as array_record
     sets = [*data, str(tmp_path / "sums_ar")]
     tables = run_eval(str(files / "model"), sets, tmp_path / "o", opts, log=lambda s: None)
     assert tables["sums_ar"] == tables["sums"]
     loaded = load_model_any(files / "model")
-    driver = make_driver(loaded.model, sampling=SamplingConfig(), **shapes)
+    driver = make_driver(loaded.model, engine, sampling=SamplingConfig(), **limits)
     params = driver.engine.load_params(loaded.model)
     tok = load_tokenizer(files / "model")
     rows = read_rows(data)
@@ -183,6 +183,51 @@ def test_eval_errors_name_the_problem(files, tmp_path):
     assert code == 2 and "'x'" in err
     code, err = _eval(tmp_path / "o", str(files / "model"), str(tmp_path / "none.jsonl"))
     assert code == 2 and "none.jsonl" in err
+
+
+def test_eval_runs_the_shipped_model_in_bf16_with_an_int8_cache(tmp_path, capsys):
+    """The command as a user types it, engine options included: the engine it builds holds
+    bfloat16 weights and an int8 KV cache (read from the engine, not the options)."""
+    from magic_jax.jobs.default_world import HELDOUT_FILE, MODEL_DIR
+
+    args = ["eval", str(MODEL_DIR), str(HELDOUT_FILE), "--set", "rollout.dtype=bfloat16",
+            "--set", "rollout.kv_dtype=int8", "--n", "2", "--limit", "4",
+            "--max-prompt-length", "16", "--max-response-length", "64", "--workers", "1",
+            "--set", "rollout.lanes=1", "--out", str(tmp_path / "o")]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "engine: bfloat16 weights, int8 KV cache, dense attention" in printed
+    protocol = json.loads((tmp_path / "o" / "eval.json").read_text())
+    assert protocol["engine"] == {"dtype": "bfloat16", "kv_dtype": "int8", "decode_attention": None}
+    table = json.loads((tmp_path / "o" / "summary.json").read_text())["heldout"]
+    assert table["problems"] == 4 and table["accuracy"] > 0  # the shipped model adds
+
+
+def test_engine_options_are_checked_naming_the_key(files, tmp_path, monkeypatch):
+    model, data = str(files / "model"), str(files / "sums.jsonl")
+    code, err = _eval(tmp_path / "o", model, data, "--set", "rollout.kv_dtyp=int8")
+    assert code == 2 and "rollout.kv_dtyp: unknown option" in err
+    code, err = _eval(tmp_path / "o", model, data, "--set", "rollout.kv_dtype=int4")
+    assert code == 2 and "rollout.kv_dtype" in err and "int4" in err
+    code, err = _eval(tmp_path / "o", model, data, "--set", "loss.eps_high=0.3")
+    assert code == 2 and "rollout.KEY=VALUE" in err
+    attention = "rollout.decode_attention=eval_test_attention"
+    code, err = _eval(tmp_path / "o", model, data, "--set", attention)
+    assert code == 2 and "rollout.decode_attention" in err and "eval_test_attention" in err
+    # an extension module registers an attention the options may then name
+    (tmp_path / "eval_test_attention.py").write_text(
+        "from magic_jax.rollout.attention import register_attention\n"
+        "def attend(*args, **kwargs):\n"
+        "    raise NotImplementedError\n"
+        "register_attention('eval_test_attention', attend)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from magic_jax.jobs.scoring_job import engine_options
+
+    options = engine_options([attention], ["eval_test_attention"])
+    assert options.decode_attention == "eval_test_attention"
+    code, err = _eval(tmp_path / "o", model, data, "--extensions", "no_such_module_x")
+    assert code == 2 and "no_such_module_x" in err
 
 
 @pytest.mark.slow
@@ -215,8 +260,9 @@ def test_eval_of_a_run_directory_matches_the_trainers_evaluation(files, tmp_path
     Trainer(load_config(raw=raw), log=lambda s: None).run()
     step0 = _lines(tmp_path / "run" / "eval.jsonl")[0]
     common = ["--n", "8", "--max-response-length", "3", "--max-prompt-length", "16",
-              "--chunk", "100", "--seed", "5", "--workers", "1", "--max-concurrent-decodes", "8",
-              "--decode-steps", "4"]  # fmt: skip
+              "--chunk", "100", "--seed", "5", "--workers", "1",
+              "--set", "rollout.max_concurrent_decodes=8",
+              "--set", "rollout.decode_steps=4"]  # fmt: skip
     code, err = _eval(tmp_path / "base", str(files / "model"), str(files / "sums.jsonl"), *common)
     assert code == 0, err
     table = json.loads((tmp_path / "base" / "summary.json").read_text())["sums"]

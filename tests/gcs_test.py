@@ -23,7 +23,7 @@ from resume_test import OVERRIDES, _cfg, assert_same_run
 from resume_test import reference as reference  # a fixture, used by name
 from trainer_test import files as files  # a fixture, used by name
 
-from magic_jax import storage
+from magic_jax import interrupt, storage
 from magic_jax.run import rundir, runlock
 from magic_jax.run.checkpoint import latest_good_checkpoint, step_dirs
 
@@ -175,8 +175,8 @@ def test_prompt_data_reads_from_the_bucket_in_every_format(gcs, files, tmp_path)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from magic_jax.data.rows import DataError, read_rows
-    from magic_jax.data.tfds import prepare_dataset
+    from magic_jax.data.rows import DataError
+    from magic_jax.data.sources import prepare_dataset, read_rows
 
     rows = [json.loads(x) for x in (files / "train.jsonl").read_text().splitlines()]
     want = read_rows(files / "train.jsonl")
@@ -293,12 +293,12 @@ def test_kill_9_after_a_checkpoint_then_resume_from_the_bucket(gcs, files, bucke
     out = gcs.uri("killed")
     cmd = ["train", "run.yaml", *(x for o in OVERRIDES for x in ("--set", o)),
            "--set", f"output_dir={out}", "--set", f"model={bucket_model}"]  # fmt: skip
-    env = {rundir.KILL_AT_ENV: "step:3", runlock.LEASE_ENV: "4"}
+    env = {interrupt.KILL_AT_ENV: "step:3", runlock.LEASE_ENV: "4"}
     killed = _cli(cmd, files, env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [p.name for _, p in step_dirs(out)][-1] == "step_00000002"
     assert storage.path(out + "/" + rundir.LOCK).exists()  # the dead run's lease
-    env.pop(rundir.KILL_AT_ENV)
+    env.pop(interrupt.KILL_AT_ENV)
     again = _cli(cmd, files, env)
     assert again.returncode == 0, again.stderr[-2000:]
     # step 2's checkpoint is written asynchronously: a kill before its manifest is on the

@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from magic_jax.model.config import ModelConfig
+from magic_jax.model.logprobs import token_logprobs_and_entropy
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rollout.engine import Engine, EngineConfig
 from magic_jax.rollout.sampling import SamplingConfig
-from magic_jax.update.entropy import token_logprobs_and_entropy
 
 pytestmark = pytest.mark.gpu
 
@@ -40,8 +40,10 @@ def _np_logp_entropy(h, w, tgt):
 def test_logits_match_transformers_in_bf16(gpu, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    from helpers import torch_logits
+
     from magic_jax.model.convert import load_hf
-    from magic_jax.testing import make_hf_model, save_hf_model, torch_logits
+    from magic_jax.testing import make_hf_model, save_hf_model
 
     hf = make_hf_model(
         seed=3,
@@ -107,8 +109,8 @@ def _update_inputs():
 
 def test_update_step_matches_the_cpu(gpu):
     pytest.importorskip("optax")
+    from magic_jax.update.config import UpdateConfig
     from magic_jax.update.losses import LossConfig
-    from magic_jax.update.state import UpdateConfig
     from magic_jax.update.updater import PolicyUpdater
 
     cfg = ModelConfig(
@@ -172,6 +174,8 @@ def test_ragged_decode_attention_kernel_and_engine(gpu):
     """The Triton ragged decode attention on the GPU: its output against the jnp
     reference at the rows' edge lengths, and the engine's greedy tokens with it (the
     default on GPU) equal to the dense engine's."""
+    from helpers import reference_past
+
     from magic_jax.rollout import ragged_attention as ra
 
     with jax.default_device(gpu):
@@ -184,7 +188,7 @@ def test_ragged_decode_attention_kernel_and_engine(gpu):
             jnp.full((6, 3, 256, 2, 128), jnp.nan, jnp.bfloat16).at[:, 1].set(x) for x in (k, v)
         ]
         out, lse = ra.past_attention(q, *stack, 1, lengths, ra.RaggedSpec("gpu"))
-        want, want_lse = ra.reference_past(q, k, v, lengths)
+        want, want_lse = reference_past(q, k, v, lengths)
         np.testing.assert_allclose(out, want, atol=2.0**-7 * float(jnp.abs(v).max()), rtol=0)
         np.testing.assert_allclose(lse[1:], want_lse[1:], atol=0.05)
 

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_fp32_close
 
 from magic_jax.model.kernels import masked_attention, swiglu
-from magic_jax.testing import assert_fp32_close
 
 
 def plain_attention(q, k, v, allowed):

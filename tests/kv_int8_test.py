@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import dequantize_kv
 
 from magic_jax.model.config import ModelConfig
-from magic_jax.model.kv_cache import KVCache, dequantize_kv, quantize_kv
+from magic_jax.model.kv_cache import KVCache, quantize_kv
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.model.sharding import MeshConfig, make_mesh
 from magic_jax.rollout.decode import decode_forward

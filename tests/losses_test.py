@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_fp32_close
 
-from magic_jax.testing import assert_fp32_close
-from magic_jax.update.entropy import token_logprobs_and_entropy
+from magic_jax.model.logprobs import token_logprobs_and_entropy
 from magic_jax.update.losses import Aggregation, LossConfig, policy_loss
 
 B, T = 6, 12

@@ -5,17 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import TINY_CONFIGS, assert_fp32_close, torch_logits
 
 from magic_jax.model.config import PRESETS, ModelConfig
 from magic_jax.model.convert import load_hf
 from magic_jax.model.qwen2 import KVCache, Qwen2, abstract_model, count_params
-from magic_jax.testing import (
-    TINY_CONFIGS,
-    assert_fp32_close,
-    make_hf_model,
-    save_hf_model,
-    torch_logits,
-)
+from magic_jax.testing import make_hf_model, save_hf_model
 
 PUBLISHED_PARAMS = {
     "r1-distill-qwen-1.5b": 1_777_088_000,

@@ -58,9 +58,9 @@ def main(out: str, model_dir: str, num_processes: int, process_id: int, port: in
     from magic_jax.model.sharding import SAMPLE_RULES, MeshConfig, make_mesh, model_shardings
     from magic_jax.rollout.engine import Engine, EngineConfig
     from magic_jax.update.buffer import pack_rollouts
+    from magic_jax.update.config import UpdateConfig
     from magic_jax.update.losses import LossConfig
     from magic_jax.update.optim import OptimizerConfig
-    from magic_jax.update.state import UpdateConfig
     from magic_jax.update.updater import PolicyUpdater
 
     assert jax.device_count() == 8 and jax.process_count() == num_processes
@@ -132,7 +132,6 @@ def loop(out: str, num_processes: int, process_id: int, port: int, watchdog_s: f
     import jax
 
     from magic_jax import distributed, interrupt, watchdog
-    from magic_jax.run.rundir import kill_point
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -149,7 +148,7 @@ def loop(out: str, num_processes: int, process_id: int, port: int, watchdog_s: f
         with watchdog.Watchdog(watchdog_s or None, out):
             for step in range(200):
                 interrupt.at(step)
-                kill_point("step", step)
+                interrupt.kill_point("step", step)
                 watchdog.beat("loop")
                 got = multihost_utils.process_allgather(np.asarray([step], np.int32))
                 assert list(got.reshape(-1)) == [step] * num_processes

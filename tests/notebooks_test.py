@@ -13,7 +13,7 @@ import yaml
 from magic_jax.experiments import ablation_report as ar
 from magic_jax.experiments import ablations
 from magic_jax.jobs.report import load_run
-from magic_jax.run.config import load_config
+from magic_jax.run.config import MOVED_OPTIONS, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -30,7 +30,7 @@ def _all_arms():
 
 @pytest.mark.parametrize("ablation,arm", _all_arms(), ids=lambda x: getattr(x, "key", x))
 def test_every_arm_is_a_valid_run_of_its_world_of_equal_length(ablation, arm, tmp_path):
-    world = ablations.ABLATIONS[ablation].world_spec
+    world = ablations.WORLDS[ablations.ABLATIONS[ablation].world]
     cfg = load_config(
         ablations.train_config(world.key),
         [*ablations.overrides_for(arm, 1, world=world.key), f"output_dir={tmp_path}"],
@@ -65,13 +65,13 @@ def test_arms_change_what_they_claim(tmp_path):
     assert adaptive.mode == "adaptive" and adaptive.max_coef is None
     assert cfg("carry-adaptive-0.07").entropy.target == 0.07 != adaptive.target
     warm, cold = cfg("carry-temp-1.0"), cfg("carry-temp-0.6")
-    assert warm.sampling.temperature == 1.0 and warm.num_reuse == 1
+    assert warm.sampling.temperature == 1.0 and warm.update.num_reuse == 1
     assert cold.sampling.temperature == cold.loss.temperature == 0.6
     assert warm.eval.extra_temperatures == cold.eval.extra_temperatures == (0.6,)
     assert warm.eval.temperature == cold.eval.temperature == 1.0
     mb = cfg("carry-nsgd4-minibatch")
     assert [s.mini_batch_groups for s in mb.stages] == [4, 4] and mb.entropy.init_coef == 0
-    assert cfg("carry-nsgd4-reuse").num_reuse == 4
+    assert cfg("carry-nsgd4-reuse").update.num_reuse == 4
     assert cfg("carry-nsgd4-reuse").entropy.init_coef == 0
     assert cfg("carry-fixed-2").entropy.mode == "fixed" == cfg("carry-fixed-0.005").entropy.mode
     assert cfg("carry-fixed-2").entropy.init_coef == 2.0
@@ -235,8 +235,11 @@ def test_committed_summaries_match_the_current_arms(record):
     arm = next(a for _, a in _all_arms() if a.key == rec["arm"])
     assert record.parent == ablations.summary_dir(COMMITTED, arm, rec["seed"])
     assert rec["step_budget"] is None
-    world = ablations.ABLATIONS[rec["ablation"]].world_spec
-    assert rec["overrides"] == ablations.overrides_for(arm, rec["seed"], world=world.key)
+    world = ablations.WORLDS[ablations.ABLATIONS[rec["ablation"]].world]
+    # a record keeps the keys its run was given; an option moved since is its new key
+    pairs = [o.split("=", 1) for o in rec["overrides"]]
+    overrides = [f"{MOVED_OPTIONS.get(k, k)}={v}" for k, v in pairs]
+    assert overrides == ablations.overrides_for(arm, rec["seed"], world=world.key)
     assert rec["command"].startswith(f"magic-jax train {world.config} --set ")
     run = load_run(record.parent)
     assert [m["step"] for m in run.metrics] == list(range(2 * world.stage_steps))

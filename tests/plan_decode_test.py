@@ -2,7 +2,7 @@
 
 import pytest
 
-from magic_jax.jobs.plan import decode_options
+from magic_jax.jobs.roofline import decode_options
 from magic_jax.jobs.stage_plan import StagePlan
 from magic_jax.jobs.topology import GiB
 
@@ -45,7 +45,7 @@ def test_the_printed_plan_has_a_decode_line_per_precision():
     chip, chips = parse_topology("v5p:2x2x2")
     mc = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=4, num_kv_heads=2)  # fmt: skip
-    plan = RunPlan("v5p:2x2x2", chip, chips, chips, mc, [_stage()], {}, rollout_dtype="float32")
+    plan = RunPlan("v5p:2x2x2", chip, chips, chips, mc, [_stage()], {})  # the model's float32
     text = format_plan(plan)
     assert "decode by rollout precision" in text
     lines = [x for x in text.splitlines() if "GB/step" in x]
@@ -56,7 +56,7 @@ def test_the_printed_plan_has_a_decode_line_per_precision():
 def test_a_plan_compiled_with_an_int8_cache_scales_from_its_int8_sizes():
     """rollout.kv_dtype=int8: the compiled cache is already 1 + 4/H bytes per element, so
     the options are the same as those of the bf16 plan of the same stage."""
-    from magic_jax.jobs.plan import own_option
+    from magic_jax.jobs.roofline import own_option
 
     bf16_plan = decode_options(_stage(engine_params=4 * GiB, kv_cache=4 * GiB), "bfloat16",
                                128, 95 * GiB, 1e12)  # fmt: skip

@@ -6,12 +6,11 @@ import math
 import pytest
 
 from magic_jax.jobs.cli import main
-from magic_jax.jobs.plan import (
-    RunPlan,
+from magic_jax.jobs.plan import RunPlan, format_plan
+from magic_jax.jobs.roofline import (
     TimeBound,
     chip_hours,
     decode_bound,
-    format_plan,
     recommend_slots,
     update_bound,
 )
@@ -26,6 +25,7 @@ from magic_jax.jobs.topology import (
     resolve_topology,
 )
 from magic_jax.model.config import ModelConfig
+from magic_jax.rollout.engine_config import EngineOptions
 
 
 @pytest.mark.parametrize(
@@ -149,11 +149,12 @@ def test_stage_and_recipe_totals_chip_hours_and_cost():
     assert chip_hours([a, b], 64) == pytest.approx(64 * hours)
 
 
-def _plan(stages, **kw):
+def _plan(stages, kv_dtype=None, **kw):
     chip = CHIPS["v5p"]
     mc = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=4, num_kv_heads=2)  # fmt: skip
-    return RunPlan("v5p-32", chip, 16, 16, mc, stages, {}, rollout_dtype="bfloat16", **kw)
+    engine = EngineOptions(dtype="bfloat16", kv_dtype=kv_dtype)
+    return RunPlan("v5p-32", chip, 16, 16, mc, stages, {}, engine=engine, **kw)
 
 
 def test_the_printed_plan_ends_with_time_chip_hours_and_cost():

@@ -46,7 +46,7 @@ def _run(tmp_path, **over):
             }
         ],
         "rollout": {"max_concurrent_decodes": 16},
-        "micro_batch_size": 8,
+        "update": {"micro_batch_size": 8},
         "mesh": {"fsdp": -1, "tensor": 2},
     } | over
     path = tmp_path / "run.yaml"
@@ -107,7 +107,7 @@ def test_the_search_raises_a_micro_batch_that_does_not_split(tmp_path):
 
     config = load_config(_run(tmp_path))  # micro-batches of 8 rows, mini-batches of 16
     assert _split_micro_batch(config, 16, 4) is config
-    assert _split_micro_batch(config, 16, 16).micro_batch_size == 16
+    assert _split_micro_batch(config, 16, 16).update.micro_batch_size == 16
     assert _split_micro_batch(config, 16, 32) is config  # none splits: plan_stage says so
 
 
@@ -252,7 +252,9 @@ def test_remat_full_shrinks_the_planned_update_temporaries(tmp_path):
         "group_size": 4,
     }
     plans = {
-        remat: plan_stage(load_config(_run(tmp_path, remat=remat, stages=[stage])), 0, model, mesh)
+        remat: plan_stage(
+            load_config(_run(tmp_path, update={"remat": remat}, stages=[stage])), 0, model, mesh
+        )
         for remat in ("none", "full")
     }
     none, full = plans["none"], plans["full"]
@@ -357,7 +359,8 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
 
     import jax.numpy as jnp
 
-    from magic_jax.jobs.stage_plan import _abstract, _cache_copies, _Program
+    from magic_jax.jobs.stage_plan import _abstract
+    from magic_jax.jobs.xla_programs import Program, cache_copies
     from magic_jax.model.config import ModelConfig
     from magic_jax.model.qwen2 import abstract_model
     from magic_jax.rollout.engine import Engine, EngineConfig
@@ -389,7 +392,7 @@ def test_the_ragged_decode_kernel_compiles_for_v6e_with_one_and_two_kv_heads_per
         assert "tpu_custom_call" in lowered.as_text()
         with jax.default_device(mesh.devices.flat[0]):
             compiled = lowered.compile()
-        assert _cache_copies(_Program(compiled, 0, 0, False), state.cache.k) == 0, kv_heads
+        assert cache_copies(Program(compiled, 0, 0, False), state.cache.k) == 0, kv_heads
         shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)
         cache_bytes = 2 * math.prod(shard) * 2  # keys and values, bf16
         temp = compiled.memory_analysis().temp_size_in_bytes

@@ -19,6 +19,7 @@ import pytest
 from trainer_test import _config
 from trainer_test import files as files  # a fixture, used by name
 
+from magic_jax import interrupt
 from magic_jax.jobs.cli import main
 from magic_jax.run import rundir
 from magic_jax.run.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
@@ -246,8 +247,14 @@ def test_one_line_errors_exit_2_and_lose_nothing(files, reference, tmp_path, cap
     for n in ("0", "-3"):
         assert "--stop-after" in run("train", "run.yaml", "--stop-after", n)
     (tmp_path / "empty.jsonl").write_text("")
-    err = run("train", "run.yaml", "--set", f"data.train=[{tmp_path / 'empty.jsonl'}]",
-              "--set", f"output_dir={tmp_path / 'e'}")  # fmt: skip
+    err = run(
+        "train",
+        "run.yaml",
+        "--set",
+        f"data.train=[{tmp_path / 'empty.jsonl'}]",
+        "--set",
+        f"output_dir={tmp_path / 'e'}",
+    )
     assert "empty.jsonl: holds no rows" in err
     # export of a truncated training checkpoint names it; the checkpoint stays as it was
     bad = tmp_path / "bad_ckpt"
@@ -286,12 +293,12 @@ def _train_cmd(out, *more):
 
 def _kill_then_resume(files, out, point, *more):
     """Runs the command until it SIGKILLs itself at ``point``, then runs it again."""
-    env = dict(os.environ, **{rundir.KILL_AT_ENV: point})
+    env = dict(os.environ, **{interrupt.KILL_AT_ENV: point})
     killed = subprocess.run(
         _train_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    env.pop(rundir.KILL_AT_ENV)
+    env.pop(interrupt.KILL_AT_ENV)
     again = subprocess.run(
         _train_cmd(out, *more), cwd=files, env=env, capture_output=True, text=True
     )

@@ -224,9 +224,13 @@ def test_results_do_not_depend_on_scheduling(model, monkeypatch):
     runs = []
     compact = SCHED_A | {"compact_batch": True}
     for kw, lanes, heavy in (
-        (SCHED_A, 1, False), (SCHED_B, 1, False), (SCHED_B, 1, True), (SCHED_A, 2, False),
-        (compact, 3, False), (compact | {"max_concurrent_decodes": 4}, 1, True),
-    ):  # fmt: skip
+        (SCHED_A, 1, False),
+        (SCHED_B, 1, False),
+        (SCHED_B, 1, True),
+        (SCHED_A, 2, False),
+        (compact, 3, False),
+        (compact | {"max_concurrent_decodes": 4}, 1, True),
+    ):
         monkeypatch.setattr(config_lib, "LIGHT_STEP_FLOPS", 0.0 if heavy else 0.4e9)
         engine = _engine(model, sampling=sampling, eos_ids=(3,), **kw)
         assert engine.light_cpu_step == (not heavy and jax.default_backend() == "cpu")
@@ -370,6 +374,7 @@ def test_each_lane_decodes_fixed_prompts_so_a_seed_repeats_bit_for_bit(model):
 
 def test_default_lanes(monkeypatch):
     from magic_jax.rollout import driver as driver_lib
+    from magic_jax.rollout.engine_config import EngineOptions
     from magic_jax.run.config import RolloutConfig
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
@@ -380,13 +385,20 @@ def test_default_lanes(monkeypatch):
     assert driver_lib.default_lanes(17) == 1  # the slots do not split evenly
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
     assert driver_lib.default_lanes(128) == 1  # one core
-    with pytest.raises(ValueError, match="lanes"):
-        driver_lib.make_driver(
-            Qwen2(CFG, rngs=nnx.Rngs(0)), max_prompt_length=8, max_response_length=8,
-            sampling=SamplingConfig(), max_concurrent_decodes=6, lanes=4,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="lanes must be >= 1 and divide"):
+    with pytest.raises(ValueError, match="lanes: must be >= 1 and divide"):
+        EngineOptions(max_concurrent_decodes=6, lanes=4)
+    with pytest.raises(ValueError, match="lanes: must be >= 1 and divide"):
         RolloutConfig(max_concurrent_decodes=6, lanes=4)
+    options = EngineOptions(max_concurrent_decodes=8, lanes=2)
+    driver = driver_lib.make_driver(
+        Qwen2(CFG, rngs=nnx.Rngs(0)),
+        options,
+        max_prompt_length=8,
+        max_response_length=8,
+        sampling=SamplingConfig(),
+    )
+    assert (driver.lanes, driver.engine.config.max_concurrent_decodes) == (2, 4)
+    assert driver.max_concurrent_decodes == 8
 
 
 def test_truncation_modes(model):
@@ -410,7 +422,7 @@ def test_truncation_modes(model):
 
 
 def test_sample_is_frozen_dataclass_with_trainer_fields():
-    from magic_jax.rollout.driver import Sample
+    from magic_jax.rollout.samples import Sample
 
     names = {f.name for f in dataclasses.fields(Sample)}
     assert {
@@ -423,3 +435,22 @@ def test_sample_is_frozen_dataclass_with_trainer_fields():
         "truncated",
         "length",
     } <= names
+
+
+def test_a_driver_with_other_sampling_shares_the_cache_and_samples_as_a_fresh_one(model):
+    """``with_sampling``: the same samples as a driver of its own at that sampling, on the
+    decode state (KV cache) of the driver it came from."""
+    hot = SamplingConfig(temperature=1.5, top_k=7)
+    engine = _engine(model, sampling=SamplingConfig(temperature=0.7))
+    params = engine.load_params(model)
+    first = RolloutDriver(engine)
+    first.run(params, PROMPTS, num_samples=2, seed=3, max_new_tokens=9)
+    shared = first.with_sampling(hot)
+    assert shared._states is first._states and shared.engine.config.sampling == hot
+    got, _ = shared.run(params, PROMPTS, num_samples=2, seed=3, max_new_tokens=9)
+    want, _ = RolloutDriver(_engine(model, sampling=hot)).run(
+        params, PROMPTS, num_samples=2, seed=3, max_new_tokens=9
+    )
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)

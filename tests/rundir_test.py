@@ -104,7 +104,7 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers(capfd):
 
 
 def test_kill_point_kills_only_at_its_point(tmp_path):
-    code = "from magic_jax.run.rundir import kill_point as k\nk('update', 2)\nk('update', 3)\n"
+    code = "from magic_jax.interrupt import kill_point as k\nk('update', 2)\nk('update', 3)\n"
     env = dict(os.environ, MAGIC_JAX_KILL_AT="update:3")
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -signal.SIGKILL
     env["MAGIC_JAX_KILL_AT"] = "update:4"

@@ -117,8 +117,8 @@ def test_update_keeps_activations_row_sharded():
 
     from magic_jax.model.sharding import model_shardings
     from magic_jax.update.buffer import pack_rollouts
+    from magic_jax.update.config import UpdateConfig
     from magic_jax.update.losses import LossConfig
-    from magic_jax.update.state import UpdateConfig
     from magic_jax.update.step import loss_and_grads
 
     cfg = dataclasses.replace(CFG, intermediate_size=256)

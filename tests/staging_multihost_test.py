@@ -29,8 +29,9 @@ def run_files(tmp_path_factory):
     sums prompts, and a one-step run of it on a (fsdp 4, tensor 2) mesh."""
     import yaml
     from conftest import write_sums_run
+    from helpers import SUMS_CHARS, make_char_tokenizer
 
-    from magic_jax.testing import SUMS_CHARS, make_char_tokenizer, make_hf_model, save_hf_model
+    from magic_jax.testing import make_hf_model, save_hf_model
 
     root = write_sums_run(tmp_path_factory.mktemp("staging"))
     tok = make_char_tokenizer(chars=SUMS_CHARS)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from conftest import GcsEmulator
 from flax import nnx
+from helpers import save_sums_model
 
 from magic_jax import storage
 from magic_jax.jobs import cli
 from magic_jax.model.convert import load_hf
 from magic_jax.run.checkpoint import checkpoint_kind
 from magic_jax.run.policy import load_policy, load_tokenizer
-from magic_jax.testing import save_sums_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"

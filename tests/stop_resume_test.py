@@ -26,7 +26,7 @@ from trainer_test import files as files  # a fixture, used by name
 from magic_jax import interrupt
 from magic_jax.rewards import RewardResult, RewardStatus
 from magic_jax.rollout import partial
-from magic_jax.rollout.driver import Sample
+from magic_jax.rollout.samples import Sample
 from magic_jax.run import rundir
 
 EXACT = "rollout.compact_batch=false"
@@ -47,8 +47,12 @@ def _cmd(out, *more):
 
 def _status(files, out):
     """``magic-jax status OUT`` as a user types it."""
-    got = subprocess.run([sys.executable, "-m", "magic_jax.jobs.cli", "status", str(out)],
-                         cwd=files, capture_output=True, text=True)  # fmt: skip
+    got = subprocess.run(
+        [sys.executable, "-m", "magic_jax.jobs.cli", "status", str(out)],
+        cwd=files,
+        capture_output=True,
+        text=True,
+    )
     assert got.returncode == 0, got.stderr
     return got.stdout
 
@@ -66,8 +70,9 @@ def _stop_then_resume(files, out, at, *more, resume=()):
     print(f"[measured] {at}: exit {ended - sent:.2f} s after the SIGTERM")
     status = _status(files, out)
     env.pop(interrupt.STOP_AT_ENV)
-    again = subprocess.run([*_cmd(out, *more), *resume], cwd=files, env=env, capture_output=True,
-                           text=True)  # fmt: skip
+    again = subprocess.run(
+        [*_cmd(out, *more), *resume], cwd=files, env=env, capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     return ended - sent, stopped.stdout, status, again.stdout
 
@@ -138,11 +143,17 @@ def _group(p, lengths, rng):
     def one(j, n):
         f = rng.standard_normal((3, n)).astype(np.float32)
         return Sample(
-            prompt_index=p, sample_index=j, prompt_tokens=np.asarray([5, 6, p], np.int32),
-            tokens=rng.integers(0, 50, n).astype(np.int32), logprobs=f[0], entropies=f[1],
-            sampling_logprobs=f[2], truncated=bool(j % 2), length=n,
+            prompt_index=p,
+            sample_index=j,
+            prompt_tokens=np.asarray([5, 6, p], np.int32),
+            tokens=rng.integers(0, 50, n).astype(np.int32),
+            logprobs=f[0],
+            entropies=f[1],
+            sampling_logprobs=f[2],
+            truncated=bool(j % 2),
+            length=n,
             finish_reason="eos" if j % 2 else "length",
-        )  # fmt: skip
+        )
 
     samples = [one(j, n) for j, n in enumerate(lengths)]
     results = [

@@ -9,8 +9,8 @@ from magic_jax.data.tasks import addition
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.rewards import math_reward
-from magic_jax.rollout.driver import Sample
 from magic_jax.rollout.evaluate import evaluate
+from magic_jax.rollout.samples import Sample
 from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, sft_loss
 
 

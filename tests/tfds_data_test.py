@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from magic_jax.data.rows import prompt_batches, read_rows
+from magic_jax.data.rows import prompt_batches
+from magic_jax.data.sources import read_rows
 from magic_jax.data.tfds import TfdsRows, is_tfds_dir
 from magic_jax.jobs.cli import main
 
@@ -51,7 +52,7 @@ def prepared(sources):
         "import sys\n"
         "from magic_jax.jobs.cli import main\n"
         f"assert main(['prepare-data', *{files!r}, '--out', {str(out)!r}]) == 0\n"
-        "from magic_jax.data.rows import read_rows\n"
+        "from magic_jax.data.sources import read_rows\n"
         f"assert len(read_rows({str(out)!r})) == 17\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
     )

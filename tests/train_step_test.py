@@ -11,17 +11,19 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import shard
 from flax import nnx
+from helpers import assert_fp32_close
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.model.sharding import TRAIN_RULES, MeshConfig, make_mesh
-from magic_jax.testing import Sample, assert_fp32_close
+from magic_jax.testing import Sample
 from magic_jax.update.advantages import AdvantageConfig
 from magic_jax.update.buffer import pack_rollouts
-from magic_jax.update.entropy import EntropyControlConfig
+from magic_jax.update.config import UpdateConfig
+from magic_jax.update.entropy_control import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.optim import OptimizerConfig
-from magic_jax.update.state import TrainState, UpdateConfig, init_train_state
+from magic_jax.update.state import TrainState, init_train_state
 from magic_jax.update.step import live_first, loss_and_grads, train_step
 from magic_jax.update.updater import PolicyUpdater
 

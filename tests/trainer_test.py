@@ -12,7 +12,7 @@ from magic_jax.run.checkpoint import latest_good_checkpoint as latest_checkpoint
 from magic_jax.run.config import ConfigError, load_config
 from magic_jax.run.trainer import Trainer
 
-# The model is a tiny one over one-digit sums (magic_jax.testing.save_sums_model).
+# The model is a tiny one over one-digit sums (tests/helpers.py, save_sums_model).
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +85,20 @@ def test_run_goes_through_both_stages(straight):
     assert [r["max_response_length"] for r in rows] == [3, 3, 5, 5]
     assert all(r["response_length_max"] <= r["max_response_length"] for r in rows)
     for r in rows:
-        for key in ("entropy", "alpha", "reward", "kept_group_fraction", "grad_norm",
-                    "clipfrac_low", "clipfrac_high", "approx_kl", "truncated_fraction",
-                    "t_rollout_s", "t_update_s", "t_other_s"):  # fmt: skip
+        for key in (
+            "entropy",
+            "alpha",
+            "reward",
+            "kept_group_fraction",
+            "grad_norm",
+            "clipfrac_low",
+            "clipfrac_high",
+            "approx_kl",
+            "truncated_fraction",
+            "t_rollout_s",
+            "t_update_s",
+            "t_other_s",
+        ):
             assert np.isfinite(r[key]), key
     # the rollout/trainer mismatch, measured at each step's first optimizer step: the
     # engine's fp32 decode and the trainer's forward give the same log-probs here
@@ -126,7 +137,8 @@ def test_resume_reproduces_the_uninterrupted_run(files, straight):
 
 
 def test_online_filter_drops_prompts_solved_in_the_previous_stage(files, tmp_path):
-    from magic_jax.data.rows import AccuracyTracker, read_rows
+    from magic_jax.data.rows import AccuracyTracker
+    from magic_jax.data.sources import read_rows
     from magic_jax.run.stages import excluded_after
 
     cfg = _config(files, tmp_path / "x")
@@ -169,16 +181,22 @@ def test_cli_reports_bad_config_and_bad_data(files, capsys, monkeypatch):
     for option, message in (
         ("stages.0.until={eval_patience: 2}", "stages[0].until.eval_patience needs an eval"),
         ("loss.kl_reference=no/such/dir", "loss.kl_reference: "),
-        ("rollout.refill_max_rounds=0", "rollout: refill_max_rounds must be >= 1"),
+        ("rollout.refill_max_rounds=0", "rollout.refill_max_rounds: must be >= 1"),
     ):
         assert main(["train", str(files / "run.yaml"), "--set", option]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     (files / "broken.jsonl").write_text('{"prompt": []}\n')
     code = main(
-        ["train", str(files / "run.yaml"), "--set", f"data.train=[{files / 'broken.jsonl'}]",
-         "--set", f"output_dir={files / 'broken_run'}"]
-    )  # fmt: skip
+        [
+            "train",
+            str(files / "run.yaml"),
+            "--set",
+            f"data.train=[{files / 'broken.jsonl'}]",
+            "--set",
+            f"output_dir={files / 'broken_run'}",
+        ]
+    )
     assert code == 2
     assert "broken.jsonl:1:" in capsys.readouterr().err
 
@@ -290,6 +308,9 @@ def test_evaluation_also_at_extra_temperatures(files, tmp_path):
         t: d.engine.config.sampling.temperature for t, d in trainer._extra_eval_drivers.items()
     }
     assert temps == {0.6: 0.6, 1.0: 1.0}
+    # one engine's programs and one KV cache for every temperature
+    main = trainer._eval_driver
+    assert all(d._states is main._states for d in trainer._extra_eval_drivers.values())
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

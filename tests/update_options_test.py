@@ -1,5 +1,5 @@
-"""The run's ``remat``, ``compute_dtype``, ``attention_chunk``, ``update_layer_unroll`` and
-``update_mlp_kernel`` options: config checks, and what the update runs."""
+"""The run's ``update`` options (``remat``, ``compute_dtype``, ``attention_chunk``,
+``layer_unroll``, ``mlp_kernel``): config checks, and what the update runs."""
 
 import collections
 import dataclasses
@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_fp32_close
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.run.config import ConfigError, load_config
 from magic_jax.run.stages import update_config
-from magic_jax.testing import assert_fp32_close
 from magic_jax.update.buffer import pack_rollouts
+from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
-from magic_jax.update.state import UpdateConfig
 from magic_jax.update.step import (
     compute_logprobs,
     default_update_layer_unroll,
@@ -83,7 +83,8 @@ def _remats(counts: collections.Counter) -> int:
     return sum(n for k, n in counts.items() if "remat" in k or "checkpoint" in k)
 
 
-def _raw(**over):
+def _raw(**update):
+    """A run config with these ``update`` options."""
     return {
         "model": "m",
         "output_dir": "out",
@@ -97,7 +98,7 @@ def _raw(**over):
                 "group_size": 4,
             }
         ],
-    } | over
+    } | ({"update": update} if update else {})
 
 
 def test_config_options_reach_the_update_config():
@@ -106,23 +107,26 @@ def test_config_options_reach_the_update_config():
     assert (u.remat, u.compute_dtype) == ("full", "bfloat16")
     u = update_config(load_config(raw=_raw()), 0)
     assert (u.remat, u.compute_dtype) == ("none", None)  # the model's own dtype
-    u = update_config(load_config(raw=_raw(), overrides=["remat=dots_saveable"]), 0)
+    u = update_config(load_config(raw=_raw(), overrides=["update.remat=dots_saveable"]), 0)
     assert u.remat == "dots_saveable"
 
 
 @pytest.mark.parametrize(
     "over, message",
     [
-        ({"remat": "everything"}, "remat: expected one of ['none', 'full', 'dots_saveable']"),
-        ({"remat": "dots-saveable"}, "remat: expected one of"),
-        ({"compute_dtype": "float16"}, "compute_dtype: "),
-        ({"compute_dtype": 16}, "compute_dtype: "),
+        (
+            {"remat": "everything"},
+            "update.remat: expected one of ['none', 'full', 'dots_saveable']",
+        ),
+        ({"remat": "dots-saveable"}, "update.remat: expected one of"),
+        ({"compute_dtype": "float16"}, "update.compute_dtype: "),
+        ({"compute_dtype": 16}, "update.compute_dtype: "),
     ],
 )
 def test_bad_values_name_the_option(over, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(raw=_raw(**over))
-    with pytest.raises(ValueError, match="UpdateConfig"):
+    with pytest.raises(ValueError, match=f"{next(iter(over))}: must be one of"):
         UpdateConfig(mini_batch_groups=1, **{k: "x" for k in over})
 
 
@@ -153,11 +157,11 @@ def test_update_graphdef_sets_the_models_options():
 
 
 def test_update_mlp_kernel_option_reaches_the_update_and_changes_no_number():
-    assert update_config(load_config(raw=_raw(update_mlp_kernel=True)), 0).mlp_kernel is True
+    assert update_config(load_config(raw=_raw(mlp_kernel=True)), 0).mlp_kernel is True
     assert update_config(load_config(raw=_raw()), 0).mlp_kernel is None
     for bad in ("yes", 1):
-        with pytest.raises(ConfigError, match="update_mlp_kernel"):
-            load_config(raw=_raw(update_mlp_kernel=bad))
+        with pytest.raises(ConfigError, match=r"update\.mlp_kernel"):
+            load_config(raw=_raw(mlp_kernel=bad))
     graphdef, params = _policy()
     out, batch = [], _buffer()
     for kernel in (False, True):
@@ -175,11 +179,11 @@ def test_update_mlp_kernel_option_reaches_the_update_and_changes_no_number():
 
 
 def test_update_layer_unroll_option_reaches_the_update_and_changes_no_number():
-    cfg = load_config(raw=_raw(update_layer_unroll=2))
+    cfg = load_config(raw=_raw(layer_unroll=2))
     assert update_config(cfg, 0).layer_unroll == 2
     assert update_config(load_config(raw=_raw()), 0).layer_unroll is None
-    with pytest.raises(ConfigError, match="update_layer_unroll"):
-        load_config(raw=_raw(update_layer_unroll=0))
+    with pytest.raises(ConfigError, match=r"update: layer_unroll must be"):
+        load_config(raw=_raw(layer_unroll=0))
     graphdef, params = _policy()
     out = []
     for unroll in (1, True):
@@ -199,7 +203,7 @@ def test_attention_chunk_option_reaches_the_update_and_changes_no_number():
     assert update_config(load_config(raw=_raw(attention_chunk=512)), 0).attention_chunk == 512
     assert update_config(load_config(raw=_raw()), 0).attention_chunk is None
     for bad in (0, -4, True):
-        with pytest.raises(ConfigError, match="attention_chunk"):
+        with pytest.raises(ConfigError, match=r"update\.attention_chunk"):
             load_config(raw=_raw(attention_chunk=bad))
     graphdef, params = _policy()
     out = []
@@ -263,3 +267,24 @@ def test_updater_logprobs_use_the_updates_numerics():
         cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, micro_batch_size=micro)
         lp_micro = PolicyUpdater(graphdef, cfg).logprobs(params, buf)
         np.testing.assert_allclose(lp_micro[mask], lp32[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_every_update_option_reaches_each_stages_update_config():
+    """The ``update`` section is the stage's ``UpdateConfig`` base: no option is dropped
+    or renamed on the way (``UpdateConfig.of``)."""
+    from magic_jax.update.config import UpdateOptions
+
+    values = {
+        "mini_batch_split": "fixed-size",
+        "micro_batch_size": 4,
+        "num_reuse": 2,
+        "remat": "full",
+        "compute_dtype": "bfloat16",
+        "attention_chunk": 64,
+        "layer_unroll": 2,
+        "mlp_kernel": False,
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(UpdateOptions)}
+    u = update_config(load_config(raw=_raw(**values)), 0)
+    assert {k: getattr(u, k) for k in values} == values
+    assert isinstance(u, UpdateOptions) and u.mini_batch_groups == 2

@@ -1,2 +1,2 @@
 """Prompt data: verl / Skywork rows from JSONL, Parquet or tfds, rendering, tokenising,
-filtering, step batches; the shipped task."""
+filtering, step batches; the shipped tasks."""

@@ -1,4 +1,4 @@
-"""Prompt data in the verl / Skywork-OR1 row format: reading, checking, filtering, batching.
+"""Prompt data in the verl / Skywork-OR1 row format: checking, rendering, filtering, batching.
 
 A row holds ``data_source`` (str), ``prompt`` (a list of ``{role, content}``
 chat messages), ``ability`` (``"math"`` or ``"code"``), ``reward_model``
@@ -6,8 +6,9 @@ chat messages), ``ability`` (``"math"`` or ``"code"``), ``reward_model``
 string) and ``extra_info`` (a dict; in the public training set
 ``extra_info.model_difficulty`` maps a model name to its correct answers out
 of 16, also as JSON). Files are Parquet (``.parquet``) or JSON lines
-(``.jsonl``); a bad row raises ``DataError`` naming the file, the line (1-based,
-``file:line``; ``file: row N`` in Parquet) and the field.
+(``.jsonl``), read by ``data.sources.read_rows``; a bad row raises ``DataError``
+naming the file, the line (1-based, ``file:line``; ``file: row N`` in Parquet) and
+the field.
 
 Batches come from a ``grain.MapDataset`` with random access: the prompts of
 training step k are ``dataset[k]``, so a resumed run picks up exactly where it
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from magic_jax import storage
 from magic_jax.rewards.registry import find_reward, reward_names
 
 # Special tokens of the DeepSeek-R1-Distill chat format.
@@ -164,12 +164,10 @@ def parse_row(row: Mapping[str, Any], where: str, default_uid: str) -> PromptRow
     )
 
 
-def _raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
+def raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     """(``file:line`` or ``file:row N``, raw row) for every row of one file (1-based)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
-
-        from magic_jax import storage
 
         try:
             if storage.is_gcs(path):
@@ -182,8 +180,6 @@ def _raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
         return [(f"{path}: row {n + 1}", row) for n, row in enumerate(table)]
     if path.endswith((".jsonl", ".json")):
         rows = []
-        from magic_jax import storage
-
         try:
             f = storage.path(path).open("rb")  # closed below; lines decoded one by one
         except OSError as e:
@@ -204,67 +200,6 @@ def _raw_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
                     raise DataError(f"{path}:{n}: not a JSON line: {e}") from None
         return rows
     raise DataError(f"{path}: unsupported file type (use .parquet or .jsonl)")
-
-
-def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[PromptRow]:
-    """Reads and checks every row of one or more files (or directories of them).
-
-    Args:
-      paths: files (``.parquet``, ``.jsonl``) or directories; a directory
-        contributes its ``.parquet`` and ``.jsonl`` files in sorted order, or,
-        if ``magic-jax prepare-data`` wrote it, its array_record rows
-        (``tfds_data``).
-
-    Returns:
-      The rows in file order.
-
-    Raises:
-      DataError: a missing file, an unsupported type, an unreadable file, a bad
-        row, or two rows with the same uid.
-    """
-    if isinstance(paths, str | os.PathLike):
-        paths = [paths]
-    from magic_jax import storage
-    from magic_jax.data.tfds import is_tfds_dir, read_tfds_rows
-
-    files: list[str] = []
-    for p in map(os.fspath, paths):
-        storage.check(p, what="data")
-        where = storage.path(p) if storage.is_gcs(p) else Path(p)
-        if is_tfds_dir(p):
-            files.append(p)
-        elif where.is_dir():
-            files += sorted(
-                str(f) for f in where.iterdir() if f.name.endswith((".parquet", ".jsonl"))
-            )
-        elif where.exists():
-            files.append(p)
-        else:
-            raise DataError(f"{p}: no such file or directory")
-    if not files:
-        raise DataError(f"no .parquet or .jsonl files in {list(map(os.fspath, paths))}")
-    out: list[PromptRow] = []
-    seen: dict[str, str] = {}
-    for path in files:
-        if is_tfds_dir(path):
-            for n, row in enumerate(read_tfds_rows(path)):
-                if row.uid in seen:
-                    raise DataError(f"{path}: record {n}: uid {row.uid!r} repeats {seen[row.uid]}")
-                seen[row.uid] = f"{path}: record {n}"
-                out.append(row)
-            continue
-        stem = os.path.splitext(os.path.basename(path))[0]
-        raws = _raw_rows(path)
-        if not raws:
-            raise DataError(f"{path}: holds no rows")
-        # the default uid counts rows from 0 (stable across versions); messages give lines
-        for n, (where, raw) in enumerate(raws):
-            row = parse_row(raw, where, default_uid=f"{stem}:{n}")
-            if row.uid in seen:
-                raise DataError(f"{where}: uid {row.uid!r} repeats {seen[row.uid]}")
-            seen[row.uid] = where
-            out.append(row)
-    return out
 
 
 # --------------------------------------------------------------------------- prompts

@@ -11,14 +11,15 @@ the same step-k batches and the same resume). Neither side imports TensorFlow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
-from magic_jax.data.rows import DataError, PromptRow, parse_row, read_rows
+from magic_jax.data.rows import DataError, PromptRow, parse_row
 
 NAME = "verl_rows"
 VERSION = "1.0.0"
@@ -69,29 +70,15 @@ def is_tfds_dir(path: str | os.PathLike) -> bool:
     return (storage.path(path) / NAME / VERSION / "dataset_info.json").is_file()
 
 
-def prepare_dataset(
-    rows: str | os.PathLike | Iterable[str | os.PathLike], out: str | os.PathLike
-) -> Path:
-    """Checks verl rows and writes them as an array_record tfds dataset.
-
-    Args:
-      rows: files (``.parquet`` / ``.jsonl``) or directories of them, as ``read_rows``.
-      out: the dataset root (``data.train`` names it); must not hold a dataset yet.
+def write_dataset(rows: Sequence[PromptRow], out: str | os.PathLike) -> Path:
+    """Writes checked rows, in order, as an array_record tfds dataset under ``out``.
 
     Returns:
       The directory of the written version (``out/verl_rows/1.0.0``).
-
-    Raises:
-      DataError: a bad row (named by file and line) or an ``out`` that already
-        holds a dataset.
     """
-    out = Path(out).absolute()
-    if (out / NAME).exists():
-        raise DataError(f"{out}: already holds a {NAME} dataset; choose a new --out")
-    checked = read_rows(rows)
-    builder = _builder_class()(rows=checked, data_dir=os.fspath(out), file_format="array_record")
+    builder = _builder_class()(rows=rows, data_dir=os.fspath(out), file_format="array_record")
     builder.download_and_prepare()
-    return out / NAME / VERSION
+    return Path(out) / NAME / VERSION
 
 
 class TfdsRows(Sequence[PromptRow]):
@@ -146,8 +133,6 @@ class TfdsRows(Sequence[PromptRow]):
 
 
 def _with_uid(row: PromptRow, uid: str) -> PromptRow:
-    import dataclasses
-
     return dataclasses.replace(row, uid=uid)
 
 

@@ -17,24 +17,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from magic_jax.experiments import ablations
+from magic_jax.experiments.arms import ABLATIONS
+from magic_jax.experiments.results import load_arm_runs, rerun_command
 from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the notebooks' API)
     ALPHA,
     CHECKS,
     OUTCOMES,
     Check,
     Effect,
-    _mean,
-    _seed,
-    _var,
-    _world,
     effects,
     final_accuracy,
     identical_arms,
     identical_text,
     judge,
+    mean_of,
+    run_seed,
+    sample_var,
     verdict,
     welch,
+    world_record,
 )
 from magic_jax.jobs.report import Run, colors
 
@@ -43,14 +44,14 @@ def outcome_table(
     ablation: str, runs: Mapping[str, Sequence[Run]], outcomes: Sequence[str]
 ) -> list[list[str]]:
     """Rows ``[arm label, seeds, outcome mean +- std ...]`` for printing."""
-    ab = ablations.ABLATIONS[ablation]
+    ab = ABLATIONS[ablation]
     rows = []
     for arm in ab.arms:
         rs = runs.get(arm.key, [])
         row = [arm.label, str(len(rs))]
         for o in outcomes:
             v = [OUTCOMES[o](r) for r in rs]
-            row.append(f"{_mean(v):.3f} +- {math.sqrt(_var(v)):.3f}" if v else "-")
+            row.append(f"{mean_of(v):.3f} +- {math.sqrt(sample_var(v)):.3f}" if v else "-")
         rows.append(row)
     return rows
 
@@ -99,22 +100,35 @@ def _band(
     """Steps, mean, min and max over runs of ``key`` (steps every run has)."""
     per = [_series(r, key, evals) for r in runs]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
-    mean = [_mean([p[s] for p in per]) for s in steps]
+    mean = [mean_of([p[s] for p in per]) for s in steps]
     lo = [min(p[s] for p in per) for s in steps]
     hi = [max(p[s] for p in per) for s in steps]
     return steps, mean, lo, hi
 
 
-def plot_arms(ax: Any, runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str], key: str,
-              *, evals: bool = False) -> None:  # fmt: skip
+def plot_arms(
+    ax: Any,
+    runs: Mapping[str, Sequence[Run]],
+    labels: Mapping[str, str],
+    key: str,
+    *,
+    evals: bool = False,
+) -> None:
     """One colour per arm: the seed mean as a line, the seeds' min-max as a band."""
     arms = [k for k in runs if runs[k]]
     for arm, color in zip(arms, colors(len(arms))):
         steps, mean, lo, hi = _band(runs[arm], key, evals)
         if not steps:
             continue
-        ax.plot(steps, mean, color=color, linewidth=1.5, marker="o" if evals else None,
-                markersize=3, label=f"{labels.get(arm, arm)} (n={len(runs[arm])})")  # fmt: skip
+        ax.plot(
+            steps,
+            mean,
+            color=color,
+            linewidth=1.5,
+            marker="o" if evals else None,
+            markersize=3,
+            label=f"{labels.get(arm, arm)} (n={len(runs[arm])})",
+        )
         if len(runs[arm]) > 1:
             ax.fill_between(steps, lo, hi, color=color, alpha=0.18, linewidth=0)
         if key == "entropy":
@@ -123,13 +137,23 @@ def plot_arms(ax: Any, runs: Mapping[str, Sequence[Run]], labels: Mapping[str, s
                 ax.axhline(float(ent["target"]), color=color, linestyle="--", linewidth=0.9)
 
 
-def ablation_figure(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
-                    results: Any = None) -> Any:  # fmt: skip
+def _stage_changes(runs: Mapping[str, Sequence[Run]]) -> list[int]:
+    """The steps where a new stage starts, read from each arm's first run."""
+    steps = set()
+    for r in (rs[0] for rs in runs.values() if rs):
+        pairs = zip(r.metrics, r.metrics[1:])
+        steps |= {m["step"] for prev, m in pairs if m.get("stage") != prev.get("stage")}
+    return sorted(steps)
+
+
+def ablation_figure(
+    ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
+) -> Any:
     """A 2 x 3 matplotlib figure (Agg) of one ablation: every arm's seed mean and spread."""
     from matplotlib.figure import Figure
 
-    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
-    ab = ablations.ABLATIONS[ablation]
+    runs = load_arm_runs(ablation, results) if runs is None else runs
+    ab = ABLATIONS[ablation]
     labels = {a.key: a.label for a in ab.arms}
     fig = Figure(figsize=(13.5, 6.6), dpi=90)
     axes = fig.subplots(2, 3)
@@ -143,29 +167,37 @@ def ablation_figure(ablation: str, runs: Mapping[str, Sequence[Run]] | None = No
         ax.grid(alpha=0.3)
         if key == "entropy":
             ax.set_yscale("log")
-    stage_steps = sorted({
-        m["step"] for rs in runs.values() for r in rs[:1]
-        for prev, m in zip(r.metrics, r.metrics[1:]) if m.get("stage") != prev.get("stage")
-    })  # fmt: skip
     for ax in axes.flat:
-        for s in stage_steps:
+        for s in _stage_changes(runs):
             ax.axvline(s, color="0.5", linestyle=":", linewidth=0.9)
     axes.flat[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{ab.title}: seed mean (line) and min-max (band); dotted: stage change",
-                 fontsize=11)  # fmt: skip
+    fig.suptitle(
+        f"{ab.title}: seed mean (line) and min-max (band); dotted: stage change", fontsize=11
+    )
     fig.tight_layout()
     return fig
 
 
-def world_table(ablation: str, runs: Mapping[str, Sequence[Run]],
-                base: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+def _carry_accuracy(stats: Mapping[str, Any], carries: str) -> float:
+    """A model's held-out accuracy on the problems with ``carries`` carries (nan if none)."""
+    return float((stats.get("by_carries") or {}).get(carries, {}).get("accuracy", math.nan))
+
+
+def world_table(
+    ablation: str, runs: Mapping[str, Sequence[Run]], base: Mapping[str, Any] | None = None
+) -> str:
     """Carry world: the final models' strategy shares and accuracy per carry count (seed mean
     +- std of each run's ``world.json``), with the base model's figures (``base``: its
     ``build.json`` statistics) as the first row."""
-    ab = ablations.ABLATIONS[ablation]
-    cols = [("check_rate_needed", "checks carry columns"), ("check_rate_other", "checks others"),
-            ("accuracy", "accuracy"), ("entropy_correct", "entropy, correct"),
-            ("entropy_wrong", "entropy, wrong"), ("length", "length")]  # fmt: skip
+    ab = ABLATIONS[ablation]
+    cols = [
+        ("check_rate_needed", "checks carry columns"),
+        ("check_rate_other", "checks others"),
+        ("accuracy", "accuracy"),
+        ("entropy_correct", "entropy, correct"),
+        ("entropy_wrong", "entropy, wrong"),
+        ("length", "length"),
+    ]
     carries = [str(c) for c in range(6)]
     header = ["model", "seeds", *(c[1] for c in cols), *(f"acc, {c} carries" for c in carries)]
 
@@ -173,21 +205,22 @@ def world_table(ablation: str, runs: Mapping[str, Sequence[Run]],
         v = [x for x in v if not math.isnan(x)]
         if not v:
             return "-"
-        return f"{_mean(v):.{digits}f}" + (
-            f" +- {math.sqrt(_var(v)):.{digits}f}" if len(v) > 1 else ""
+        return f"{mean_of(v):.{digits}f}" + (
+            f" +- {math.sqrt(sample_var(v)):.{digits}f}" if len(v) > 1 else ""
         )
 
     def row(name: str, stats: Sequence[Mapping[str, Any]]) -> list[str]:
         out = [name, str(len(stats))]
-        out += [cell([float(s.get(k, math.nan)) for s in stats], 1 if k == "length" else 3)
-                for k, _ in cols]  # fmt: skip
-        out += [cell([float((s.get("by_carries") or {}).get(c, {}).get("accuracy", math.nan))
-                      for s in stats], 2) for c in carries]  # fmt: skip
+        out += [
+            cell([float(s.get(k, math.nan)) for s in stats], 1 if k == "length" else 3)
+            for k, _ in cols
+        ]
+        out += [cell([_carry_accuracy(s, c) for s in stats], 2) for c in carries]
         return out
 
     rows = [row("base (step 0)", [base])] if base else []
     for arm in ab.arms:
-        stats = [w for w in (_world(r) for r in runs.get(arm.key, [])) if w]
+        stats = [w for w in (world_record(r) for r in runs.get(arm.key, [])) if w]
         if stats:
             rows.append(row(f"{arm.label}, final", stats))
     return format_table(header, rows)
@@ -202,7 +235,7 @@ def sft_comparison(
     """Carry world: each seed's run of ``arm`` against supervised training continued from the
     base for the same seconds of training steps (``ablations.ensure_sft``), and the Welch
     comparison of their final held-out accuracies."""
-    by_seed = {_seed(r): r for r in runs.get(arm, [])}
+    by_seed = {run_seed(r): r for r in runs.get(arm, [])}
     rows, rl, sup = [], [], []
     for seed, res in sorted(sft.items()):
         r = by_seed.get(seed)
@@ -211,10 +244,27 @@ def sft_comparison(
         rl.append(final_accuracy(r))
         sup.append(float(res["after"]["accuracy"]))
         before = res["before"]["accuracy"]
-        rows.append([str(seed), f"{res['seconds']:.0f}", str(res["steps"]),
-                     f"{before:.3f}", f"{sup[-1]:.3f}", f"{rl[-1]:.3f}"])  # fmt: skip
-    table = format_table(["seed", "seconds of steps", "SFT steps", "held-out before",
-                          "after SFT", f"after {label or arm}"], rows)  # fmt: skip
+        rows.append(
+            [
+                str(seed),
+                f"{res['seconds']:.0f}",
+                str(res["steps"]),
+                f"{before:.3f}",
+                f"{sup[-1]:.3f}",
+                f"{rl[-1]:.3f}",
+            ]
+        )
+    table = format_table(
+        [
+            "seed",
+            "seconds of steps",
+            "SFT steps",
+            "held-out before",
+            "after SFT",
+            f"after {label or arm}",
+        ],
+        rows,
+    )
     eff = judge(Check("final accuracy", "sft", arm, +1), sup, rl)
     return table + "\n\n" + eff.text({"sft": "SFT continuation", arm: label or arm})
 
@@ -259,25 +309,39 @@ LIMITS: dict[str, str] = {
 def summary_rows(results: Any = None) -> list[list[str]]:
     """The README table: ablation, claim, world, arms, seeds, effects, verdict, limits."""
     rows = []
-    for key, ab in ablations.ABLATIONS.items():
-        runs = ablations.load_arm_runs(key, results)
+    for key, ab in ABLATIONS.items():
+        runs = load_arm_runs(key, results)
         effs = effects(key, runs, results)
         labels = {a.key: a.label for a in ab.arms}
         seeds = "/".join(str(len(runs[a.key])) for a in ab.arms)
         same = identical_text(runs, labels)
-        rows.append([
-            key, ab.claim, ab.world, "; ".join(a.label for a in ab.arms), seeds,
-            "<br>".join([*(e.text(labels) for e in effs), *same]), verdict(effs),
-            LIMITS.get(key, "") if verdict(effs) != "reproduced" else "",
-        ])  # fmt: skip
+        rows.append(
+            [
+                key,
+                ab.claim,
+                ab.world,
+                "; ".join(a.label for a in ab.arms),
+                seeds,
+                "<br>".join([*(e.text(labels) for e in effs), *same]),
+                verdict(effs),
+                LIMITS.get(key, "") if verdict(effs) != "reproduced" else "",
+            ]
+        )
     return rows
 
 
 def summary_table(results: Any = None) -> str:
     """The Markdown table of ``summary_rows`` (``notebooks/README.md`` holds it verbatim)."""
-    header = ["ablation", "report's claim", "world", "arms", "seeds per arm",
-              "effects (mean diff, 95% interval, Welch p)", "verdict (p < 0.05)",
-              "what this world lacks for it"]  # fmt: skip
+    header = [
+        "ablation",
+        "report's claim",
+        "world",
+        "arms",
+        "seeds per arm",
+        "effects (mean diff, 95% interval, Welch p)",
+        "verdict (p < 0.05)",
+        "what this world lacks for it",
+    ]
     return format_table(header, summary_rows(results))
 
 
@@ -287,8 +351,8 @@ def write_figures(
     """``<ablation>.png`` per ablation with finished runs and ``summary.md``; returns ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for key in names or ablations.ABLATIONS:
-        runs = ablations.load_arm_runs(key, results)
+    for key in names or ABLATIONS:
+        runs = load_arm_runs(key, results)
         if not any(runs.values()):
             continue
         fig = ablation_figure(key, runs)
@@ -297,12 +361,13 @@ def write_figures(
     return out
 
 
-def describe(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
-             results: Any = None) -> str:  # fmt: skip
+def describe(
+    ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
+) -> str:
     """What a notebook prints: each arm's outcomes (seed mean +- std), each check of the
     report's claim with its effect size and verdict, and the command that re-runs each arm."""
-    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
-    ab = ablations.ABLATIONS[ablation]
+    runs = load_arm_runs(ablation, results) if runs is None else runs
+    ab = ABLATIONS[ablation]
     labels = {a.key: a.label for a in ab.arms}
     names = list(
         dict.fromkeys(["final accuracy", "mean entropy", *(c.outcome for c in CHECKS[ablation])])
@@ -319,6 +384,6 @@ def describe(ablation: str, runs: Mapping[str, Sequence[Run]] | None = None,
         f"verdict: {verdict(effs)}",
         "",
         "re-run an arm (skips seeds already in notebooks/results/runs):",
-        *(f"  {ablations.rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),
+        *(f"  {rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),
     ]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ Each (arm, seed) is an ordinary ``magic-jax train`` run of its world's config
 world) with ``--set`` overrides, in its own directory under ``<results>/raw/`` (git-ignored:
 checkpoints, TensorBoard files). When a run finishes, its records (``metrics.jsonl``,
 ``eval.jsonl``, ``config.yaml``; in the carry world also ``world.json``, the final
-model's ``magic_jax.jobs.world.world_statistics``) and a ``run.json`` (the command, the
+model's ``magic_jax.jobs.carry_world.world_statistics``) and a ``run.json`` (the command, the
 wall time) are copied to ``<results>/runs/<arm>/seed<k>/``: a small directory that
 ``magic_jax.jobs.report.load_run`` reads and that is committed. Runs already there are
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
@@ -48,50 +48,21 @@ from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the noteboo
     Arm,
     World,
 )
+from magic_jax.experiments.results import (  # noqa: F401 (re-exported: the notebooks' API)
+    RESULTS_ENV,
+    STEPS_ENV,
+    default_results,
+    is_done,
+    load_arm_runs,
+    raw_dir,
+    rerun_command,
+    results_dir,
+    step_budget,
+    summary_dir,
+    train_config,
+)
 
-STEPS_ENV = "MAGIC_JAX_NOTEBOOK_STEPS"
-RESULTS_ENV = "MAGIC_JAX_NOTEBOOK_RESULTS"
-
-# --------------------------------------------------------------------------- where and how
-
-
-def step_budget() -> int | None:
-    """``MAGIC_JAX_NOTEBOOK_STEPS`` as steps per stage (smoke runs), or None."""
-    text = os.environ.get(STEPS_ENV, "").strip()
-    if not text:
-        return None
-    if not text.isdigit() or int(text) <= 0:
-        raise ValueError(f"{STEPS_ENV}={text!r}: expected a positive number of steps per stage")
-    return int(text)
-
-
-def default_results() -> Path:
-    """``notebooks/results`` of this checkout: found from the working directory upwards."""
-    here = Path.cwd().resolve()
-    for d in (here, *here.parents):
-        if d.name == "notebooks" and (d / "results").is_dir():
-            return d / "results"
-        if (d / "notebooks" / "results").is_dir():
-            return d / "notebooks" / "results"
-    return here / "notebooks" / "results"
-
-
-def results_dir(results: str | os.PathLike | None = None) -> Path:
-    """Where runs go: ``results``, else ``$MAGIC_JAX_NOTEBOOK_RESULTS``, else
-    ``notebooks/results`` (``notebooks/results/budget-N`` with a step budget)."""
-    if results is not None:
-        return Path(results).resolve()
-    env = os.environ.get(RESULTS_ENV, "").strip()
-    if env:
-        return Path(env).resolve()
-    budget = step_budget()
-    base = default_results()
-    return base if budget is None else base / f"budget-{budget}"
-
-
-def train_config(world: str = "default") -> Path:
-    """A world's config file as shipped in the package (``configs/<name>.yaml`` in a checkout)."""
-    return Path(__file__).resolve().parents[1] / WORLDS[world].package_config
+# --------------------------------------------------------------------------- one run
 
 
 def overrides_for(
@@ -104,14 +75,6 @@ def overrides_for(
     export = "export_hf=true" if w.statistics else "export_hf=false"
     ckpt = w.run_overrides if budget is None else (export, f"checkpoint_every={steps}")
     return [*evals, *ckpt, *arm.step_overrides(steps), *arm.overrides, f"seed={seed}"]
-
-
-def raw_dir(results: Path, arm: Arm, seed: int) -> Path:
-    return results / "raw" / arm.key / f"seed{seed}"
-
-
-def summary_dir(results: Path, arm: Arm, seed: int) -> Path:
-    return results / "runs" / arm.key / f"seed{seed}"
 
 
 def train_command(
@@ -134,18 +97,6 @@ def train_command(
     return cmd
 
 
-def rerun_command(ablation: str, arm: Arm, seed: int) -> str:
-    """One shell command that (re)builds this arm's seed under ``notebooks/results``."""
-    return (
-        f"python -m magic_jax.experiments.ablations run --ablation {ablation} "
-        f"--arm {arm.key} --seeds {seed}"
-    )
-
-
-def is_done(results: Path, arm: Arm, seed: int) -> bool:
-    return (summary_dir(results, arm, seed) / "run.json").exists()
-
-
 RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml", "world.json")
 WORLD_SAMPLES = 4  # samples per held-out problem for a finished run's world statistics
 
@@ -155,8 +106,8 @@ def measure_world(raw: Path, num_samples: int = WORLD_SAMPLES) -> dict:
     export) on the run's held-out problems; written to ``<raw>/world.json``."""
     import yaml
 
-    from magic_jax.jobs.demo import read_rows_file
-    from magic_jax.jobs.world import model_statistics
+    from magic_jax.jobs.carry_world import model_statistics
+    from magic_jax.jobs.worlds import read_rows_file
 
     cfg = yaml.safe_load((raw / "config.yaml").read_text())
     rows = [r for f in cfg["eval"]["data"] for r in read_rows_file(Path(f))]
@@ -329,7 +280,7 @@ def ensure_sft(
     training continued from the base for the same seconds of training steps as that run
     (``world.sft_continuation``, same seed), made once and kept in
     ``<results>/sft/<arm>/seed<k>.json``; returns them by seed."""
-    from magic_jax.jobs.world import sft_continuation
+    from magic_jax.jobs.carry_world import sft_continuation
 
     ab = ABLATIONS[ablation]
     if not WORLDS[ab.world].statistics:
@@ -350,23 +301,6 @@ def ensure_sft(
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(json.dumps(res, indent=1) + "\n")
         out[seed] = json.loads(dest.read_text())
-    return out
-
-
-def load_arm_runs(ablation: str, results: str | os.PathLike | None = None) -> dict[str, list]:
-    """``{arm key: [report.Run of each finished seed]}`` of one ablation (arms in order)."""
-    from magic_jax.jobs.report import load_run
-
-    where = results_dir(results)
-    ab = ABLATIONS[ablation]
-    out = {}
-    for arm in ab.arms:
-        runs = []
-        for seed in ab.seeds:
-            d = summary_dir(where, arm, seed)
-            if (d / "run.json").exists():
-                runs.append(load_run(d, name=f"{arm.label} (seed {seed})"))
-        out[arm.key] = runs
     return out
 
 

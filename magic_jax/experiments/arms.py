@@ -37,7 +37,7 @@ class World:
       stage_steps: steps per stage of every run.
       eval_overrides / run_overrides: ``--set`` assignments every run of this world gets.
       statistics: whether a finished run's final model is measured with
-        ``magic_jax.jobs.world.world_statistics`` (``world.json``; needs the HF export).
+        ``magic_jax.jobs.carry_world.world_statistics`` (``world.json``; needs the HF export).
     """
 
     key: str
@@ -127,10 +127,6 @@ class Ablation:
     seeds: tuple[int, ...] = SEEDS
     world: str = "default"
 
-    @property
-    def world_spec(self) -> World:
-        return WORLDS[self.world]
-
     def arm(self, key: str) -> Arm:
         for a in self.arms:
             if a.key == key:
@@ -170,25 +166,23 @@ ABLATIONS: dict[str, Ablation] = {
                     "fixed alpha 0.005",
                     ("entropy.mode=fixed", "entropy.init_coef=0.005"),
                 ),
-                # The first shipped controller; the runs were made when configs/carry.yaml
-                # held these values (each summary's config.yaml is the resolved config).
+                # A low target: the collapse happens in stage 1, before entropy falls to
+                # 0.05, so this controller acts only late (the two arms below act earlier).
                 Arm(
                     "carry-adaptive",
                     "adaptive: target 0.05, delta 0.001, no cap",
                     ("entropy.target=0.05", "entropy.delta=0.001"),
                 ),
-                # Added after the first three arms' seeds 0-2 showed the collapse happening in
-                # stage 1, before entropy reaches 0.05 (the controller first acted at step
-                # 140-145): a target of 0.8 x the base's entropy acts from stage 1 on.
+                # A target of 0.8 x the base's entropy: the controller acts from stage 1
+                # on, where the collapse happens.
                 Arm(
                     "carry-adaptive-0.07",
                     "adaptive: target 0.07, delta 0.001, no cap",
                     ("entropy.target=0.07", "entropy.delta=0.001"),
                 ),
-                # Added after both controllers above climbed without lifting late entropy: a
-                # target near the base's entropy (0.086) and a step ten times larger reach the
-                # coefficients that move it here (0.2-0.8) while the policy is still learning
-                # (pilots of seed 0, docs/carry-world.md). configs/carry.yaml as shipped since.
+                # A target near the base's entropy (0.086) and a step ten times larger: they
+                # reach the coefficients that move entropy here (0.2-0.8) while the policy
+                # is still learning (docs/carry-world.md); configs/carry.yaml ships them.
                 Arm(
                     "carry-adaptive-0.08",
                     "adaptive: target 0.08, delta 0.01, no cap (shipped)",
@@ -231,7 +225,9 @@ ABLATIONS: dict[str, Ablation] = {
                 Arm("carry-none", "N_SGD 1 (D_T = D_R = 16)"),
                 Arm("carry-nsgd4-minibatch", "N_SGD 4 by mini-batches (D_T 4)", _CARRY_NSGD4),
                 Arm(
-                    "carry-nsgd4-reuse", "N_SGD 4 by reuse (N_reuse 4)", (*_NO_BONUS, "num_reuse=4")
+                    "carry-nsgd4-reuse",
+                    "N_SGD 4 by reuse (N_reuse 4)",
+                    (*_NO_BONUS, "update.num_reuse=4"),
                 ),
             ),
             seeds=SEEDS_CENTRAL,

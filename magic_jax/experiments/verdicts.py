@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from magic_jax.experiments import ablations
+from magic_jax.experiments.results import load_arm_runs, train_config
 from magic_jax.jobs.report import Run
 
 # A run's one-number outcomes (seed by seed), by name: (description, function).
@@ -76,7 +77,7 @@ def _carry_target() -> float:
     """The entropy target of the shipped carry config (read once)."""
     import yaml
 
-    cfg = yaml.safe_load(ablations.train_config("carry").read_text())
+    cfg = yaml.safe_load(train_config("carry").read_text())
     return float(cfg["entropy"]["target"])
 
 
@@ -108,9 +109,12 @@ def stage1_reward(run: Run) -> float:
 
 def stage1_accuracy_not_truncated(run: Run) -> float:
     """Accuracy of the responses that fit the first stage's T, averaged over its steps."""
-    v = [m["accuracy_not_truncated"] for m in _stage_rows(run, 0)
-         if isinstance(m.get("accuracy_not_truncated"), int | float)
-         and not math.isnan(m["accuracy_not_truncated"])]  # fmt: skip
+    v = [
+        m["accuracy_not_truncated"]
+        for m in _stage_rows(run, 0)
+        if isinstance(m.get("accuracy_not_truncated"), int | float)
+        and not math.isnan(m["accuracy_not_truncated"])
+    ]
     return float(sum(v) / len(v)) if v else math.nan
 
 
@@ -156,10 +160,8 @@ def max_grad_norm(run: Run) -> float:
     return float(max(m.get("grad_norm", 0.0) for m in run.metrics))
 
 
-def _world(run: Run) -> dict[str, Any]:
+def world_record(run: Run) -> dict[str, Any]:
     """The run's ``world.json`` (carry world: the final model's statistics), or {}."""
-    import json
-
     p = Path(run.path) / "world.json"
     return json.loads(p.read_text()) if p.exists() else {}
 
@@ -167,13 +169,13 @@ def _world(run: Run) -> dict[str, Any]:
 def final_check_rate(run: Run) -> float:
     """Carry world: share of the columns in a carry that the final model checks (the better
     strategy: an answer is right exactly when all of them are), held-out problems at T 64."""
-    return float(_world(run).get("check_rate_needed", math.nan))
+    return float(world_record(run).get("check_rate_needed", math.nan))
 
 
 def final_check_rate_other(run: Run) -> float:
     """Carry world: share of the columns without a carry that the final model checks
     (checking them costs length and buys nothing: diversity among correct answers)."""
-    return float(_world(run).get("check_rate_other", math.nan))
+    return float(world_record(run).get("check_rate_other", math.nan))
 
 
 def alpha_off_bounds(run: Run) -> float:
@@ -322,7 +324,8 @@ class Effect:
         interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
         p = "" if math.isnan(self.p) else f", Welch p = {_p(self.p)}"
         return (
-            f"{self.check.outcome}: {a} {_mean(self.arm):.3f} vs {r} {_mean(self.reference):.3f} "
+            f"{self.check.outcome}: {a} {mean_of(self.arm):.3f} "
+            f"vs {r} {mean_of(self.reference):.3f} "
             f"(diff {self.diff:+.3f}{interval}{p}, "
             f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict}"
         )
@@ -332,14 +335,16 @@ def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-3 else "< 0.001"
 
 
-def _mean(v: Sequence[float]) -> float:
+def mean_of(v: Sequence[float]) -> float:
+    """The mean of the seeds' values (nan for none)."""
     return sum(v) / len(v) if v else math.nan
 
 
-def _var(v: Sequence[float]) -> float:
+def sample_var(v: Sequence[float]) -> float:
+    """The seeds' sample variance (0 for fewer than two)."""
     if len(v) < 2:
         return 0.0
-    m = _mean(v)
+    m = mean_of(v)
     return sum((x - m) ** 2 for x in v) / (len(v) - 1)
 
 
@@ -354,12 +359,12 @@ def welch(reference: Sequence[float], arm: Sequence[float]) -> tuple[float, floa
     from scipy import stats
 
     na, nr = len(arm), len(reference)
-    va, vr = _var(arm), _var(reference)
+    va, vr = sample_var(arm), sample_var(reference)
     se = math.sqrt(va / max(na, 1) + vr / max(nr, 1))
     if min(na, nr) < 2 or se == 0:
         return se, math.nan, math.nan, math.nan
     df = (va / na + vr / nr) ** 2 / ((va / na) ** 2 / (na - 1) + (vr / nr) ** 2 / (nr - 1))
-    diff = _mean(arm) - _mean(reference)
+    diff = mean_of(arm) - mean_of(reference)
     half = float(stats.t.ppf(0.975, df)) * se
     p = float(2 * stats.t.sf(abs(diff) / se, df))
     return se, diff - half, diff + half, p
@@ -374,7 +379,7 @@ def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Eff
     ("the same"), it holds when the 95% interval lies within +-tolerance and fails when the
     interval lies wholly outside it.
     """
-    diff = _mean(arm) - _mean(reference)
+    diff = mean_of(arm) - mean_of(reference)
     se, low, high, p = welch(reference, arm)
     if math.isnan(p) or math.isnan(diff):
         verdict = "inconclusive"
@@ -392,9 +397,8 @@ def judge(check: Check, reference: Sequence[float], arm: Sequence[float]) -> Eff
     return Effect(check, list(reference), list(arm), diff, se, verdict, low, high, p)
 
 
-def _seed(run: Run) -> int | None:
-    import json
-
+def run_seed(run: Run) -> int | None:
+    """The seed a finished run records in its ``run.json`` (None without one)."""
     p = Path(run.path) / "run.json"
     return json.loads(p.read_text()).get("seed") if p.exists() else None
 
@@ -406,7 +410,7 @@ def identical_arms(runs: Mapping[str, Sequence[Run]]) -> list[tuple[str, str, li
     may still differ, e.g. where a clip that never binds moves the reported loss)."""
     keys = ("entropy", "reward", "response_length_mean")
     sig = {
-        arm: {_seed(r): [tuple(m.get(k) for k in keys) for m in r.metrics] for r in rs}
+        arm: {run_seed(r): [tuple(m.get(k) for k in keys) for m in r.metrics] for r in rs}
         for arm, rs in runs.items()
     }
     out = []
@@ -434,7 +438,7 @@ def effects(
     ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
 ) -> list[Effect]:
     """Every check of ``ablation`` on the finished runs."""
-    runs = ablations.load_arm_runs(ablation, results) if runs is None else runs
+    runs = load_arm_runs(ablation, results) if runs is None else runs
     out = []
     for c in CHECKS[ablation]:
         fn = OUTCOMES[c.outcome]

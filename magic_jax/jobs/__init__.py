@@ -1,2 +1,2 @@
-"""The commands: the CLI, evaluation, difficulty estimation, the TPU planner, the demo and
-its build, reports."""
+"""The commands: the CLI, the scoring jobs (evaluation, difficulty estimation), the TPU
+planner, the default run, the worlds' builds, reports."""

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from magic_jax.jobs import convert as convert_job
 
@@ -69,27 +70,27 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _default_config() -> str:
-    from magic_jax.jobs.demo import CONFIG_FILE
+    from magic_jax.jobs.default_world import CONFIG_FILE
 
     return str(CONFIG_FILE)
 
 
 def _build_default(args: argparse.Namespace) -> int:
-    from magic_jax.jobs.demo import BuildConfig, build_default
+    from magic_jax.jobs.default_world import BuildConfig, build_default
 
     build_default(args.out, BuildConfig(seed=args.seed))
     return 0
 
 
 def _build_world(args: argparse.Namespace) -> int:
-    from magic_jax.jobs.world import WorldBuildConfig, build_world
+    from magic_jax.jobs.carry_world import WorldBuildConfig, build_carry_world
 
-    build_world(args.out, WorldBuildConfig(seed=args.seed))
+    build_carry_world(args.out, WorldBuildConfig(seed=args.seed))
     return 0
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from magic_jax.data.tfds import prepare_dataset
+    from magic_jax.data.sources import prepare_dataset
 
     t0 = time.perf_counter()
     out = prepare_dataset(args.rows, args.out)
@@ -184,15 +185,9 @@ def _eval(args: argparse.Namespace) -> int:
     options = EvalOptions(
         num_samples=named,
         default_num_samples=default,
-        max_response_length=args.max_response_length,
-        max_prompt_length=args.max_prompt_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chunk=args.chunk,
         limit=args.limit,
         keep_responses=args.responses,
-        **_engine_options(args),
+        **_job_options(args),
     )
     run_eval(args.model, args.data, args.out, options)
     print(f"per-problem lines and summary.md in {args.out}")
@@ -207,15 +202,7 @@ def _estimate_difficulty(args: argparse.Namespace) -> int:
     if default is not None:
         raise ValueError(f"--samples {default}: give ABILITY=N, e.g. --samples math=16")
     options = DifficultyOptions(
-        model_name=args.model_name,
-        samples=DEFAULT_SAMPLES | named,
-        max_response_length=args.max_response_length,
-        max_prompt_length=args.max_prompt_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chunk=args.chunk,
-        **_engine_options(args),
+        model_name=args.model_name, samples=DEFAULT_SAMPLES | named, **_job_options(args)
     )
     estimate_difficulty(args.model, args.data, args.out, options)
     print(f"rated rows in {args.out}/rated, filtered rows in {args.out}/filtered")
@@ -230,21 +217,30 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
+def _job_options(args: argparse.Namespace) -> dict:
+    """The ``ScoringJob`` options of ``eval`` and ``estimate-difficulty``."""
+    from magic_jax.jobs.scoring_job import engine_options
+
     return {
+        "max_response_length": args.max_response_length,
+        "max_prompt_length": args.max_prompt_length,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "chunk": args.chunk,
         "tokenizer": args.tokenizer,
         "param_dtype": args.param_dtype,
         "mesh": args.mesh,
-        "max_concurrent_decodes": args.max_concurrent_decodes,
-        "decode_steps": args.decode_steps,
+        "engine": engine_options(args.set or (), args.extensions or ()),
         "workers": args.workers,
     }
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_response_length: int) -> None:
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of a ``ScoringJob`` (``eval``, ``estimate-difficulty``)."""
     p.add_argument("model", help="Hugging Face dir, magic_jax model, run dir or run checkpoint")
     p.add_argument("data", nargs="+", help="Parquet / JSON-lines files (or dirs) of verl rows")
-    p.add_argument("--max-response-length", type=int, default=max_response_length)
+    p.add_argument("--max-response-length", type=int, default=32768)
     p.add_argument("--max-prompt-length", type=int, default=2048, help="longer prompts skipped")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -255,20 +251,24 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_response_length: int) -> 
     p.add_argument("--tokenizer", help="tokenizer dir (default: the model's)")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
-    p.add_argument("--max-concurrent-decodes", type=int, default=64, help="decode slots")
-    p.add_argument("--decode-steps", type=int, default=64, help="decode steps per host trip")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="rollout.KEY=VALUE",
+        help="a decode engine option, as a run config's rollout section takes it, e.g. "
+        "--set rollout.dtype=bfloat16 --set rollout.kv_dtype=int8 "
+        "--set rollout.max_concurrent_decodes=128",
+    )
+    p.add_argument(
+        "--extensions",
+        action="append",
+        metavar="MODULE",
+        help="a module to import first (one that registers a decode attention or a reward)",
+    )
     p.add_argument("--workers", type=int, help="verifier processes (default: one per CPU)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    convert_job.add_parser(sub)
-
+def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face checkpoint dir")
     p.add_argument(
         "ckpt",
@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="e.g. fsdp=-1,tensor=4 (default: one device)")
     p.set_defaults(func=_export)
 
+
+def _add_train(sub: Any) -> None:
     p = sub.add_parser(
         "train",
         help="run a MAGIC training config (resumes from its output_dir)",
@@ -316,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_train)
 
+
+def _add_status(sub: Any) -> None:
     p = sub.add_parser(
         "status",
         help="where a stopped run resumes: checkpoint, saved groups, lock, host reports",
@@ -324,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.set_defaults(func=_status)
 
+
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="per-device memory and roofline time of each stage on a TPU slice (needs libtpu)",
@@ -339,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_plan)
 
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="the default run in a directory of your choice, then supervised training from the "
@@ -359,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_demo)
 
+
+def _add_builds(sub: Any) -> None:
     p = sub.add_parser(
         "build-default",
         help="rebuild the shipped base model and problems of the default run (from a seed)",
@@ -375,10 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_build_world)
 
+
+def _add_scoring_jobs(sub: Any) -> None:
     p = sub.add_parser(
         "eval", help="avg@n and pass@k of a model on data sets (resumable per-problem output)"
     )
-    _add_sampling_args(p, 32768)
+    _add_job_args(p)
     p.add_argument(
         "--n",
         action="append",
@@ -395,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate-difficulty",
         help="N samples per prompt -> extra_info.model_difficulty, filtered rows, histogram",
     )
-    _add_sampling_args(p, 32768)
+    _add_job_args(p)
     p.add_argument(
         "--samples",
         action="append",
@@ -406,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (resumed if present)")
     p.set_defaults(func=_estimate_difficulty)
 
+
+def _add_report_and_data(sub: Any) -> None:
     p = sub.add_parser("report", help="curves of one or more runs: PNGs and one HTML page")
     p.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, eval.jsonl)")
     p.add_argument("-o", "--output", default="report.html", help="HTML page; PNGs beside it")
@@ -420,6 +434,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rows", nargs="+", help="files or directories of verl rows")
     p.add_argument("--out", required=True, help="new dataset directory (data.train may name it)")
     p.set_defaults(func=_prepare_data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="magic-jax", description="RL post-training of long chain-of-thought models in JAX."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    convert_job.add_parser(sub)
+    for add in (
+        _add_export,
+        _add_train,
+        _add_status,
+        _add_plan,
+        _add_demo,
+        _add_builds,
+        _add_scoring_jobs,
+        _add_report_and_data,
+    ):
+        add(sub)
     return parser
 
 

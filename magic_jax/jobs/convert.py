@@ -30,10 +30,18 @@ CHUNK_MB = 4.0
 # A tokenizer's files (the Hub's layouts for fast, slow and sentencepiece tokenizers);
 # never config.json: beside it the directory would read as a Hugging Face checkpoint.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-    "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 _HUB_SMALL = ["config.json", *TOKENIZER_FILES]
 _HUB_WEIGHTS = ["*.safetensors", "model.safetensors.index.json"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -1,21 +1,13 @@
-"""The embedded default: the shipped base model (and how it is built), its data and its run.
+"""The default run: ``magic-jax train`` with no config, and ``magic-jax demo``.
 
-``magic-jax train`` with no config runs ``configs/default.yaml``: MAGIC on a
-0.74M-parameter Qwen2 that adds multi-digit numbers
-(``magic_jax.data.tasks.addition``), shipped inside the package as a Hugging Face
-checkpoint (``magic_jax/assets/default/model``) with its training and
-held-out problems. ``magic-jax build-default`` rebuilds those files from a
-fixed seed: supervised training from scratch, first on a long worked
-solution style, then on its mixture with a short guessing style, each phase
-long enough that held-out accuracy has stopped improving (the supervised
-plateau). ``compare_sft`` continues supervised
-training from the shipped model for a given wall time: the baseline a MAGIC
-run must beat.
+``run_default`` runs ``configs/default.yaml`` (MAGIC on the default world's
+shipped base model, ``default_world``), writes its report and prints a
+before -> after line. ``compare_sft`` continues supervised training from the
+shipped model for a given wall time: the baseline a MAGIC run must beat.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -24,247 +16,10 @@ from typing import Any
 
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
-MODEL_DIR = ASSETS / "model"
-TRAIN_FILE = ASSETS / "train.jsonl"
-HELDOUT_FILE = ASSETS / "heldout.jsonl"
-CONFIG_FILE = ASSETS / "default.yaml"
+from magic_jax.jobs.default_world import ASSETS, CONFIG_FILE, HELDOUT_FILE
+from magic_jax.jobs.worlds import SFT_LENGTH, read_rows_file
+
 RUN_TIME_FILE = "default_run.json"  # in the run directory: the wall time of the whole command
-
-MODEL = dict(
-    hidden_size=128,
-    intermediate_size=352,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-    rope_theta=1e4,
-)
-MAX_PROMPT = 16  # tokens: BOS, User, 11 characters at most, Assistant, <think>, \n
-MAX_RESPONSE = 64  # tokens: the longest worked solution (5 columns) is 60 with EOS
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BuildConfig:
-    """How the shipped base model is built.
-
-    Supervised training runs in two phases: ``worked_steps`` on worked
-    solutions only (the model learns to add column by column), then
-    ``mixture_steps`` on the task's style mixture (``worked_share`` worked,
-    the rest quick), long enough for the style choice and the quick style to
-    settle: the plateau of the mixture data. The learning rate warms up, then
-    decays (cosine) over both phases.
-
-    Attributes:
-      seed: model initialisation, problems and style choices.
-      worked_steps / mixture_steps: the two phases, in steps of ``batch`` fresh examples.
-      batch: examples per step.
-      learning_rate: AdamW peak rate.
-      worked_share: the mixture's share of worked solutions.
-      train_problems / heldout_problems: RL training prompts and held-out problems.
-      eval_every / eval_samples / eval_problems: plateau tracking during the build.
-    """
-
-    seed: int = 0
-    worked_steps: int = 1600
-    mixture_steps: int = 1000
-    batch: int = 32
-    learning_rate: float = 2e-3
-    worked_share: float = 0.3
-    train_problems: int = 4096
-    heldout_problems: int = 256
-    eval_every: int = 200
-    eval_samples: int = 4
-    eval_problems: int = 128
-
-
-def _examples(task, tok, rng: np.random.Generator, n: int, n_worked: int, exclude: set):
-    """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, none held out.
-
-    The first ``n_worked`` problems get worked solutions, the rest quick ones
-    (problems are random, so the order says nothing).
-    """
-    from magic_jax.data.rows import render_r1
-    from magic_jax.data.tasks import addition
-
-    prompts, responses = [], []
-    while len(prompts) < n:
-        a, b = task.sample(rng)
-        if (a, b) in exclude:
-            continue
-        msgs = [{"role": "user", "content": addition.prompt(a, b)}]
-        p = tok.encode(render_r1(msgs), add_special_tokens=False)
-        if len(prompts) < n_worked:
-            text = addition.worked_solution(a, b)
-        else:
-            text = addition.quick_solution(a, b, rng)
-        r = tok.encode(text, add_special_tokens=False)
-        prompts.append(np.asarray(p, np.int32))
-        responses.append(np.asarray([*r, tok.eos_token_id], np.int32))
-    return prompts, responses
-
-
-def style_of(text: str) -> str:
-    """``"quick"`` if a response closes its reasoning at once, else ``"worked"``."""
-    return "quick" if text.lstrip().startswith("</think>") else "worked"
-
-
-def make_evaluator(
-    model: Any, tok: Any, rows: list[dict[str, Any]], *, num_samples: int, seed: int = 0
-) -> Callable[[Any, int], dict[str, float]]:
-    """(params, step) -> held-out avg@n at temperature 1, overall and per solution style.
-
-    Uses the training engine (T = ``MAX_RESPONSE``) and the math reward.
-    """
-    from magic_jax.data.rows import parse_row, tokenize_rows
-    from magic_jax.rollout.driver import make_driver
-    from magic_jax.rollout.evaluate import eval_seed
-    from magic_jax.rollout.sampling import SamplingConfig
-    from magic_jax.rollout.scoring import score_groups
-
-    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
-    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
-    driver = make_driver(
-        model,
-        max_prompt_length=MAX_PROMPT,
-        max_response_length=MAX_RESPONSE,
-        sampling=SamplingConfig(temperature=1.0),
-        max_concurrent_decodes=128,
-    )
-
-    def run(params, step):
-        groups, _, _ = score_groups(
-            driver,
-            params,
-            parsed,
-            tokenizer=tok,
-            num_samples=num_samples,
-            seed=eval_seed(seed),
-            step=step,
-            keep_texts=True,
-        )
-        by_style: dict[str, list[float]] = {"worked": [], "quick": []}
-        ent_sum, tokens, n = 0.0, 0, 0
-        for g in groups:
-            for s, text, r in zip(g.samples, g.texts, g.rewards):
-                by_style[style_of(text)].append(float(r))
-                ent_sum += float(np.sum(s.entropies[: s.length]))
-                tokens += s.length
-                n += 1
-        return {
-            "accuracy": float(sum(map(sum, by_style.values())) / n),
-            "worked_share": len(by_style["worked"]) / n,
-            "worked_accuracy": float(np.mean(by_style["worked"])) if by_style["worked"] else 0.0,
-            "quick_accuracy": float(np.mean(by_style["quick"])) if by_style["quick"] else 0.0,
-            "entropy": ent_sum / max(tokens, 1),
-        }
-
-    return run
-
-
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def read_rows_file(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-
-
-def build_default(
-    out: str | Path = ASSETS, config: BuildConfig | None = None, *, log=print
-) -> dict[str, Any]:
-    """Builds the shipped base model and its problem files under ``out``.
-
-    Writes ``model/`` (Hugging Face checkpoint + tokenizer), ``train.jsonl``,
-    ``heldout.jsonl`` and ``build.json`` (the build's settings and its
-    held-out accuracy curve). Deterministic for a seed up to XLA's CPU
-    floating-point differences.
-    """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from magic_jax.data.tasks import addition
-    from magic_jax.model.config import ModelConfig
-    from magic_jax.model.convert import save_hf
-    from magic_jax.model.qwen2 import Qwen2, count_params
-    from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
-
-    config = config or BuildConfig()
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not (out / "build.json").exists():
-        raise FileExistsError(
-            f"{out}: not empty and not a build of this command (no build.json); "
-            f"choose a new or empty directory"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    task = addition.AdditionTask(worked_share=config.worked_share)
-    tok = addition.tokenizer()
-    heldout = addition.verl_rows(config.heldout_problems, seed=config.seed + 1, source="heldout")
-    held = {addition.row_problem(r) for r in heldout}
-    train = addition.verl_rows(
-        config.train_problems, seed=config.seed + 2, source="train", exclude=held
-    )
-    _write_rows(out / "heldout.jsonl", heldout)
-    _write_rows(out / "train.jsonl", train)
-    mcfg = ModelConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MODEL
-    )
-    model = Qwen2(mcfg, rngs=nnx.Rngs(config.seed))
-    log(f"[build] {count_params(model):,} parameters, vocabulary {len(tok)} (characters)")
-    graphdef, params = nnx.split(model, nnx.Param)
-    total = config.worked_steps + config.mixture_steps
-    sft = SFTTrainer(
-        graphdef,
-        params,
-        SFTConfig(learning_rate=config.learning_rate, decay_steps=total - 20),
-    )
-    rng = np.random.default_rng(config.seed + 3)
-    length = 80  # the longest prompt (16) and worked response (60 with EOS), rounded up
-
-    def make_batch(step):
-        if step < config.worked_steps:
-            n_worked = config.batch
-        else:
-            n_worked = task.worked_in_batch(step - config.worked_steps, config.batch)
-        p, r = _examples(task, tok, rng, config.batch, n_worked, held)
-        return pack_sft(p, r, length=length, pad_id=tok.pad_token_id)
-
-    evaluate = make_evaluator(
-        model, tok, heldout[: config.eval_problems], num_samples=config.eval_samples
-    )
-    model_dir = out / "model"
-
-    def save():
-        # fp32: the model is tiny (3 MB), and bf16 weights cost it accuracy
-        save_hf(nnx.merge(graphdef, sft.params), model_dir, dtype=jnp.float32)
-        tok.save_pretrained(model_dir)
-
-    def evaluate_and_save(params, step):
-        save()  # a usable model at every evaluation of a long build
-        return evaluate(params, step)
-
-    t0 = time.perf_counter()
-    res = train_sft(
-        sft,
-        make_batch,
-        steps=total,
-        evaluate=evaluate_and_save,
-        eval_every=config.eval_every,
-        log=log,
-    )
-    info = {
-        "build": dataclasses.asdict(config),
-        "task": dataclasses.asdict(task),
-        "parameters": count_params(model),
-        "wall_s": time.perf_counter() - t0,
-        **{k: res[k] for k in ("steps", "train_s", "loss", "evals")},
-    }
-    (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"[build] wrote {model_dir} ({res['steps']} steps, {info['wall_s']:.0f}s)")
-    return info
-
-
-# --------------------------------------------------------------------------- the default run
 
 
 def check_shipped_model(path: str | Path) -> None:
@@ -314,7 +69,7 @@ def check_task(config: Any) -> None:
       ConfigError: naming the stage (or ``eval.max_response_length``) whose T is
         shorter than the shortest correct response of the task's problems.
     """
-    from magic_jax.data.rows import read_rows
+    from magic_jax.data.sources import read_rows
     from magic_jax.data.tasks import addition
     from magic_jax.run.config import ConfigError
 
@@ -322,8 +77,10 @@ def check_task(config: Any) -> None:
     if not rows or "a" not in rows[0].get("extra_info", {}):
         return  # not the addition task's rows: nothing to check
     need = shortest_response(rows, addition.tokenizer())
-    limits = [(f"stages[{i}].max_response_length", s.max_response_length)
-              for i, s in enumerate(config.stages)]  # fmt: skip
+    limits = [
+        (f"stages[{i}].max_response_length", s.max_response_length)
+        for i, s in enumerate(config.stages)
+    ]
     if config.eval is not None and config.eval.max_response_length is not None:
         limits.append(("eval.max_response_length", config.eval.max_response_length))
     for name, t in limits:
@@ -416,8 +173,12 @@ def run_default(
         timing.write_text(json.dumps({"wall_s": wall}) + "\n")
     summary["wall_s"] = wall
     clock = compile_cache.CLOCK
-    summary.update(compile_s=clock.compile_seconds, compiled=clock.compiled,
-                   cache_read_s=clock.read_seconds, cache_hits=clock.cache_hits)  # fmt: skip
+    summary.update(
+        compile_s=clock.compile_seconds,
+        compiled=clock.compiled,
+        cache_read_s=clock.read_seconds,
+        cache_hits=clock.cache_hits,
+    )
     ends = _first_last_eval(out)
     if ends is not None:
         first, last = ends
@@ -462,6 +223,7 @@ def compare_sft(
     from flax import nnx
 
     from magic_jax.data.tasks import addition
+    from magic_jax.jobs.default_world import make_evaluator, mixture_examples
     from magic_jax.model.convert import load_hf
     from magic_jax.run.trainer import load_tokenizer
     from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
@@ -474,7 +236,7 @@ def compare_sft(
         task = addition.AdditionTask(worked_share=worked_share)
 
         def examples(tok, rng, n, step, held):
-            return _examples(task, tok, rng, n, task.worked_in_batch(step, n), held)
+            return mixture_examples(task, tok, rng, n, step, held)
 
     graphdef, params = nnx.split(model, nnx.Param)
     sft = SFTTrainer(graphdef, params, SFTConfig(learning_rate=learning_rate))
@@ -482,7 +244,7 @@ def compare_sft(
 
     def make_batch(step):
         p, r = examples(tok, rng, batch, step, held)
-        return pack_sft(p, r, length=80, pad_id=tok.pad_token_id)
+        return pack_sft(p, r, length=SFT_LENGTH, pad_id=tok.pad_token_id)
 
     evaluate = (evaluator or make_evaluator)(model, tok, rows, num_samples=num_samples, seed=seed)
     before = evaluate(nnx.state(model, nnx.Param), 0)
@@ -493,5 +255,11 @@ def compare_sft(
         f"[sft-continuation] {res['steps']} steps in {res['train_s']:.0f}s: held-out "
         f"avg@{num_samples} {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
     )
-    return {"before": before, "after": after, "steps": res["steps"], "train_s": res["train_s"],
-            "learning_rate": learning_rate, "batch": batch}  # fmt: skip
+    return {
+        "before": before,
+        "after": after,
+        "steps": res["steps"],
+        "train_s": res["train_s"],
+        "learning_rate": learning_rate,
+        "batch": batch,
+    }

@@ -25,57 +25,39 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from magic_jax.data.rows import DataError, PromptRow, offline_filter, read_rows, tokenize_rows
-from magic_jax.jobs.eval import ChunkLog, check_protocol
-from magic_jax.rollout.evaluate import eval_seed
+from magic_jax.data.rows import DataError, PromptRow, offline_filter, tokenize_rows
+from magic_jax.data.sources import read_rows
+from magic_jax.jobs.scoring_job import Chunk, ChunkLog, Scorer, ScoringJob
+from magic_jax.rollout.evaluate import ProblemResult, eval_seed
 
 # The report's N per ability.
 DEFAULT_SAMPLES = {"math": 16, "code": 8}
-CHUNK_SAMPLES = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DifficultyOptions:
-    """Protocol and resources of an ``estimate-difficulty`` job.
+class DifficultyOptions(ScoringJob):
+    """Protocol and resources of an ``estimate-difficulty`` job: a ``ScoringJob``'s
+    (prompts longer than ``max_prompt_length`` get no entry; ``chunk`` counts prompts,
+    default 256 // N) and these.
 
     Attributes:
       model_name: the key written under ``model_difficulty`` (default: the
         model directory's name).
       samples: N per ``ability``.
-      max_response_length / max_prompt_length: limits in tokens; longer
-        prompts get no entry.
-      temperature / top_p: sampling (the report: 1.0 / 1.0).
-      seed: sampling seed.
-      chunk: prompts per chunk (the unit of resumption); None: 256 // N.
-      tokenizer / param_dtype / mesh / max_concurrent_decodes / decode_steps /
-        workers: as for ``eval``.
     """
 
     model_name: str | None = None
     samples: Mapping[str, int] = dataclasses.field(default_factory=lambda: dict(DEFAULT_SAMPLES))
-    max_response_length: int = 32768
-    max_prompt_length: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    chunk: int | None = None
-    tokenizer: str | None = None
-    param_dtype: str = "float32"
-    mesh: str | None = None
-    max_concurrent_decodes: int = 64
-    decode_steps: int = 64
-    workers: int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         for k, v in self.samples.items():
             if v <= 1:
                 raise ValueError(f"--samples {k}={v}: N must be at least 2")
-        if self.chunk is not None and self.chunk <= 0:
-            raise ValueError(f"--chunk {self.chunk}: must be positive")
 
 
 def _files(paths: Sequence[str]) -> list[Path]:
@@ -162,6 +144,37 @@ def format_histogram(hist: Mapping[str, Mapping[str, Any]], width: int = 40) -> 
     return "\n".join(lines)
 
 
+def _items(files: Sequence[Path], samples: Mapping[str, int]) -> list[tuple[str, PromptRow]]:
+    """``(record key, row)`` of every row; the key is ``file index:row index``."""
+    items = []
+    for i, f in enumerate(files):
+        for j, row in enumerate(read_rows(f)):
+            if row.ability not in samples:
+                raise DataError(
+                    f"{f}:{j}: ability {row.ability!r} has no N; pass --samples {row.ability}=N"
+                )
+            items.append((f"{i}:{j}", row))
+    return items
+
+
+def _chunks(
+    items: Sequence[tuple[str, PromptRow]],
+    encoded: Sequence[PromptRow],
+    kept: Sequence[int],
+    done: set[str],
+    options: DifficultyOptions,
+) -> Iterator[Chunk]:
+    """The chunks not written yet, largest N first; chunk c of N draws from
+    ``eval_seed(seed, c)`` with step N. A chunk's indices count the kept prompts."""
+    for n in sorted({options.samples[r.ability] for _, r in items}, reverse=True):
+        mine = [k for k in range(len(kept)) if options.samples[items[kept[k]][1].ability] == n]
+        size = options.chunk_size(n)
+        for c in range(math.ceil(len(mine) / size)):
+            part = mine[c * size : (c + 1) * size]
+            if not all(items[kept[k]][0] in done for k in part):
+                yield Chunk([encoded[k] for k in part], part, n, eval_seed(options.seed, c), n)
+
+
 def estimate_difficulty(
     model: str,
     data: Sequence[str],
@@ -184,52 +197,25 @@ def estimate_difficulty(
     Returns:
       The histogram (also in ``histogram.json``).
     """
-    from magic_jax.data.rows import _raw_rows
-    from magic_jax.rewards import PoolConfig, VerifierPool
-    from magic_jax.rollout.driver import make_driver
-    from magic_jax.rollout.evaluate import score_problems
-    from magic_jax.rollout.sampling import SamplingConfig
-    from magic_jax.run.monitor import Progress
-    from magic_jax.run.policy import load_model_any, load_tokenizer
-
     out = Path(out)
     files = _files(data)
     name = options.model_name or Path(model).absolute().name
-    items: list[tuple[str, PromptRow]] = []  # (record key, row)
-    for i, f in enumerate(files):
-        for j, row in enumerate(read_rows(f)):
-            if row.ability not in options.samples:
-                raise DataError(
-                    f"{f}:{j}: ability {row.ability!r} has no N; pass --samples {row.ability}=N"
-                )
-            items.append((f"{i}:{j}", row))
-    from magic_jax.model.sharding import mesh_from_text
-
-    mesh = mesh_from_text(options.mesh)
-    loaded = load_model_any(model, dtype=options.param_dtype, mesh=mesh)
+    items = _items(files, options.samples)
+    job = Scorer(model, options, log=log, bar=bar)
     groups = sorted({options.samples[r.ability] for _, r in items}, reverse=True)
-    chunk = {n: options.chunk or math.ceil(CHUNK_SAMPLES / n) for n in groups}
-    protocol = {
-        "model": str(Path(model).absolute()),
-        "checkpoint": loaded.checkpoint,
-        "model_name": name,
-        "data": [str(f.absolute()) for f in files],
-        "samples": dict(sorted(options.samples.items())),
-        "chunk": {str(n): c for n, c in chunk.items()},
-        "max_response_length": options.max_response_length,
-        "max_prompt_length": options.max_prompt_length,
-        "temperature": options.temperature,
-        "top_p": options.top_p,
-        "seed": options.seed,
-    }
-    check_protocol(out / "difficulty.json", protocol)
-    tok_dir = options.tokenizer or loaded.tokenizer_dir
-    if tok_dir is None:
-        raise ValueError(f"{model}: no tokenizer beside the model; pass --tokenizer DIR")
-    tokenizer = load_tokenizer(tok_dir)
-    encoded, kept = tokenize_rows(
-        [r for _, r in items], tokenizer, max_prompt_length=options.max_prompt_length
+    job.check(
+        out / "difficulty.json",
+        {
+            "model": str(Path(model).absolute()),
+            "checkpoint": job.loaded.checkpoint,
+            "model_name": name,
+            "data": [str(f.absolute()) for f in files],
+            "samples": dict(sorted(options.samples.items())),
+            "chunk": {str(n): options.chunk_size(n) for n in groups},
+        },
     )
+    rows = [r for _, r in items]
+    encoded, kept = tokenize_rows(rows, job.tokenizer, max_prompt_length=options.max_prompt_length)
     if len(kept) < len(items):
         skipped = len(items) - len(kept)
         log(f"[difficulty] {skipped} prompts longer than --max-prompt-length get no entry")
@@ -237,59 +223,45 @@ def estimate_difficulty(
     done = {r["key"] for r in records.records}
     if done:
         log(f"[difficulty] resuming: {len(done)} of {len(kept)} prompts already in {out}")
-    driver = make_driver(
-        loaded.model,
-        max_prompt_length=options.max_prompt_length,
-        max_response_length=options.max_response_length,
-        sampling=SamplingConfig(temperature=options.temperature, top_p=options.top_p),
-        max_concurrent_decodes=options.max_concurrent_decodes,
-        decode_steps=options.decode_steps,
-        mesh=mesh,
-    )
-    params = driver.engine.load_params(loaded.model)
-    with (
-        VerifierPool(PoolConfig(num_workers=options.workers)) as pool,
-        Progress(
-            len(kept), desc="difficulty", unit="prompt", initial=len(done), log=log, bar=bar
-        ) as progress,  # fmt: skip
-    ):
-        for n in groups:
-            mine = [k for k in range(len(kept)) if options.samples[items[kept[k]][1].ability] == n]
-            for c in range(math.ceil(len(mine) / chunk[n])):
-                part = mine[c * chunk[n] : (c + 1) * chunk[n]]
-                if all(items[kept[k]][0] in done for k in part):
-                    continue
-                results = score_problems(
-                    driver,
-                    params,
-                    [encoded[k] for k in part],
-                    tokenizer,
-                    num_samples=n,
-                    seed=eval_seed(options.seed, c),
-                    step=n,
-                    indices=part,
-                    pool=pool,
-                )
-                new = [
-                    _record(items[kept[k]], res)
-                    for k, res in zip(part, results)
-                    if items[kept[k]][0] not in done
-                ]
-                records.append(new)
-                done |= {r["key"] for r in new}
-                progress.update(len(new), postfix={"N": n})
-    by_key = {r["key"]: r for r in records.records}
+
+    def record(chunk: Chunk, results: list[ProblemResult]) -> tuple[int, dict[str, Any]]:
+        new = [
+            _record(items[kept[k]], res)
+            for k, res in zip(chunk.indices, results)
+            if items[kept[k]][0] not in done
+        ]
+        records.append(new)
+        done.update(r["key"] for r in new)
+        return len(new), {"N": chunk.num_samples}
+
+    chunks = _chunks(items, encoded, kept, done, options)
+    job.score(chunks, record, total=len(kept), done=len(done), desc="difficulty", unit="prompt")
+    return _write_outputs(out, files, name, records.records, options.samples, log)
+
+
+def _write_outputs(
+    out: Path,
+    files: Sequence[Path],
+    name: str,
+    records: Sequence[Mapping[str, Any]],
+    samples: Mapping[str, int],
+    log: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """``rated/``, ``filtered/`` and ``histogram.json`` from the job's records."""
+    from magic_jax.data.rows import raw_rows
+
+    by_key = {r["key"]: r for r in records}
     for i, f in enumerate(files):
         parquet = f.suffix == ".parquet"
         rated = []
-        for j, (_, raw) in enumerate(_raw_rows(str(f))):
+        for j, (_, raw) in enumerate(raw_rows(str(f))):
             r = by_key.get(f"{i}:{j}")
             rated.append(
                 raw if r is None else with_difficulty(raw, name, r["correct"], parquet=parquet)
             )
         _write_rows(out / "rated" / f.name, rated)
         back = read_rows(out / "rated" / f.name)  # the filter reads what was written
-        keep = {r.uid for r in offline_filter(back, name, options.samples)}
+        keep = {r.uid for r in offline_filter(back, name, samples)}
         _write_rows(out / "filtered" / f.name, [w for w, r in zip(rated, back) if r.uid in keep])
     hist = histogram([by_key[k] for k in sorted(by_key, key=_key_order)])
     (out / "histogram.json").write_text(json.dumps({"model_name": name, **hist}, indent=2))
@@ -301,8 +273,14 @@ def _record(item: tuple[str, PromptRow], res: Any) -> dict[str, Any]:
     key, row = item
     statuses = {s: res.statuses.count(s) for s in sorted(set(res.statuses))}
     n = len(res.rewards)
-    return {"key": key, "uid": row.uid, "ability": row.ability, "n": n, "correct": res.correct,
-            "statuses": statuses}  # fmt: skip
+    return {
+        "key": key,
+        "uid": row.uid,
+        "ability": row.ability,
+        "n": n,
+        "correct": res.correct,
+        "statuses": statuses,
+    }
 
 
 def _key_order(key: str) -> tuple[int, int]:

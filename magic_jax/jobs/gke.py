@@ -80,8 +80,10 @@ def tpu_slice(accelerator: str) -> Slice:
     from magic_jax.jobs.topology import PlanError, resolve_topology
 
     if not re.fullmatch(r"[a-z0-9]+-\d+", accelerator.strip().lower()):
-        raise GkeError(f"--accelerator {accelerator!r}: expected a gcloud accelerator type "
-                       "(v5p-128, v5litepod-64, v6e-64, v4-32)")  # fmt: skip
+        raise GkeError(
+            f"--accelerator {accelerator!r}: expected a gcloud accelerator type "
+            "(v5p-128, v5litepod-64, v6e-64, v4-32)"
+        )
     try:
         name = resolve_topology(accelerator)
     except PlanError as e:
@@ -137,26 +139,34 @@ def check(args: argparse.Namespace) -> tuple[Slice, dict[str, str]]:
         raise GkeError("no command after -- (e.g. -- magic-jax train CONFIG --set ...)")
     for opt, name in (("--name", args.name), ("--cluster", args.cluster)):
         if not _NAME.fullmatch(name) or len(name) > 40:
-            raise GkeError(f"{opt} {name!r}: lower-case letters, digits and '-', starting with "
-                           "a letter, at most 40 characters")  # fmt: skip
+            raise GkeError(
+                f"{opt} {name!r}: lower-case letters, digits and '-', starting with "
+                "a letter, at most 40 characters"
+            )
     if not args.image:
-        raise GkeError("--image is required: an image with magic-jax installed "
-                       "(tpu_scripts/Dockerfile; --build builds and pushes it)")  # fmt: skip
+        raise GkeError(
+            "--image is required: an image with magic-jax installed "
+            "(tpu_scripts/Dockerfile; --build builds and pushes it)"
+        )
     if args.max_restarts < 0 or args.grace < 0:
         raise GkeError("--max-restarts and --grace must be zero or more")
     out = output_dir(args.command)
     why = "a restarted JobSet starts with empty disks: the run resumes from its output_dir"
     if not out:
-        raise GkeError(f"the command has no output_dir; it must be on gs:// ({why}): pass "
-                       "--set output_dir=gs://BUCKET/RUN")  # fmt: skip
+        raise GkeError(
+            f"the command has no output_dir; it must be on gs:// ({why}): pass "
+            "--set output_dir=gs://BUCKET/RUN"
+        )
     if not out.startswith("gs://") or not _bucket(out):
         raise GkeError(f"output_dir {out} is not on gs:// ({why})")
     env = _checked_env(args.env or [])
     cache = args.compile_cache or f"gs://{_bucket(out)}/magic-jax/compile-cache"
     if cache.lower() != "off":
         if not cache.startswith("gs://") or not _bucket(cache):
-            raise GkeError(f"--compile-cache {cache}: must be on gs:// (or off): pods' disks "
-                           "go with them on every restart")  # fmt: skip
+            raise GkeError(
+                f"--compile-cache {cache}: must be on gs:// (or off): pods' disks "
+                "go with them on every restart"
+            )
         env[CACHE_ENV] = cache
     return tpu_slice(args.accelerator), {"PYTHONUNBUFFERED": "1", **env}
 
@@ -166,13 +176,21 @@ def xpk_command(args: argparse.Namespace, tpu: Slice, env: dict[str, str]) -> li
     where = [f"--{k}={v}" for k, v in (("project", args.project), ("zone", args.zone)) if v]
     extra = ",".join(map(str, EXTRA_RESTART_EXIT_CODES))
     return [
-        "xpk", "workload", "create", f"--cluster={args.cluster}", f"--workload={args.name}",
-        *where, f"--tpu-type={tpu.accelerator}", "--num-slices=1",
-        f"--docker-image={args.image}", f"--command={shlex.join(args.command)}",
-        f"--max-restarts={args.max_restarts}", f"--restart-on-exit-codes={extra}",
+        "xpk",
+        "workload",
+        "create",
+        f"--cluster={args.cluster}",
+        f"--workload={args.name}",
+        *where,
+        f"--tpu-type={tpu.accelerator}",
+        "--num-slices=1",
+        f"--docker-image={args.image}",
+        f"--command={shlex.join(args.command)}",
+        f"--max-restarts={args.max_restarts}",
+        f"--restart-on-exit-codes={extra}",
         f"--termination-grace-period-seconds={args.grace}",
         *(f"--env={k}={v}" for k, v in env.items()),
-    ]  # fmt: skip
+    ]
 
 
 def _pod_spec(args: argparse.Namespace, tpu: Slice, env: dict[str, str]) -> dict[str, Any]:
@@ -212,8 +230,11 @@ def manifest(args: argparse.Namespace, tpu: Slice, env: dict[str, str]) -> dict[
         "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": codes}]},
         "template": {"spec": _pod_spec(args, tpu, env)},
     }
-    no_restart = {"name": "failOnOtherExitCodes", "action": "FailJobSet",
-                  "onJobFailureReasons": ["PodFailurePolicy"]}  # fmt: skip
+    no_restart = {
+        "name": "failOnOtherExitCodes",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+    }
     metadata: dict[str, Any] = {"name": args.name}
     if args.queue:
         metadata["labels"] = {"kueue.x-k8s.io/queue-name": args.queue}
@@ -241,8 +262,9 @@ def dump(doc: dict[str, Any]) -> str:
     class Dumper(yaml.SafeDumper):
         pass
 
-    Dumper.add_representer(_Flow, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v,
-                                                                    flow_style=True))  # fmt: skip
+    Dumper.add_representer(
+        _Flow, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True)
+    )
     return yaml.dump(doc, Dumper=Dumper, sort_keys=False, width=100)
 
 
@@ -269,8 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--image", help="container image with magic-jax installed (tpu_scripts/Dockerfile)")
     a("--build", action="store_true", help="build --image from HEAD and push it first")
     a("--env", action="append", metavar="KEY=VALUE", help="a variable for every pod")
-    a("--compile-cache", help="gs:// URI of JAX's compile cache, or off "
-      "[gs://BUCKET/magic-jax/compile-cache, BUCKET of output_dir]")  # fmt: skip
+    a(
+        "--compile-cache",
+        help="gs:// URI of JAX's compile cache, or off "
+        "[gs://BUCKET/magic-jax/compile-cache, BUCKET of output_dir]",
+    )
     a("--max-restarts", type=int, default=10, help="JobSet restarts after a stop [10]")
     a("--grace", type=int, default=120, help="seconds a pod has to stop after SIGTERM [120]")
     a("--queue", help="Kueue LocalQueue of the manifest (xpk's clusters: multislice-queue)")
@@ -300,8 +325,10 @@ def _submit(args: argparse.Namespace, tpu: Slice, env: dict[str, str]) -> int:
     if args.dry_run:
         for cmd in steps:
             print(shlex.join(cmd))
-        print(f"# {tpu.accelerator}: {tpu.hosts} host(s) x {tpu.chips_per_host} chips "
-              f"({tpu.topology}); xpk workload create:\n{shlex.join(xpk)}")  # fmt: skip
+        print(
+            f"# {tpu.accelerator}: {tpu.hosts} host(s) x {tpu.chips_per_host} chips "
+            f"({tpu.topology}); xpk workload create:\n{shlex.join(xpk)}"
+        )
         print(f"# JobSet manifest (kubectl apply -f):\n{text}", end="")
         return 0
     path = Path(args.manifest or REPO / "runs" / "gke" / f"{args.name}.yaml")

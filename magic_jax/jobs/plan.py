@@ -23,9 +23,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from magic_jax.jobs.roofline import (
+    DecodeBound,
+    DecodeOption,
+    TimeBound,
+    chip_hours,
+    decode_bound,
+    decode_options,
+    own_option,
+    recommend_slots,
+    update_bound,
+)
 from magic_jax.jobs.stage_plan import StagePlan, plan_stage, resolve_model
 from magic_jax.jobs.topology import Chip, GiB, PlanError, resolve_topology, topology_devices
 from magic_jax.model.sharding import make_mesh
+from magic_jax.rollout.engine_config import EngineOptions
 
 # --------------------------------------------------------------------------- a run
 
@@ -34,8 +46,8 @@ from magic_jax.model.sharding import make_mesh
 class RunPlan:
     """A run's stages on one slice, and for each stage that does not fit, the
     smallest slice of the same chip that does (None: none up to the largest);
-    ``remat`` and ``compute_dtype`` are the update's, ``rollout_dtype`` and ``kv_dtype``
-    the engine's (the run's options)."""
+    ``remat`` and ``compute_dtype`` are the update's, ``engine`` the run's engine
+    options (its ``rollout`` section)."""
 
     topology: str
     chip: Chip
@@ -46,8 +58,16 @@ class RunPlan:
     fits_on: dict[str, tuple[str, StagePlan] | None]
     remat: str = "none"
     compute_dtype: str = "float32"
-    rollout_dtype: str = "float32"
-    kv_dtype: str | None = None
+    engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The engine's weights and compute: its ``dtype``, else the model's."""
+        return self.engine.dtype or self.model.dtype
+
+    @property
+    def kv_dtype(self) -> str | None:
+        return self.engine.kv_dtype
 
     @property
     def hbm_bytes(self) -> float:
@@ -55,9 +75,15 @@ class RunPlan:
 
 
 def smallest_fit(
-    config: Any, index: int, model_config: Any, mesh_config: Any, chip: Chip, hbm: float,
-    above: int, compiled: StagePlan,
-) -> tuple[str, StagePlan] | None:  # fmt: skip
+    config: Any,
+    index: int,
+    model_config: Any,
+    mesh_config: Any,
+    chip: Chip,
+    hbm: float,
+    above: int,
+    compiled: StagePlan,
+) -> tuple[str, StagePlan] | None:
     """The smallest slice of ``chip`` larger than ``above`` chips where stage ``index`` fits.
 
     Candidates are screened with their exact sharded terms and the compiled
@@ -99,11 +125,14 @@ def smallest_fit(
 def _split_micro_batch(config: Any, rows: int, devices: int) -> Any:
     """``config`` with a micro-batch size that splits over ``devices`` row shards: the
     configured one, else the smallest multiple of both that divides ``rows``."""
-    micro = config.micro_batch_size
+    micro = config.update.micro_batch_size
     if micro is None or micro % devices == 0:
         return config
     m = math.lcm(micro, devices)
-    return dataclasses.replace(config, micro_batch_size=m) if rows % m == 0 else config
+    if rows % m:
+        return config
+    update = dataclasses.replace(config.update, micro_batch_size=m)
+    return dataclasses.replace(config, update=update)
 
 
 def plan_run(
@@ -139,10 +168,9 @@ def plan_run(
         raise PlanError(f"--mesh on {topology} ({len(devices)} devices): {e}") from None
     model_config = resolve_model(config.model, config.param_dtype, preset)
     out = RunPlan(topology, chip, len(devices), chips, model_config, [], {})
-    out.remat = config.remat
-    out.compute_dtype = config.compute_dtype or model_config.dtype
-    out.rollout_dtype = config.rollout.dtype or model_config.dtype
-    out.kv_dtype = config.rollout.kv_dtype
+    out.remat = config.update.remat or model_config.remat
+    out.compute_dtype = config.update.compute_dtype or model_config.dtype
+    out.engine = config.rollout
     for i in stages if stages is not None else range(len(config.stages)):
         if log:
             log(f"compiling stage {config.stages[i].name or i} for {slice_} ...")
@@ -155,142 +183,6 @@ def plan_run(
                 config, i, model_config, mesh_config, chip, out.hbm_bytes, chips, p
             )
     return out
-
-
-# (label, weight dtype, KV cache dtype, KV bytes per element as a function of head_dim)
-ROLLOUT_OPTIONS: tuple[tuple[str, str, str | None, Any], ...] = (
-    ("float32", "float32", None, lambda h: 4.0),
-    ("bfloat16", "bfloat16", None, lambda h: 2.0),
-    # rollout.kv_dtype=int8: int8 values and one float32 scale per token and KV head
-    ("bf16 + int8 KV", "bfloat16", "int8", lambda h: 1.0 + 4.0 / h),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeOption:
-    """One rollout precision's decode figures for a stage, per device (from its plan's sizes).
-
-    Attributes:
-      label: ``float32``, ``bfloat16`` or ``bf16 + int8 KV``.
-      weights / kv_cache: bytes of the engine's weights and of the whole KV cache at the
-        stage's slots and T.
-      step_bytes: bytes one decode step reads (every weight and cache byte once).
-      tokens_per_s: the HBM roofline, slots / (step_bytes / bandwidth).
-      slots_fit: decode slots at the stage's T that fit in HBM beside the train state, the
-        weights and the compiled decode temporaries (0: none).
-    """
-
-    label: str
-    weights: float
-    kv_cache: float
-    step_bytes: float
-    tokens_per_s: float
-    slots_fit: int
-
-
-def decode_options(
-    p: StagePlan,
-    rollout_dtype: str,
-    head_dim: int,
-    hbm: float,
-    bandwidth: float,
-    kv_dtype: str | None = None,
-) -> list[DecodeOption]:
-    """Each of ``ROLLOUT_OPTIONS`` scaled from the stage's compiled sizes, which are in
-    ``rollout_dtype`` with the cache in ``kv_dtype`` (weights by their dtype's bytes, the
-    cache by bytes per element; decode temporaries kept as compiled). ``hbm`` and
-    ``bandwidth`` are per device (bytes, bytes/s)."""
-    import jax.numpy as jnp
-
-    have = jnp.dtype(rollout_dtype).itemsize
-    # an int8 cache holds 1 + 4/H bytes per element whatever the weights' dtype
-    have_kv = have if kv_dtype is None else ROLLOUT_OPTIONS[-1][3](head_dim)
-    out = []
-    for label, wdtype, _, kv_bytes in ROLLOUT_OPTIONS:
-        weights = p.engine_params * jnp.dtype(wdtype).itemsize / have
-        kv = p.kv_cache * kv_bytes(head_dim) / have_kv
-        step = weights + kv
-        per_slot = kv / p.slots if p.slots else math.inf
-        room = hbm - p.params - p.opt_state - weights - p.decode_temps
-        fit = max(0, int(room // per_slot)) if per_slot > 0 else 0
-        tps = p.slots / (step / bandwidth) if step > 0 else 0.0
-        out.append(DecodeOption(label, weights, kv, step, tps, fit))
-    return out
-
-
-def own_option(rollout_dtype: str, kv_dtype: str | None) -> str | None:
-    """The ``ROLLOUT_OPTIONS`` label of a run's own engine settings (None: not listed)."""
-    return next(
-        (label for label, wd, kd, _ in ROLLOUT_OPTIONS if (wd, kd) == (rollout_dtype, kv_dtype)),
-        None,
-    )
-
-
-def recommend_slots(fit: int, samples: int, shards: int) -> int:
-    """``rollout.max_concurrent_decodes`` to run: the largest power of two that is a
-    multiple of the ``shards`` slot shards (data x fsdp) and at most both the slots that
-    fit and the samples per step; else the largest such multiple; 0 when none fits."""
-    limit = min(fit, samples)
-    if limit < shards:
-        return 0
-    n = 1 << (limit.bit_length() - 1)
-    while n >= shards:
-        if n % shards == 0:
-            return n
-        n //= 2
-    return limit // shards * shards
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeBound:
-    """A stage's decode at ``slots`` slots on the roofline: ``step_s`` (the bytes a step
-    reads / HBM bandwidth, or its flops / peak), ``tokens_per_s`` = slots / step_s, and
-    ``rollout_s`` for the stage's samples each run to T (ceil(samples / slots) x T steps)."""
-
-    slots: int
-    step_s: float
-    tokens_per_s: float
-    rollout_s: float
-
-
-def decode_bound(p: StagePlan, slots: int, bandwidth: float, peak: float) -> DecodeBound:
-    """The decode roofline at ``slots`` slots, the cache and flops scaled from the compiled
-    step's (``bandwidth`` bytes/s and ``peak`` flop/s per device)."""
-    scale = slots / p.slots
-    step_bytes = p.engine_params + p.kv_cache * scale * p.held_share
-    step = max(step_bytes / bandwidth, p.decode_flops * scale / peak)
-    steps = math.ceil(p.samples / slots) * p.response_length
-    return DecodeBound(slots, step, slots / step, steps * step)
-
-
-def update_bound(p: StagePlan, peak: float) -> float:
-    """Seconds of a training step's updates at the bf16 peak: each optimizer step's flops
-    (XLA's count, or 6 x parameters x tokens when larger) / peak."""
-    return max(p.update_flops, p.model_flops) / peak * p.sgd_steps
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeBound:
-    """Roofline lower bounds of a stage, seconds: ``rollout`` + ``update`` per step, and the
-    stage's ``steps`` of them."""
-
-    stage: str
-    steps: int
-    rollout: float
-    update: float
-
-    @property
-    def step(self) -> float:
-        return self.rollout + self.update
-
-    @property
-    def total(self) -> float:
-        return self.steps * self.step
-
-
-def chip_hours(bounds: Sequence[TimeBound], chips: int) -> float:
-    """chips x hours of the stages' bounds, summed."""
-    return chips * sum(b.total for b in bounds) / 3600
 
 
 def _copies(n: int) -> str:

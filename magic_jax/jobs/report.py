@@ -136,8 +136,16 @@ def plot_metric(
         if not x:
             continue
         found += 1
-        ax.plot(x, y, style, color=color, marker=marker, markersize=4, linewidth=1.4,
-                label=run.name if label else None)  # fmt: skip
+        ax.plot(
+            x,
+            y,
+            style,
+            color=color,
+            marker=marker,
+            markersize=4,
+            linewidth=1.4,
+            label=run.name if label else None,
+        )
     return found
 
 
@@ -146,9 +154,16 @@ def mark_stages(ax: Any, runs: Sequence[Run]) -> None:
     for run, color in zip(runs, colors(len(runs))):
         for step, stage in run.stage_starts():
             ax.axvline(step, color=color, linestyle=":", linewidth=1.0, alpha=0.8)
-            ax.annotate(f"stage {stage}", (step, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, -10), textcoords="offset points", fontsize=7, color=color,
-                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})  # fmt: skip
+            ax.annotate(
+                f"stage {stage}",
+                (step, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -10),
+                textcoords="offset points",
+                fontsize=7,
+                color=color,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
+            )
 
 
 def _styles_legend(ax: Any, entries: Sequence[tuple[str, str]]) -> None:
@@ -162,8 +177,13 @@ def legend(ax: Any) -> None:
     """One legend: the runs (colours), then what each line style means, where it fits best."""
     handles, labels = ax.get_legend_handles_labels()
     styles = getattr(ax, "_magic_styles", [])
-    ax.legend(handles=[*handles, *styles], labels=[*labels, *(h.get_label() for h in styles)],
-              loc="best", fontsize=7, framealpha=0.85)  # fmt: skip
+    ax.legend(
+        handles=[*handles, *styles],
+        labels=[*labels, *(h.get_label() for h in styles)],
+        loc="best",
+        fontsize=7,
+        framealpha=0.85,
+    )
 
 
 def _multi(keys: Sequence[tuple[str, str, str]]) -> Callable[[Any, Sequence[Run]], int]:
@@ -300,13 +320,15 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         last = run.metrics[-1] if run.metrics else {}
         ev = run.evals[-1] if run.evals else {}
         n = ev.get("num_samples", "n")
-        rows.append([
-            run.name,
-            str(len(run.metrics)),
-            f"{last['reward']:.3f}" if "reward" in last else "",
-            f"{last['entropy']:.3f}" if "entropy" in last else "",
-            f"avg@{n} {ev['accuracy']:.3f} (step {ev['step']})" if "accuracy" in ev else "",
-        ])  # fmt: skip
+        rows.append(
+            [
+                run.name,
+                str(len(run.metrics)),
+                f"{last['reward']:.3f}" if "reward" in last else "",
+                f"{last['entropy']:.3f}" if "entropy" in last else "",
+                f"avg@{n} {ev['accuracy']:.3f} (step {ev['step']})" if "accuracy" in ev else "",
+            ]
+        )
     return rows
 
 

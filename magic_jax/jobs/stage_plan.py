@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from magic_jax.jobs.topology import PlanError
+from magic_jax.jobs.xla_programs import Program, cache_copies, compile_program
+from magic_jax.rollout.engine_config import EngineOptions
 
 
 def resolve_model(model: str, param_dtype: str, preset: str | None = None):
@@ -196,7 +197,7 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     from magic_jax.model.qwen2 import abstract_model
     from magic_jax.model.sharding import TRAIN_RULES, model_shardings
     from magic_jax.run.stages import update_config
-    from magic_jax.update.entropy import init_entropy_control
+    from magic_jax.update.entropy_control import init_entropy_control
     from magic_jax.update.state import TrainState, opt_state_shardings
     from magic_jax.update.step import make_optimizer, with_platform_defaults
 
@@ -222,8 +223,11 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     return dict(graphdef=graphdef, config=ucfg, state=state, ref=ref)
 
 
-def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, Any]:
-    """The stage's engine (as the trainer builds it) with abstract weights and decode state."""
+def _engine(
+    options: EngineOptions, config: Any, index: int, model_config: Any, mesh: Any
+) -> dict[str, Any]:
+    """The stage's engine with ``options`` (the run's ``rollout``: as the trainer builds
+    it, all its slots in one lane) with abstract weights and decode state."""
     import jax
 
     from magic_jax.model.qwen2 import abstract_model
@@ -232,15 +236,12 @@ def _engine(config: Any, index: int, model_config: Any, mesh: Any) -> dict[str, 
     model = abstract_model(model_config)
     engine = Engine(
         model,
-        EngineConfig(
-            max_concurrent_decodes=config.rollout.max_concurrent_decodes,
+        EngineConfig.of(
+            options,
+            lanes=None,
             max_prefill_length=config.data.max_prompt_length,
             max_decode_length=config.stages[index].max_response_length,
-            decode_steps=config.rollout.decode_steps,
             sampling=config.sampling,
-            dtype=config.rollout.dtype,
-            kv_dtype=config.rollout.kv_dtype,
-            decode_attention=config.rollout.decode_attention,
         ),
         mesh=mesh,
     )
@@ -317,25 +318,32 @@ def plan_stage(
     compile: bool = True,
     int8_probe: bool = True,
 ) -> StagePlan:
-    """Measures stage ``index`` on ``mesh`` (see the module doc).
+    """Measures stage ``index`` on ``mesh`` (see the module doc), its engine with the
+    run's engine options (``config.rollout``, an ``EngineOptions``).
 
     With ``compile=False`` only the sharded terms (parameters, optimizer state,
     gradients, engine weights, KV cache) are filled in; temporaries are 0. With
     ``int8_probe`` (and a float cache in the run) the decode step is compiled a second
     time with ``rollout.kv_dtype: int8`` (``StagePlan.int8``).
     """
-    import functools
-
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from magic_jax.model.sharding import BATCH_AXES
-    from magic_jax.rollout.decode import prefill_fn
-    from magic_jax.update.step import loss_and_grads, train_step
-
-    st = config.stages[index]
+    options: EngineOptions = config.rollout
     t = _train_state(config, index, model_config, mesh)
-    e = _engine(config, index, model_config, mesh)
+    e = _engine(options, config, index, model_config, mesh)
+    out = _sharded_terms(config, index, mesh, t, e)
+    out.compiled = compile
+    if not compile:
+        return out
+    _compiled_terms(out, config, index, model_config, mesh, t, e)
+    if int8_probe and options.kv_dtype is None:
+        out.int8 = _int8_decode(options, config, index, model_config, mesh)
+    return out
+
+
+def _sharded_terms(
+    config: Any, index: int, mesh: Any, t: dict[str, Any], e: dict[str, Any]
+) -> StagePlan:
+    """The stage's plan with the sharded terms only (temporaries 0)."""
+    st = config.stages[index]
     rows = st.mini_batch_groups * st.group_size
     ucfg = t["config"]
     n_rows = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -347,12 +355,11 @@ def plan_stage(
     micro = min(ucfg.micro_batch_size or rows, rows)
     if micro % n_rows:
         raise PlanError(
-            f"micro_batch_size: a micro-batch of {micro} rows does not split over "
+            f"update.micro_batch_size: a micro-batch of {micro} rows does not split over "
             f"data x fsdp = {n_rows} devices"
         )
     params = shard_bytes(t["state"].params)
-    batch = _batch(config, index, rows, mesh)
-    out = StagePlan(
+    return StagePlan(
         stage=st.name or str(index),
         response_length=st.max_response_length,
         prompt_length=config.data.max_prompt_length,
@@ -365,17 +372,39 @@ def plan_stage(
         opt_state=shard_bytes(t["state"].opt_state),
         grads=params,
         activations=0,
-        batch=shard_bytes(batch),
+        batch=shard_bytes(_batch(config, index, rows, mesh)),
         engine_params=shard_bytes(e["params"]),
         kv_cache=shard_bytes(e["state"]),
         decode_temps=0,
-        slots=config.rollout.max_concurrent_decodes,
+        slots=e["engine"].config.max_concurrent_decodes,
         samples=st.prompts_per_step * st.group_size,
         steps=st.steps,
-        compiled=compile,
+        compiled=True,
     )
-    if not compile:
-        return out
+
+
+def _compiled_terms(
+    out: StagePlan,
+    config: Any,
+    index: int,
+    model_config: Any,
+    mesh: Any,
+    t: dict[str, Any],
+    e: dict[str, Any],
+) -> None:
+    """Fills in ``out``'s temporaries and costs from the stage's compiled update, decode
+    step and prefill."""
+    import functools
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from magic_jax.model.sharding import BATCH_AXES
+    from magic_jax.rollout.decode import prefill_fn
+    from magic_jax.update.step import loss_and_grads, train_step
+
+    rows, micro, ucfg = out.rows, out.micro_batch, t["config"]
+    batch = _batch(config, index, rows, mesh)
     repl = NamedSharding(mesh, PartitionSpec())
     alpha = jax.ShapeDtypeStruct((), "float32", sharding=repl)
     rows_sh = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
@@ -386,7 +415,7 @@ def plan_stage(
         new, metrics = train_step(state, batch, alpha, batch_sharding=rows_sh, **kw)
         return jax.lax.with_sharding_constraint(new, state_sh), metrics
 
-    update = _compile(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
+    update = compile_program(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
     # XLA's cost analysis counts a loop body once, the micro-batch loop's and the
     # scanned layers' alike: the flops come from one micro-batch compiled alone with
     # its layers unrolled (the memory figures above are the scanned program's).
@@ -400,14 +429,15 @@ def plan_stage(
             batch_sharding=rows_sh,
         )
     )
-    micro_c = _compile(one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha))
+    micro_c = compile_program(
+        one.lower(flat["state"].params, _batch(config, index, micro, mesh), alpha)
+    )
     decode = _compile_decode(e, config.sampling)
     prompt = jax.ShapeDtypeStruct((config.data.max_prompt_length,), "int32", sharding=repl)
     length = jax.ShapeDtypeStruct((), "int32", sharding=repl)
     prefill = jax.jit(functools.partial(prefill_fn, e["engine"].graphdef))
-    prefill = _compile(prefill.lower(e["params"], prompt, length))
+    prefill = compile_program(prefill.lower(e["params"], prompt, length))
 
-    n_micro = rows // micro
     out.over_hbm = tuple(
         name
         for name, c in (("update", update), ("decode", decode), ("prefill", prefill))
@@ -415,21 +445,17 @@ def plan_stage(
     )
     out.activations = max(0, update.temp - out.grads)
     out.decode_temps = max(decode.temp, prefill.temp + prefill.output)
-    p_len = batch.tokens.shape[1]
-    out.model_flops = 6.0 * model_config.num_params() * rows * p_len / mesh.size
+    out.model_flops = 6.0 * model_config.num_params() * rows * batch.tokens.shape[1] / mesh.size
     if update.compiled is not None and micro_c.compiled is not None:
         # the optimizer's few flops per parameter are left out
-        out.update_flops = n_micro * micro_c.cost("flops")
+        out.update_flops = rows // micro * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
     out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
-    out.decode_cache_copies = _cache_copies(decode, e["state"].cache.k)
+    out.decode_cache_copies = cache_copies(decode, e["state"].cache.k)
     out.decode_flops = decode.cost("flops")
-    if int8_probe and config.rollout.kv_dtype is None:
-        out.int8 = _int8_decode(config, index, model_config, mesh)
-    return out
 
 
-def _compile_decode(e: dict[str, Any], sampling: Any) -> _Program:
+def _compile_decode(e: dict[str, Any], sampling: Any) -> Program:
     """The engine's decode step (``_engine``'s), compiled as the engine compiles it."""
     import functools
 
@@ -442,17 +468,17 @@ def _compile_decode(e: dict[str, Any], sampling: Any) -> _Program:
         decode_step, engine.graphdef, sampling=sampling, **engine.decode_statics()
     )
     jitted = jax.jit(step, donate_argnums=1, out_shardings=(engine.state_shardings(), None))
-    return _compile(jitted.lower(e["params"], e["state"], engine.eos_array))
+    return compile_program(jitted.lower(e["params"], e["state"], engine.eos_array))
 
 
-def _int8_decode(config: Any, index: int, model_config: Any, mesh: Any) -> Int8Decode:
-    """The stage's decode step compiled with ``rollout.kv_dtype: int8`` and bfloat16 weights
-    (the ``bf16 + int8 KV`` option); what went wrong, when it does not compile."""
-    rollout = dataclasses.replace(
-        config.rollout, dtype="bfloat16", kv_dtype="int8", decode_attention=None
-    )
+def _int8_decode(
+    options: EngineOptions, config: Any, index: int, model_config: Any, mesh: Any
+) -> Int8Decode:
+    """The stage's decode step compiled with ``options`` but ``kv_dtype: int8`` and bfloat16
+    weights (the ``bf16 + int8 KV`` option); what went wrong, when it does not compile."""
+    int8 = dataclasses.replace(options, dtype="bfloat16", kv_dtype="int8", decode_attention=None)
     try:
-        e = _engine(dataclasses.replace(config, rollout=rollout), index, model_config, mesh)
+        e = _engine(int8, config, index, model_config, mesh)
         decode = _compile_decode(e, config.sampling)
     # A probe beside the plan: whatever stops it (a lowering or compiler error) is
     # reported in the plan, not raised.
@@ -465,55 +491,6 @@ def _int8_decode(config: Any, index: int, model_config: Any, mesh: Any) -> Int8D
         kv_cache=kv,
         temps=decode.temp,
         step_bytes=max(decode.cost("bytes accessed"), weights + kv),
-        cache_copies=_cache_copies(decode, e["state"].cache.k),
+        cache_copies=cache_copies(decode, e["state"].cache.k),
         over_hbm=decode.over_hbm,
     )
-
-
-def _cache_copies(program: _Program, cache_k: Any) -> int:
-    """The ``copy`` instructions of the compiled program whose result holds at least one
-    layer's keys (per device) and spans the cache length: relayouts of the cache."""
-    if program.compiled is None:
-        return 0
-    shard = cache_k.sharding.shard_shape(cache_k.shape)  # [B, L, S, K, H] per device
-    one_layer = math.prod(shard) // shard[1]
-    n = 0
-    for dims in re.findall(r"\b\w+\[([\d,]+)\]\{[^}]*\} copy\(", program.compiled.as_text()):
-        shape = [int(d) for d in dims.split(",")]
-        n += shard[2] in shape and math.prod(shape) >= one_layer
-    return n
-
-
-@dataclasses.dataclass
-class _Program:
-    """A compiled program's per-device memory, or what XLA said it needs when over HBM."""
-
-    compiled: Any
-    temp: int
-    output: int
-    over_hbm: bool
-
-    def cost(self, key: str) -> float:
-        if self.compiled is None:
-            return 0.0
-        ca = self.compiled.cost_analysis()
-        ca = ca[0] if isinstance(ca, list | tuple) else ca
-        return float((ca or {}).get(key, 0.0))
-
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
-
-
-def _compile(lowered: Any) -> _Program:
-    """Compiles for the TPU; a program over HBM is refused by XLA with its temporaries' size."""
-    from jax.errors import JaxRuntimeError
-
-    try:
-        c = lowered.compile()
-    except JaxRuntimeError as e:
-        m = re.search(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\)", str(e))
-        if "RESOURCE_EXHAUSTED" not in str(e) or not m:
-            raise
-        return _Program(None, int(float(m[1]) * _UNITS[m[2]]), 0, True)
-    ma = c.memory_analysis()
-    return _Program(c, ma.temp_size_in_bytes, ma.output_size_in_bytes, False)

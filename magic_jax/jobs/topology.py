@@ -31,8 +31,19 @@ class Chip:
     topologies: tuple[str, ...]
 
 
-_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
-           "8x16x16", "16x16x16")  # fmt: skip
+_CUBES = (
+    "2x2x1",
+    "2x2x2",
+    "2x2x4",
+    "2x4x4",
+    "4x4x4",
+    "4x4x8",
+    "4x8x8",
+    "8x8x8",
+    "8x8x16",
+    "8x16x16",
+    "16x16x16",
+)
 
 
 # Per chip, from cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} ("System architecture"):
@@ -77,10 +88,28 @@ class PlanError(ValueError):
 # cloud.google.com/tpu/docs/{v5p,v5e,v6e}; v4's are the same cubes (/tpu/docs/types-topologies:
 # v4-32 is 2x2x4). v4-N and v5p-N count TensorCores (2 per chip: v5p-128 is 64 chips),
 # v5litepod-N and v6e-N count chips.
-_CUBE_TYPES = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8",
-               512: "4x8x8", 1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16"}  # fmt: skip
-_TORUS_TYPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
-                256: "16x16"}  # fmt: skip
+_CUBE_TYPES = {
+    8: "2x2x1",
+    16: "2x2x2",
+    32: "2x2x4",
+    64: "2x4x4",
+    128: "4x4x4",
+    256: "4x4x8",
+    512: "4x8x8",
+    1024: "8x8x8",
+    2048: "8x8x16",
+    4096: "8x16x16",
+}
+_TORUS_TYPES = {
+    1: "1x1",
+    4: "2x2",
+    8: "2x4",
+    16: "4x4",
+    32: "4x8",
+    64: "8x8",
+    128: "8x16",
+    256: "16x16",
+}
 # prefix -> (generation, TensorCores per chip counted by N, N -> shape)
 ACCELERATOR_TYPES: dict[str, tuple[str, int, dict[int, str]]] = {
     "v4": ("v4", 2, _CUBE_TYPES),

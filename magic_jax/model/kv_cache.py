@@ -109,11 +109,6 @@ def quantize_kv(x_XH: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def dequantize_kv(q_XH: jax.Array, scale_X: jax.Array, dtype: Any) -> jax.Array:
-    """The inverse of ``quantize_kv``, in ``dtype``."""
-    return (q_XH.astype(jnp.float32) * scale_X[..., None]).astype(dtype)
-
-
 def layer_slice(x_BLSX: jax.Array | None, layer: jax.Array) -> jax.Array | None:
     """Layer ``layer`` (a traced index) of a slot-major cache array: [B, S, ...]."""
     if x_BLSX is None:

@@ -28,10 +28,27 @@ _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py"
 # them for free, and they work even when the sandbox uid cannot read the
 # Python installation.
 DEFAULT_PRELOAD = (
-    "array", "bisect", "collections", "copy", "dataclasses", "decimal", "fractions",
-    "functools", "heapq", "io", "itertools", "json", "math", "operator", "random", "re",
-    "statistics", "string", "threading", "typing",
-)  # fmt: skip
+    "array",
+    "bisect",
+    "collections",
+    "copy",
+    "dataclasses",
+    "decimal",
+    "fractions",
+    "functools",
+    "heapq",
+    "io",
+    "itertools",
+    "json",
+    "math",
+    "operator",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "threading",
+    "typing",
+)
 _ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",

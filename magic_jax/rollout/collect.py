@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from magic_jax.rollout.scoring import Group, score_groups
 from magic_jax.update.advantages import AdvantageConfig, estimate_advantages, group_keep_mask
+
+if TYPE_CHECKING:
+    from magic_jax.data.rows import PromptRow
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
+    from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
 
 
 @dataclasses.dataclass
@@ -45,7 +51,7 @@ class Collected:
     rounds: int
     extra_rollouts: int
     mixed: int
-    stats: list[Any] = dataclasses.field(default_factory=list)
+    stats: list[RolloutStats] = dataclasses.field(default_factory=list)
     wait_s: float = 0.0
 
 
@@ -62,12 +68,8 @@ def advantages_of(groups: Sequence[Group], advantage: AdvantageConfig) -> list[n
     return list(estimate_advantages(advantage, r, t))
 
 
-def mixed_groups(groups: Sequence[Group], advantage: AdvantageConfig) -> np.ndarray:
-    """[N] bool: the groups rejection sampling keeps (some non-zero advantage)."""
-    return _mixed(advantages_of(groups, advantage))
-
-
 def _mixed(advantages: Sequence[np.ndarray]) -> np.ndarray:
+    """[N] bool: the groups rejection sampling keeps (some non-zero advantage)."""
     if not advantages:
         return np.zeros(0, bool)
     if len({len(a) for a in advantages}) > 1:
@@ -76,22 +78,21 @@ def _mixed(advantages: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def collect_groups(
-    driver: Any,
-    params: Any,
-    rounds: Sequence[Sequence[Any]],
+    driver: Driver,
+    params: Params,
+    rounds: Sequence[Sequence[PromptRow]],
     *,
-    tokenizer: Any,
-    pool: Any,
+    tokenizer: Tokenizer,
+    pool: Verifiers | None,
     group_size: int,
     num_groups: int,
     advantage: AdvantageConfig,
     seed: int,
     step: int,
     refill: bool = False,
-    truncation: str = "no_eos",
-    on_sample: Callable[[Any], None] | None = None,
+    truncation: Truncation = "no_eos",
     per_host: bool = False,
-    saved: Any = None,
+    saved: StepStore | None = None,
 ) -> Collected:
     """One step's rollouts: round 0, then (with ``refill``) further rounds until D_R
     groups are mixed, each sampled and scored by ``scoring.score_groups``.
@@ -101,7 +102,7 @@ def collect_groups(
       rounds: the prompts of each round (tokenised rows): ``rounds[0]`` the
         step's own, ``rounds[r]`` refill round r's (at most ``len(rounds) - 1``
         refill rounds run).
-      tokenizer / pool / truncation / on_sample / per_host: see ``score_groups``.
+      tokenizer / pool / truncation / per_host: see ``score_groups``.
       group_size: G.
       num_groups: D_R.
       advantage: the advantage options (they decide which groups are mixed).
@@ -128,7 +129,6 @@ def collect_groups(
             seed=seed + 7919 * r,
             step=step,
             truncation=truncation,
-            on_sample=on_sample,
             per_host=per_host,
             store=None if saved is None else saved.round(r),
         )
@@ -172,28 +172,29 @@ def select_groups(
     """
     every = list(sample_round(0))
     adv = advantages_of(every, advantage)
-    mixed = list(_mixed(adv))
+    is_mixed = list(_mixed(adv))
     rounds = extra = 0
-    while refill and sum(mixed) < num_groups and rounds < max_rounds:
+    while refill and sum(is_mixed) < num_groups and rounds < max_rounds:
         rounds += 1
         more = list(sample_round(rounds))
         extra += sum(len(g.samples) for g in more)
         every += more
         more_adv = advantages_of(more, advantage)
         adv += more_adv
-        mixed += list(_mixed(more_adv))
+        is_mixed += list(_mixed(more_adv))
+    found = int(sum(is_mixed))
     if not refill:
         n = num_groups
-        return Collected(every[:n], adv[:n], every, 0, 0, int(sum(mixed)))
-    keep = [i for i, m in enumerate(mixed) if m][:num_groups]
-    rest = [i for i, m in enumerate(mixed) if not m][: num_groups - len(keep)]
+        return Collected(every[:n], adv[:n], every, 0, 0, found)
+    keep = [i for i, m in enumerate(is_mixed) if m][:num_groups]
+    rest = [i for i, m in enumerate(is_mixed) if not m][: num_groups - len(keep)]
     chosen = keep + rest
     return Collected(
-        [every[i] for i in chosen], [adv[i] for i in chosen], every, rounds, extra, int(sum(mixed))
+        [every[i] for i in chosen], [adv[i] for i in chosen], every, rounds, extra, found
     )
 
 
-def flatten(groups: Sequence[Group]) -> tuple[list[Any], np.ndarray]:
+def flatten(groups: Sequence[Group]) -> tuple[list[Sample], np.ndarray]:
     """The samples of ``groups`` renumbered so group i is prompt i, and their rewards
     (``pack_rollouts``' input; ``np.concatenate(Collected.advantages)`` lines up with them)."""
     samples, rewards = [], []

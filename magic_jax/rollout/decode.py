@@ -217,14 +217,18 @@ def decode_attention(
     dt = q_BKGH.dtype if k_scale_BSK is not None else k_BSKH.dtype
     if per_head:
         scores_BKGS = jnp.einsum(
-            "bkgh,bskh->bkgs", q_BKGH.astype(dt), k_BSKH.astype(dt),
+            "bkgh,bskh->bkgs",
+            q_BKGH.astype(dt),
+            k_BSKH.astype(dt),
             preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        )
         probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK)
         return jnp.einsum(
-            "bkgs,bskh->bkgh", probs_BKGS.astype(dt), v_BSKH.astype(dt),
+            "bkgs,bskh->bkgh",
+            probs_BKGS.astype(dt),
+            v_BSKH.astype(dt),
             preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        )
     q_BNH = q_BKGH.reshape(b, kh * g, h).astype(dt)
     scores_BMN = jnp.einsum(
         "bmh,bnh->bmn",
@@ -300,9 +304,9 @@ def decode_forward(
     norms and unembedding are the model's too.
     Finished rows (``~live_B``) write a padding entry (pos -1) and do not advance.
     ``unembed_VD``, when given, is the model's unembedding stored transposed,
-    [V, D]: XLA's CPU dot is ~2x faster contracting the weight's minor dimension
-    (measured 10 vs 19 ms at B 32, D 512, V 32768), and transposing per call
-    would cost more than it saves (37 ms), so the caller makes it once per weights.
+    [V, D]: XLA's CPU dot is about 2x faster contracting the weight's minor
+    dimension, and transposing per call would cost more than it saves, so the caller
+    makes it once per weights (docs/benchmarks.md#decode-defaults).
     ``layer_unroll``: see ``EngineConfig.layer_unroll``; ``per_head``: the attention's
     formulation (``decode_attention``). ``ragged`` runs ``ragged_attention``'s kernel
     instead: each row reads its past slots ``[0, length)`` only and the new token is

@@ -5,6 +5,7 @@ through the loop where that is faster (``split_forward``; ``EngineConfig.decode_
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,8 @@ def split_forward(
 
     Each layer writes its new key and value into its own arrays in place and attends
     over them: no per-step copy of a layer's slice out of the [B, L, S, K, H] cache,
-    which on CPU was half of a small model's layer time (measured: 0.78 of 1.48 ms per
-    step at 64 rows, S 80, the 0.74M default model). ``attention``: a registered
+    which on CPU is half of a small model's layer time
+    (docs/benchmarks.md#decode-defaults). ``attention``: a registered
     attention's product in place of the dense one (``decode_forward``).
 
     Returns:
@@ -147,6 +148,28 @@ def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) ->
     return DecodeState(cache=cache, **rest)
 
 
+def _runs_on(
+    i: jax.Array,
+    sub: DecodeState,
+    *,
+    done0_b: jax.Array,
+    num_steps: int,
+    min_live: jax.Array,
+    stop_on_free: jax.Array,
+    attend: int,
+) -> jax.Array:
+    """Whether a chunk runs step ``i`` (``decode_chunk_fn``'s stopping rules)."""
+    live = ~sub.done
+    longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
+    freed = jnp.sum(sub.done & ~done0_b)
+    return (
+        (i < num_steps)
+        & (jnp.sum(live) > min_live)
+        & ~((stop_on_free > 0) & (freed >= stop_on_free))
+        & (longest < attend)
+    )
+
+
 def decode_chunk_fn(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -183,22 +206,11 @@ def decode_chunk_fn(
     """
     sub = _take_rows(state, rows_b, attend)
     b = sub.tokens.shape[0]
-    done0_b = sub.done
     zf = jnp.zeros((num_steps, b), jnp.float32)
     zb = jnp.zeros((num_steps, b), bool)
     outs0 = StepOutput(jnp.zeros((num_steps, b), jnp.int32), zf, zf, zf, zb, zb)
-
-    def cond(carry):
-        i, sub = carry
-        live = ~sub.done
-        longest = jnp.max(jnp.where(live, sub.cache.lengths, 0))
-        freed = jnp.sum(sub.done & ~done0_b)
-        return (
-            (i < num_steps)
-            & (jnp.sum(live) > min_live)
-            & ~((stop_on_free > 0) & (freed >= stop_on_free))
-            & (longest < attend)
-        )
+    limits = dict(num_steps=num_steps, min_live=min_live, stop_on_free=stop_on_free)
+    cond = functools.partial(_runs_on, done0_b=sub.done, attend=attend, **limits)
 
     split = split_layers and not sub.cache.quantized and ragged is None
     kv0 = None
@@ -213,21 +225,35 @@ def decode_chunk_fn(
         i, sub, kv, outs = carry
         if split:
             logits_BV, cache, kv = split_forward(
-                model, layers, sub.tokens, ~sub.done, sub.cache, kv, unembed_VD,
-                per_head=per_head, attention=attention,
-            )  # fmt: skip
+                model,
+                layers,
+                sub.tokens,
+                ~sub.done,
+                sub.cache,
+                kv,
+                unembed_VD,
+                per_head=per_head,
+                attention=attention,
+            )
             sub, out = sample_next(sub, logits_BV, cache, eos_E, sampling)
         else:
             sub, out = decode_step(
-                graphdef, params, sub, eos_E, sampling=sampling, unembed_VD=unembed_VD,
-                layer_unroll=layer_unroll, per_head=per_head, ragged=ragged,
+                graphdef,
+                params,
+                sub,
+                eos_E,
+                sampling=sampling,
+                unembed_VD=unembed_VD,
+                layer_unroll=layer_unroll,
+                per_head=per_head,
+                ragged=ragged,
                 attention=attention,
-            )  # fmt: skip
+            )
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
         return i + 1, sub, kv, outs
 
     n, sub, kv, outs = jax.lax.while_loop(
-        lambda carry: cond(carry[:2]), body, (jnp.int32(0), sub, kv0, outs0)
+        lambda carry: cond(*carry[:2]), body, (jnp.int32(0), sub, kv0, outs0)
     )
     if split:
         k, v = (jnp.stack([x[j] for x in kv], axis=1) for j in (0, 1))

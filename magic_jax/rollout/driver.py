@@ -7,7 +7,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -17,65 +17,15 @@ from magic_jax import interrupt, watchdog
 from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
 from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.engine_config import DECODE_LANES_DEFAULT as DECODE_LANES_DEFAULT
+from magic_jax.rollout.engine_config import EngineConfig, EngineOptions
 from magic_jax.rollout.engine_config import default_lanes as default_lanes
+from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
 from magic_jax.rollout.sampling import SamplingConfig
 
-Truncation = Literal["no_eos", "length"]
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Sample:
-    """One response of the policy to one prompt.
-
-    Attributes:
-      prompt_index: index of the prompt in the rollout's prompt list.
-      sample_index: index of this sample in its group, in [0, G).
-      prompt_tokens: [P] int32 prompt ids.
-      tokens: [L] int32 response ids, EOS included when the response has one.
-      logprobs: [L] float32 behaviour log-prob of each response token under the
-        temperature-scaled full distribution (what the trainer recomputes).
-      entropies: [L] float32 entropy of that distribution at each token.
-      sampling_logprobs: [L] float32 log-prob under the distribution sampled from
-        (after top-k / top-p; equal to ``logprobs`` when they are off).
-      truncated: see ``Truncation``: no EOS within the limit (``"no_eos"``) or
-        length equal to the limit, EOS counted (``"length"``, the reference code).
-      length: L, exact.
-      finish_reason: ``"eos"`` or ``"length"``.
-    """
-
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray
-    sampling_logprobs: np.ndarray
-    truncated: bool
-    length: int
-    finish_reason: Literal["eos", "length"]
-
-
-@dataclasses.dataclass
-class RolloutStats:
-    """Where a rollout's time went (seconds) and how full the decode batch was.
-
-    ``prefill_s`` / ``insert_s`` are exact only with ``profile=True`` (else the
-    work is asynchronous and lands in ``decode_s``). ``slot_steps`` counts rows
-    computed per device step (the batch run), ``tokens`` the useful ones;
-    ``by_batch`` maps a decode batch size to [steps, seconds] spent at it.
-    """
-
-    tokens: int = 0
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    insert_s: float = 0.0
-    decode_s: float = 0.0
-    host_s: float = 0.0
-    chunks: int = 0
-    steps: int = 0
-    slot_steps: int = 0
-    prefills: int = 0
-    by_batch: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    from magic_jax.model.qwen2 import Qwen2
 
 
 class _Pending:
@@ -151,23 +101,211 @@ class _Work:
                 self.on_sample(sample)
 
 
-def _merge(parts: list[RolloutStats]) -> RolloutStats:
-    """The lanes' stats in one (counts and times summed, ``by_batch`` per batch size)."""
-    out = RolloutStats()
-    for st in parts:
-        for f in dataclasses.fields(RolloutStats):
-            if f.name == "by_batch":
-                for b, (n, t) in st.by_batch.items():
-                    at = out.by_batch.setdefault(b, [0, 0.0])
-                    at[0] += n
-                    at[1] += t
-            else:
-                setattr(out, f.name, getattr(out, f.name) + getattr(st, f.name))
-    return out
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+class _Lane:
+    """One decode lane's loop over its slots (``run``): insert queued samples into the
+    free slots, fetch their first tokens, decode a chunk, take the finished samples out;
+    until its queue in ``work`` is empty and its slots are done (or another lane failed).
+
+    The decode state stays on the device between chunks: the host reads only the first
+    tokens of the samples inserted since the last chunk (one transfer) and the chunk's
+    outputs.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: collections.deque[tuple[int, int]],
+        params: nnx.State,
+        state: DecodeState,
+        unembed_VD: jax.Array | None,
+        work: _Work,
+        stats: RolloutStats,
+        *,
+        seed: int,
+        step: int,
+        truncation: Truncation,
+        profile: bool,
+    ):
+        self.eng, self.cfg = engine, engine.config
+        self.queue, self.params, self.state, self.unembed_VD = queue, params, state, unembed_VD
+        self.work, self.stats = work, stats
+        self.seed, self.step, self.truncation, self.profile = seed, step, truncation, profile
+        self.b_max = b_max = self.cfg.max_concurrent_decodes
+        self.slot_of: list[_Pending | None] = [None] * b_max
+        self.prompt_len = np.zeros(b_max, np.int64)
+        self.buffers = _SlotBuffers(b_max, max(int(work.limits.max(initial=1)), 1))
+        self.first_draws: list[tuple[list[_Pending], list[int], StepOutput]] = []
+        self.eos = set(engine.eos_ids)
+        self.sizes = engine.compact_sizes()
+        self.whole_groups = engine.light_cpu_step and work.num_samples <= b_max
+
+    def run(self) -> DecodeState:
+        """Decodes the lane's queue; returns the lane's decode state."""
+        while (self.queue or any(s is not None for s in self.slot_of)) and not self.work.errors:
+            t0 = time.perf_counter()
+            self._fill_free_slots()
+            self._start_inserted()
+            live = [s for s in range(self.b_max) if self.slot_of[s] is not None]
+            if not live:
+                self.stats.host_s += time.perf_counter() - t0
+                continue
+            rows, min_live, attend = self._chunk_shape(live)
+            self.stats.host_s += time.perf_counter() - t0
+            self._decode_chunk(rows, min_live, attend)
+        return self.state
+
+    def _fill_free_slots(self) -> None:
+        free = collections.deque(s for s in range(self.b_max) if self.slot_of[s] is None)
+        while free:
+            with self.work.lock:
+                taken = self._take(len(free))
+            if taken is None:
+                break
+            entries, prefix = taken
+            self._insert(entries, prefix, [free.popleft() for _ in entries])
+
+    def _take(self, free: int) -> tuple[list[tuple[int, int]], Prefix] | None:
+        """The next samples to insert (all of one prompt) and their prompt's prefix
+        (prefilled once per prompt), or None when none fit (under ``work.lock``)."""
+        queue, work, g = self.queue, self.work, self.work.num_samples
+        if not queue:
+            return None
+        p, j = queue[0]
+        # A whole group into free slots is one call, anything else one per sample (two
+        # compiled shapes). For a light step, whole groups only where a group fits the
+        # slots: the slots a group does not fill wait for the next to free (such a step's
+        # cost hardly grows with its rows), and there is one compiled insert per cache shape.
+        if self.whole_groups:
+            n = g
+            if free < n:
+                return None
+        else:
+            n = g if j == 0 and free >= g else 1
+            if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
+                n = 1
+        entries = [queue.popleft() for _ in range(n)]
+        if p not in work.prefixes:
+            tp = time.perf_counter()
+            work.prefixes[p] = self.eng.prefill(self.params, work.prompts[p])
+            if self.profile:
+                jax.block_until_ready(work.prefixes[p])
+            self.stats.prefill_s += time.perf_counter() - tp
+            self.stats.prefills += 1
+        last = entries[-1][1] == g - 1
+        return entries, work.prefixes.pop(p) if last else work.prefixes[p]
+
+    def _insert(self, entries: list[tuple[int, int]], prefix: Prefix, slots: list[int]) -> None:
+        work, p = self.work, entries[0][0]
+        pends = [_Pending(p, jj, int(work.limits[p, jj])) for _, jj in entries]
+        ti = time.perf_counter()
+        self.state, first = self.eng.insert_group(
+            prefix,
+            self.state,
+            slots,
+            seed=self.seed,
+            step=self.step,
+            prompt=work.ids[p],
+            samples=[jj for _, jj in entries],
+            max_new_tokens=[x.limit for x in pends],
+        )
+        if self.profile:
+            jax.block_until_ready(self.state)
+        self.stats.insert_s += time.perf_counter() - ti
+        for pend, slot in zip(pends, slots):
+            self.slot_of[slot], self.prompt_len[slot] = pend, len(work.prompts[p])
+        self.first_draws.append((pends, slots, first))
+
+    def _start_inserted(self) -> None:
+        """Token 0 of each sample inserted since the last chunk was sampled at insert;
+        fetched here (one transfer for all), it may end the sample at once."""
+        fetched = jax.device_get([f for _, _, f in self.first_draws])
+        for (pends, slots, _), f in zip(self.first_draws, fetched):
+            self.buffers.start(np.asarray(slots), tuple(np.asarray(x).reshape(-1) for x in f))
+            for i, (pend, slot) in enumerate(zip(pends, slots)):
+                if int(f.tokens[i]) in self.eos or pend.limit <= 1:
+                    self._finish(pend, slot)
+        self.first_draws.clear()
+
+    def _chunk_shape(self, live: list[int]) -> tuple[np.ndarray | None, int, int]:
+        """(the rows the chunk computes, None for all; the live rows under which it stops;
+        the cache positions it attends to)."""
+        cfg, sizes, s_max = self.cfg, self.sizes, self.cfg.cache_length
+        rows, min_live = None, 0
+        if cfg.compact_batch and not self.queue:
+            b = min(x for x in sizes if x >= len(live))
+            if b < self.b_max:
+                spare = [s for s in range(self.b_max) if self.slot_of[s] is None]
+                rows = np.asarray(live + spare[: b - len(live)], np.int32)
+            # Stop the chunk once the live rows fit the next size down.
+            min_live = max([x for x in sizes if x < b], default=0)
+        # a row's cache holds its prompt and every response token but the newest
+        longest = int((self.prompt_len[live] + self.buffers.length[live]).max()) - 1
+        attend = s_max
+        if cfg.cache_bucket:
+            attend = min(s_max, _round_up(longest + 1, cfg.cache_bucket))
+        return rows, min_live, attend
+
+    def _decode_chunk(self, rows: np.ndarray | None, min_live: int, attend: int) -> None:
+        """One chunk of decode steps; its tokens go to the slot buffers and the samples
+        that ended leave their slots."""
+        interrupt.check("rollout")
+        watchdog.beat("decode chunk")
+        stats, b_max = self.stats, self.b_max
+        td = time.perf_counter()
+        self.state, outs, n = self.eng.generate_chunk(
+            self.params,
+            self.state,
+            unembed_VD=self.unembed_VD,
+            rows=rows,
+            attend=attend,
+            # refill once a whole group's slots are free (one insert call), or
+            # what the queue still holds
+            stop_on_free=min(len(self.queue), self.work.num_samples),
+            min_live=min_live,
+        )
+        n = int(n)
+        outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
+        dt = time.perf_counter() - td
+        stats.decode_s += dt
+        at = stats.by_batch.setdefault(b_max if rows is None else len(rows), [0, 0.0])
+        at[0] += n
+        at[1] += dt
+
+        t1 = time.perf_counter()
+        cols = np.arange(b_max) if rows is None else rows
+        stats.chunks += 1
+        stats.steps += n
+        stats.slot_steps += n * len(cols)
+        self.buffers.add(cols, outs)  # only live rows produce valid tokens
+        for c in np.flatnonzero(outs.done.any(axis=0)):
+            slot = int(cols[c])
+            if self.slot_of[slot] is not None:
+                self._finish(self.slot_of[slot], slot)
+        stats.host_s += time.perf_counter() - t1
+
+    def _finish(self, pend: _Pending, slot: int) -> None:
+        tokens, logp, ent, slp = self.buffers.take(slot)
+        hit_eos = len(tokens) > 0 and int(tokens[-1]) in self.eos
+        length = len(tokens)
+        truncated = not hit_eos if self.truncation == "no_eos" else length == pend.limit
+        sample = Sample(
+            prompt_index=self.work.ids[pend.p],
+            sample_index=pend.j,
+            prompt_tokens=self.work.prompts[pend.p],
+            tokens=tokens,
+            logprobs=logp,  # the slot buffers' float32 copies
+            entropies=ent,
+            sampling_logprobs=slp,
+            truncated=bool(truncated),
+            length=length,
+            finish_reason="eos" if hit_eos else "length",
+        )
+        self.slot_of[slot] = None
+        self.work.finish(sample)
 
 
 class RolloutDriver:
@@ -187,6 +325,46 @@ class RolloutDriver:
         self.engine = engine
         self.lanes = lanes
         self._states: list[DecodeState | None] = [None] * lanes
+
+    def with_sampling(self, sampling: SamplingConfig) -> RolloutDriver:
+        """A driver that samples with ``sampling`` on this one's engine and decode state
+        (its KV cache: an evaluation at several temperatures holds one). The two share
+        the cache, so they must not run at once."""
+        other = RolloutDriver(self.engine.with_sampling(sampling), lanes=self.lanes)
+        other._states = self._states
+        return other
+
+    def load_params(self, model_or_params: Qwen2 | nnx.State) -> nnx.State:
+        """The weights in the engine's layout, as ``run`` takes them (``Engine.load_params``)."""
+        return self.engine.load_params(model_or_params)
+
+    def _work(
+        self,
+        prompts: Sequence[np.ndarray],
+        num_samples: int,
+        max_new_tokens: int | np.ndarray | None,
+        on_sample: Callable[[Sample], None] | None,
+        prompt_indices: Sequence[int] | None,
+    ) -> _Work:
+        """A rollout's work: prompt p's samples queued on lane ``prompt_indices[p] % lanes``."""
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        limit = self.engine.config.max_decode_length if max_new_tokens is None else max_new_tokens
+        limits = np.broadcast_to(np.asarray(limit, np.int64), (len(prompts), num_samples))
+        ids = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+            raise ValueError(
+                f"prompt_indices: {len(prompts)} distinct indices needed, got {ids[:8]}..."
+            )
+        k, order = self.lanes, [(p, j) for p in range(len(prompts)) for j in range(num_samples)]
+        return _Work(
+            prompts=[np.asarray(p, np.int32).reshape(-1) for p in prompts],
+            num_samples=num_samples,
+            limits=limits,
+            queues=[collections.deque(e for e in order if ids[e[0]] % k == i) for i in range(k)],
+            on_sample=on_sample,
+            ids=ids,
+        )
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -236,41 +414,29 @@ class RolloutDriver:
         """
         if truncation not in ("no_eos", "length"):
             raise ValueError(f"truncation must be 'no_eos' or 'length', got {truncation!r}")
-        if num_samples <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
-        eng, cfg = self.engine, self.engine.config
-        limits = np.broadcast_to(
-            np.asarray(
-                cfg.max_decode_length if max_new_tokens is None else max_new_tokens, np.int64
-            ),
-            (len(prompts), num_samples),
-        )
         t_start = time.perf_counter()
-        ids = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
-        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
-            raise ValueError(
-                f"prompt_indices: {len(prompts)} distinct indices needed, got {ids[:8]}..."
-            )
-        k, order = self.lanes, [(p, j) for p in range(len(prompts)) for j in range(num_samples)]
-        work = _Work(
-            prompts=[np.asarray(p, np.int32).reshape(-1) for p in prompts],
-            num_samples=num_samples,
-            limits=limits,
-            queues=[collections.deque(e for e in order if ids[e[0]] % k == i) for i in range(k)],
-            on_sample=on_sample,
-            ids=ids,
-        )
+        eng = self.engine
+        work = self._work(prompts, num_samples, max_new_tokens, on_sample, prompt_indices)
         states = [s if s is not None else eng.init_decode_state() for s in self._states]
-        self._states = [None] * self.lanes  # donated below; restored at the end
+        self._states[:] = [None] * self.lanes  # donated below; restored at the end
         unembed_VD = eng.decode_unembedding(params)
         lane_stats = [RolloutStats() for _ in range(self.lanes)]
 
         def lane(i: int) -> None:
             try:
-                states[i] = self._lane(
-                    i, params, states[i], unembed_VD, work, lane_stats[i],
-                    seed=seed, step=step, truncation=truncation, profile=profile,
-                )  # fmt: skip
+                states[i] = _Lane(
+                    eng,
+                    work.queues[i],
+                    params,
+                    states[i],
+                    unembed_VD,
+                    work,
+                    lane_stats[i],
+                    seed=seed,
+                    step=step,
+                    truncation=truncation,
+                    profile=profile,
+                ).run()
             except BaseException as e:  # re-raised below, in the calling thread
                 work.errors.append(e)
 
@@ -288,240 +454,46 @@ class RolloutDriver:
             t.join()
         if work.errors:
             raise work.errors[0]
-        self._states = states
-        stats = _merge(lane_stats)
+        self._states[:] = states
+        stats = RolloutStats.merged(lane_stats)
         samples = sorted(work.done, key=lambda s: (s.prompt_index, s.sample_index))
         stats.tokens = sum(s.length for s in samples)
         stats.wall_s = time.perf_counter() - t_start
         return samples, stats
 
-    def _lane(
-        self,
-        index: int,
-        params: nnx.State,
-        state: DecodeState,
-        unembed_VD: jax.Array | None,
-        work: _Work,
-        stats: RolloutStats,
-        *,
-        seed: int,
-        step: int,
-        truncation: Truncation,
-        profile: bool,
-    ) -> DecodeState:
-        """Lane ``index``'s decode loop over its slots until its queue in ``work`` is empty
-        and its slots are done (or another lane failed). Returns the lane's state."""
-        eng, cfg = self.engine, self.engine.config
-        b_max, s_max = cfg.max_concurrent_decodes, cfg.cache_length
-        prompts, num_samples, queue = work.prompts, work.num_samples, work.queues[index]
-        slot_of: list[_Pending | None] = [None] * b_max
-        prompt_len = np.zeros(b_max, np.int64)
-        buffers = _SlotBuffers(b_max, max(int(work.limits.max(initial=1)), 1))
-        first_draws: list[tuple[list[_Pending], list[int], object]] = []
-        eos = set(eng.eos_ids)
-        sizes = eng.compact_sizes()
-        whole_groups = eng.light_cpu_step and num_samples <= b_max
-
-        def finish(pend: _Pending, slot: int):
-            parts = buffers.take(slot)
-            sample = self._to_sample(pend, parts, prompts, eos, truncation, work.ids[pend.p])
-            slot_of[slot] = None
-            work.finish(sample)
-
-        while (queue or any(s is not None for s in slot_of)) and not work.errors:
-            t0 = time.perf_counter()
-            free = collections.deque(s for s in range(b_max) if slot_of[s] is None)
-            while free:
-                with work.lock:
-                    if not queue:
-                        break
-                    p, j = queue[0]
-                    # A whole group into free slots is one call, anything else one per
-                    # sample (two compiled shapes). For a light step, whole groups only
-                    # where a group fits the slots: the slots a group does not fill wait
-                    # for the next to free (such a step's cost hardly grows with its
-                    # rows), and there is one compiled insert per cache shape.
-                    if whole_groups:
-                        n = num_samples
-                        if len(free) < n:
-                            break
-                    else:
-                        n = num_samples if j == 0 and len(free) >= num_samples else 1
-                        if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
-                            n = 1
-                    entries = [queue.popleft() for _ in range(n)]
-                    if p not in work.prefixes:
-                        tp = time.perf_counter()
-                        work.prefixes[p] = eng.prefill(params, prompts[p])
-                        if profile:
-                            jax.block_until_ready(work.prefixes[p])
-                        stats.prefill_s += time.perf_counter() - tp
-                        stats.prefills += 1
-                    last = entries[-1][1] == num_samples - 1
-                    prefix = work.prefixes.pop(p) if last else work.prefixes[p]
-                slots = [free.popleft() for _ in range(n)]
-                pends = [_Pending(p, jj, int(work.limits[p, jj])) for _, jj in entries]
-                ti = time.perf_counter()
-                state, first = eng.insert_group(
-                    prefix,
-                    state,
-                    slots,
-                    seed=seed,
-                    step=step,
-                    prompt=work.ids[p],
-                    samples=[jj for _, jj in entries],
-                    max_new_tokens=[x.limit for x in pends],
-                )
-                if profile:
-                    jax.block_until_ready(state)
-                stats.insert_s += time.perf_counter() - ti
-                for pend, slot in zip(pends, slots):
-                    slot_of[slot], prompt_len[slot] = pend, len(prompts[p])
-                first_draws.append((pends, slots, first))
-            # Token 0 was sampled at insert; fetch those now (one transfer for all).
-            fetched = jax.device_get([f for _, _, f in first_draws])
-            for (pends, slots, _), f in zip(first_draws, fetched):
-                buffers.start(np.asarray(slots), tuple(np.asarray(x).reshape(-1) for x in f))
-                for i, (pend, slot) in enumerate(zip(pends, slots)):
-                    if int(f.tokens[i]) in eos or pend.limit <= 1:
-                        finish(pend, slot)
-            first_draws.clear()
-            live = [s for s in range(b_max) if slot_of[s] is not None]
-            if not live:
-                stats.host_s += time.perf_counter() - t0
-                continue
-
-            rows, min_live = None, 0
-            if cfg.compact_batch and not queue:
-                b = min(x for x in sizes if x >= len(live))
-                if b < b_max:
-                    spare = [s for s in range(b_max) if slot_of[s] is None]
-                    rows = np.asarray(live + spare[: b - len(live)], np.int32)
-                # Stop the chunk once the live rows fit the next size down.
-                min_live = max([x for x in sizes if x < b], default=0)
-            # a row's cache holds its prompt and every response token but the newest
-            longest = int((prompt_len[live] + buffers.length[live]).max()) - 1
-            attend = s_max
-            if cfg.cache_bucket:
-                attend = min(s_max, _round_up(longest + 1, cfg.cache_bucket))
-            stats.host_s += time.perf_counter() - t0
-
-            interrupt.check("rollout")
-            watchdog.beat("decode chunk")
-            td = time.perf_counter()
-            state, outs, n = eng.generate_chunk(
-                params,
-                state,
-                unembed_VD=unembed_VD,
-                rows=rows,
-                attend=attend,
-                # refill once a whole group's slots are free (one insert call), or
-                # what the queue still holds
-                stop_on_free=min(len(queue), num_samples),
-                min_live=min_live,
-            )
-            n = int(n)
-            outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
-            dt = time.perf_counter() - td
-            stats.decode_s += dt
-            at = stats.by_batch.setdefault(b_max if rows is None else len(rows), [0, 0.0])
-            at[0] += n
-            at[1] += dt
-
-            t1 = time.perf_counter()
-            cols = np.arange(b_max) if rows is None else rows
-            stats.chunks += 1
-            stats.steps += n
-            stats.slot_steps += n * len(cols)
-            buffers.add(cols, outs)  # only live rows produce valid tokens
-            for c in np.flatnonzero(outs.done.any(axis=0)):
-                slot = int(cols[c])
-                if slot_of[slot] is not None:
-                    finish(slot_of[slot], slot)
-            stats.host_s += time.perf_counter() - t1
-        return state
-
-    @staticmethod
-    def _to_sample(
-        pend: _Pending,
-        parts: tuple[np.ndarray, ...],
-        prompts,
-        eos: set[int],
-        truncation: Truncation,
-        index: int,
-    ) -> Sample:
-        tokens, logp, ent, slp = parts
-        hit_eos = len(tokens) > 0 and int(tokens[-1]) in eos
-        length = len(tokens)
-        truncated = not hit_eos if truncation == "no_eos" else length == pend.limit
-        return Sample(
-            prompt_index=index,
-            sample_index=pend.j,
-            prompt_tokens=prompts[pend.p],
-            tokens=tokens,
-            logprobs=logp,  # the slot buffers' float32 copies
-            entropies=ent,
-            sampling_logprobs=slp,
-            truncated=bool(truncated),
-            length=length,
-            finish_reason="eos" if hit_eos else "length",
-        )
-
 
 def make_driver(
-    model: Any,
+    model: Qwen2,
+    options: EngineOptions,
     *,
     max_prompt_length: int,
     max_response_length: int,
     sampling: SamplingConfig,
-    max_concurrent_decodes: int = 32,
-    decode_steps: int = 64,
-    dtype: str | None = None,
-    kv_dtype: str | None = None,
-    decode_attention: str | None = None,
-    decode_layers: str | None = None,
-    mesh: Any = None,
-    lanes: int | None = None,
-    compact_batch: bool = True,
+    mesh: Mesh | None = None,
 ) -> RolloutDriver:
-    """A ``RolloutDriver`` over a fresh engine with these shapes, sampling and dtype.
+    """A ``RolloutDriver`` over fresh engines with these options, shapes and sampling.
 
     Training (one per stage and one for its evaluations) and the evaluation
     commands all build their engines here.
 
     Args:
       model: the policy (``Qwen2``); its graph and shapes, not its weights, are used.
+      options: the engine's options (a run's ``rollout`` section is one); its
+        ``max_concurrent_decodes`` slots are split over ``options.lanes`` lanes
+        (None: ``default_lanes``), each lane's share in its own thread (``RolloutDriver``).
       max_prompt_length / max_response_length: the engine's limits.
       sampling: the sampling strategy.
-      max_concurrent_decodes / decode_steps: see ``EngineConfig``.
-      dtype: ``EngineConfig.dtype`` (None: the model's).
-      kv_dtype: ``EngineConfig.kv_dtype`` (None: the cache in ``dtype``).
-      decode_attention: ``EngineConfig.decode_attention`` (None: the platform's).
-      decode_layers: ``EngineConfig.decode_layers`` (None: by the step's weight).
       mesh: the device mesh (None: one device).
-      lanes: decode lanes, each ``max_concurrent_decodes / lanes`` slots in its own
-        thread (``RolloutDriver``); None: ``default_lanes``.
-      compact_batch: ``EngineConfig.compact_batch``.
     """
-    from magic_jax.rollout.engine import EngineConfig
-
+    lanes = options.lanes
     if lanes is None:
-        lanes = default_lanes(max_concurrent_decodes, mesh, model.config.num_params())
-    if lanes < 1 or max_concurrent_decodes % lanes:
-        raise ValueError(
-            f"lanes ({lanes}) must be >= 1 and divide max_concurrent_decodes "
-            f"({max_concurrent_decodes})"
-        )
-    config = EngineConfig(
-        max_concurrent_decodes=max_concurrent_decodes // lanes,
+        lanes = default_lanes(options.max_concurrent_decodes, mesh, model.config.num_params())
+    config = EngineConfig.of(
+        options,
+        max_concurrent_decodes=options.max_concurrent_decodes // lanes,
+        lanes=1,
         max_prefill_length=max_prompt_length,
         max_decode_length=max_response_length,
-        decode_steps=decode_steps,
         sampling=sampling,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        decode_attention=decode_attention,
-        decode_layers=decode_layers,
-        compact_batch=compact_batch,
     )
     return RolloutDriver(Engine(model, config, mesh=mesh), lanes=lanes)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import threading
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +38,14 @@ from magic_jax.rollout.engine_config import (  # noqa: F401  (re-exported)
     LIGHT_STEP_FLOPS,
     SPLIT_MAX_LAYERS,
     EngineConfig,
+    EngineOptions,
     default_layer_unroll,
 )
 from magic_jax.rollout.ragged_attention import RaggedSpec
 from magic_jax.rollout.sampling import SamplingConfig
 
 
-def _is_float(x: Any) -> bool:
+def _is_float(x: jax.Array | np.ndarray) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
@@ -52,8 +54,12 @@ _COMPILED_LOCK = threading.Lock()
 
 @functools.cache
 def _compiled(
-    name: str, graphdef: nnx.GraphDef, shardings: Any, sampling: SamplingConfig, statics: tuple
-) -> Any:
+    name: str,
+    graphdef: nnx.GraphDef,
+    shardings: DecodeState | None,
+    sampling: SamplingConfig,
+    statics: tuple[tuple[str, object], ...],
+) -> jax.stages.Wrapped:
     """The jitted engine functions, shared by every engine with the same model graph,
     shardings and static settings (so a new engine per stage does not recompile)."""
     kw = dict(statics)
@@ -114,7 +120,7 @@ class Engine:
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()
         self._cast = None
-        self._fns: dict[tuple, Any] = {}
+        self._fns: dict[tuple, jax.stages.Wrapped] = {}
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
         if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
             # A mesh of compile-only devices (magic_jax.jobs.plan) holds no data: shapes only.
@@ -123,6 +129,13 @@ class Engine:
             )
         else:
             self._eos_E = jax.device_put(eos_E, None if mesh is None else self._sharding((), ()))
+
+    def with_sampling(self, sampling: SamplingConfig) -> Engine:
+        """This engine with another sampling strategy: the same graph, shardings and
+        shapes (so the same decode state fits both); its programs compile for ``sampling``."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, sampling=sampling)
+        return other
 
     @property
     def layer_unroll(self) -> int | bool:
@@ -194,7 +207,7 @@ class Engine:
             mode = "split" if self.light_cpu_step and few else "scan"
         return mode == "split"
 
-    def decode_statics(self) -> dict[str, Any]:
+    def decode_statics(self) -> dict[str, object]:
         """The decode step's static options: the layer unroll, the per-kv-head dense
         attention when kv heads are split over devices (``decode.decode_attention``),
         the ragged kernel's settings (``ragged_spec``) and a registered attention's
@@ -211,7 +224,7 @@ class Engine:
         """[E] int32 ids that end a response, on device (E may be 0)."""
         return self._eos_E
 
-    def _fn(self, name: str, **statics: Any) -> Any:
+    def _fn(self, name: str, **statics: object) -> jax.stages.Wrapped:
         # Memoised per engine: ``_compiled``'s own cache hashes the whole graph on every
         # lookup, and the rollout loop asks once per prefill, insert and decode chunk.
         key = (name, tuple(statics.items()), self.config.sampling)
@@ -333,7 +346,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the contract
 
-    def prefill(self, params: nnx.State, tokens: Any, *, true_length: int | None = None) -> Prefix:
+    def prefill(
+        self,
+        params: nnx.State,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        true_length: int | None = None,
+    ) -> Prefix:
         """Prefills one prompt (1-D token ids; padding past ``true_length`` ignored)."""
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         n = len(tokens) if true_length is None else int(true_length)
@@ -371,13 +390,13 @@ class Engine:
         self,
         prefix: Prefix,
         state: DecodeState,
-        slots: Any,
+        slots: Sequence[int] | np.ndarray,
         *,
         seed: int,
         step: int,
         prompt: int,
-        samples: Any,
-        max_new_tokens: Any,
+        samples: Sequence[int] | np.ndarray,
+        max_new_tokens: int | Sequence[int] | np.ndarray,
     ) -> tuple[DecodeState, sampling_lib.Draw]:
         """Puts ``prefix`` in several ``slots`` in one call (donating ``state``).
 

@@ -15,11 +15,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from magic_jax.data.rows import PromptRow, tokenize_rows
+
+if TYPE_CHECKING:
+    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
+
+# a result as JSON (a problem's line, a data set's summary table)
+JSON = dict[str, object]
 
 # Evaluation draws its samples from its own stream, apart from training steps.
 EVAL_SEED_OFFSET = 1_000_003
@@ -83,7 +89,7 @@ class ProblemResult:
         """Samples with full credit (reward 1): pass@k's c and the difficulty count."""
         return int(sum(r >= 1.0 for r in self.rewards))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSON:
         """One JSON line of the per-problem output."""
         samples = [
             {"reward": r, "status": s, "length": n, "truncated": t}
@@ -102,7 +108,7 @@ class ProblemResult:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ProblemResult:
+    def from_json(cls, d: Mapping[str, object]) -> ProblemResult:
         s = d["samples"]
         texts = tuple(x["response"] for x in s) if s and "response" in s[0] else None
         return cls(
@@ -118,17 +124,17 @@ class ProblemResult:
 
 
 def score_problems(
-    driver: Any,
-    params: Any,
+    driver: Driver,
+    params: Params,
     rows: Sequence[PromptRow],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     num_samples: int,
     seed: int,
     step: int = 0,
     indices: Sequence[int] | None = None,
     max_new_tokens: int | None = None,
-    pool: Any = None,
+    pool: Verifiers | None = None,
     keep_responses: bool = False,
 ) -> list[ProblemResult]:
     """Samples ``num_samples`` responses per problem and verifies them (``scoring.score_groups``).
@@ -179,7 +185,7 @@ def score_problems(
     ]
 
 
-def summarize(problems: Sequence[ProblemResult]) -> dict[str, Any]:
+def summarize(problems: Sequence[ProblemResult]) -> JSON:
     """The summary table of one data set.
 
     Args:
@@ -227,7 +233,7 @@ def summarize(problems: Sequence[ProblemResult]) -> dict[str, Any]:
     }
 
 
-def format_summary(name: str, table: Mapping[str, Any]) -> str:
+def format_summary(name: str, table: Mapping[str, object]) -> str:
     """A data set's summary as aligned text lines."""
     n = table["num_samples"]
     statuses = ", ".join(f"{k} {v}" for k, v in table["reward_status"].items() if v)
@@ -248,18 +254,18 @@ def format_summary(name: str, table: Mapping[str, Any]) -> str:
 
 
 def evaluate(
-    driver: Any,
-    params: Any,
+    driver: Driver,
+    params: Params,
     rows: Sequence[PromptRow],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     num_samples: int,
     max_prompt_length: int,
     max_new_tokens: int | None = None,
     seed: int = 0,
     step: int = 0,
-    pool: Any = None,
-) -> dict[str, Any]:
+    pool: Verifiers | None = None,
+) -> JSON:
     """The trainer's in-run evaluation: every row scored in one batch, then ``summarize``.
 
     Args:

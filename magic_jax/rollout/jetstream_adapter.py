@@ -7,7 +7,7 @@ import functools
 import logging
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,9 @@ from flax import nnx
 from magic_jax.rollout.decode import DecodeState, Prefix, decode_step
 from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.sampling import SamplingConfig, sample_key
+
+if TYPE_CHECKING:
+    from magic_jax.rollout.protocols import Tokenizer
 
 # ----------------------------------------------------------------------------- shim
 # google-jetstream 0.2.2 (its last release) predates current jax and imports seqio
@@ -37,7 +40,7 @@ def _install_shim() -> None:
             pass
 
         class SentencePieceVocabulary(Vocabulary):
-            def __init__(self, *args: Any, **kwargs: Any):
+            def __init__(self, *args: object, **kwargs: object):
                 raise ImportError("seqio is not installed; magic_jax supplies its own tokenizer")
 
         vocabularies.Vocabulary = Vocabulary
@@ -82,10 +85,17 @@ class TokenIdTokenizer(js.tokenizer_api.Tokenizer):
     token in Qwen2's vocabulary) does not end a response.
     """
 
-    def __init__(self, *, bos_id: int, eos_ids: tuple[int, ...], pad_id: int = 0, hf: Any = None):
+    def __init__(
+        self,
+        *,
+        bos_id: int,
+        eos_ids: tuple[int, ...],
+        pad_id: int = 0,
+        hf: Tokenizer | None = None,
+    ):
         self._bos, self._eos, self._pad, self.hf = bos_id, tuple(eos_ids), pad_id, hf
 
-    def encode(self, s: str, **kwargs: Any) -> tuple[Any, int]:
+    def encode(self, s: str, **kwargs: object) -> tuple[jax.Array | np.ndarray, int]:
         if self.hf is None:
             raise ValueError("no Hugging Face tokenizer given: send token_content requests")
         ids = np.asarray(self.hf.encode(s, add_special_tokens=False), np.int32)
@@ -98,7 +108,7 @@ class TokenIdTokenizer(js.tokenizer_api.Tokenizer):
             jax_padding=kwargs.get("jax_padding", True),
         )
 
-    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+    def decode(self, token_ids: list[int], **kwargs: object) -> str:
         if self.hf is None:
             return " ".join(map(str, token_ids))
         return self.hf.decode(token_ids)
@@ -170,7 +180,7 @@ class JetStreamEngine(js.engine_api.Engine):
         *,
         seed: int = 0,
         bos_id: int | None = None,
-        hf_tokenizer: Any = None,
+        hf_tokenizer: Tokenizer | None = None,
     ):
         n = engine.max_prefill_length
         if n < 16 or n & (n - 1):
@@ -189,15 +199,15 @@ class JetStreamEngine(js.engine_api.Engine):
         )
         self._mark = jax.jit(_mark_pending, donate_argnums=0)
 
-    def load_params(self, *args: Any, **kwargs: Any) -> nnx.State:
+    def load_params(self, *args: object, **kwargs: object) -> nnx.State:
         return self._params
 
     def prefill(
         self,
         *,
         params: nnx.State,
-        existing_prefix: Any = None,
-        padded_tokens: Any,
+        existing_prefix: _Request | None = None,
+        padded_tokens: jax.Array | np.ndarray,
         true_length: int,
     ) -> _Request:
         if existing_prefix is not None:
@@ -211,26 +221,28 @@ class JetStreamEngine(js.engine_api.Engine):
         decode, _ = self.engine.insert(prefix.prefix, decode_state.decode, slot, key=prefix.key)
         return self._mark(AdapterState(decode=decode, pending=decode_state.pending), slot)
 
-    def generate(self, params: nnx.State, decode_state: AdapterState) -> tuple[AdapterState, Any]:
+    def generate(
+        self, params: nnx.State, decode_state: AdapterState
+    ) -> tuple[AdapterState, js.engine_api.ResultTokens]:
         state, data = self._step(params, decode_state, self.engine.eos_array)
         return state, js.engine_api.ResultTokens(
             data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
         )
 
-    def init_decode_state(self, *args: Any, **kwargs: Any) -> AdapterState:
+    def init_decode_state(self, *args: object, **kwargs: object) -> AdapterState:
         b = self.engine.max_concurrent_decodes
         return AdapterState(decode=self.engine.init_decode_state(), pending=jnp.zeros((b,), bool))
 
-    def get_prefix_destination_sharding(self) -> Any:
+    def get_prefix_destination_sharding(self) -> jax.sharding.Sharding:
         mesh = self.engine.mesh
         if mesh is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> js.tokenizer_pb2.TokenizerParameters:
         return js.tokenizer_pb2.TokenizerParameters(path="magic_jax", extra_ids=0)
 
-    def build_tokenizer(self, metadata: Any) -> TokenIdTokenizer:
+    def build_tokenizer(self, metadata: js.tokenizer_pb2.TokenizerParameters) -> TokenIdTokenizer:
         return TokenIdTokenizer(bos_id=self._bos, eos_ids=self.engine.eos_ids, hf=self._hf)
 
     @property
@@ -258,7 +270,7 @@ class JetStreamEngine(js.engine_api.Engine):
         return None
 
 
-def make_driver(engine: JetStreamEngine) -> Any:
+def make_driver(engine: JetStreamEngine) -> js.orchestrator.Driver:
     """JetStream's in-process orchestrator ``Driver`` with ``engine`` for prefill and generate."""
     params = engine.load_params()
     return js.orchestrator.Driver(

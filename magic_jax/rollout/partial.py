@@ -29,13 +29,24 @@ import io
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from magic_jax import storage
+
+if TYPE_CHECKING:
+    from etils import epath
+
+    from magic_jax.rewards import RewardResult
+    from magic_jax.rollout.samples import Sample
+
+# a saved group: (its samples, their verifier results, the decoded texts or None)
+SavedGroup = tuple[list["Sample"], list["RewardResult"], list[str] | None]
+# a place in the run directory: a local path or a ``storage`` path on Cloud Storage
+Location = str | os.PathLike[str]
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +54,11 @@ ROLLOUTS = "rollouts"
 _FIELDS = ("logprobs", "entropies", "sampling_logprobs")
 
 
-def step_dir(output_dir: Any, step: int) -> Any:
+def step_dir(output_dir: Location, step: int) -> Path | epath.Path:
     return storage.path(output_dir) / ROLLOUTS / f"step_{step:08d}"
 
 
-def prune(output_dir: Any, keep: Sequence[int]) -> list[int]:
+def prune(output_dir: Location, keep: Sequence[int]) -> list[int]:
     """Removes the saved rollouts of every step not in ``keep``; returns the steps removed."""
     root = storage.path(output_dir) / ROLLOUTS
     if not root.exists():
@@ -62,7 +73,7 @@ def prune(output_dir: Any, keep: Sequence[int]) -> list[int]:
     return gone
 
 
-def _write_bytes(p: Any, data: bytes) -> None:
+def _write_bytes(p: Path | epath.Path, data: bytes) -> None:
     if storage.is_gcs(p):
         storage.path(p).write_bytes(data)
         return
@@ -74,8 +85,13 @@ def _write_bytes(p: Any, data: bytes) -> None:
     os.replace(tmp, p)
 
 
-def encode_group(uid: str, limit: int, samples: Sequence[Any], results: Sequence[Any],
-                 texts: Sequence[str] | None = None) -> bytes:  # fmt: skip
+def encode_group(
+    uid: str,
+    limit: int,
+    samples: Sequence[Sample],
+    results: Sequence[RewardResult],
+    texts: Sequence[str] | None = None,
+) -> bytes:
     """One group (its samples in sample order and their verifier results) as npz bytes."""
     meta = {
         "uid": uid,
@@ -102,10 +118,12 @@ def encode_group(uid: str, limit: int, samples: Sequence[Any], results: Sequence
     return buf.getvalue()
 
 
-def decode_group(data: bytes, prompt: int) -> tuple[dict[str, Any], list[Any], list[Any]]:
+def decode_group(
+    data: bytes, prompt: int
+) -> tuple[dict[str, object], list[Sample], list[RewardResult]]:
     """(meta, samples, results) of ``encode_group``'s bytes, the samples numbered ``prompt``."""
     from magic_jax.rewards import RewardResult, RewardStatus
-    from magic_jax.rollout.driver import Sample
+    from magic_jax.rollout.samples import Sample
 
     with np.load(io.BytesIO(data)) as z:
         arrays = {k: z[k] for k in z.files}
@@ -125,14 +143,10 @@ def decode_group(data: bytes, prompt: int) -> tuple[dict[str, Any], list[Any], l
         )
         for j, (a, b) in enumerate(zip(starts, ends))
     ]
-    # A group saved before rewards were stored: each reward follows from its status.
-    rewards = meta.get("reward") or [None] * len(meta["status"])
     results = [
-        RewardResult.of(RewardStatus(st), detail, elapsed)
-        if r is None
-        else RewardResult(reward=r, status=RewardStatus(st), detail=detail, elapsed_s=elapsed)
+        RewardResult(reward=r, status=RewardStatus(st), detail=detail, elapsed_s=elapsed)
         for st, r, detail, elapsed in zip(
-            meta["status"], rewards, meta["detail"], meta["elapsed_s"]
+            meta["status"], meta["reward"], meta["detail"], meta["elapsed_s"]
         )
     ]
     return meta, samples, results
@@ -150,8 +164,15 @@ class StepStore:
         may no longer write into the run directory (``runlock.check_fence``).
     """
 
-    def __init__(self, output_dir: Any, step: int, *, limit: int, log: Any = None,
-                 fence: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        output_dir: Location,
+        step: int,
+        *,
+        limit: int,
+        log: Callable[[str], None] | None = None,
+        fence: Callable[[str], None] | None = None,
+    ):
         self.root = step_dir(output_dir, step)
         self.limit = int(limit)
         self.log = log
@@ -173,7 +194,14 @@ class RoundStore:
       store.close()                           # says what could not be written
     """
 
-    def __init__(self, root: Any, *, limit: int, log: Any = None, fence: Any = None):
+    def __init__(
+        self,
+        root: Path | epath.Path,
+        *,
+        limit: int,
+        log: Callable[[str], None] | None = None,
+        fence: Callable[[str], None] | None = None,
+    ):
         self.root = root
         self.fence = fence
         self.limit = int(limit)
@@ -181,12 +209,12 @@ class RoundStore:
         self.errors: list[BaseException] = []
         self.written = 0
 
-    def path(self, prompt: int) -> Any:
+    def path(self, prompt: int) -> Path | epath.Path:
         return self.root / f"group_{prompt:06d}.npz"
 
-    def load(self, uids: Sequence[str], *, group_size: int) -> dict[int, tuple]:
+    def load(self, uids: Sequence[str], *, group_size: int) -> dict[int, SavedGroup]:
         """The saved groups of this round whose prompt (uid), G and limit match, by index."""
-        found: dict[int, tuple] = {}
+        found: dict[int, SavedGroup] = {}
         if not self.root.exists():
             return found
         names = {f.name for f in self.root.iterdir()}
@@ -212,8 +240,14 @@ class RoundStore:
             )
         return found
 
-    def put(self, prompt: int, uid: str, samples: Sequence[Any], results: Sequence[Any],
-            texts: Sequence[str] | None = None) -> None:  # fmt: skip
+    def put(
+        self,
+        prompt: int,
+        uid: str,
+        samples: Sequence[Sample],
+        results: Sequence[RewardResult],
+        texts: Sequence[str] | None = None,
+    ) -> None:
         """Writes one finished, verified group (whole or not at all). A write that fails
         is counted, not raised: the run goes on and a resume decodes that group again."""
         try:

@@ -20,7 +20,6 @@ is read, so the TPU compiler keeps the cache in its own layout (no copy; ``bench
 decode_kernel_layout.py``). They return the past's attention with its log-sum-exp;
 ``merge_new_token`` adds the new token, so the cache is never rewritten before it is
 read (the dense path writes the token into a copy of the layer's cache first).
-``reference_past`` is the same computation in plain jnp over one layer's [B, S, K, H].
 Einsum letters as in ``qwen2.py``.
 """
 
@@ -28,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 BACKENDS = ("tpu", "gpu", "interpret")
+# A ``PartitionSpec`` entry: one mesh axis, several, or none.
+AxisEntry = str | tuple[str, ...] | None
 # Key-block sizes tried, largest first: the block must divide the attended length.
 _BLOCKS = (128, 64, 32, 16)
 
@@ -51,9 +52,9 @@ class RaggedSpec:
     """
 
     backend: str
-    mesh: Any = None
-    row_axes: Any = None
-    head_axes: Any = None
+    mesh: Mesh | None = None
+    row_axes: AxisEntry = None
+    head_axes: AxisEntry = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -69,29 +70,6 @@ def applies(spec: RaggedSpec | None, *, quantized: bool, sliding: bool, length: 
     """Whether a decode step runs the kernel: a float cache, no sliding-window layers and
     an attended ``length`` its blocks divide (else the dense product runs)."""
     return spec is not None and not quantized and not sliding and block_size(length) is not None
-
-
-def reference_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
-    """The past's attention in plain jnp: (out [B, K, G, H] fp32, lse [B, K, G] fp32).
-
-    ``out`` is normalized over the slots ``[0, length)``; a row of length 0 gets
-    out 0 and lse -inf.
-    """
-    h = q_BKGH.shape[-1]
-    dt = k_BSKH.dtype
-    s_BKGS = jnp.einsum(
-        "bkgh,bskh->bkgs", q_BKGH.astype(dt), k_BSKH, preferred_element_type=jnp.float32
-    ) * (h**-0.5)
-    held_BS = jnp.arange(k_BSKH.shape[1])[None] < lengths_B[:, None]
-    s_BKGS = jnp.where(held_BS[:, None, None], s_BKGS, -jnp.inf)
-    m_BKG = jnp.max(s_BKGS, axis=-1)
-    safe_m = jnp.where(jnp.isfinite(m_BKG), m_BKG, 0.0)
-    p_BKGS = jnp.exp(s_BKGS - safe_m[..., None])
-    l_BKG = jnp.sum(p_BKGS, axis=-1)
-    acc_BKGH = jnp.einsum(
-        "bkgs,bskh->bkgh", p_BKGS.astype(dt), v_BSKH, preferred_element_type=jnp.float32
-    )
-    return _finish(acc_BKGH, safe_m, l_BKG)
 
 
 def _finish(acc, m, denom):
@@ -136,10 +114,15 @@ def _tpu_kernel(
         scale = q_ref.shape[-1] ** -0.5
         for kh in range(q_ref.shape[0]):  # static: a kv head's query group against its keys
             q_GH = q_ref[kh].astype(k_ref.dtype)
-            s_GS = jax.lax.dot_general(
-                q_GH, head(k_ref, kh), (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            ) * scale  # fmt: skip
+            s_GS = (
+                jax.lax.dot_general(
+                    q_GH,
+                    head(k_ref, kh),
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+                * scale
+            )
             slot = j * bs + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1)
             s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
             m_prev = m_sc[kh]
@@ -228,9 +211,15 @@ def _gpu_kernel(lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
     def body(j, carry):
         acc, m, denom = carry
         at = pl.ds(pl.multiple_of(j * bs, bs), bs)
-        s_GS = jax.lax.dot_general(
-            q_GH, k_ref[lay, at, :], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale  # fmt: skip
+        s_GS = (
+            jax.lax.dot_general(
+                q_GH,
+                k_ref[lay, at, :],
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         slot = j * bs + jnp.arange(bs)[None, :]
         s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s_GS, axis=1))
@@ -292,7 +281,7 @@ def past_attention(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, spec: RaggedSpec)
     """Each row's query against its slots ``[0, lengths_B)`` of layer ``layer`` (an int32
     scalar, traced or not) of the slot-major cache, by ``spec``'s kernel.
 
-    Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as ``reference_past`` over the
+    Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as the dense attention over the
     layer's [B, S, K, H].
     """
     if block_size(k_BLSKH.shape[2]) is None:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from magic_jax.update.entropy import logprob_entropy_lse
+from magic_jax.model.logprobs import logprob_entropy_lse
 
 # Inverse-CDF sampling works on blocks of this many vocabulary entries: a cumulative
 # sum over the whole vocabulary is several times slower on CPU than two short ones.
@@ -84,7 +84,7 @@ def logprobs_and_entropy(
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``tokens_B`` and entropy under softmax(logits / temperature), fp32.
 
-    The trainer's formula (``entropy.logprob_entropy_lse``), so the behaviour
+    The trainer's formula (``model.logprobs.logprob_entropy_lse``), so the behaviour
     log-probs the sampler records are those the trainer recomputes.
     """
     logp_B, ent_B, _ = logprob_entropy_lse(logits_BV.astype(jnp.float32) / temperature, tokens_B)

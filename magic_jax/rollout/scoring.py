@@ -10,11 +10,22 @@ the others still decode, and the results come back grouped by prompt.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from magic_jax import interrupt
+
+if TYPE_CHECKING:
+    from magic_jax.data.rows import PromptRow
+    from magic_jax.rewards import RewardItem, RewardResult
+    from magic_jax.rollout.partial import RoundStore, SavedGroup
+    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
+    from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
 
 
 @dataclasses.dataclass
@@ -22,18 +33,17 @@ class Group:
     """The G responses to one prompt and their rewards.
 
     Attributes:
-      row: the prompt (a ``PromptRow``; a ``RemotePrompt`` for another host's
-        prompt in a multi-host run; anything for tests).
-      samples: G sample records (``rollout.Sample`` or duck-typed alike), in sample order.
+      row: the prompt (a ``RemotePrompt`` for another host's prompt in a multi-host run).
+      samples: G samples, in sample order.
       rewards: [G] float32.
       results: the verifier results (statuses, details), or None.
       texts: the decoded responses, when kept.
     """
 
-    row: Any
-    samples: list[Any]
+    row: PromptRow | RemotePrompt
+    samples: list[Sample]
     rewards: np.ndarray
-    results: list[Any] | None = None
+    results: list[RewardResult] | None = None
     texts: list[str] | None = None
 
     @property
@@ -59,36 +69,38 @@ class _InProcess:
     """
 
     def __init__(self):
-        self._items: list[Any] = []
+        self._items: list[RewardItem] = []
 
-    def submit(self, item: Any) -> int:
+    def submit(self, item: RewardItem) -> int:
         self._items.append(item)
         return len(self._items) - 1
 
-    def collect(self, tickets: Sequence[int]) -> list[Any]:
+    def collect(self, tickets: Sequence[int]) -> list[RewardResult]:
         from magic_jax.rewards import compute_reward
 
         return [compute_reward(self._items[t]) for t in tickets]
 
 
 def score_groups(
-    driver: Any,
-    params: Any,
-    rows: Sequence[Any],
+    driver: Driver,
+    params: Params,
+    rows: Sequence[PromptRow],
     *,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     num_samples: int,
     seed: int,
     step: int = 0,
-    pool: Any = None,
-    max_new_tokens: int | None = None,
-    truncation: str = "no_eos",
-    on_sample: Callable[[Any], None] | None = None,
+    pool: Verifiers | None = None,
+    max_new_tokens: int | np.ndarray | None = None,
+    truncation: Truncation = "no_eos",
     keep_texts: bool = False,
     per_host: bool = False,
-    store: Any = None,
-) -> tuple[list[Group], Any, float]:
+    store: RoundStore | None = None,
+) -> tuple[list[Group], RolloutStats, float]:
     """Samples ``num_samples`` responses to each row and verifies them.
+
+    Each finished sample passes ``interrupt.kill_point("rollout")`` once it is
+    submitted (the crash tests' hook).
 
     Args:
       driver: a ``RolloutDriver`` (its engine's sampling settings apply);
@@ -99,9 +111,8 @@ def score_groups(
       seed / step: sample j of prompt p draws token t with ``fold_in(seed, step, p, j, t)``.
       pool: a ``VerifierPool``; None verifies in this thread (it must be the
         main thread: the verifiers' timeouts use SIGALRM).
-      max_new_tokens: response limit (default: the engine's).
+      max_new_tokens: response limit (default: the engine's), or [rows, G] per sample.
       truncation: ``RolloutConfig.truncation``.
-      on_sample: called with each finished sample after its submission.
       keep_texts: keep the decoded responses in ``Group.texts``.
       per_host: ``rows`` is this process's slice of the step's prompts in a
         multi-host run (see ``_gather``).
@@ -117,84 +128,155 @@ def score_groups(
     Raises:
       ValueError: a row without ``token_ids``.
     """
-    from magic_jax.rewards import RewardItem
-
     missing = [r.uid for r in rows if getattr(r, "token_ids", None) is None]
     if missing:
         raise ValueError(
             f"score_groups: rows {missing[:3]} have no token_ids (tokenise them with "
             f"data.tokenize_rows)"
         )
+    prompts = _prompts(rows, per_host)
+    done = _load_saved(store, prompts, num_samples, per_host)
+    todo = [p for p in range(len(prompts.ids)) if p not in done]
     pool = _InProcess() if pool is None else pool
-    ids = [np.asarray(r.token_ids, np.int32) for r in rows]
-    first, labels = 0, list(rows)
-    if per_host:
-        ids, first, labels = _gather(rows, ids)
-    mine = range(first, first + len(rows))
-    done: dict[int, tuple] = {}
-    uids = [] if store is None else [label.uid for label in labels]
-    if store is not None:
-        done = store.load(uids, group_size=num_samples)
-        if per_host:
-            done = _agree(done, len(ids))
-    todo = [p for p in range(len(ids)) if p not in done]
-    tickets: dict[tuple[int, int], int] = {}
-    texts: dict[tuple[int, int], str] = {}
     saver = _Saver(pool, store) if store is not None and not isinstance(pool, _InProcess) else None
-    finished: dict[int, list[Any]] = {}
-
-    def submit(s: Any) -> None:
-        p = s.prompt_index
-        if p in mine:  # in a multi-host run the other hosts score theirs
-            text = tokenizer.decode(s.tokens, skip_special_tokens=True)
-            row = rows[p - first]
-            item = RewardItem.from_row(row.as_verl_row(), text, uid=getattr(row, "uid", None))
-            tickets[p, s.sample_index] = pool.submit(item)
-            if keep_texts:
-                texts[p, s.sample_index] = text
-            if saver is not None:
-                group = finished.setdefault(p, [])
-                group.append(s)
-                if len(group) == num_samples:
-                    group.sort(key=lambda x: x.sample_index)
-                    keys = [(p, x.sample_index) for x in group]
-                    saver.add(p, uids[p], finished.pop(p), [tickets[k] for k in keys],
-                              [texts[k] for k in keys] if keep_texts else None)  # fmt: skip
-        if on_sample is not None:
-            on_sample(s)
-
+    scorer = _Scorer(prompts, tokenizer, pool, num_samples, keep_texts, saver)
     limits = max_new_tokens
     if limits is not None and np.ndim(limits) == 2:
         limits = np.asarray(limits)[todo]
     try:
         samples, stats = driver.run(
             params,
-            [ids[p] for p in todo],
+            [prompts.ids[p] for p in todo],
             num_samples=num_samples,
             seed=seed,
             step=step,
             max_new_tokens=limits,
             truncation=truncation,
-            on_sample=submit,
+            on_sample=scorer.submit,
             prompt_indices=todo,
         )
     finally:
         if saver is not None:
             saver.close()  # the groups finished so far are written, even on a stop
     t0 = time.perf_counter()
-    local = [s for s in samples if s.prompt_index in mine]
-    keys = [(s.prompt_index, s.sample_index) for s in local]
-    got = {} if saver is None else saver.results
-    rest = [k for k in keys if k not in got]
-    got.update(zip(rest, pool.collect([tickets[k] for k in rest])))
-    results = [got[k] for k in keys]
+    results = scorer.results(samples)
     wait = time.perf_counter() - t0
     if per_host:
-        results = _share_results(samples, local, results)
+        results = _share_results(samples, scorer.local(samples), results)
+    texts = scorer.texts if keep_texts else None
+    return _grouped(prompts, samples, results, done, texts), stats, wait
+
+
+@dataclasses.dataclass
+class _Prompts:
+    """A step's prompts as this process decodes them (all hosts' in a multi-host run).
+
+    Attributes:
+      ids: every prompt's token ids.
+      labels: every prompt's ``Group.row``: this host's rows, ``RemotePrompt`` for others'.
+      rows: this host's rows: prompt ``first + i`` is ``rows[i]``.
+      first: the index of this host's first prompt.
+    """
+
+    ids: list[np.ndarray]
+    labels: list[PromptRow | RemotePrompt]
+    rows: Sequence[PromptRow]
+    first: int = 0
+
+    @property
+    def mine(self) -> range:
+        return range(self.first, self.first + len(self.rows))
+
+
+def _prompts(rows: Sequence[PromptRow], per_host: bool) -> _Prompts:
+    ids = [np.asarray(r.token_ids, np.int32) for r in rows]
+    if not per_host:
+        return _Prompts(ids, list(rows), rows)
+    all_ids, first, labels = _gather(rows, ids)
+    return _Prompts(all_ids, labels, rows, first)
+
+
+def _load_saved(
+    store: RoundStore | None, prompts: _Prompts, num_samples: int, per_host: bool
+) -> dict[int, SavedGroup]:
+    """The groups an earlier attempt at this round saved, by prompt index (every host's
+    the same)."""
+    if store is None:
+        return {}
+    done = store.load([label.uid for label in prompts.labels], group_size=num_samples)
+    return _agree(done, len(prompts.ids)) if per_host else done
+
+
+class _Scorer:
+    """Sends each finished sample of this host's prompts to the verifiers as the driver
+    hands it over (``submit``, from any decode lane) and collects the results after."""
+
+    def __init__(
+        self,
+        prompts: _Prompts,
+        tokenizer: Tokenizer,
+        pool: Verifiers,
+        num_samples: int,
+        keep_texts: bool,
+        saver: _Saver | None,
+    ):
+        self.prompts, self.tokenizer, self.pool = prompts, tokenizer, pool
+        self.num_samples, self.keep_texts, self.saver = num_samples, keep_texts, saver
+        self.tickets: dict[tuple[int, int], int] = {}
+        self.texts: dict[tuple[int, int], str] = {}
+        self._finished: dict[int, list[Sample]] = {}
+
+    def submit(self, s: Sample) -> None:
+        from magic_jax.rewards import RewardItem
+
+        p = s.prompt_index
+        if p in self.prompts.mine:  # in a multi-host run the other hosts score theirs
+            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+            row = self.prompts.rows[p - self.prompts.first]
+            item = RewardItem.from_row(row.as_verl_row(), text, uid=row.uid)
+            self.tickets[p, s.sample_index] = self.pool.submit(item)
+            if self.keep_texts:
+                self.texts[p, s.sample_index] = text
+            if self.saver is not None:
+                self._save_when_whole(p, s)
+        interrupt.kill_point("rollout")
+
+    def _save_when_whole(self, p: int, s: Sample) -> None:
+        group = self._finished.setdefault(p, [])
+        group.append(s)
+        if len(group) < self.num_samples:
+            return
+        group.sort(key=lambda x: x.sample_index)
+        keys = [(p, x.sample_index) for x in group]
+        texts = [self.texts[k] for k in keys] if self.keep_texts else None
+        uid = self.prompts.labels[p].uid
+        self.saver.add(p, uid, self._finished.pop(p), [self.tickets[k] for k in keys], texts)
+
+    def local(self, samples: Sequence[Sample]) -> list[Sample]:
+        return [s for s in samples if s.prompt_index in self.prompts.mine]
+
+    def results(self, samples: Sequence[Sample]) -> list[RewardResult]:
+        """The verifier results of this host's ``samples``, in order (those the saver
+        collected, then the rest)."""
+        keys = [(s.prompt_index, s.sample_index) for s in self.local(samples)]
+        got = {} if self.saver is None else self.saver.results
+        rest = [k for k in keys if k not in got]
+        got.update(zip(rest, self.pool.collect([self.tickets[k] for k in rest])))
+        return [got[k] for k in keys]
+
+
+def _grouped(
+    prompts: _Prompts,
+    samples: list[Sample],
+    results: list[RewardResult],
+    done: dict[int, SavedGroup],
+    texts: dict[tuple[int, int], str] | None,
+) -> list[Group]:
+    """The decoded and the saved samples with their results, one group per prompt in order."""
     for p, (old, old_results, old_texts) in done.items():
         samples = samples + old
         results = results + old_results
-        if keep_texts and old_texts is not None:
+        if texts is not None and old_texts is not None:
             texts.update({(p, j): t for j, t in enumerate(old_texts)})
     order = sorted(
         range(len(samples)), key=lambda i: (samples[i].prompt_index, samples[i].sample_index)
@@ -205,17 +287,17 @@ def score_groups(
         by_prompt.setdefault(s.prompt_index, []).append(i)
     groups = []
     for p, idx in sorted(by_prompt.items()):
-        keys = [(samples[i].prompt_index, samples[i].sample_index) for i in idx]
+        keep = texts is not None and p in prompts.mine
         groups.append(
             Group(
-                labels[p],
+                prompts.labels[p],
                 [samples[i] for i in idx],
                 np.asarray([results[i].reward for i in idx], np.float32),
                 [results[i] for i in idx],
-                [texts[k] for k in keys] if keep_texts and p in mine else None,
+                [texts[p, samples[i].sample_index] for i in idx] if keep else None,
             )
         )
-    return groups, stats, wait
+    return groups
 
 
 class _Saver:
@@ -223,18 +305,17 @@ class _Saver:
     thread of its own (it waits on the verifier pool, then writes); ``results`` keeps them
     for the caller, which collects only the rest."""
 
-    def __init__(self, pool: Any, store: Any):
-        import queue
-        import threading
-
+    def __init__(self, pool: Verifiers, store: RoundStore):
         self.pool, self.store = pool, store
-        self.results: dict[tuple[int, int], Any] = {}
+        self.results: dict[tuple[int, int], RewardResult] = {}
         self.errors: list[BaseException] = []
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[_SaveItem | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="rollout-saver", daemon=True)
         self._thread.start()
 
-    def add(self, p: int, uid: str, samples: list, tickets: list[int], texts: Any) -> None:
+    def add(
+        self, p: int, uid: str, samples: list[Sample], tickets: list[int], texts: list[str] | None
+    ) -> None:
         self._queue.put((p, uid, samples, tickets, texts))
 
     def _loop(self) -> None:
@@ -256,7 +337,11 @@ class _Saver:
             raise self.errors[0]
 
 
-def _agree(done: dict[int, tuple], n: int) -> dict[int, tuple]:
+# what ``_Saver.add`` queues: (prompt index, uid, samples, tickets, texts)
+_SaveItem = tuple[int, str, list["Sample"], list[int], list[str] | None]
+
+
+def _agree(done: dict[int, SavedGroup], n: int) -> dict[int, SavedGroup]:
     """The saved groups every host found (a host that could not read one decodes it, so all
     must)."""
     from magic_jax import distributed
@@ -267,7 +352,9 @@ def _agree(done: dict[int, tuple], n: int) -> dict[int, tuple]:
     return {p: g for p, g in done.items() if every[p]}
 
 
-def _gather(rows: Sequence[Any], ids: list[np.ndarray]) -> tuple[list[np.ndarray], int, list]:
+def _gather(
+    rows: Sequence[PromptRow], ids: list[np.ndarray]
+) -> tuple[list[np.ndarray], int, list[PromptRow | RemotePrompt]]:
     """A multi-host step's whole prompt list, as every process must decode it.
 
     Every process learns the whole step's prompts (their token ids and uids,
@@ -296,7 +383,9 @@ def _gather(rows: Sequence[Any], ids: list[np.ndarray]) -> tuple[list[np.ndarray
     return all_ids, first, labels
 
 
-def _share_results(samples: Sequence[Any], local: Sequence[Any], results: Sequence[Any]) -> list:
+def _share_results(
+    samples: Sequence[Sample], local: Sequence[Sample], results: Sequence[RewardResult]
+) -> list[RewardResult]:
     """Every sample's result on every host: the statuses and rewards, gathered in process
     order.
 

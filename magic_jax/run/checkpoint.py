@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from magic_jax import storage
-from magic_jax.run.rundir import RunDirError, _write_atomic
+from magic_jax.run.rundir import RunDirError, write_atomic
 
 if TYPE_CHECKING:
     from magic_jax.model.config import ModelConfig
@@ -97,9 +97,11 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{cfg_path}: not a JSON model config (top level is not an object)")
     for key in ("sliding_layers",):
         raw[key] = tuple(raw.get(key) or ())
-    # Saved before the layers were stacked: the parameters are stored one layer each,
-    # which the Python-loop model reads as it is.
-    raw.setdefault("scan_layers", False)
+    if "scan_layers" not in raw:
+        raise ValueError(
+            f"{cfg_path}: no scan_layers; written by an older layout this version does not "
+            f"read (convert the model again from its Hugging Face checkpoint)"
+        )
     if isinstance(raw.get("eos_token_id"), list):
         raw["eos_token_id"] = tuple(raw["eos_token_id"])
     try:
@@ -227,7 +229,7 @@ def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
         else:
             files[rel] = {"size": facts["size"], "sha256": _sha256(path / rel)}
     manifest = {"format": 1, "files": files}
-    _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -290,6 +292,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         "stage": lambda v: isinstance(v, int) and v >= 0,
         "excluded": lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v),
         "tracker": lambda v: isinstance(v, dict) and isinstance(v.get("counts"), dict),
+        "schedule": lambda v: isinstance(v, dict) and isinstance(v.get("switches"), list),
     }
     if not isinstance(meta, dict):
         raise RunDirError(f"{file}: not a JSON object")
@@ -478,17 +481,16 @@ class TrainCheckpoints:
     def _finish(self, mgr, step: int, path: Path, meta: dict, model_config: Any) -> None:
         import jax
 
-        from magic_jax import watchdog
-        from magic_jax.run.rundir import kill_point
+        from magic_jax import interrupt, watchdog
 
         try:
             mgr.wait_until_finished()
-            kill_point("checkpoint", step)
+            interrupt.kill_point("checkpoint", step)
             if jax.process_index() == 0:
-                _write_atomic(path / TRAINER_STATE, json.dumps(meta))
+                write_atomic(path / TRAINER_STATE, json.dumps(meta))
                 if model_config is not None:
                     cfg = dataclasses.asdict(model_config)
-                    _write_atomic(path / CONFIG_FILE, json.dumps(cfg, indent=2))
+                    write_atomic(path / CONFIG_FILE, json.dumps(cfg, indent=2))
                 write_manifest(path)
             watchdog.beat("checkpoint")
         except BaseException as e:  # re-raised by the next save, wait or close

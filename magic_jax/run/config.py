@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from magic_jax.model.config import check_unroll
 from magic_jax.model.sharding import MeshConfig
 from magic_jax.rewards.pool import PoolConfig
-from magic_jax.rollout.attention import get_attention
+from magic_jax.rollout.engine_config import EngineOptions
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run.config_dict import ConfigError, apply_override, from_dict, import_extensions
 from magic_jax.update.advantages import AdvantageConfig
-from magic_jax.update.entropy import EntropyControlConfig
+from magic_jax.update.config import UpdateOptions
+from magic_jax.update.entropy_control import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.optim import OptimizerConfig
 
@@ -144,93 +144,30 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """Decode engine settings (the sampling distribution itself is ``sampling``).
+class RolloutConfig(EngineOptions):
+    """The rollouts: the decode engine's options (``EngineOptions``: slots, dtypes,
+    attention, lanes; the sampling distribution itself is ``sampling``) and the
+    rollout loop's own.
 
     Attributes:
-      max_concurrent_decodes: decode slots.
-      decode_steps: decode steps per host round trip.
       truncation: ``"no_eos"`` (report) or ``"length"`` (reference code).
       refill: DAPO's dynamic sampling: while fewer than D_R groups have mixed
         rewards, sample another D_R prompts (up to ``refill_max_rounds`` extra
         rounds) and train on D_R mixed groups. Off by default, as in the report
         (rejection sampling without refill).
       refill_max_rounds: cap of extra rounds per step.
-      dtype: the decode engine's weights, matmuls and KV cache: ``bfloat16``
-        (half the bytes a decode step reads) or ``float32``; null = the model's
-        own (``param_dtype``). Independent of the trainer's master weights, which
-        are cast when the engine takes them each step; the trainer recomputes
-        log-probs in its own precision, and ``sampler_*`` metrics log the
-        mismatch (``loss.tis_cap`` corrects for it).
-      kv_dtype: ``int8`` stores the engine's KV cache as int8 with a float32 scale
-        per token and kv head, dequantized inside the decode attention (about half
-        a bf16 cache's bytes at head dim 128, so more slots fit); null keeps it in
-        ``dtype``. The ``sampler_*`` metrics log its mismatch too. On TPU the
-        compiled decode step still relayouts an int8 cache (docs/tpu.md).
-      decode_attention: ``ragged`` runs the decode attention as a Pallas kernel that
-        reads only the cache slots each row holds (TPU and GPU; interpreted, slowly,
-        on CPU); ``dense`` reads the whole attended cache and masks it; null:
-        ragged on TPU and GPU, dense on CPU. Ragged needs a float cache (no
-        ``kv_dtype``); layers with sliding windows run dense. Another name is a
-        registered attention (docs/extending.md; a float cache).
-      decode_layers: ``split`` holds each layer's KV cache apart through a decode
-        chunk and loops over the layers; ``scan`` runs the layer scan over the
-        stacked cache; null: split for a light step on CPU of at most 4 layers
-        (the embedded default's), else scan (``EngineConfig.decode_layers``).
-      lanes: the slots split into this many decode lanes, each in its own host thread
-        with its own compiled programs running at once (``rollout.driver``); it must
-        divide ``max_concurrent_decodes``. null: the platform's measured default (2 on
-        CPU with 2+ cores, 16+ slots and a light decode step, as the embedded
-        default's; else 1: ``driver.default_lanes``).
-      compact_batch: once no request waits, decode only the live rows in a smaller
-        batch (``EngineConfig.compact_batch``). XLA's CPU products round a row with
-        its batch size (below 64 rows here), so a step's rollout that resumes with
-        only its unfinished groups is bit-identical to the uninterrupted one only
-        with ``false``; with ``true`` the resumed groups draw with the same keys and
-        differ in the last bits of their log-probs (docs/training.md).
     """
 
-    max_concurrent_decodes: int = 64
-    decode_steps: int = 64
     truncation: Literal["no_eos", "length"] = "no_eos"
     refill: bool = False
     refill_max_rounds: int = 4
-    dtype: Literal["float32", "bfloat16"] | None = None
-    kv_dtype: Literal["int8"] | None = None
-    decode_attention: str | None = None
-    decode_layers: Literal["scan", "split"] | None = None
-    lanes: int | None = None
-    compact_batch: bool = True
 
     def __post_init__(self):
-        if self.lanes is not None and (self.lanes < 1 or self.max_concurrent_decodes % self.lanes):
-            raise ValueError(
-                f"lanes must be >= 1 and divide max_concurrent_decodes "
-                f"({self.max_concurrent_decodes}), got {self.lanes}"
-            )
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or null, got {self.dtype!r}")
-        if self.decode_layers not in (None, "scan", "split"):
-            raise ValueError(
-                f"decode_layers must be scan, split or null, got {self.decode_layers!r}"
-            )
-        if self.kv_dtype not in (None, "int8"):
-            raise ValueError(f"kv_dtype must be int8 or null, got {self.kv_dtype!r}")
-        if self.decode_attention is not None:
-            try:
-                attention = get_attention(self.decode_attention)
-            except ValueError as e:
-                raise ValueError(f"decode_attention: {e}") from None
-            if self.kv_dtype is not None and not attention.reads_int8:
-                raise ValueError(
-                    f"decode_attention: {attention.name} reads a float cache; unset kv_dtype"
-                )
+        super().__post_init__()
         if self.truncation not in ("no_eos", "length"):
-            raise ValueError(f"truncation must be 'no_eos' or 'length', got {self.truncation!r}")
-        if self.max_concurrent_decodes <= 0 or self.decode_steps <= 0:
-            raise ValueError("max_concurrent_decodes and decode_steps must be positive")
+            raise ValueError(f"truncation: must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.refill_max_rounds < 1:
-            raise ValueError(f"refill_max_rounds must be >= 1, got {self.refill_max_rounds}")
+            raise ValueError(f"refill_max_rounds: must be >= 1, got {self.refill_max_rounds}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,41 +223,9 @@ class TrainConfig:
       stages: the multi-stage schedule, in order.
       data, rollout, sampling, advantage, loss, entropy, optimizer, rewards, mesh, eval:
         the options of each part (see their classes).
-      micro_batch_size: sequences per micro-batch (gradient accumulation).
-      num_reuse: N_reuse, passes over each rollout buffer.
-      mini_batch_split: ``"even"`` (the report's N_SGD = D_R / D_T * N_reuse:
-        the kept groups in exactly D_R / D_T mini-batches of equal size) or
-        ``"fixed-size"`` (verl's ceil(kept / D_T) mini-batches of D_T groups,
-        the last one possibly a few groups at full weight).
+      update: how the update runs (``UpdateOptions``: mini-batch split, micro-batches,
+        N_reuse, remat, compute dtype, attention chunk, layer unroll, MLP kernel).
       param_dtype: ``float32`` master weights (default) or ``bfloat16``.
-      remat: what the update's backward pass keeps of each decoder layer's
-        forward: ``none`` (every activation: fastest, the most memory),
-        ``full`` (only each layer's input; the layer runs again in the backward,
-        about a third more update flops, activations of one layer at a time) or
-        ``dots_saveable`` (the matmul outputs; the elementwise work runs again).
-        The results are the same up to rounding; ``magic-jax plan`` shows the
-        memory each needs.
-      compute_dtype: matmul dtype of the update's forward and backward (and of
-        the trainer's recomputed log-probs): ``float32``, ``bfloat16`` (half the
-        activations, the MXU's native input), or null = the model's own
-        (``param_dtype`` for a Hugging Face checkpoint). Master weights, gradients and
-        optimizer state stay ``param_dtype``; softmax, norms, RoPE, log-probs
-        and the loss stay fp32; the rollout engine samples in the model's own dtype.
-      attention_chunk: queries per attention block in the update's forward and
-        backward (and the trainer's recomputed log-probs) for rows longer than
-        it; null = the model's own (``ModelConfig.attention_chunk``, 2048). The
-        scores of one block, [heads, chunk, row length] in float32, and their
-        backward's copies are the largest update temporaries of long rows:
-        512 holds a quarter of 2048's (``magic-jax plan`` shows it).
-      update_layer_unroll: how the update runs the stacked layers (the scan's
-        ``unroll``: ``true`` inlines every layer, an int n unrolls n at a time, 1
-        is a plain scan); null = the platform's measured default
-        (``update.step.UPDATE_LAYER_UNROLL_DEFAULT``: every layer on CPU, the scan
-        elsewhere). Same values either way; speed and compile time change.
-      update_mlp_kernel: run the update's MLP with a hand-written backward pass
-        (``model.kernels.swiglu``); null = the platform's measured default
-        (``update.step.UPDATE_MLP_KERNEL_DEFAULT``: on for CPU, off elsewhere).
-        Same values either way; speed and memory change.
       seed: data order and sampling randomness.
       checkpoint_every: steps between checkpoints (and at each stage's end).
       keep_checkpoints: newest checkpoints kept.
@@ -350,15 +255,8 @@ class TrainConfig:
     rewards: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     mesh: MeshConfig | None = None
     eval: EvalConfig | None = None
-    micro_batch_size: int | None = None
-    num_reuse: int = 1
-    mini_batch_split: Literal["even", "fixed-size"] = "even"
+    update: UpdateOptions = dataclasses.field(default_factory=UpdateOptions)
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "dots_saveable"] = "none"
-    compute_dtype: Literal["float32", "bfloat16"] | None = None
-    attention_chunk: int | None = None
-    update_layer_unroll: int | bool | None = None
-    update_mlp_kernel: bool | None = None
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -378,19 +276,6 @@ class TrainConfig:
             )
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
-        if self.remat not in ("none", "full", "dots_saveable"):
-            raise ValueError(f"remat must be none, full or dots_saveable, got {self.remat!r}")
-        if self.compute_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(
-                f"compute_dtype must be float32, bfloat16 or null, got {self.compute_dtype!r}"
-            )
-        check_unroll("update_layer_unroll", self.update_layer_unroll, allow_none=True)
-        if self.attention_chunk is not None and (
-            isinstance(self.attention_chunk, bool) or self.attention_chunk <= 0
-        ):
-            raise ValueError(
-                f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}"
-            )
         if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
             raise ValueError("checkpoint_every and keep_checkpoints must be positive")
         if self.watchdog_s is not None and (
@@ -403,14 +288,13 @@ class TrainConfig:
             from magic_jax.run.profile import parse_profile_steps
 
             parse_profile_steps(self.profile_steps)  # "A:B", named profile_steps
-        if self.num_reuse <= 0:
-            raise ValueError(f"num_reuse must be positive, got {self.num_reuse}")
+        even = self.update.mini_batch_split == "even"
         for i, st in enumerate(self.stages):
-            if self.mini_batch_split == "even" and st.prompts_per_step % st.mini_batch_groups:
+            if even and st.prompts_per_step % st.mini_batch_groups:
                 raise ValueError(
                     f"stages[{i}]: prompts_per_step ({st.prompts_per_step}) must be a multiple "
-                    f"of mini_batch_groups ({st.mini_batch_groups}) with mini_batch_split "
-                    "'even' (or set mini_batch_split: fixed-size)"
+                    f"of mini_batch_groups ({st.mini_batch_groups}) with update.mini_batch_split "
+                    "'even' (or set update.mini_batch_split: fixed-size)"
                 )
             if st.until is not None and st.until.eval_patience is not None and self.eval is None:
                 raise ValueError(f"stages[{i}].until.eval_patience needs an eval section")
@@ -447,6 +331,18 @@ class TrainConfig:
 # A path option starting with this names a file shipped inside the magic_jax package
 # (the default run's model and data), so the default config runs from any directory.
 PACKAGE_PREFIX = "package:"
+
+# Options that moved into a section: a config naming the old key is refused with the new.
+MOVED_OPTIONS = {
+    "micro_batch_size": "update.micro_batch_size",
+    "num_reuse": "update.num_reuse",
+    "mini_batch_split": "update.mini_batch_split",
+    "remat": "update.remat",
+    "compute_dtype": "update.compute_dtype",
+    "attention_chunk": "update.attention_chunk",
+    "update_layer_unroll": "update.layer_unroll",
+    "update_mlp_kernel": "update.mlp_kernel",
+}
 
 # Every option that names a file or directory, as dotted paths into the raw config.
 PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data", "loss.kl_reference")
@@ -511,6 +407,10 @@ def load_config(
     raw = copy.deepcopy(dict(raw or {}))
     for o in overrides:
         apply_override(raw, o)
+    moved = [k for k in MOVED_OPTIONS if k in raw]
+    if moved:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}{moved[0]} moved: use {MOVED_OPTIONS[moved[0]]}")
     import_extensions(raw.get("extensions"))
     # The trainer recomputes the sampler's log-probs: one temperature for both.
     sampling = raw.get("sampling")

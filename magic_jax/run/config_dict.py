@@ -50,8 +50,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                     same_kind.append(str(e))
         if len(same_kind) == 1:  # a mapping given where a mapping fits: its own error
             raise ConfigError(same_kind[0])
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of "
-                          f"{[_type_name(o) for o in options]}")  # fmt: skip
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        names = [_type_name(o) for o in options]
+        raise ConfigError(f"{path}: {value!r} fits none of {names}")
     if value is None:
         raise ConfigError(f"{path}: must not be null")
     if dataclasses.is_dataclass(tp):

@@ -1,4 +1,5 @@
-"""Loading a run's policy and tokenizer from a Hugging Face or magic_jax checkpoint directory."""
+"""Loading a run's policy and tokenizer from a Hugging Face or magic_jax checkpoint directory,
+and exporting the trained policy as a Hugging Face checkpoint."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from magic_jax import storage
 from magic_jax.run.config import ConfigError
+
+if TYPE_CHECKING:
+    from flax import nnx
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,6 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     import jax
     import jax.numpy as jnp
 
-    from magic_jax import storage
     from magic_jax.model.convert import load_hf
     from magic_jax.run.checkpoint import checkpoint_kind, load_model
 
@@ -47,8 +52,10 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
                 "%s %s: a Hugging Face directory is copied whole to every host; `magic-jax "
                 "convert %s gs://BUCKET/models/NAME` stages it once, and each host then reads "
                 "only its own shards",
-                option, p, p,
-            )  # fmt: skip
+                option,
+                p,
+                p,
+            )
         # safetensors are read with plain file reads: a gs:// checkpoint is copied to the
         # local cache first (once per machine)
         return load_hf(storage.local_copy(p, what=option), dtype=jnp.dtype(dtype), mesh=mesh)
@@ -71,8 +78,6 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
       ConfigError: no tokenizer can be read from ``path``.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from magic_jax import storage
 
     # a gs:// tokenizer: a local copy of the directory's top-level files, not its weights
     path = storage.local_copy(
@@ -178,3 +183,31 @@ def load_model_any(
         cfg = yaml.safe_load(run_config.read_text()) or {}
         tok = cfg.get("tokenizer") or cfg.get("model")
     return LoadedModel(model, tok, source, str(ckpt), step)
+
+
+def export_policy(
+    out: Path,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str,
+) -> None:
+    """The policy as a Hugging Face checkpoint in ``out`` (replacing an earlier export), with
+    its tokenizer. Every process gathers the weights tensor by tensor; process 0 writes them.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from magic_jax.model.convert import save_hf
+    from magic_jax.run import runlock
+
+    primary = jax.process_index() == 0
+    if primary:
+        runlock.check_fence(out.name, server=True)  # before the old export goes
+        storage.remove_tree(out)  # this run's own earlier export
+    with storage.staged(out, upload=primary) as local:
+        save_hf(nnx.merge(graphdef, params), local, dtype=jnp.dtype(dtype))
+        if primary:
+            tokenizer.save_pretrained(local)
+            runlock.check_fence(out.name, server=True)  # the upload follows

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from magic_jax import interrupt, storage
+from magic_jax.run.fence import check_fence
 
 MARKER = ".magic-jax-run"
 LOCK = ".lock"
@@ -38,10 +39,6 @@ EVALS = "eval.jsonl"
 
 # Exit status of a run stopped by a signal: the shell convention 128 + signal number.
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-# Test hook: ``MAGIC_JAX_KILL_AT=point:step`` makes the process SIGKILL itself when the
-# named point of that step is reached, so tests can interrupt a run at a known place.
-KILL_AT_ENV = "MAGIC_JAX_KILL_AT"
 
 
 class RunDirError(ValueError):
@@ -95,7 +92,7 @@ def claim_run_dir(path: str | os.PathLike, *, what: str = "output directory") ->
             f"choose a new or empty directory"
         )
     try:
-        _write_atomic(marker, json.dumps({"created": now(), "host": socket.gethostname()}) + "\n")
+        write_atomic(marker, json.dumps({"created": now(), "host": socket.gethostname()}) + "\n")
     except OSError as e:
         raise RunDirError(f"{what} {p}: cannot write to it: {e.strerror or e}") from None
     return p
@@ -123,18 +120,16 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _write_atomic(path: Any, text: str) -> None:
+def write_atomic(path: Any, text: str) -> None:
     """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file).
 
     Fenced: a process whose run lock on Cloud Storage is lost, or may be, writes
-    nothing (``runlock.check_fence``, which asks the lock object first: these are
+    nothing (``fence.check_fence``, which asks the lock object first: these are
     the writes that make records, configs and checkpoints count).
 
     Raises:
       LockLost: this process no longer holds its run lock.
     """
-    from magic_jax.run.runlock import check_fence  # runlock imports this module
-
     check_fence(Path(str(path)).name, server=True)
     storage.write_text(path, text)
 
@@ -190,13 +185,6 @@ def stderr_line(text: str) -> None:
         os.write(2, text.encode())
 
 
-def kill_point(name: str, step: int) -> None:
-    """SIGKILLs this process if ``MAGIC_JAX_KILL_AT`` is ``name:step`` (a test hook)."""
-    want = os.environ.get(KILL_AT_ENV)
-    if want and want == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # --------------------------------------------------------------------------- config on resume
 
 # Options a resumed run may change: they decide how long the run goes on and what
@@ -210,15 +198,20 @@ MAY_CHANGE = (
     "eval.every",
     "export_hf",
     "export_dtype",
-    "update_layer_unroll",
-    "update_mlp_kernel",
+    "update.layer_unroll",
+    "update.mlp_kernel",
     "mesh",
     "rewards.num_workers",
     "output_dir",
     "extensions",  # what they register is named by the options that use it
 )
 # Options added after runs were stored: a stored config without one ran with this value.
-ADDED_DEFAULTS = {"advantage.estimator": "grpo", "rewards.abilities": {}}
+ADDED_DEFAULTS = {
+    "advantage.estimator": "grpo",
+    "rewards.abilities": {},
+    "rollout.cache_bucket": 128,
+    "rollout.layer_unroll": None,
+}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -355,7 +348,7 @@ def trim_records(out: str | os.PathLike, next_step: int) -> dict[str, int]:
         rows = read_records(path)
         kept = [r for r in rows if keep(r["step"])]
         if len(kept) != len(lines):
-            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
         dropped[name] = len(lines) - len(kept)
     return dropped
 
@@ -388,7 +381,7 @@ def build_summary(
 
 def write_summary(out: str | os.PathLike, summary: Mapping[str, Any]) -> None:
     """Writes ``summary.json`` whole or not at all."""
-    _write_atomic(storage.path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
+    write_atomic(storage.path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
 
 
 def finished_summary(out: str | os.PathLike, planned_steps: int) -> dict[str, Any] | None:
@@ -426,7 +419,7 @@ def write_config(out: str | os.PathLike, raw: Mapping[str, Any]) -> None:
     """Stores a run's resolved config as ``config.yaml``."""
     import yaml
 
-    _write_atomic(storage.path(out) / CONFIG, yaml.safe_dump(dict(raw), sort_keys=False))
+    write_atomic(storage.path(out) / CONFIG, yaml.safe_dump(dict(raw), sort_keys=False))
 
 
 __all__: Sequence[str] = (
@@ -437,7 +430,6 @@ __all__: Sequence[str] = (
     "check_resume_config",
     "claim_run_dir",
     "finished_summary",
-    "kill_point",
     "read_records",
     "stored_config",
     "trim_records",

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from magic_jax import storage
+from magic_jax.run import fence
+from magic_jax.run.fence import check_fence as check_fence  # re-exported: the writers' fence
 from magic_jax.run.rundir import LOCK, RunDirError, claim_run_dir, now, stderr_line
 
 
@@ -109,32 +111,6 @@ class LockLost(RunDirError):
     it must write nothing more into the run directory; commands exit with status 75."""
 
 
-# The lease this process holds (``GcsRunLock`` while held; the fence reads it).
-_held: GcsRunLock | None = None
-
-
-def check_fence(what: str, *, server: bool = False) -> None:
-    """Refuses a write into the run directory when this process's lease may have ended.
-
-    Call it right before each write: records, summary, config, a checkpoint's
-    manifest, the export. Without a lease held here (a local ``flock`` lock,
-    the other processes of a multi-host run, tests) it does nothing.
-
-    Args:
-      what: what is about to be written (for the message).
-      server: also read the lock object (one small GET) and check that this
-        holder still owns it: for the writes that make something count (a
-        checkpoint's manifest, the export, the summary).
-
-    Raises:
-      LockLost: another process took the run over, or this one could not renew
-        its lease in time; the message names the directory and ``what``.
-    """
-    lock = _held
-    if lock is not None:
-        lock.check(what, server=server)
-
-
 class GcsRunLock:
     """The run lock of a ``gs://`` run directory: a lease held in the object ``DIR/.lock``.
 
@@ -211,15 +187,17 @@ class GcsRunLock:
         return storage.client().bucket(bucket).blob(key)
 
     def _body(self) -> bytes:
-        return json.dumps({
-            "owner": self._owner,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": self._since,
-            "lease_s": self.lease_s,
-            # for people (and older versions); expiry is never judged by a wall clock here
-            "expires": time.time() + self.lease_s,
-        }).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "owner": self._owner,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": self._since,
+                "lease_s": self.lease_s,
+                # for people (and older versions); expiry is never judged by a wall clock here
+                "expires": time.time() + self.lease_s,
+            }
+        ).encode()
 
     def _read(self, timeout: float | None = None) -> tuple[int | None, dict[str, Any]]:
         """(generation, holder) of the lock object; (None, {}) when there is none."""
@@ -268,7 +246,6 @@ class GcsRunLock:
         return True
 
     def acquire(self) -> None:
-        global _held
         seen: tuple[int, float] | None = None  # generation, monotonic time first read
         while True:
             gen, holder = self._read()
@@ -297,7 +274,7 @@ class GcsRunLock:
             time.sleep(min(max(0.05, lease / 12), max(0.05, seen[1] + lease - read_at)))
         self._thread = threading.Thread(target=self._renew, name="run-lock-lease", daemon=True)
         self._thread.start()
-        _held = self
+        fence.hold(self)
 
     def check(self, what: str, *, server: bool = False) -> None:
         """``check_fence`` for this lock."""
@@ -352,9 +329,7 @@ class GcsRunLock:
             due = self._renewed_at + self.lease_s / 3
 
     def release(self) -> None:
-        global _held
-        if _held is self:
-            _held = None
+        fence.release(self)
         if self._thread is None:
             return
         self._stop.set()

@@ -13,11 +13,30 @@ checkpoint, so a resumed run switches stages at the same steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from magic_jax.model.qwen2 import Qwen2
+    from magic_jax.rollout.protocols import Driver
+    from magic_jax.update.config import UpdateConfig
+    from magic_jax.update.updater import Updater
+
+# what ``Schedule`` and ``LoopState`` store: plain JSON
+JSON = dict[str, object]
+
+
+class BatchSource(Protocol):
+    """The prompts of each step of a stage, by step: element k is stage step k's
+    (``data.prompt_batches``, a ``grain.MapDataset``, is one)."""
+
+    def __getitem__(self, k: int) -> Sequence[PromptRow]: ...
 
 
 @dataclasses.dataclass
@@ -43,10 +62,10 @@ class Stage:
     config: StageConfig
     rows: list[PromptRow]
     excluded: list[str]
-    batches: Any
-    driver: Any
-    updater: Any
-    refill_batches: Any = None
+    batches: BatchSource
+    driver: Driver
+    updater: Updater
+    refill_batches: BatchSource | None = None
 
     def describe(self) -> str:
         """One log line: the stage's shape and prompt count."""
@@ -59,21 +78,15 @@ class Stage:
         )
 
 
-def update_config(config: TrainConfig, index: int) -> Any:
-    """The ``UpdateConfig`` of stage ``index``: its D_T and KL weight, the run's other options."""
-    from magic_jax.update.state import UpdateConfig
+def update_config(config: TrainConfig, index: int) -> UpdateConfig:
+    """The ``UpdateConfig`` of stage ``index``: the run's ``update`` options with the
+    stage's D_T and KL weight."""
+    from magic_jax.update.config import UpdateConfig
 
     st = config.stages[index]
-    return UpdateConfig(
+    return UpdateConfig.of(
+        config.update,
         mini_batch_groups=st.mini_batch_groups,
-        mini_batch_split=config.mini_batch_split,
-        micro_batch_size=config.micro_batch_size,
-        num_reuse=config.num_reuse,
-        remat=config.remat,
-        compute_dtype=config.compute_dtype,
-        attention_chunk=config.attention_chunk,
-        layer_unroll=config.update_layer_unroll,
-        mlp_kernel=config.update_mlp_kernel,
         loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,
         optimizer=config.optimizer,
@@ -86,9 +99,9 @@ def build_stage(
     rows: Sequence[PromptRow],
     excluded: Sequence[str],
     *,
-    graphdef: Any,
-    mesh: Any,
-    make_driver: Callable[[int], Any],
+    policy: Qwen2,
+    graphdef: nnx.GraphDef,
+    mesh: Mesh | None,
 ) -> Stage:
     """Builds stage ``index``: its prompts, prompt order, rollout driver and updater.
 
@@ -97,12 +110,13 @@ def build_stage(
       index: the stage.
       rows: every training prompt of the run (after offline filtering).
       excluded: uids online filtering has dropped so far.
+      policy: the policy model (the engine takes its graph and shapes, not its weights).
       graphdef: the policy's ``nnx.GraphDef``.
       mesh: the training mesh, or None.
-      make_driver: response limit T -> a rollout driver with the run's slots and sampling.
     """
     import jax
 
+    from magic_jax.rollout.driver import make_driver
     from magic_jax.update.updater import PolicyUpdater
 
     st = config.stages[index]
@@ -114,7 +128,14 @@ def build_stage(
     refill = None
     if config.rollout.refill:
         refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500, **hosts)
-    driver = make_driver(st.max_response_length)
+    driver = make_driver(
+        policy,
+        config.rollout,
+        max_prompt_length=config.data.max_prompt_length,
+        max_response_length=st.max_response_length,
+        sampling=config.sampling,
+        mesh=mesh,
+    )
     updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
 
@@ -151,7 +172,7 @@ class Schedule:
     low_truncation_steps: int = 0
     best_eval: float | None = None
     evals_without_gain: int = 0
-    switches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    switches: list[JSON] = dataclasses.field(default_factory=list)
 
     def finished(self, config: TrainConfig) -> bool:
         return self.index >= len(config.stages)
@@ -209,19 +230,12 @@ class Schedule:
         self.best_eval = None
         self.evals_without_gain = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JSON:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> Schedule:
+    def from_state_dict(cls, state: JSON) -> Schedule:
         return cls(**state)
-
-    @classmethod
-    def from_step(cls, config: TrainConfig, step: int) -> Schedule:
-        """The schedule of a run without ``until`` rules at global step ``step``
-        (checkpoints written before the schedule was stored)."""
-        index, k = config.stage_at(step)
-        return cls(index=index, start=step - k)
 
 
 @dataclasses.dataclass
@@ -247,7 +261,7 @@ class LoopState:
         self.excluded = excluded_after(config, self.excluded, self.tracker)
         self.tracker.reset()
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> JSON:
         """Plain JSON for ``trainer.json``."""
         return {
             "next_step": self.step,
@@ -259,19 +273,12 @@ class LoopState:
         }
 
     @classmethod
-    def from_meta(cls, config: TrainConfig, meta: dict[str, Any]) -> LoopState:
+    def from_meta(cls, meta: JSON) -> LoopState:
         """The loop state of a checkpoint's ``trainer.json`` (checked by
         ``checkpoint.read_trainer_state``)."""
-        loop = cls(
+        return cls(
             step=meta["next_step"],
+            schedule=Schedule.from_state_dict(meta["schedule"]),
             tracker=AccuracyTracker.from_state_dict(meta["tracker"]),
             excluded=list(meta["excluded"]),
         )
-        if "schedule" in meta:
-            loop.schedule = Schedule.from_state_dict(meta["schedule"])
-        else:  # written before stages could end early: the stage follows from the step
-            loop.schedule = Schedule.from_step(config, loop.step)
-            if loop.schedule.index != meta["stage"]:
-                loop.excluded = excluded_after(config, loop.excluded, loop.tracker)
-                loop.tracker.reset()
-        return loop

@@ -32,20 +32,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from magic_jax import interrupt, storage, watchdog
-from magic_jax.data.rows import offline_filter, read_rows, tokenize_rows
+from magic_jax import distributed, interrupt, storage, watchdog
+from magic_jax.data.rows import offline_filter, tokenize_rows
+from magic_jax.data.sources import read_rows
+from magic_jax.run import rundir
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
-from magic_jax.run.policy import load_policy, load_tokenizer, reference_params
+from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
+from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
 from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, update_config
 from magic_jax.run.step_row import step_row
+
+if TYPE_CHECKING:
+    from magic_jax.rollout.driver import RolloutDriver
+    from magic_jax.rollout.protocols import Verifiers
+    from magic_jax.run.checkpoint import TrainCheckpoints
+    from magic_jax.update.state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +75,7 @@ class Trainer:
         self.log = log
         self.out = storage.path(config.output_dir, what="output_dir")
         self._eval_driver = None
-        self._extra_eval_drivers: dict[float, Any] = {}
+        self._extra_eval_drivers: dict[float, RolloutDriver] = {}
 
     def _setup(self) -> None:
         from flax import nnx
@@ -122,18 +132,11 @@ class Trainer:
         cfg = self.config
         return make_driver(
             self.model,
+            cfg.rollout,
             max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=max_response_length,
             sampling=cfg.sampling if sampling is None else sampling,
-            max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-            decode_steps=cfg.rollout.decode_steps,
-            dtype=cfg.rollout.dtype,
-            kv_dtype=cfg.rollout.kv_dtype,
-            decode_attention=cfg.rollout.decode_attention,
-            decode_layers=cfg.rollout.decode_layers,
             mesh=self.mesh,
-            lanes=cfg.rollout.lanes,
-            compact_batch=cfg.rollout.compact_batch,
         )
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:
@@ -142,9 +145,9 @@ class Trainer:
             index,
             self.rows,
             excluded,
+            policy=self.model,
             graphdef=self.graphdef,
             mesh=self.mesh,
-            make_driver=self._driver,
         )
         self.log(stage.describe())
         return stage
@@ -171,9 +174,7 @@ class Trainer:
           RunDirError: the directory is not usable (not ours, locked, a changed
             config, no usable checkpoint).
         """
-        from magic_jax import distributed
         from magic_jax.model.sharding import maybe_initialize_distributed
-        from magic_jax.run import rundir
 
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
@@ -185,98 +186,34 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             # Process 0 claims, locks and checks the directory; the others start once it
             # has (on_primary is a barrier) and never write into it themselves.
-            finished = distributed.on_primary(lambda: self._open_run_dir(stack, raw))
+            finished = distributed.on_primary(
+                lambda: open_run_dir(
+                    self.out, raw, stack, total_steps=cfg.total_steps, log=self.log
+                )
+            )
             if finished:
                 return rundir.finished_summary(self.out, cfg.total_steps) or {}
             signals = stack.enter_context(rundir.StopSignals())
             return self._run(stop_after, signals)
 
-    def _open_run_dir(self, stack: contextlib.ExitStack, raw: dict[str, Any]) -> int:
-        """Claims and locks the run directory for ``stack``'s life and checks a resume
-        against it; returns 1 when the run has finished before (nothing to do), else 0."""
-        from magic_jax.run import rundir, runlock
-        from magic_jax.run.checkpoint import read_trainer_state, step_dirs
-
-        cfg = self.config
-        stack.enter_context(runlock.run_directory(self.out))
-        old = rundir.stored_config(self.out)
-        newest = step_dirs(self.out)[-1:]
-        done, current = 0, None
-        if newest:
-            done = newest[0][0]
-            with contextlib.suppress(rundir.RunDirError):  # judged again before restoring
-                current = read_trainer_state(newest[0][1])["stage"]
-        if old is not None and done > 0:
-            for change in rundir.check_resume_config(old, raw, done, current):
-                self.log(f"[resume] changed {change}")
-        finished = rundir.finished_summary(self.out, cfg.total_steps)
-        if finished is not None:
-            self.log(
-                f"[done] {self.out} has finished ({finished['steps']} steps); nothing to do "
-                f"(use a new output_dir for a new run)"
-            )
-            return 1
-        rundir.write_config(self.out, raw)
-        return 0
-
-    def _run(self, stop_after: int | None, signals: Any) -> dict[str, Any]:
-        import signal
-
-        from magic_jax import distributed
+    def _run(self, stop_after: int | None, signals: rundir.StopSignals) -> dict[str, object]:
+        """Trains from the newest good checkpoint (or the start) to ``stop_after``, the end
+        of the last stage or a stop; returns the summary."""
         from magic_jax.rewards import VerifierPool
-        from magic_jax.run import rundir
-        from magic_jax.run.checkpoint import (
-            TrainCheckpoints,
-            latest_good_checkpoint,
-            read_trainer_state,
-            step_path,
-        )
-        from magic_jax.run.monitor import Monitor
-        from magic_jax.run.profile import StepProfiler
-        from magic_jax.update.state import init_train_state
+        from magic_jax.run.checkpoint import TrainCheckpoints
 
         cfg = self.config
         self._setup()
-        # the KL reference: the initial weights (copied before any update) or loss.kl_reference
-        self.ref_params = reference_params(cfg, self._params, self.mesh)
-        if self.ref_params is not None:
-            self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
-        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
-        del self._params
-        loop = LoopState()
-        primary = distributed.is_primary()
-
-        def newest_good() -> int:
-            found = latest_good_checkpoint(self.out, log=self.log, set_aside=True)
-            return -1 if found is None else int(found.name.removeprefix("step_"))
-
-        # Process 0 verifies the checksums and sets bad checkpoints aside; every process
-        # then restores the step it chose (orbax restores on all processes at once).
-        chosen = distributed.on_primary(newest_good)
-        found = None if chosen < 0 else step_path(self.out, chosen)
+        state = self._initial_state()
+        found = newest_good_checkpoint(self.out, log=self.log)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        if found is not None:
-            loop = LoopState.from_meta(cfg, read_trainer_state(found))
-            state = ckpts.restore(state, found)
-            self.log(f"[resume] {found}: continuing at step {loop.step}")
-        step, schedule = loop.step, loop.schedule
-        dropped = rundir.trim_records(self.out, step) if primary else {}
-        if any(dropped.values()):
-            self.log(f"[resume] dropped the records of steps after step {step}: {dropped}")
-        self._saved = self._kept_rollouts = step  # the newest checkpoint's step
+        state, loop = resume_from(self.out, found, ckpts, state, log=self.log)
+        self._saved = self._kept_rollouts = loop.step  # the newest checkpoint's step
         self._stage_now: Stage | None = None
-        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-        self._monitor = Monitor(
-            self.out,
-            stage_steps=[s.steps for s in cfg.stages],
-            start_step=step,
-            log=self.log,
-            primary=primary,
-        )
-        self.log = self._monitor.write  # the run's other lines print above the progress bar
-        self._profiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
+        self._start_monitor(loop.step)
         # the stop signal every process agrees on (0: none), asked once per step
         stop = distributed.max_int(signals.received or 0)
+        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
             with (
@@ -285,30 +222,82 @@ class Trainer:
                 self._profiler,
                 watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
             ):
-                while step < end and not schedule.finished(cfg) and not stop:
-                    try:
-                        if cfg.eval is not None and step == 0:
-                            self._evaluate(state, 0, pool, schedule)
-                        step, state, ended = self._one_step(step, state, loop, pool)
-                        counts = _counts(state)
-                    except interrupt.Interrupted as e:
-                        # Only a rollout or an update with its groups saved is cut short
-                        # (``_step``): the state is that of `step` steps, or checkpointed.
-                        stop = e.signum
-                        self.log(f"[stop] {e}: step {step} is redone on resume")
-                        if self._saved < step:  # a rollout without saved groups: keep the state
-                            self._save(ckpts, state, loop)
-                            self._saved = step
-                        break
-                    stop = distributed.max_int(signals.received or 0)
-                    if not stop and distributed.preemption_notice(step):
-                        self.log(f"[stop] preemption notice at step {step}")
-                        stop = int(signal.SIGTERM)
-                    if step % cfg.checkpoint_every == 0 or ended is not None or step == end or stop:
-                        self._save(ckpts, state, loop)
-                        self._saved = step
+                if not stop:
+                    state, stop, counts = self._train(state, loop, end, pool, ckpts, signals)
         finally:
             ckpts.close()
+        return self._summary(state, loop, stop, counts)
+
+    def _initial_state(self) -> TrainState:
+        """The train state of the initial weights (and the KL reference policy)."""
+        from magic_jax.update.state import init_train_state
+
+        cfg = self.config
+        # the KL reference: the initial weights (copied before any update) or loss.kl_reference
+        self.ref_params = reference_params(cfg, self._params, self.mesh)
+        if self.ref_params is not None:
+            self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
+        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
+        del self._params
+        return state
+
+    def _start_monitor(self, step: int) -> None:
+        from magic_jax.run.monitor import Monitor
+        from magic_jax.run.profile import StepProfiler
+
+        cfg = self.config
+        self._monitor = Monitor(
+            self.out,
+            stage_steps=[s.steps for s in cfg.stages],
+            start_step=step,
+            log=self.log,
+            primary=distributed.is_primary(),
+        )
+        self.log = self._monitor.write  # the run's other lines print above the progress bar
+        self._profiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
+
+    def _train(
+        self,
+        state: TrainState,
+        loop: LoopState,
+        end: int,
+        pool: Verifiers,
+        ckpts: TrainCheckpoints,
+        signals: rundir.StopSignals,
+    ) -> tuple[TrainState, int, dict[str, float]]:
+        """Steps until ``end``, the last stage's end or a stop, checkpointing as due;
+        returns (the state, the stop signal or 0, the summary's counts of the state)."""
+        cfg, schedule = self.config, loop.schedule
+        counts, stop = _counts(state), 0
+        while loop.step < end and not schedule.finished(cfg):
+            try:
+                if cfg.eval is not None and loop.step == 0:
+                    self._evaluate(state, 0, pool, schedule)
+                state, ended = self._one_step(loop.step, state, loop, pool)
+                counts = _counts(state)
+            except interrupt.Interrupted as e:
+                # Only a rollout or an update with its groups saved is cut short
+                # (``_step``): the state is that of `step` steps, or checkpointed.
+                self.log(f"[stop] {e}: step {loop.step} is redone on resume")
+                if self._saved < loop.step:  # a rollout without saved groups: keep the state
+                    self._save(ckpts, state, loop)
+                return state, e.signum, counts
+            stop = distributed.max_int(signals.received or 0)
+            if not stop and distributed.preemption_notice(loop.step):
+                self.log(f"[stop] preemption notice at step {loop.step}")
+                stop = int(signal.SIGTERM)
+            due = loop.step % cfg.checkpoint_every == 0 or ended is not None
+            if due or loop.step == end or stop:
+                self._save(ckpts, state, loop)
+            if stop:
+                break
+        return state, stop, counts
+
+    def _summary(
+        self, state: TrainState, loop: LoopState, stop: int, counts: dict[str, float]
+    ) -> dict[str, object]:
+        """The run's summary (written by process 0), with the export of a finished run."""
+        cfg, step, schedule = self.config, loop.step, loop.schedule
         summary = rundir.build_summary(
             self.out,
             # a run whose last stage ended on an until rule is finished at that step
@@ -325,20 +314,23 @@ class Trainer:
             )
         elif schedule.finished(cfg) and cfg.export_hf:
             # every process gathers the weights tensor by tensor; process 0 writes them
-            summary["hf_export"] = str(self._export(state))
-        if primary:
+            out = self.out / "hf_final"
+            export_policy(out, self.graphdef, state.params, self.tokenizer, cfg.export_dtype)
+            summary["hf_export"] = str(out)
+        if distributed.is_primary():
             rundir.write_summary(self.out, summary)
         return summary
 
-    def _one_step(self, step: int, state: Any, loop: LoopState, pool: Any):
+    def _one_step(
+        self, step: int, state: TrainState, loop: LoopState, pool: Verifiers
+    ) -> tuple[TrainState, str | None]:
         """Global step ``step``: rollouts, update, its record, evaluation when due and the
-        stage switch; returns (the next step, the new state, how its stage ended or None).
+        stage switch (``loop.step`` becomes the next step); returns (the new state, how
+        its stage ended or None).
 
         Raises:
           interrupt.Interrupted: a stop came during the rollout, update or evaluation.
         """
-        from magic_jax.run import rundir
-
         cfg, schedule = self.config, loop.schedule
         stage = self._stage_now
         if stage is None or stage.index != schedule.index:
@@ -353,7 +345,7 @@ class Trainer:
         if ended is not None:
             row["stage_end"] = ended
         self._monitor.step(row, _format(row))
-        rundir.kill_point("step", step)
+        interrupt.kill_point("step", step)
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
             with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
@@ -363,40 +355,17 @@ class Trainer:
             # the stage switch: online filtering, fresh statistics (checkpointed)
             self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
             loop.end_stage(cfg, ended)
-        return step, state, ended
+        return state, ended
 
-    def _save(self, ckpts, state, loop: LoopState) -> Path:
+    def _save(self, ckpts: TrainCheckpoints, state: TrainState, loop: LoopState) -> Path:
         import jax
 
         jax.block_until_ready(state)
         # the records up to this step are durable before the checkpoint that implies them
         self._monitor.flush()
-        return ckpts.save(loop.step, state, loop.meta(), self.model.config)
-
-    def _export(self, state: Any) -> Path:
-        """The final policy as a Hugging Face checkpoint (``hf_final``) with its tokenizer."""
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from magic_jax.model.convert import save_hf
-        from magic_jax.run import runlock
-
-        out = self.out / "hf_final"
-        primary = jax.process_index() == 0
-        if primary:
-            runlock.check_fence("hf_final", server=True)  # before the old export goes
-            storage.remove_tree(out)  # this run's own earlier export
-        with storage.staged(out, upload=primary) as local:
-            save_hf(
-                nnx.merge(self.graphdef, state.params),
-                local,
-                dtype=jnp.dtype(self.config.export_dtype),
-            )
-            if primary:
-                self.tokenizer.save_pretrained(local)
-                runlock.check_fence("hf_final", server=True)  # the upload follows
-        return out
+        path = ckpts.save(loop.step, state, loop.meta(), self.model.config)
+        self._saved = loop.step
+        return path
 
     def _evaluate(
         self, state: Any, step: int, pool: Any, schedule: Schedule | None = None
@@ -411,20 +380,29 @@ class Trainer:
                 raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
 
-            def driver_at(t):
+            def sampling_at(t):
                 kw = dict(temperature=t, top_p=ev.top_p, top_k=0, greedy=False)
-                return self._driver(limit, dataclasses.replace(cfg.sampling, **kw))
+                return dataclasses.replace(cfg.sampling, **kw)
 
-            self._eval_driver = driver_at(ev.temperature)
-            self._extra_eval_drivers = {t: driver_at(t) for t in ev.extra_temperatures}
+            self._eval_driver = self._driver(limit, sampling_at(ev.temperature))
+            # one engine and KV cache for every temperature (they run one after another)
+            self._extra_eval_drivers = {
+                t: self._eval_driver.with_sampling(sampling_at(t)) for t in ev.extra_temperatures
+            }
         t0 = time.perf_counter()
 
         def run(driver):
             return evaluate(
-                driver, driver.engine.load_params(state.params), self._eval_rows,
-                self.tokenizer, num_samples=ev.num_samples, seed=cfg.seed, step=step,
-                max_prompt_length=cfg.data.max_prompt_length, pool=pool,
-            )  # fmt: skip
+                driver,
+                driver.load_params(state.params),
+                self._eval_rows,
+                self.tokenizer,
+                num_samples=ev.num_samples,
+                seed=cfg.seed,
+                step=step,
+                max_prompt_length=cfg.data.max_prompt_length,
+                pool=pool,
+            )
 
         row = run(self._eval_driver)
         if self._extra_eval_drivers:
@@ -455,12 +433,12 @@ class Trainer:
 
         from magic_jax.rollout import partial
         from magic_jax.rollout.collect import collect_groups, flatten
-        from magic_jax.run import rundir, runlock
+        from magic_jax.run import runlock
         from magic_jax.update.buffer import pack_rollouts
 
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
-        params = stage.driver.engine.load_params(state.params)
+        params = stage.driver.load_params(state.params)
         store = None
         if step == self._saved:  # a stop resumes here: keep the groups as they finish
             if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
@@ -492,7 +470,6 @@ class Trainer:
             step=step,
             refill=cfg.rollout.refill,
             truncation=cfg.rollout.truncation,
-            on_sample=lambda s: rundir.kill_point("rollout", step),
             per_host=jax.process_count() > 1,
             saved=store,
         )
@@ -516,11 +493,14 @@ class Trainer:
         # an update is cut short only where its groups and the state before it are kept
         with contextlib.nullcontext() if store is not None else interrupt.deferred():
             state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
-        rundir.kill_point("update", step)  # the update is dispatched, not yet done
+        interrupt.kill_point("update", step)  # the update is dispatched, not yet done
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
-        times = {"t_rollout_s": t1 - t0 - got.wait_s, "t_update_s": t3 - t2,
-                 "t_other_s": t2 - t1 + got.wait_s}  # fmt: skip
+        times = {
+            "t_rollout_s": t1 - t0 - got.wait_s,
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + got.wait_s,
+        }
         return state, step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
 
 

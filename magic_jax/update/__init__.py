@@ -1,2 +1,2 @@
-"""The update: advantages, losses, the log-prob and entropy kernels, the entropy
-controller, the rollout buffer, the pure step and its host loop."""
+"""The update: advantages, losses, the entropy controller, the rollout buffer, the pure
+step and its host loop."""

@@ -218,7 +218,6 @@ def pack_rollouts(
     Raises:
       ValueError: on mismatched lengths, duplicate samples, or lengths that do not fit.
     """
-    advantage = advantage or AdvantageConfig()
     rewards = np.asarray(rewards, np.float32)
     if len(samples) != len(rewards):
         raise ValueError(f"pack_rollouts: {len(samples)} samples but {len(rewards)} rewards")
@@ -226,24 +225,56 @@ def pack_rollouts(
         raise ValueError(f"pack_rollouts: {len(samples)} samples but {len(advantages)} advantages")
     if not samples:
         raise ValueError("pack_rollouts: no samples")
-    prompts = sorted({int(s.prompt_index) for s in samples})
-    slot_of_prompt = {p: i for i, p in enumerate(prompts)}
+    by_group, g, n = _groups(samples, group_size, num_groups)
+    p_len, r_len = _padded_lengths(
+        samples, prompt_bucket, response_bucket, prompt_len, response_len
+    )
+    rows = _Rows.empty(n * g, p_len, r_len, pad_id)
+    for slot, p in enumerate(sorted(by_group)):
+        idx = sorted(by_group[p], key=lambda i: int(samples[i].sample_index))
+        for j, i in enumerate(idx):
+            given = None if advantages is None else advantages[i]
+            rows.put(slot * g + j, samples[i], p, rewards[i], given)
+    if advantages is None:
+        rows.adv = estimate_advantages(
+            advantage or AdvantageConfig(),
+            rows.rew.reshape(n, g),
+            rows.trunc.reshape(n, g),
+            rows.valid.reshape(n, g),
+        )
+    return rows.buffer(n, g)
+
+
+def _groups(
+    samples: Sequence[SampleRecord], group_size: int | None, num_groups: int | None
+) -> tuple[dict[int, list[int]], int, int]:
+    """(the indices of each prompt's samples, G, the number of groups), checked."""
     by_group: dict[int, list[int]] = {}
     for i, s in enumerate(samples):
         by_group.setdefault(int(s.prompt_index), []).append(i)
     g = group_size or max(len(v) for v in by_group.values())
-    n = num_groups or len(prompts)
-    if len(prompts) > n:
-        raise ValueError(f"pack_rollouts: {len(prompts)} prompts but num_groups={n}")
+    n = num_groups or len(by_group)
+    if len(by_group) > n:
+        raise ValueError(f"pack_rollouts: {len(by_group)} prompts but num_groups={n}")
     for p, idx in by_group.items():
         if len(idx) > g:
             raise ValueError(f"pack_rollouts: prompt {p} has {len(idx)} samples > group_size {g}")
         if len({int(samples[i].sample_index) for i in idx}) != len(idx):
             raise ValueError(f"pack_rollouts: prompt {p} has duplicate sample_index values")
+    return by_group, g, n
 
-    resp_lens = [int(s.length) for s in samples]
+
+def _padded_lengths(
+    samples: Sequence[SampleRecord],
+    prompt_bucket: int,
+    response_bucket: int,
+    prompt_len: int | None,
+    response_len: int | None,
+) -> tuple[int, int]:
+    """(P, R): the fixed lengths, or the longest prompt and response rounded up to
+    their buckets."""
     max_p = max(len(s.prompt_tokens) for s in samples)
-    max_r = max(resp_lens)
+    max_r = max(int(s.length) for s in samples)
     if min(len(s.prompt_tokens) for s in samples) < 1:
         raise ValueError("pack_rollouts: every prompt needs at least one token")
     p_len = prompt_len or _bucket(max_p, prompt_bucket)
@@ -252,66 +283,90 @@ def pack_rollouts(
         raise ValueError(f"pack_rollouts: a prompt has {max_p} tokens > prompt_len {p_len}")
     if max_r > r_len:
         raise ValueError(f"pack_rollouts: a response has {max_r} tokens > response_len {r_len}")
+    return p_len, r_len
 
-    b = n * g
-    tokens = np.full((b, p_len + r_len), pad_id, np.int32)
-    attn = np.zeros((b, p_len + r_len), np.int32)
-    resp_mask = np.zeros((b, r_len), np.float32)
-    old_logp = np.zeros((b, r_len), np.float32)
-    samp_logp = np.zeros((b, r_len), np.float32)
-    ents = np.zeros((b, r_len), np.float32)
-    rew = np.zeros((b,), np.float32)
-    trunc = np.zeros((b,), bool)
-    gid = np.full((b,), -1, np.int32)
-    adv = np.zeros((b,), np.float32)
-    valid = np.zeros((b,), bool)
-    for p, idx in by_group.items():
-        gslot = slot_of_prompt[p]
-        for j, i in enumerate(sorted(idx, key=lambda i: int(samples[i].sample_index))):
-            s, row = samples[i], gslot * g + j
-            prompt = np.asarray(s.prompt_tokens, np.int32)
-            k = resp_lens[i]
-            for name in ("tokens", "logprobs", "entropies"):
-                if len(getattr(s, name)) < k:
-                    raise ValueError(
-                        f"pack_rollouts: sample ({p}, {s.sample_index}) has length {k} but "
-                        f"{len(getattr(s, name))} {name}"
-                    )
-            tokens[row, p_len - len(prompt) : p_len] = prompt
-            attn[row, p_len - len(prompt) : p_len] = 1
-            tokens[row, p_len : p_len + k] = np.asarray(s.tokens[:k], np.int32)
-            attn[row, p_len : p_len + k] = 1
-            resp_mask[row, :k] = 1.0
-            old_logp[row, :k] = np.asarray(s.logprobs[:k], np.float32)
-            samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
-            ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
-            rew[row] = rewards[i]
-            if advantages is not None:
-                adv[row] = advantages[i]
-            trunc[row] = bool(s.truncated)
-            gid[row] = p
-            valid[row] = True
-    positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
 
-    if advantages is None:
-        adv = estimate_advantages(
-            advantage, rew.reshape(n, g), trunc.reshape(n, g), valid.reshape(n, g)
+@dataclasses.dataclass
+class _Rows:
+    """The buffer's arrays while ``pack_rollouts`` fills them, row by row."""
+
+    tokens: np.ndarray
+    attn: np.ndarray
+    resp_mask: np.ndarray
+    old_logp: np.ndarray
+    samp_logp: np.ndarray
+    ents: np.ndarray
+    rew: np.ndarray
+    trunc: np.ndarray
+    gid: np.ndarray
+    adv: np.ndarray
+    valid: np.ndarray
+
+    @classmethod
+    def empty(cls, b: int, p_len: int, r_len: int, pad_id: int) -> _Rows:
+        """B padding rows of P prompt and R response slots."""
+        return cls(
+            tokens=np.full((b, p_len + r_len), pad_id, np.int32),
+            attn=np.zeros((b, p_len + r_len), np.int32),
+            resp_mask=np.zeros((b, r_len), np.float32),
+            old_logp=np.zeros((b, r_len), np.float32),
+            samp_logp=np.zeros((b, r_len), np.float32),
+            ents=np.zeros((b, r_len), np.float32),
+            rew=np.zeros((b,), np.float32),
+            trunc=np.zeros((b,), bool),
+            gid=np.full((b,), -1, np.int32),
+            adv=np.zeros((b,), np.float32),
+            valid=np.zeros((b,), bool),
         )
-    adv_NG = np.asarray(adv, np.float32).reshape(n, g)
-    keep_N = np.asarray(group_keep_mask(adv_NG))
-    return RolloutBuffer(
-        tokens=tokens,
-        positions=positions,
-        attention_mask=attn,
-        response_mask=resp_mask,
-        old_logprobs=old_logp,
-        entropies=ents,
-        rewards=rew,
-        truncated=trunc,
-        group_ids=gid,
-        advantages=adv_NG.reshape(b),
-        keep=np.repeat(keep_N, g) & valid,
-        valid=valid,
-        sampling_logprobs=samp_logp,
-        group_size=g,
-    )
+
+    def put(
+        self, row: int, s: SampleRecord, p: int, reward: float, advantage: float | None
+    ) -> None:
+        """Sample ``s`` of prompt ``p`` into ``row``: its prompt left-padded to P, its
+        response from P on."""
+        p_len = self.tokens.shape[1] - self.resp_mask.shape[1]
+        prompt = np.asarray(s.prompt_tokens, np.int32)
+        k = int(s.length)
+        for name in ("tokens", "logprobs", "entropies"):
+            if len(getattr(s, name)) < k:
+                raise ValueError(
+                    f"pack_rollouts: sample ({p}, {s.sample_index}) has length {k} but "
+                    f"{len(getattr(s, name))} {name}"
+                )
+        self.tokens[row, p_len - len(prompt) : p_len] = prompt
+        self.attn[row, p_len - len(prompt) : p_len] = 1
+        self.tokens[row, p_len : p_len + k] = np.asarray(s.tokens[:k], np.int32)
+        self.attn[row, p_len : p_len + k] = 1
+        self.resp_mask[row, :k] = 1.0
+        self.old_logp[row, :k] = np.asarray(s.logprobs[:k], np.float32)
+        self.samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
+        self.ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
+        self.rew[row] = reward
+        if advantage is not None:
+            self.adv[row] = advantage
+        self.trunc[row] = bool(s.truncated)
+        self.gid[row] = p
+        self.valid[row] = True
+
+    def buffer(self, n: int, g: int) -> RolloutBuffer:
+        """The ``RolloutBuffer`` of these rows: N groups of G, kept where ``group_keep_mask``
+        of their advantages says."""
+        positions = np.maximum(np.cumsum(self.attn, axis=1) - 1, 0).astype(np.int32)
+        adv_NG = np.asarray(self.adv, np.float32).reshape(n, g)
+        keep_N = np.asarray(group_keep_mask(adv_NG))
+        return RolloutBuffer(
+            tokens=self.tokens,
+            positions=positions,
+            attention_mask=self.attn,
+            response_mask=self.resp_mask,
+            old_logprobs=self.old_logp,
+            entropies=self.ents,
+            rewards=self.rew,
+            truncated=self.trunc,
+            group_ids=self.gid,
+            advantages=adv_NG.reshape(n * g),
+            keep=np.repeat(keep_N, g) & self.valid,
+            valid=self.valid,
+            sampling_logprobs=self.samp_logp,
+            group_size=g,
+        )

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from magic_jax.update.entropy import token_logprobs_and_entropy
+from magic_jax.model.logprobs import token_logprobs_and_entropy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,13 +13,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from magic_jax.model.logprobs import token_logprobs_and_entropy
 from magic_jax.model.qwen2 import abstract_model
 from magic_jax.update.advantages import count_loss_tokens
 from magic_jax.update.buffer import RolloutBuffer
-from magic_jax.update.entropy import token_logprobs_and_entropy
+from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import MAX_METRICS, LossConfig, policy_loss
 from magic_jax.update.optim import make_optimizer
-from magic_jax.update.state import TrainState, UpdateConfig
+from magic_jax.update.state import TrainState
 
 
 @functools.lru_cache(maxsize=16)
@@ -27,11 +28,9 @@ def _graphdef_of(model_config: Any) -> nnx.GraphDef:
     return nnx.split(abstract_model(model_config), nnx.Param)[0]
 
 
-# The update's layer unroll per platform, measured with benchmarks/loss_memory.py (58M
-# Qwen2, 8 layers, 8 x 512 tokens, forward + backward + AdamW, 2-core CPU, 2026-11-24):
-# every layer inlined 11.0-11.2 s per step, unroll 4 12.3 s, unroll 2 11.9 s, the plain scan
-# 12.4 s. GPU and TPU were not measured: they keep the scan (which also keeps compile
-# time flat in depth) until a measurement says otherwise.
+# The update's layer unroll per platform: CPU inlines every layer, the fastest update
+# measured (docs/benchmarks.md#update-defaults). GPU and TPU were not measured: they keep
+# the scan (which also keeps compile time flat in depth) until a measurement says otherwise.
 UPDATE_LAYER_UNROLL_DEFAULT: dict[str, int | bool] = {"cpu": True}
 
 
@@ -41,9 +40,10 @@ def default_update_layer_unroll(platform: str | None = None) -> int | bool:
 
 
 # The update's MLP with a hand-written backward pass (``model.kernels.swiglu``) per
-# platform. CPU: the default run's update 10-15% faster (docs/demo-world.md). TPU keeps
-# autodiff: compiled for the 7B long-context update on a slice, the kernel needed 89.5 GB
-# of temporaries per device. GPU was not measured.
+# platform. CPU: autodiff's transposed copy of the SiLU gradient costs as much as a
+# product there, and the kernel avoids it. TPU keeps autodiff: the kernel's temporaries
+# for the 7B long-context update do not fit in HBM. GPU was not measured.
+# (docs/benchmarks.md#update-defaults)
 UPDATE_MLP_KERNEL_DEFAULT: dict[str, bool] = {"cpu": True}
 
 

@@ -4,7 +4,7 @@ mini-batches through the compiled ``train_step`` and advances the entropy contro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,13 @@ from jax.sharding import Mesh
 from magic_jax import interrupt, watchdog
 from magic_jax.model.sharding import batch_sharding, data_shards
 from magic_jax.update.buffer import RolloutBuffer, split_mini_batches
-from magic_jax.update.entropy import entropy_coefficient, measure_entropy, update_entropy_control
-from magic_jax.update.state import TrainState, UpdateConfig, init_train_state, shardings_on_mesh
+from magic_jax.update.config import UpdateConfig
+from magic_jax.update.entropy_control import (
+    entropy_coefficient,
+    measure_entropy,
+    update_entropy_control,
+)
+from magic_jax.update.state import TrainState, init_train_state, shardings_on_mesh
 from magic_jax.update.step import (
     compute_logprobs,
     live_first,
@@ -24,6 +29,22 @@ from magic_jax.update.step import (
     train_step,
     update_graphdef,
 )
+
+# an update's metrics: per optimizer step arrays [N_SGD] and the step's scalars
+Metrics = dict[str, np.ndarray | float | int]
+
+
+class Updater(Protocol):
+    """What the trainer calls on an updater (``PolicyUpdater`` is the one the package
+    builds): one training step's optimizer steps over its rollout buffer."""
+
+    def update(
+        self,
+        state: TrainState,
+        buffer: RolloutBuffer,
+        rng: jax.Array,
+        ref_params: nnx.State | None = None,
+    ) -> tuple[TrainState, Metrics]: ...
 
 
 class PolicyUpdater:
@@ -56,9 +77,8 @@ class PolicyUpdater:
         that hold them (``loss_and_grads(live_micro=...)``): the cost follows what
         rejection sampling kept. The micro-batch is ``micro_batch_size`` or, unset,
         the fewest whole groups that split over the mesh's data shards (one group on
-        one device), so that no padding group is computed. Measured on the default
-        run (2-core CPU, median update of 60 steps): 0.127 s at one group (8 rows),
-        0.147 s at two, 0.203 s at four. Off for the ``micro-token-mean``
+        one device), so that no padding group is computed (the fastest on the default
+        run: docs/benchmarks.md#update-defaults). Off for the ``micro-token-mean``
         aggregation (its value depends on the micro split) and where a micro-batch
         would not split over the mesh's data shards.
         """
@@ -187,8 +207,12 @@ class PolicyUpdater:
         return buffer, from_current
 
     def update(
-        self, state: TrainState, buffer: RolloutBuffer, rng: jax.Array, ref_params: Any = None
-    ) -> tuple[TrainState, dict[str, Any]]:
+        self,
+        state: TrainState,
+        buffer: RolloutBuffer,
+        rng: jax.Array,
+        ref_params: nnx.State | None = None,
+    ) -> tuple[TrainState, Metrics]:
         """All optimizer steps of one training step over its rollout buffer.
 
         Measures e_k over the response tokens of every valid row of the buffer
@@ -265,7 +289,7 @@ class PolicyUpdater:
         new_ctl = update_entropy_control(state.entropy, jnp.float32(e_k), cfg.entropy)
         shardings = jax.tree.map(lambda x: x.sharding, state.entropy)
         state = dataclasses.replace(state, entropy=jax.device_put(new_ctl, shardings))
-        metrics: dict[str, Any] = {
+        metrics: Metrics = {
             k: np.stack([np.asarray(m[k]) for m in steps]) for k in (steps[0] if steps else {})
         }
         metrics.update(

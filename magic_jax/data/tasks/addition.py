@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.data.tasks.rows import distinct_problems, sum_rows
-from magic_jax.data.tasks.rows import row_problem as row_problem  # re-exported
+from magic_jax.data.tasks.sums import distinct_problems, sum_rows
+from magic_jax.data.tasks.sums import row_problem as row_problem  # re-exported
 
 # Every character prompts and solutions use.
 CHARS = "0123456789+=\n\\{}boxed"

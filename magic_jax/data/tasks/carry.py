@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.data.tasks.rows import distinct_problems, sum_rows
-from magic_jax.data.tasks.rows import row_problem as row_problem  # re-exported
+from magic_jax.data.tasks.sums import distinct_problems, sum_rows
+from magic_jax.data.tasks.sums import row_problem as row_problem  # re-exported
 
 # Every character prompts and solutions use.
 CHARS = "0123456789+=\n\\{}boxed"
@@ -86,11 +86,6 @@ def needed(a: int, b: int) -> list[bool]:
     return [(x + y + c) >= 10 or c == 1 for x, y, c in columns(a, b)]
 
 
-def hurried_sum(a: int, b: int) -> int:
-    """The column-wise sum with every carry dropped (every column hurried)."""
-    return int("".join(str((x + y) % 10) for x, y, _ in reversed(columns(a, b))))
-
-
 def solution(a: int, b: int, checks: Sequence[bool]) -> str:
     """The response that checks column i (right to left) where ``checks[i]``, else hurries it."""
     cols = columns(a, b)
@@ -110,12 +105,6 @@ def solution(a: int, b: int, checks: Sequence[bool]) -> str:
             carry = 0
     answer = ("1" if carry else "") + "".join(map(str, reversed(digits)))
     return "\n".join(lines) + "\n</think>\n\\boxed{" + str(int(answer)) + "}"
-
-
-def answer_of(a: int, b: int, checks: Sequence[bool]) -> int:
-    """The number ``solution(a, b, checks)`` boxes."""
-    text = solution(a, b, checks)
-    return int(text[text.rindex("{") + 1 : -1])
 
 
 def read_checks(text: str) -> list[bool] | None:

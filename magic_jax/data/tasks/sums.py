@@ -1,4 +1,4 @@
-"""What the built-in addition tasks share: distinct problems and their verl rows."""
+"""The sums the built-in addition tasks ask: distinct (a, b) problems and their verl rows."""
 
 from __future__ import annotations
 

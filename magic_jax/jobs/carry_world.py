@@ -1,7 +1,8 @@
 """The carry world: its base model (and how it is built) and its statistics.
 
-``magic-jax build-world`` builds a 0.74M-parameter Qwen2 from a seed by
-supervised training on ``magic_jax.data.tasks.carry``: first with every
+``magic-jax build-world`` builds a 0.74M-parameter Qwen2 from a seed
+(``worlds.build_world`` of ``CARRY``) by supervised training on
+``magic_jax.data.tasks.carry``: first with every
 column checked half the time (``balanced_steps``: the model learns to
 execute both kinds of line), then at the base's habit of checking a column
 with probability ``check_rate`` (``mixture_steps``: long enough for the habit
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.demo import MAX_PROMPT, MODEL  # the default's model shape and prompts
+from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world, read_rows_file, sft_examples
 
 CARRY_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "carry"
 CARRY_BUILD = CARRY_ASSETS / "build.json"  # the shipped base's build settings and statistics
 MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 60 with EOS
-SFT_LENGTH = 80  # the longest prompt and response, rounded up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +57,9 @@ class WorldBuildConfig:
     eval_every: int = 400
     eval_samples: int = 4
     eval_problems: int = 128
+
+    def steps(self) -> int:
+        return self.balanced_steps + self.mixture_steps
 
 
 def world_statistics(
@@ -93,9 +95,15 @@ def world_statistics(
     parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
     parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
     groups, _, _ = score_groups(
-        driver, params, parsed, tokenizer=tok, num_samples=num_samples,
-        seed=eval_seed(seed), step=0, keep_texts=True,
-    )  # fmt: skip
+        driver,
+        params,
+        parsed,
+        tokenizer=tok,
+        num_samples=num_samples,
+        seed=eval_seed(seed),
+        step=0,
+        keep_texts=True,
+    )
     by = defaultdict(list)  # key -> rewards
     rate = {True: [], False: []}  # needed column? -> checked or not
     ent = {True: [0.0, 0], False: [0.0, 0]}
@@ -155,7 +163,6 @@ def model_statistics(
     from flax import nnx
 
     from magic_jax.data.tasks import carry
-    from magic_jax.jobs.demo import read_rows_file
     from magic_jax.model.convert import load_hf
 
     if not isinstance(rows, list):
@@ -163,9 +170,14 @@ def model_statistics(
     model = load_hf(str(model_dir))
     _, params = nnx.split(model, nnx.Param)
     return world_statistics(
-        model, params, carry.tokenizer(), rows,
-        num_samples=num_samples, temperature=temperature, seed=seed,
-    )  # fmt: skip
+        model,
+        params,
+        carry.tokenizer(),
+        rows,
+        num_samples=num_samples,
+        temperature=temperature,
+        seed=seed,
+    )
 
 
 def sft_continuation(
@@ -193,7 +205,7 @@ def sft_continuation(
     task = carry.CarryTask(check_rate=rate)
 
     def examples(tok, rng, n, step, held):
-        return _examples(task, tok, rng, n, rate, held)
+        return checked_examples(task, tok, rng, n, rate, held)
 
     def evaluator(model, tok, rows, *, num_samples, seed):
         driver = world_driver(model)
@@ -207,130 +219,90 @@ def sft_continuation(
         return run
 
     out = compare_sft(
-        model_dir, seconds, heldout=heldout or CARRY_ASSETS / "heldout.jsonl",
-        num_samples=num_samples, seed=seed, examples=examples, evaluator=evaluator, log=log,
-    )  # fmt: skip
+        model_dir,
+        seconds,
+        heldout=heldout or CARRY_ASSETS / "heldout.jsonl",
+        num_samples=num_samples,
+        seed=seed,
+        examples=examples,
+        evaluator=evaluator,
+        log=log,
+    )
     return {**out, "check_rate": rate}
 
 
 def world_driver(model: Any, temperature: float = 1.0, max_response_length: int = MAX_RESPONSE):
     """The engine the statistics sample with."""
     from magic_jax.rollout.driver import make_driver
+    from magic_jax.rollout.engine_config import EngineOptions
     from magic_jax.rollout.sampling import SamplingConfig
 
     return make_driver(
         model,
+        EngineOptions(max_concurrent_decodes=128),
         max_prompt_length=MAX_PROMPT,
         max_response_length=max_response_length,
         sampling=SamplingConfig(temperature=temperature),
-        max_concurrent_decodes=128,
     )
 
 
-def _examples(task, tok, rng: np.random.Generator, n: int, rate: float, exclude: set):
+def checked_examples(task, tok, rng: np.random.Generator, n: int, rate: float, exclude: set):
     """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, each column checked
     with probability ``rate``, none held out."""
-    from magic_jax.data.rows import render_r1
     from magic_jax.data.tasks import carry
 
-    prompts, responses = [], []
-    while len(prompts) < n:
-        a, b = task.sample(rng)
-        if (a, b) in exclude:
-            continue
-        msgs = [{"role": "user", "content": carry.prompt(a, b)}]
-        p = tok.encode(render_r1(msgs), add_special_tokens=False)
-        r = tok.encode(task.sft_response(a, b, rng, rate), add_special_tokens=False)
-        prompts.append(np.asarray(p, np.int32))
-        responses.append(np.asarray([*r, tok.eos_token_id], np.int32))
-    return prompts, responses
+    def response(i, a, b):
+        return task.sft_response(a, b, rng, rate)
+
+    return sft_examples(carry, task, tok, rng, n, exclude, response)
 
 
-def build_world(
+def _response(task: Any, config: WorldBuildConfig, rng, step: int, i: int, a: int, b: int) -> str:
+    """Every column checked half the time, then at the base's habit (``check_rate``)."""
+    rate = 0.5 if step < config.balanced_steps else config.check_rate
+    return task.sft_response(a, b, rng, rate)
+
+
+def _evaluator(model: Any, tok: Any, heldout: list[dict[str, Any]], config: WorldBuildConfig):
+    """The held-out figures during the build, and the whole set's statistics at its end."""
+    driver = world_driver(model)
+    keys = ("accuracy", "check_rate_needed", "check_rate_other", "well_formed", "entropy")
+
+    def evaluate(params, step):
+        st = world_statistics(
+            model,
+            params,
+            tok,
+            heldout[: config.eval_problems],
+            num_samples=config.eval_samples,
+            driver=driver,
+            seed=config.seed,
+        )
+        return {k: st[k] for k in keys}
+
+    def final(params):
+        return world_statistics(
+            model, params, tok, heldout, num_samples=8, driver=driver, seed=config.seed
+        )
+
+    return evaluate, final
+
+
+def _task(config: WorldBuildConfig) -> Any:
+    from magic_jax.data.tasks import carry
+
+    return carry.CarryTask(check_rate=config.check_rate)
+
+
+CARRY = World(
+    tag="build-world", task="carry", make_task=_task, response=_response, evaluator=_evaluator
+)
+
+
+def build_carry_world(
     out: str | Path, config: WorldBuildConfig | None = None, *, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Builds the carry world's base model and its problem files under ``out``.
-
-    Writes ``model/`` (Hugging Face checkpoint + tokenizer, saved at every
-    evaluation), ``train.jsonl``, ``heldout.jsonl`` and ``build.json`` (the
-    settings, the held-out curve and the final model's ``world_statistics``).
-    """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from magic_jax.data.tasks import carry
-    from magic_jax.model.config import ModelConfig
-    from magic_jax.model.convert import save_hf
-    from magic_jax.model.qwen2 import Qwen2, count_params
-    from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
-
-    config = config or WorldBuildConfig()
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not (out / "build.json").exists():
-        raise FileExistsError(
-            f"{out}: not empty and not a build of this command (no build.json); "
-            f"choose a new or empty directory"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    task = carry.CarryTask(check_rate=config.check_rate)
-    tok = carry.tokenizer()
-    heldout = carry.verl_rows(config.heldout_problems, seed=config.seed + 1, source="heldout")
-    held = {carry.row_problem(r) for r in heldout}
-    train = carry.verl_rows(
-        config.train_problems, seed=config.seed + 2, source="train", exclude=held
-    )
-    for name, rows in (("heldout.jsonl", heldout), ("train.jsonl", train)):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mcfg = ModelConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MODEL
-    )
-    model = Qwen2(mcfg, rngs=nnx.Rngs(config.seed))
-    log(f"[build-world] {count_params(model):,} parameters, vocabulary {len(tok)} (characters)")
-    graphdef, params = nnx.split(model, nnx.Param)
-    total = config.balanced_steps + config.mixture_steps
-    sft = SFTTrainer(
-        graphdef,
-        params,
-        SFTConfig(learning_rate=config.learning_rate, decay_steps=max(total - 20, 1)),
-    )
-    rng = np.random.default_rng(config.seed + 3)
-
-    def make_batch(step):
-        rate = 0.5 if step < config.balanced_steps else config.check_rate
-        p, r = _examples(task, tok, rng, config.batch, rate, held)
-        return pack_sft(p, r, length=SFT_LENGTH, pad_id=tok.pad_token_id)
-
-    driver = world_driver(model)
-    model_dir = out / "model"
-
-    def evaluate_and_save(params, step):
-        save_hf(nnx.merge(graphdef, params), model_dir, dtype=jnp.float32)
-        tok.save_pretrained(model_dir)
-        st = world_statistics(
-            model, params, tok, heldout[: config.eval_problems],
-            num_samples=config.eval_samples, driver=driver, seed=config.seed,
-        )  # fmt: skip
-        return {
-            k: st[k]
-            for k in ("accuracy", "check_rate_needed", "check_rate_other", "well_formed", "entropy")
-        }
-
-    t0 = time.perf_counter()
-    res = train_sft(
-        sft, make_batch, steps=total, evaluate=evaluate_and_save,
-        eval_every=config.eval_every, log=log,
-    )  # fmt: skip
-    stats = world_statistics(
-        model, sft.params, tok, heldout, num_samples=8, driver=driver, seed=config.seed
-    )
-    info = {
-        "build": dataclasses.asdict(config),
-        "task": dataclasses.asdict(task),
-        "parameters": count_params(model),
-        "wall_s": time.perf_counter() - t0,
-        **{k: res[k] for k in ("steps", "train_s", "loss", "evals")},
-        "statistics": stats,
-    }
-    (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"[build-world] wrote {model_dir} ({res['steps']} steps, {info['wall_s']:.0f}s)")
-    return info
+    """Builds the carry world's base model and its problem files under ``out``
+    (``worlds.build_world`` of ``CARRY``; ``build.json`` adds the final model's
+    ``world_statistics``)."""
+    return build_world(CARRY, out, config or WorldBuildConfig(), log=log)

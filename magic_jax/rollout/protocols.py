@@ -1,0 +1,67 @@
+"""What the rollout path takes and gives, typed: the driver, the tokenizer, the verifiers.
+
+``collect``, ``scoring`` and ``evaluate`` call a driver only through ``Driver``
+(``RolloutDriver`` is the one the package builds; a test or a new decode loop may
+bring another), decode responses through ``Tokenizer`` and send them to the
+verifiers through ``Verifiers`` (a ``rewards.VerifierPool``, or the in-thread
+verifier of ``scoring``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from flax import nnx
+
+if TYPE_CHECKING:
+    from magic_jax.model.qwen2 import Qwen2
+    from magic_jax.rewards import RewardItem, RewardResult
+    from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
+
+# The policy's weights in the engine's (sampling) layout: ``Driver.load_params``' result.
+Params = nnx.State
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the rollout path uses."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> Sequence[int]: ...
+
+    def decode(
+        self, token_ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = ...
+    ) -> str: ...
+
+
+class Verifiers(Protocol):
+    """Where responses are verified: ``submit`` queues one, ``collect`` waits for results."""
+
+    def submit(self, item: RewardItem) -> int: ...
+
+    def collect(self, tickets: Sequence[int]) -> list[RewardResult]: ...
+
+
+class Driver(Protocol):
+    """Samples G responses to each prompt on an engine (``driver.RolloutDriver``)."""
+
+    def load_params(self, model_or_params: Qwen2 | nnx.State) -> Params:
+        """The weights in the layout ``run`` takes."""
+        ...
+
+    def run(
+        self,
+        params: Params,
+        prompts: Sequence[np.ndarray],
+        *,
+        num_samples: int = 1,
+        seed: int = 0,
+        step: int = 0,
+        max_new_tokens: int | np.ndarray | None = None,
+        truncation: Truncation = "no_eos",
+        profile: bool = False,
+        on_sample: Callable[[Sample], None] | None = None,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> tuple[list[Sample], RolloutStats]:
+        """The samples ordered by (prompt, sample), and where the time went."""
+        ...

@@ -1,0 +1,163 @@
+"""The adaptive entropy controller: how the entropy bonus's coefficient follows the
+rollouts' measured entropy (SPEC item 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class EntropyEstimator(enum.StrEnum):
+    """How the rollout buffer's entropy e_k is measured.
+
+    FULL: mean full-vocabulary entropy per response token (the report's; the
+      sampler returns it per token).
+    SAMPLED_NLL: negative mean log-prob of the sampled tokens (the reference code's).
+    """
+
+    FULL = "full"
+    SAMPLED_NLL = "sampled-nll"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EntropyControlConfig:
+    """Entropy-bonus coefficient schedule (SPEC item 5).
+
+    Attributes:
+      mode: "adaptive" (the MAGIC controller) or "fixed" (alpha = ``init_coef`` always).
+      target: target entropy tgt_ent, in nats.
+      delta: step of the coefficient per training step.
+      init_coef: c_0 (adaptive) or the constant coefficient (fixed).
+      max_coef: optional upper clamp of c_k (the reference code uses 5e-3).
+      gate: "<=" (report: bonus on while e_k <= target) or "<" (reference code).
+      estimator: how e_k is measured, see ``EntropyEstimator``.
+    """
+
+    mode: Literal["adaptive", "fixed"] = "adaptive"
+    target: float = 0.2
+    delta: float = 0.005
+    init_coef: float = 0.0
+    max_coef: float | None = None
+    gate: Literal["<=", "<"] = "<="
+    estimator: EntropyEstimator = EntropyEstimator.FULL
+
+    def __post_init__(self):
+        if self.mode not in ("adaptive", "fixed"):
+            raise ValueError(
+                f"EntropyControlConfig.mode must be 'adaptive' or 'fixed', got {self.mode!r}"
+            )
+        if self.gate not in ("<=", "<"):
+            raise ValueError(f"EntropyControlConfig.gate must be '<=' or '<', got {self.gate!r}")
+        if self.estimator not in {e.value for e in EntropyEstimator}:
+            raise ValueError(
+                f"EntropyControlConfig.estimator must be one of "
+                f"{[e.value for e in EntropyEstimator]}, got {self.estimator!r}"
+            )
+        object.__setattr__(self, "estimator", EntropyEstimator(self.estimator))
+        if self.target < 0:
+            raise ValueError(f"EntropyControlConfig.target must be >= 0, got {self.target}")
+        if self.delta < 0:
+            raise ValueError(f"EntropyControlConfig.delta must be >= 0, got {self.delta}")
+        if self.init_coef < 0:
+            raise ValueError(f"EntropyControlConfig.init_coef must be >= 0, got {self.init_coef}")
+        if self.max_coef is not None and self.max_coef < self.init_coef:
+            raise ValueError(
+                f"EntropyControlConfig.max_coef ({self.max_coef}) must be >= init_coef "
+                f"({self.init_coef})"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EntropyControlState:
+    """Controller state, a pytree of arrays kept in the train state (checkpointed).
+
+    Attributes:
+      coef: float32 scalar, c_k.
+      num_updates: int32 scalar, training steps the controller has seen.
+    """
+
+    coef: jax.Array
+    num_updates: jax.Array
+
+
+def init_entropy_control(config: EntropyControlConfig) -> EntropyControlState:
+    """c_0 = ``config.init_coef``."""
+    return EntropyControlState(
+        coef=jnp.asarray(config.init_coef, jnp.float32), num_updates=jnp.asarray(0, jnp.int32)
+    )
+
+
+# The controller's functions run on host values once per step: jitted, each is one
+# compiled program per shape instead of one per primitive.
+@functools.partial(jax.jit, static_argnames=("estimator",))
+def measure_entropy(
+    entropy_BR: jax.Array,
+    sampled_logp_BR: jax.Array,
+    mask_BR: jax.Array,
+    estimator: EntropyEstimator | str = EntropyEstimator.FULL,
+) -> jax.Array:
+    """e_k: the mean token entropy of a rollout buffer.
+
+    Args:
+      entropy_BR: [B, R] per-token full-distribution entropy from the sampler.
+      sampled_logp_BR: [B, R] behaviour log-prob of each sampled token.
+      mask_BR: [B, R] 1 on the response tokens to average over.
+      estimator: ``"full"`` (mean of entropy_BR) or ``"sampled-nll"`` (-mean of logp).
+
+    Returns:
+      float32 scalar (0 when the mask is empty).
+    """
+    x_BR = entropy_BR if EntropyEstimator(estimator) is EntropyEstimator.FULL else -sampled_logp_BR
+    m_BR = jnp.asarray(mask_BR, jnp.float32)
+    return jnp.sum(jnp.asarray(x_BR, jnp.float32) * m_BR) / jnp.maximum(m_BR.sum(), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def entropy_coefficient(
+    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+) -> jax.Array:
+    """alpha_k = c_k * 1{e_k <= target} (or ``<``); the constant in fixed mode.
+
+    Args:
+      state: controller state holding c_k.
+      entropy: e_k, measured on step k's rollout buffer.
+      config: controller options.
+
+    Returns:
+      float32 scalar alpha_k, the entropy-bonus weight of step k's loss.
+    """
+    if config.mode == "fixed":
+        return jnp.asarray(config.init_coef, jnp.float32)
+    on = entropy <= config.target if config.gate == "<=" else entropy < config.target
+    return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def update_entropy_control(
+    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+) -> EntropyControlState:
+    """c_{k+1} = c_k + delta if e_k < target, c_k - delta if e_k > target, kept in [0, max].
+
+    Args:
+      state: controller state holding c_k.
+      entropy: e_k, measured on step k's rollout buffer.
+      config: controller options.
+
+    Returns:
+      The state holding c_{k+1} (unchanged coefficient in fixed mode).
+    """
+    coef = state.coef
+    if config.mode == "adaptive":
+        step = jnp.where(entropy < config.target, config.delta, 0.0) - jnp.where(
+            entropy > config.target, config.delta, 0.0
+        )
+        hi = np.inf if config.max_coef is None else config.max_coef
+        coef = jnp.clip(coef + step, 0.0, hi).astype(jnp.float32)
+    return EntropyControlState(coef=coef, num_updates=state.num_updates + 1)
