@@ -102,7 +102,8 @@ print(ablation_report.format_table(
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# checked one by one (Welch's t, raw p; the verdict after Holm within the claim), and one
+# command per arm to
 # re-run it.
 
 # %%
@@ -111,7 +112,7 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# **Half of the mechanism reproduces, and it costs accuracy here.** The controller that acts
+# **Not reproduced as claimed** (verdicts: `notebooks/README.md`). The controller that acts
 # (target 0.08, delta 0.01, shipped) keeps entropy alive: late entropy 0.091 +- 0.016 nats
 # against 0.020 without a bonus (p < 0.001), within 50% of its target in every seed (+0% to
 # +48%), with the coefficient on from step 12-30 and alpha strictly above 0 in 53% of the

@@ -55,7 +55,8 @@ fig
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# checked one by one (Welch's t, raw p; the verdict after Holm within the claim), and one
+# command per arm to
 # re-run it.
 
 # %%
@@ -64,7 +65,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# Partly reproduced (5 paired seeds per arm, Welch's t): off-policy updates test far worse, but
+# Not reproduced (5 seeds per arm; verdicts after Holm in `notebooks/README.md`): entropy rises, and
+# off-policy updates test far worse because the policy breaks,
 # not through a faster entropy collapse. By mini-batches (D_T = 4) the runs end at
 # 58.3 +- 7.7% held-out against 89.4 +- 7.7% on-policy (difference -31.1 points, 95% interval
 # [-42.4, -19.8], p < 0.001); by reuse (N_reuse = 4) they break, ending at 0.6% (p < 0.001).

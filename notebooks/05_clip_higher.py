@@ -55,7 +55,8 @@ fig
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# checked one by one (Welch's t, raw p; the verdict after Holm within the claim), and one
+# command per arm to
 # re-run it.
 
 # %%

@@ -58,7 +58,8 @@ fig
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# checked one by one (Welch's t, raw p; the verdict after Holm within the claim), and one
+# command per arm to
 # re-run it.
 
 # %%
@@ -67,7 +68,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# Partly reproduced (5 paired seeds per arm, Welch's t). The stall reproduces: keeping beta 0.1
+# Inconclusive on the pull, the primary endpoint (5 seeds per arm; verdicts after Holm in
+# `notebooks/README.md`). The stall reproduces: keeping beta 0.1
 # through stage 2, the runs end at 82.2 +- 1.6% held-out against 91.1 +- 2.7% for the same runs
 # with the KL term dropped at the stage change (difference -8.8 points, 95% interval
 # [-12.2, -5.5], p < 0.001). The two arms are the same run through stage 1 (same seed, same

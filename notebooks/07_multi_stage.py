@@ -53,7 +53,8 @@ fig
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions
-# checked one by one (Welch's t: reproduced only at p < 0.05), and one command per arm to
+# checked one by one (Welch's t, raw p; the verdict after Holm within the claim), and one
+# command per arm to
 # re-run it.
 
 # %%
@@ -62,7 +63,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# Partly reproduced (5 paired seeds per arm, Welch's t). The short first stage saves tokens:
+# Inconclusive on the primary endpoint, the same final accuracy (5 seeds per arm; verdicts after
+# Holm in `notebooks/README.md`). The short first stage saves tokens:
 # 1.30 M response tokens per run against 1.68 M at T = 64 throughout (-23%, p < 0.001). But
 # "the same final accuracy" is not established: 89.4 +- 7.7% against 92.5 +- 2.8% (difference
 # -3.1 points, 95% interval [-12.5, +6.3], wider than the 2-point tolerance; p = 0.44).

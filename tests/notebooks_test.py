@@ -212,8 +212,12 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     # the first arm: 0.2 + (0.6 + 0.01 * seed) * step / 6 at steps 0, 3, 6, seeds 0-4
     assert list(fig.axes[1].lines[0].get_ydata()) == pytest.approx([0.2, 0.51, 0.82])
     table = (out / "summary.md").read_text()
-    assert "| temperature |" in table and "| 5/5 |" in table
-    assert "| clip_higher |" in table and "| 0/0/0 |" in table  # no run of its arms yet
+    assert "| 01-temperature | retrospective | 5/5 |" in table
+    assert "| reproduced | mean entropy: reproduced; final accuracy: reproduced;" in table
+    assert "| 05-clip-higher |" not in table  # no run of its arms yet: no row
+    effects = (out / "effects.md").read_text()
+    assert effects.startswith("3 predictions; reproduced at raw p < 0.05: 3;")
+    assert "| 01-temperature | final accuracy (evaluated at 0.6) |" in effects
 
 
 def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
@@ -249,9 +253,14 @@ def test_committed_summaries_match_the_current_arms(record):
         assert stats["samples"] == 256 * ablations.WORLD_SAMPLES
 
 
-def test_the_notebooks_readme_holds_the_table_of_the_committed_runs():
+def test_the_notebooks_readme_holds_the_table_of_the_committed_runs(tmp_path):
     readme = (ROOT / "notebooks" / "README.md").read_text()
-    assert ar.summary_table(COMMITTED) in readme
+    tables = ar.write_tables(COMMITTED, tmp_path)
+    assert tables["summary"].read_text().strip() in readme
+    for key in ("effects", "runs", "self_noise"):  # the longer tables, committed beside it
+        committed = ROOT / "notebooks" / "figures" / f"{key}.md"
+        assert committed.read_text() == tables[key].read_text(), f"regenerate {committed}"
+        assert f"](figures/{key}.md)" in readme
     for key in ablations.ABLATIONS:
         assert f"](figures/{key}.png)" in readme
         assert (ROOT / "notebooks" / "figures" / f"{key}.png").exists()

@@ -17,7 +17,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from magic_jax.experiments import prereg
 from magic_jax.experiments.arms import ABLATIONS
+from magic_jax.experiments.claims_table import (  # noqa: F401 (re-exported)
+    format_table,
+    summary_table,
+    write_tables,
+)
+from magic_jax.experiments.corrected import claim_rows, correct, label, primary_verdict
 from magic_jax.experiments.results import load_arm_runs, rerun_command
 from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the notebooks' API)
     ALPHA,
@@ -54,13 +61,6 @@ def outcome_table(
             row.append(f"{mean_of(v):.3f} +- {math.sqrt(sample_var(v)):.3f}" if v else "-")
         rows.append(row)
     return rows
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- figures
@@ -306,49 +306,12 @@ LIMITS: dict[str, str] = {
 }
 
 
-def summary_rows(results: Any = None) -> list[list[str]]:
-    """The README table: ablation, claim, world, arms, seeds, effects, verdict, limits."""
-    rows = []
-    for key, ab in ABLATIONS.items():
-        runs = load_arm_runs(key, results)
-        effs = effects(key, runs, results)
-        labels = {a.key: a.label for a in ab.arms}
-        seeds = "/".join(str(len(runs[a.key])) for a in ab.arms)
-        same = identical_text(runs, labels)
-        rows.append(
-            [
-                key,
-                ab.claim,
-                ab.world,
-                "; ".join(a.label for a in ab.arms),
-                seeds,
-                "<br>".join([*(e.text(labels) for e in effs), *same]),
-                verdict(effs),
-                LIMITS.get(key, "") if verdict(effs) != "reproduced" else "",
-            ]
-        )
-    return rows
-
-
-def summary_table(results: Any = None) -> str:
-    """The Markdown table of ``summary_rows`` (``notebooks/README.md`` holds it verbatim)."""
-    header = [
-        "ablation",
-        "report's claim",
-        "world",
-        "arms",
-        "seeds per arm",
-        "effects (mean diff, 95% interval, Welch p)",
-        "verdict (p < 0.05)",
-        "what this world lacks for it",
-    ]
-    return format_table(header, summary_rows(results))
-
-
 def write_figures(
     results: str | os.PathLike, out: str | os.PathLike, names: Sequence[str] | None = None
 ) -> Path:
-    """``<ablation>.png`` per ablation with finished runs and ``summary.md``; returns ``out``."""
+    """``<ablation>.png`` per ablation with finished runs, and the claims' tables
+    (``claims_table.write_tables``: ``summary.md``, ``effects.md``, ``runs.md``,
+    ``self_noise.md``); returns ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for key in names or ABLATIONS:
@@ -357,8 +320,28 @@ def write_figures(
             continue
         fig = ablation_figure(key, runs)
         fig.savefig(out / f"{key}.png")
-    (out / "summary.md").write_text(summary_table(results) + "\n")
+    write_tables(results, out)
     return out
+
+
+def _verdict_lines(
+    ablation: str, runs: Mapping[str, Sequence[Run]], effs: Sequence[Effect]
+) -> list[str]:
+    """The claim's verdict from its pre-registration (Holm within the claim), by measure;
+    without one, the raw verdict of ``effs``."""
+    pre = prereg.for_ablation(ablation)
+    if pre is None:
+        return [f"verdict: {verdict(effs)} (raw p < 0.05; no pre-registration)"]
+    rows = correct({pre.name: claim_rows(pre, runs)})[pre.name]
+    v = primary_verdict(rows)
+    lines = [
+        f"verdict: {v} (primary endpoint, Holm within the claim; {pre.status}: "
+        f"notebooks/prereg/{pre.path.name})",
+        f"by measure: {label(rows)}",
+    ]
+    if ablation in LIMITS and v != "reproduced":
+        lines.append(f"what this world lacks for it: {LIMITS[ablation]}")
+    return lines
 
 
 def describe(
@@ -381,7 +364,7 @@ def describe(
         *(f"- {e.text(labels)}" for e in effs),
         *(f"- {t}" for t in identical_text(runs, labels)),
         "",
-        f"verdict: {verdict(effs)}",
+        *_verdict_lines(ablation, runs, effs),
         "",
         "re-run an arm (skips seeds already in notebooks/results/runs):",
         *(f"  {rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),

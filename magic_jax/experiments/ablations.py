@@ -6,7 +6,8 @@ world) with ``--set`` overrides, in its own directory under ``<results>/raw/`` (
 checkpoints, TensorBoard files). When a run finishes, its records (``metrics.jsonl``,
 ``eval.jsonl``, ``config.yaml``; in the carry world also ``world.json``, the final
 model's ``magic_jax.jobs.carry_world.world_statistics``) and a ``run.json`` (the command, the
-wall time) are copied to ``<results>/runs/<arm>/seed<k>/``: a small directory that
+wall time, the commit it ran at and whether the tree had uncommitted changes) are copied to
+``<results>/runs/<arm>/seed<k>/``: a small directory that
 ``magic_jax.jobs.report.load_run`` reads and that is committed. Runs already there are
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
 built over several sessions::
@@ -48,6 +49,7 @@ from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the noteboo
     Arm,
     World,
 )
+from magic_jax.experiments.prereg import head_state
 from magic_jax.experiments.results import (  # noqa: F401 (re-exported: the notebooks' API)
     RESULTS_ENV,
     STEPS_ENV,
@@ -169,6 +171,7 @@ def run_one(
     cmd = train_command(arm, seed, raw, budget, config=train_config(world), world=world)
     cmd[0:1] = [sys.executable, "-m", "magic_jax.jobs.cli"]
     log(f"[ablations] {ablation}/{arm.key} seed {seed}: training in {raw}")
+    origin = head_state()  # the code this run starts with
     t0 = time.perf_counter()
     logfile = raw.with_name(raw.name + ".log")
     with open(logfile, "ab") as f:
@@ -198,6 +201,9 @@ def run_one(
         "steps_and_evals_s": round(recorded_seconds(raw), 1),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "step_budget": budget,
+        # the commit it ran at and whether tracked files differed from it (None: no git)
+        "commit": origin["commit"],
+        "dirty": origin["dirty"],
     }
     dest = summary_dir(results, arm, seed)
     _collect(raw, dest, record)

@@ -155,6 +155,16 @@ def stage2_ref_kl_drift(run: Run) -> float:
     return float(statistics.median(v[-k:]) - statistics.median(v[:k]))
 
 
+def stage2_ref_kl_drift_first(run: Run) -> float:
+    """The stage-2 KL drift as first declared (before 9170fd0): the mean of the stage's last
+    5 steps minus the mean of its first 5 (kept to show what the runs gave under it)."""
+    v = [m.get("ref_kl", 0.0) for m in _stage_rows(run, 1)]
+    if len(v) < 2:
+        return math.nan
+    k = min(5, len(v) // 2)
+    return float(sum(v[-k:]) / k - sum(v[:k]) / k)
+
+
 def max_grad_norm(run: Run) -> float:
     """Largest gradient norm of the run (instability shows here first)."""
     return float(max(m.get("grad_norm", 0.0) for m in run.metrics))
@@ -202,6 +212,7 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "rollout tokens (M)": rollout_tokens,
     "stage-2 KL to reference": stage2_ref_kl,
     "stage-2 KL drift": stage2_ref_kl_drift,
+    "stage-2 KL drift (means of 5 steps)": stage2_ref_kl_drift_first,
     "max grad norm": max_grad_norm,
     "final check rate (carry columns)": final_check_rate,
     "final check rate (other columns)": final_check_rate_other,
@@ -327,7 +338,7 @@ class Effect:
             f"{self.check.outcome}: {a} {mean_of(self.arm):.3f} "
             f"vs {r} {mean_of(self.reference):.3f} "
             f"(diff {self.diff:+.3f}{interval}{p}, "
-            f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict}"
+            f"seeds {len(self.arm)}/{len(self.reference)}) -> {self.verdict} at raw p"
         )
 
 

@@ -1,0 +1,252 @@
+"""The claims' predictions judged as pre-registered: the declared test's p-value, Holm's
+correction within each claim and across the whole table, a rank test beside Welch's t,
+and labels that name the measure.
+
+Each claim's pre-registration (``experiments.prereg``) lists its predictions; a prediction
+is judged on the seeds of its two arms (``verdicts.judge``: the difference, its 95% Welch
+interval). Its raw p is that of the test the file declares for the measure; the exact
+Mann-Whitney U p (two-sided, 5 vs 5 seeds: the smallest possible is 2/252 = 0.0079) is
+shown beside Welch's for every prediction, bimodal or not, rather than deciding which
+outcomes are bimodal. A directional prediction is "reproduced" when its Holm-adjusted p
+(within its claim) is below 0.05 with the predicted sign, "not reproduced" below 0.05 with
+the other sign, "inconclusive" otherwise; the verdict under Holm across every prediction
+of the table is shown beside it. A "same" prediction is judged by its 95% interval against
+its tolerance and is not part of the Holm families (it tests no difference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from magic_jax.experiments.prereg import Prediction, Prereg
+from magic_jax.experiments.results import results_dir
+from magic_jax.experiments.verdicts import ALPHA, OUTCOMES, Effect, judge, mean_of
+
+TEST_NAMES = {
+    "welch": "Welch's t",
+    "mann-whitney": "Mann-Whitney U, exact",
+    "wilcoxon-paired": "Wilcoxon signed-rank, paired by seed",
+}
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given (nan stays nan and does not
+    count towards the family's size)."""
+    idx = sorted((i for i, p in enumerate(ps) if not math.isnan(p)), key=lambda i: ps[i])
+    m = len(idx)
+    out = [math.nan] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (m - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def rank_p(reference: Sequence[float], arm: Sequence[float]) -> float:
+    """Two-sided Mann-Whitney U p-value, exact (nan with fewer than 2 values a side)."""
+    from scipy import stats
+
+    if min(len(reference), len(arm)) < 2:
+        return math.nan
+    return float(stats.mannwhitneyu(arm, reference, alternative="two-sided", method="exact").pvalue)
+
+
+def paired_p(reference: Sequence[float], arm: Sequence[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p of the seed-by-seed differences (nan when the seeds
+    do not pair up or every difference is 0)."""
+    from scipy import stats
+
+    d = [a - r for a, r in zip(arm, reference)]
+    if len(arm) != len(reference) or len(d) < 2 or not any(d):
+        return math.nan
+    return float(stats.wilcoxon(d).pvalue)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One prediction of one claim, judged.
+
+    Attributes:
+      claim: the pre-registration's name (file stem).
+      prediction: as declared.
+      measure: the measure this row used (the declared one, or the first declared).
+      effect: ``verdicts.judge``'s result (difference, Welch interval and p).
+      test: the declared test; ``p`` its raw p-value.
+      p_welch / p_rank: Welch's t and exact Mann-Whitney U, always both.
+      primary: whether it is the claim's primary endpoint.
+      p_claim / p_table: Holm-adjusted within the claim / across the table (nan: not in
+        a family, "same" predictions).
+      verdict / verdict_table: from ``p_claim`` / ``p_table``.
+    """
+
+    claim: str
+    prediction: Prediction
+    measure: str
+    effect: Effect
+    test: str
+    p: float
+    p_welch: float
+    p_rank: float
+    primary: bool
+    p_claim: float = math.nan
+    p_table: float = math.nan
+    verdict: str = ""
+    verdict_table: str = ""
+
+    @property
+    def against(self) -> bool:
+        """Whether the point estimate has the sign opposite to the prediction."""
+        s = self.effect.check.sign
+        return s != 0 and self.effect.diff * s < 0
+
+
+def adjusted_verdict(effect: Effect, p_adj: float) -> str:
+    """A directional prediction's verdict from an adjusted p; "same" keeps its interval's."""
+    if effect.check.sign == 0:
+        return effect.verdict
+    if math.isnan(p_adj) or p_adj >= ALPHA:
+        return "inconclusive"
+    return "reproduced" if (effect.diff > 0) == (effect.check.sign > 0) else "not reproduced"
+
+
+def load_runs(
+    arms: Sequence[str], seeds: Sequence[int], results: str | Path | None = None
+) -> dict[str, list]:
+    """``{arm: [report.Run of each finished seed, in seed order]}`` under ``<results>/runs``."""
+    from magic_jax.jobs.report import load_run
+
+    where = results_dir(results)
+    out: dict[str, list] = {}
+    for arm in arms:
+        out[arm] = [
+            load_run(d, name=f"{arm} (seed {s})")
+            for s in seeds
+            if ((d := where / "runs" / arm / f"seed{s}") / "run.json").exists()
+        ]
+    return out
+
+
+def _value(measure: str, run: Any) -> float:
+    return OUTCOMES[measure](run)
+
+
+def claim_rows(
+    pre: Prereg, runs: Mapping[str, Sequence[Any]], *, first_declared: bool = False
+) -> list[Row]:
+    """The claim's predictions judged on ``runs`` (raw p only), the primary endpoint first
+    (added if no prediction equals it); with ``first_declared``, each measure changed after
+    the runs is replaced by the one first declared."""
+    key = (pre.primary.measure, pre.primary.arms, pre.primary.direction)
+    preds = [p for p in pre.predictions if (p.measure, p.arms, p.direction) != key]
+    rows = []
+    for pr in [pre.primary, *preds]:
+        measure = pre.first_declared(pr.measure) if first_declared else pr.measure
+        if measure not in OUTCOMES:
+            continue  # a measure this package does not compute yet (a world to be added)
+        check = pr.check(measure)
+        arm = [_value(measure, r) for r in runs.get(pr.arms[0], [])]
+        ref = (
+            [0.0] * len(arm)
+            if pr.arms[1] is None
+            else [_value(measure, r) for r in runs.get(pr.arms[1], [])]
+        )
+        eff = judge(check, ref, arm)
+        test = pr.test or pre.test_for(pr.measure)
+        p_rank = rank_p(ref, arm) if pr.arms[1] is not None else math.nan
+        by_test = {"welch": eff.p, "mann-whitney": p_rank, "wilcoxon-paired": paired_p(ref, arm)}
+        rows.append(
+            Row(pre.name, pr, measure, eff, test, by_test[test], eff.p, p_rank, pr is pre.primary)
+        )
+    return rows
+
+
+def _in_family(r: Row) -> bool:
+    return r.effect.check.sign != 0 and not math.isnan(r.p)
+
+
+def correct(by_claim: Mapping[str, Sequence[Row]]) -> dict[str, list[Row]]:
+    """Holm within each claim and across every claim's rows; verdicts from both."""
+    flat = [r for rows in by_claim.values() for r in rows if _in_family(r)]
+    table = dict(zip(map(id, flat), holm([r.p for r in flat])))
+    out = {}
+    for claim, rows in by_claim.items():
+        fam = [r for r in rows if _in_family(r)]
+        within = dict(zip(map(id, fam), holm([r.p for r in fam])))
+        out[claim] = [
+            dataclasses.replace(
+                r,
+                p_claim=within.get(id(r), math.nan),
+                p_table=table.get(id(r), math.nan),
+                verdict=adjusted_verdict(r.effect, within.get(id(r), math.nan)),
+                verdict_table=adjusted_verdict(r.effect, table.get(id(r), math.nan)),
+            )
+            for r in rows
+        ]
+    return out
+
+
+def judge_all(
+    pres: Mapping[str, Prereg], results: str | Path | None = None, *, first_declared: bool = False
+) -> dict[str, list[Row]]:
+    """Every claim's rows, corrected (claims without runs give no rows)."""
+    raw = {}
+    for name, pre in pres.items():
+        runs = load_runs(pre.arms, pre.seeds, results)
+        raw[name] = (
+            claim_rows(pre, runs, first_declared=first_declared) if any(runs.values()) else []
+        )
+    return correct(raw)
+
+
+def word(rows: Sequence[Row]) -> str:
+    """One word for the verdicts of one measure's rows (Holm within the claim)."""
+    verdicts = [r.verdict for r in rows]
+    vs = set(verdicts)
+    if vs == {"reproduced"}:
+        return "reproduced"
+    if "not reproduced" in vs:
+        return "not reproduced" if "reproduced" not in vs else "mixed"
+    if "reproduced" in vs:
+        return f"reproduced in {verdicts.count('reproduced')} of {len(verdicts)}"
+    against = sum(r.against for r in rows)
+    if against:
+        return f"inconclusive, {against} of {len(rows)} estimates against the prediction"
+    return "inconclusive"
+
+
+def label(rows: Sequence[Row]) -> str:
+    """The claim's verdict by measure, from the Holm-adjusted p within the claim
+    ("late entropy: reproduced; final accuracy: inconclusive"), each prediction's note
+    after its measure."""
+    by: dict[str, list[Row]] = {}
+    for r in rows:
+        by.setdefault(r.measure, []).append(r)
+    parts = []
+    for measure, rs in by.items():
+        text = f"{measure}: {word(rs)}"
+        notes = sorted({r.prediction.note for r in rs if r.prediction.note})
+        if notes:
+            text += f" [{'; '.join(notes)}]"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def primary_verdict(rows: Sequence[Row]) -> str:
+    """The claim's verdict: its primary endpoint's (Holm within the claim), saying when an
+    inconclusive estimate points against the prediction."""
+    prim = next((r for r in rows if r.primary), None)
+    if prim is None:
+        return "no runs yet"
+    v = prim.verdict
+    if v == "inconclusive" and prim.against:
+        v += " (estimate against the prediction)"
+    return v
+
+
+def arm_means(r: Row) -> tuple[float, float]:
+    """The two arms' seed means of the row's measure."""
+    return mean_of(r.effect.arm), mean_of(r.effect.reference)

@@ -1,0 +1,300 @@
+"""Pre-registrations, corrected statistics, run provenance and the self-noise of twin arms."""
+
+import datetime
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from magic_jax.experiments import ablations, claims_table, corrected, pairing, prereg
+from magic_jax.experiments.verdicts import CHECKS, OUTCOMES
+from magic_jax.jobs.report import Run
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "notebooks" / "results"
+PREREG = ROOT / "notebooks" / "prereg"
+
+
+def _doc(**over):
+    doc = {
+        "claim": "a beats b",
+        "world": "carry",
+        "status": "prospective",
+        "arms": ["a", "b"],
+        "seeds": [0, 1],
+        "primary_endpoint": {
+            "measure": "final accuracy",
+            "arms": ["a", "b"],
+            "direction": "greater",
+            "test": "welch",
+        },
+        "predictions": [
+            {"measure": "final accuracy", "arms": ["a", "b"], "direction": "greater"},
+            {"measure": "late entropy", "arms": ["a", None], "direction": "same", "tolerance": 1},
+        ],
+        "tests": {"default": "welch", "late entropy": "mann-whitney"},
+        "correction": "holm",
+        "notes": "",
+    }
+    doc.update(over)
+    return doc
+
+
+def test_a_valid_file_loads(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(_doc()))
+    pre = prereg.load(p)
+    assert pre.name == "c" and pre.seeds == (0, 1) and pre.status == "prospective"
+    assert pre.test_for("late entropy") == "mann-whitney" and pre.test_for("x") == "welch"
+    c = pre.predictions[1].check()
+    assert (c.outcome, c.arm, c.reference, c.sign, c.tolerance) == ("late entropy", "a", None, 0, 1)
+    assert pre.primary.check().sign == +1 and pre.first_declared("late entropy") == "late entropy"
+    inverted = _doc(tests={"welch": ["final accuracy"], "mann-whitney": "late entropy"})
+    p.write_text(yaml.safe_dump(inverted))
+    assert prereg.load(p).tests == {"final accuracy": "welch", "late entropy": "mann-whitney"}
+    p.write_text(yaml.safe_dump(_doc(tests=["wilcoxon-paired"])))
+    assert prereg.load(p).test_for("late entropy") == "wilcoxon-paired"
+
+
+@pytest.mark.parametrize(
+    "over,key",
+    [
+        ({"status": "maybe"}, "status"),
+        ({"seeds": [0, "1"]}, "seeds"),
+        ({"correction": "bonferroni"}, "correction"),
+        ({"tests": {"default": "t-test"}}, "tests.default"),
+        ({"tests": {"late entropy": "welch"}}, "predictions[0].test"),
+        ({"predictions": []}, "predictions"),
+        ({"predictions": [{"measure": "m", "arms": ["a"], "direction": "less"}]}, "arms"),
+        ({"predictions": [{"measure": "m", "arms": ["a", "c"], "direction": "less"}]}, "arms"),
+        ({"predictions": [{"measure": "m", "arms": ["a", "b"], "direction": "up"}]}, "direction"),
+        ({"predictions": [{"measure": "m", "arms": ["a", "b"], "direction": "same"}]}, "tolerance"),
+        ({"measure_changes": [{"measure": "m"}]}, "measure_changes[0].first_declared"),
+    ],
+)
+def test_a_bad_file_names_the_file_and_the_key(tmp_path, over, key):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(_doc(**over)))
+    with pytest.raises(prereg.PreregError) as e:
+        prereg.load(p)
+    assert str(e.value).startswith(f"{p}: ") and key in str(e.value)
+
+
+def test_a_missing_key_is_named(tmp_path):
+    doc = _doc()
+    del doc["primary_endpoint"]
+    p = tmp_path / "m.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    with pytest.raises(prereg.PreregError, match=r"m\.yaml: primary_endpoint: missing"):
+        prereg.load(p)
+
+
+def test_every_committed_prereg_loads_and_the_retrospective_ones_are_the_table_checks():
+    pres = prereg.load_all(PREREG)
+    retro = [p for p in pres.values() if p.status == "retrospective"]
+    # every claim with committed runs has a file
+    with_runs = {
+        k
+        for k, ab in ablations.ABLATIONS.items()
+        if any(ablations.is_done(COMMITTED, a, s) for a in ab.arms for s in ab.seeds)
+    }
+    assert len(with_runs) == 8 and with_runs <= {p.ablation for p in pres.values()}
+    for p in retro:
+        ab = ablations.ABLATIONS[p.ablation]
+        assert list(p.arms) == ab.arm_keys and list(p.seeds) == list(ab.seeds)
+        assert [x.check() for x in p.predictions] == list(CHECKS[p.ablation]), p.path
+        assert p.primary.check() == CHECKS[p.ablation][0]
+        for x in p.predictions:
+            assert x.measure in OUTCOMES and p.first_declared(x.measure) in OUTCOMES
+
+
+def test_holm_steps_down_and_keeps_nan():
+    adj = corrected.holm([0.01, 0.04, math.nan, 0.03])
+    assert adj[:2] == pytest.approx([0.03, 0.06]) and adj[3] == pytest.approx(0.06)
+    assert math.isnan(adj[2])
+    assert corrected.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert corrected.holm([]) == []
+
+
+def test_rank_and_paired_tests():
+    lo, hi = [0.1, 0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9, 1.0]
+    # fully separated 5 vs 5: the smallest exact two-sided p, 2 / C(10, 5)
+    assert corrected.rank_p(lo, hi) == pytest.approx(2 / 252)
+    assert corrected.rank_p([0.1, 0.6, 0.3, 0.9, 0.5], [0.2, 0.7, 0.4, 0.8, 1.0]) > 0.3
+    assert math.isnan(corrected.rank_p([0.1], hi))
+    assert corrected.paired_p(lo, hi) == pytest.approx(0.0625)  # 5 positive signs, exact
+    assert math.isnan(corrected.paired_p(lo, lo))
+
+
+def test_verdicts_come_from_the_holm_adjusted_p(tmp_path):
+    """Three predictions each at raw p < 0.05: Holm within the claim keeps only the
+    smallest."""
+    arms = {"a": [0.0, 0.1, 0.2, 0.3, 0.4]}
+
+    def runs(shift):
+        return [
+            Run(f"s{i}", tmp_path, [{"step": 0, "entropy": 0.0}], [{"step": 1, "accuracy": v}], {})
+            for i, v in enumerate(x + shift for x in arms["a"])
+        ]
+
+    pre = prereg.parse(
+        tmp_path / "t.yaml",
+        _doc(
+            arms=["a", "b", "c", "d"],
+            primary_endpoint={
+                "measure": "final accuracy",
+                "arms": ["b", "a"],
+                "direction": "greater",
+            },
+            predictions=[
+                {"measure": "final accuracy", "arms": ["c", "a"], "direction": "greater"},
+                {"measure": "final accuracy", "arms": ["d", "a"], "direction": "less"},
+            ],
+            tests="welch",
+        ),
+    )
+    got = {"a": runs(0.0), "b": runs(0.5), "c": runs(0.25), "d": runs(0.25)}
+    rows = corrected.correct({"t": corrected.claim_rows(pre, got)})["t"]
+    assert [r.primary for r in rows] == [True, False, False]
+    assert all(r.p < 0.05 for r in rows)
+    assert [r.verdict for r in rows] == ["reproduced", "inconclusive", "inconclusive"]
+    assert rows[2].against and not rows[1].against
+    assert corrected.primary_verdict(rows) == "reproduced"
+    assert corrected.label(rows) == "final accuracy: reproduced in 1 of 3"
+    assert rows[0].p_rank == pytest.approx(2 / 252)
+
+
+def _git(cwd, *args):
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env |= {"GIT_COMMITTER_EMAIL": "t@t", "HOME": str(cwd), "PATH": "/usr/bin:/bin"}
+    subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+
+
+def _run_json(d: Path, **rec):
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps(rec))
+
+
+def test_runs_before_the_pre_registration_commit_are_found(tmp_path):
+    _git(tmp_path, "init", "-q")
+    reg = tmp_path / "prereg"
+    reg.mkdir()
+    (reg / "c.yaml").write_text(yaml.safe_dump(_doc()))
+    pre = prereg.load(reg / "c.yaml")
+    results = tmp_path / "results"
+    # a run recorded at a commit made before the claim file
+    (tmp_path / "x").write_text("x")
+    _git(tmp_path, "add", "x")
+    _git(tmp_path, "commit", "-qm", "before")
+    before = prereg.head_state(tmp_path)["commit"]
+    _run_json(results / "runs" / "a" / "seed0", commit=before, dirty=False)
+    assert prereg.late_runs(pre, results) == [
+        f"{results}/runs/a/seed0: {reg / 'c.yaml'} is not committed"
+    ]
+    _git(tmp_path, "add", "prereg/c.yaml")
+    _git(tmp_path, "commit", "-qm", "prereg")
+    after = prereg.head_state(tmp_path)
+    assert after["dirty"] is False and prereg.added_in(reg / "c.yaml") == after["commit"]
+    late = prereg.late_runs(pre, results)
+    assert len(late) == 1 and f"ran at {before[:7]}, before the pre-registration" in late[0]
+    (results / "runs" / "a" / "seed0" / "run.json").write_text(json.dumps(after))
+    _run_json(results / "runs" / "b" / "seed1", **after)
+    assert prereg.late_runs(pre, results) == []
+    # a run without a recorded commit: the newest commit before it started
+    start = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    _run_json(results / "runs" / "b" / "seed0", finished=start.isoformat(), wall_s=10.0)
+    origin = prereg.run_origin(results / "runs" / "b" / "seed0")
+    assert origin.commit == after["commit"] and not origin.recorded
+    assert prereg.late_runs(pre, results) == []
+    (reg / "c.yaml").write_text("# edited\n" + (reg / "c.yaml").read_text())
+    assert prereg.head_state(tmp_path)["dirty"] is True
+
+
+def test_every_run_of_a_prospective_claim_follows_its_pre_registration():
+    """The table's runs: each prospective claim's were made at or after the commit that
+    added its file; retrospective claims are flagged as such in the table."""
+    pres = prereg.load_all(PREREG)
+    for p in pres.values():
+        if p.status == "prospective":
+            assert prereg.late_runs(p, COMMITTED) == [], p.path
+    summary = claims_table.summary_table(COMMITTED, PREREG)
+    for name, p in pres.items():
+        if p.status == "retrospective":
+            assert f"| {name} | retrospective |" in summary
+
+
+def test_committed_runs_have_a_commit_before_the_one_that_added_them():
+    d = COMMITTED / "runs" / "carry-fixed-2" / "seed4"
+    o = prereg.run_origin(d)
+    assert o.commit and o.committed_in and not o.recorded
+    assert prereg.is_ancestor(o.commit, o.committed_in, ROOT)
+
+
+def test_the_disclosed_measure_changes_came_after_their_runs():
+    """Each measure change a file discloses was committed after every run of its claim
+    finished (what makes it a change after the data)."""
+    for p in prereg.load_all(PREREG).values():
+        for c in p.measure_changes:
+            t = prereg.git(["show", "-s", "--format=%ct", c.commit], ROOT)
+            assert t, c.commit
+            finished = [
+                datetime.datetime.fromisoformat(json.loads(f.read_text())["finished"]).timestamp()
+                for a in p.arms
+                for f in COMMITTED.glob(f"runs/{a}/seed*/run.json")
+            ]
+            assert finished and max(finished) < int(t), (p.path, c.commit)
+
+
+def test_the_runner_records_the_commit(tmp_path, monkeypatch):
+    real = subprocess.run
+
+    def fake(cmd, *a, **k):
+        if cmd[0] == "git":
+            return real(cmd, *a, **k)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    arm = ablations.Arm("x-arm", "x")
+    dest = ablations.run_one("x", arm, 0, tmp_path, world="default", log=lambda _: None)
+    rec = json.loads((dest / "run.json").read_text())
+    head = prereg.head_state(ROOT)
+    assert rec["commit"] == head["commit"] and len(rec["commit"]) == 40
+    assert isinstance(rec["dirty"], bool)
+
+
+def _metric_run(tmp_path, rows):
+    return Run("r", tmp_path, rows, [], {})
+
+
+def test_first_difference_of_two_runs(tmp_path):
+    base = [{"step": s, "entropy": 0.1, "reward": 0.5, "t_update_s": s} for s in range(5)]
+    other = [dict(r) for r in base]
+    other[1]["t_update_s"] = 99  # timings never count
+    other[2]["entropy"] = 0.1 + 1e-9  # numbers differ from step 2
+    other[4]["reward"] = 0.6  # the rollouts from step 4
+    a, b = _metric_run(tmp_path, base), _metric_run(tmp_path, other)
+    assert pairing.first_difference(a, b) == 2
+    assert pairing.first_difference(a, b, ("reward",)) == 4
+    assert pairing.first_difference(a, a) is None
+
+
+def test_twin_arms_have_the_same_training_config(tmp_path):
+    from magic_jax.run.config import load_config
+
+    def cfg(key, **kw):
+        ab = next(a for a in ablations.ABLATIONS.values() if key in a.arm_keys)
+        arm = ab.arm(key)
+        c = load_config(
+            ablations.train_config(ab.world),
+            [*ablations.overrides_for(arm, 0, world=ab.world), f"output_dir={tmp_path}"],
+        )
+        return c
+
+    for t in pairing.TWINS:
+        a, b = cfg(t.a), cfg(t.b)
+        assert a.sampling == b.sampling and a.loss.eps_high == b.loss.eps_high
+        assert a.entropy == b.entropy and a.kl_beta(0) == b.kl_beta(0)
+        assert (a.kl_beta(1) == b.kl_beta(1)) is (t.until is None)
