@@ -73,6 +73,16 @@ WORLDS: dict[str, World] = {
         ("export_hf=true", "checkpoint_every=50", "keep_checkpoints=1"),
         statistics=True,
     ),
+    # The lock-out world (docs/lockout-world.md): the carry world's schedule, 150 steps at
+    # T 23 then 150 at T 52; its evaluations record the lock-out probe (eval.probe).
+    "lockout": World(
+        "lockout",
+        "configs/lockout.yaml",
+        "assets/lockout/lockout.yaml",
+        150,
+        ("eval.every=25", "eval.num_samples=4"),
+        ("export_hf=false", "checkpoint_every=50", "keep_checkpoints=1"),
+    ),
 }
 
 
@@ -150,6 +160,33 @@ _CARRY_NSGD4 = (*_NO_BONUS, *_NSGD4)
 # Five seeds for the central claim (paired: seed k of every arm starts from the same
 # model and draws the same first prompts).
 SEEDS_CENTRAL = (0, 1, 2, 3, 4)
+
+# The central claim in the lock-out world (notebooks/prereg/central-lockout.yaml): 8 seeds.
+SEEDS_LOCKOUT = (0, 1, 2, 3, 4, 5, 6, 7)
+# The fixed arm's coefficient: the adaptive arm's mean alpha over every step of its 8 seeds,
+# set here once those runs exist and before the fixed arm runs (the pre-registered rule).
+# None until then: the arm's config does not load, so it cannot run by mistake.
+LOCKOUT_FIXED_ALPHA: float | None = None
+
+LOCKOUT_CENTRAL = Ablation(
+    "central_lockout",
+    "Adaptive entropy control vs its mean coefficient fixed vs none, lock-out world",
+    "Adaptive entropy control keeps exploration alive, so learning continues and ends "
+    "higher than a run whose entropy collapses.",
+    (
+        Arm("lockout-none", "no entropy bonus", _NO_BONUS),
+        Arm("lockout-adaptive", "adaptive (configs/lockout.yaml)"),
+        Arm(
+            "lockout-fixed-mean",
+            "fixed alpha: the adaptive arm's mean",
+            ("entropy.mode=fixed", f"entropy.init_coef={LOCKOUT_FIXED_ALPHA}"),
+        ),
+        # the learnability control: nothing truncates the full check, no bonus
+        Arm("lockout-long-T", "T 52 throughout, no bonus", _NO_BONUS, stages=(("T52", 52),)),
+    ),
+    seeds=SEEDS_LOCKOUT,
+    world="lockout",
+)
 
 ABLATIONS: dict[str, Ablation] = {
     a.key: a

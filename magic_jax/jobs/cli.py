@@ -83,6 +83,11 @@ def _build_default(args: argparse.Namespace) -> int:
 
 
 def _build_world(args: argparse.Namespace) -> int:
+    if args.world == "lockout":
+        from magic_jax.jobs.lockout_world import LockoutBuildConfig, build_lockout_world
+
+        build_lockout_world(args.out, LockoutBuildConfig(seed=args.seed))
+        return 0
     from magic_jax.jobs.carry_world import WorldBuildConfig, build_carry_world
 
     build_carry_world(args.out, WorldBuildConfig(seed=args.seed))
@@ -379,10 +384,16 @@ def _add_builds(sub: Any) -> None:
 
     p = sub.add_parser(
         "build-world",
-        help="build the carry world's base model and problems (check or hurry each column)",
+        help="build a world's base model and problems (check or hurry each column)",
     )
     p.add_argument("--out", required=True, help="directory (e.g. magic_jax/assets/carry)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--world",
+        choices=("carry", "lockout"),
+        default="carry",
+        help="carry (docs/carry-world.md) or lockout (docs/lockout-world.md)",
+    )
     p.set_defaults(func=_build_world)
 
 

@@ -53,6 +53,8 @@ class World:
         ``evaluate(params, step)`` runs at every evaluation of the build, after the
         model is saved; ``final(params)`` (or None) gives the finished model's
         ``statistics`` in ``build.json``.
+      stop: characters that also end a response (end-of-sequence ids of the model
+        beside the tokenizer's EOS): the lock-out world's ``}`` ends decoding at the answer.
     """
 
     tag: str
@@ -60,6 +62,7 @@ class World:
     make_task: Callable[[Any], Any]
     response: Callable[..., str]
     evaluator: Callable[..., tuple[Evaluate, Callable[[Any], dict[str, Any]] | None]]
+    stop: str = ""
 
     def module(self) -> Any:
         return importlib.import_module(f"magic_jax.data.tasks.{self.task}")
@@ -146,8 +149,11 @@ def build_world(
     _check_out(out)
     task, tok = world.make_task(config), world.module().tokenizer()
     heldout, held = _problems(world, config, out)
+    eos = tok.eos_token_id
+    if world.stop:
+        eos = (eos, *tok.convert_tokens_to_ids(list(world.stop)))
     mcfg = ModelConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MODEL
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=eos, **MODEL
     )
     model = Qwen2(mcfg, rngs=nnx.Rngs(config.seed))
     log(f"[{world.tag}] {count_params(model):,} parameters, vocabulary {len(tok)} (characters)")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from magic_jax.model.sharding import MeshConfig
 from magic_jax.rewards.pool import PoolConfig
 from magic_jax.rollout.engine_config import EngineOptions
+from magic_jax.rollout.probes import get_probe
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run.config_dict import ConfigError, apply_override, from_dict, import_extensions
 from magic_jax.update.advantages import AdvantageConfig
@@ -185,6 +186,8 @@ class EvalConfig:
       extra_temperatures: each evaluation is also run at these temperatures (same
         problems, samples and top_p), recorded under ``by_temperature`` in
         ``eval.jsonl`` (the report evaluates its temperature arms at 0.6 as well).
+      probe: a probe of ``magic_jax.rollout.probes`` run at each evaluation (``lockout``:
+        the lock-out world's), its figures under ``probe`` in ``eval.jsonl``; None: none.
     """
 
     data: tuple[str, ...]
@@ -194,8 +197,11 @@ class EvalConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     extra_temperatures: tuple[float, ...] = ()
+    probe: str | None = None
 
     def __post_init__(self):
+        if self.probe is not None:
+            get_probe(self.probe)  # a ValueError names the registered probes
         if not self.data:
             raise ValueError("data must name at least one file or directory")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:

@@ -140,6 +140,17 @@ def build_stage(
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
 
 
+def planned_stage(config: TrainConfig, step: int) -> StageConfig:
+    """The stage global step ``step + 1`` belongs to by the step budgets (``until`` rules
+    may end a stage sooner); the last stage after the last step."""
+    end = 0
+    for st in config.stages:
+        end += st.steps
+        if step < end:
+            return st
+    return config.stages[-1]
+
+
 def excluded_after(
     config: TrainConfig, excluded: Sequence[str], tracker: AccuracyTracker
 ) -> list[str]:

@@ -411,6 +411,8 @@ class Trainer:
                 for t, d in self._extra_eval_drivers.items()
             }
         row["skipped_long_prompts"] = self._eval_skipped
+        if ev.probe is not None:  # a probe of the policy itself (rollout/probes.py)
+            row["probe"] = self._probe(state, step)
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
         ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
         if ended is not None:
@@ -427,6 +429,23 @@ class Trainer:
             + f" ({row['t_eval_s']:.1f}s)",
         )
         return row
+
+    def _probe(self, state: Any, step: int) -> dict[str, float]:
+        """``eval.probe`` of the policy after ``step`` (its figures: ``probe`` in eval.jsonl)."""
+        from magic_jax.rollout.probes import ProbeContext, get_probe
+        from magic_jax.run.stages import planned_stage
+
+        cfg, st = self.config, planned_stage(self.config, step)
+        ctx = ProbeContext(
+            graphdef=self.graphdef,
+            params=state.params,
+            rows=self._eval_rows,
+            tokenizer=self.tokenizer,
+            eos_ids=self.model.config.eos_ids,
+            temperature=cfg.sampling.temperature,
+            samples_per_step=st.prompts_per_step * st.group_size,
+        )
+        return get_probe(cfg.eval.probe)(ctx)
 
     def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
         import jax
