@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from magic_jax.jobs.carry_world import world_driver
-from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world, read_rows_file
+from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world
 
 LOCKOUT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "lockout"
 LOCKOUT_BUILD = LOCKOUT_ASSETS / "build.json"  # the shipped base's build settings and statistics
@@ -160,38 +160,6 @@ def world_statistics(
         "samples": len(t["chain"]) + len(t["plain"]),
         "probe": lockout_probe(ctx),
     }
-
-
-def model_statistics(
-    model_dir: str | Path,
-    rows: list[dict[str, Any]] | str | Path,
-    *,
-    num_samples: int = 8,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """``world_statistics`` of a saved Hugging Face model (a run's export, a built base).
-
-    ``rows``: lock-out rows, or a ``.jsonl`` file of them (a world's ``heldout.jsonl``).
-    """
-    from flax import nnx
-
-    from magic_jax.data.tasks import lockout
-    from magic_jax.model.convert import load_hf
-
-    if not isinstance(rows, list):
-        rows = read_rows_file(Path(rows))
-    model = load_hf(str(model_dir))
-    _, params = nnx.split(model, nnx.Param)
-    return world_statistics(
-        model,
-        params,
-        lockout.tokenizer(),
-        rows,
-        num_samples=num_samples,
-        temperature=temperature,
-        seed=seed,
-    )
 
 
 def _response(task: Any, config: LockoutBuildConfig, rng, step: int, i: int, a: int, b: int):
