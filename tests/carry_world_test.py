@@ -149,6 +149,7 @@ def test_the_shipped_base_has_the_worlds_structure():
     assert st["well_formed"] > 0.99 and st["truncated"] == 0.0
 
 
+@pytest.mark.slow  # 8 s: samples the whole held-out set twice
 def test_model_statistics_reads_a_saved_model_and_a_rows_file():
     import json
 
