@@ -23,7 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world, read_rows_file, sft_examples
+from magic_jax.jobs.worlds import (
+    MAX_PROMPT,
+    BuildOptions,
+    World,
+    build_world,
+    read_rows_file,
+    sft_examples,
+)
 
 CARRY_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "carry"
 CARRY_BUILD = CARRY_ASSETS / "build.json"  # the shipped base's build settings and statistics
@@ -31,32 +38,19 @@ MAX_RESPONSE = 64  # tokens: the longest solution (5 columns, all checked) is 60
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WorldBuildConfig:
+class WorldBuildConfig(BuildOptions):
     """How the carry world's base model is built.
 
     Attributes:
-      seed: model initialisation, problems and checking choices.
       balanced_steps: steps where every column is checked with probability 1/2
         (the model learns to execute both kinds of line).
       mixture_steps: steps at the base's habit, ``check_rate`` per column.
-      batch: examples per step.
-      learning_rate: AdamW peak rate (warm-up, then cosine decay over both phases).
       check_rate: the base's probability of checking a column.
-      train_problems / heldout_problems: RL training prompts and held-out problems.
-      eval_every / eval_samples / eval_problems: plateau tracking during the build.
     """
 
-    seed: int = 0
     balanced_steps: int = 3200
     mixture_steps: int = 800
-    batch: int = 32
-    learning_rate: float = 2e-3
     check_rate: float = 0.25
-    train_problems: int = 4096
-    heldout_problems: int = 256
-    eval_every: int = 400
-    eval_samples: int = 4
-    eval_problems: int = 128
 
     def steps(self) -> int:
         return self.balanced_steps + self.mixture_steps

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world, sft_examples
+from magic_jax.jobs.worlds import MAX_PROMPT, BuildOptions, World, build_world, sft_examples
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 MODEL_DIR = ASSETS / "model"
@@ -31,7 +31,7 @@ MAX_RESPONSE = 64  # tokens: the longest worked solution (5 columns) is 60 with 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BuildConfig:
+class BuildConfig(BuildOptions):
     """How the shipped base model is built.
 
     Supervised training runs in two phases: ``worked_steps`` on worked
@@ -42,26 +42,14 @@ class BuildConfig:
     decays (cosine) over both phases.
 
     Attributes:
-      seed: model initialisation, problems and style choices.
       worked_steps / mixture_steps: the two phases, in steps of ``batch`` fresh examples.
-      batch: examples per step.
-      learning_rate: AdamW peak rate.
       worked_share: the mixture's share of worked solutions.
-      train_problems / heldout_problems: RL training prompts and held-out problems.
-      eval_every / eval_samples / eval_problems: plateau tracking during the build.
     """
 
-    seed: int = 0
     worked_steps: int = 1600
     mixture_steps: int = 1000
-    batch: int = 32
-    learning_rate: float = 2e-3
     worked_share: float = 0.3
-    train_problems: int = 4096
-    heldout_problems: int = 256
-    eval_every: int = 200
-    eval_samples: int = 4
-    eval_problems: int = 128
+    eval_every: int = 200  # the style settles within a few hundred steps
 
     def steps(self) -> int:
         return self.worked_steps + self.mixture_steps

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from magic_jax.jobs.carry_world import world_driver
-from magic_jax.jobs.worlds import MAX_PROMPT, World, build_world
+from magic_jax.jobs.worlds import MAX_PROMPT, BuildOptions, World, build_world
 
 LOCKOUT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "lockout"
 LOCKOUT_BUILD = LOCKOUT_ASSETS / "build.json"  # the shipped base's build settings and statistics
@@ -29,32 +29,20 @@ SAMPLES_PER_STEP = 16 * 8  # configs/lockout.yaml's training step: 16 prompts x 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LockoutBuildConfig:
+class LockoutBuildConfig(BuildOptions):
     """How the lock-out world's base model is built.
 
     Attributes:
-      seed: model initialisation, problems and checking choices.
       sft_steps: supervised steps, every column checked with probability ``check_rate``.
-      batch: examples per step.
-      learning_rate: AdamW peak rate (warm-up, then cosine decay).
       check_rate: the base's probability of checking a column (the full check of a
         chain: ``check_rate ** 4``).
       chain_share: share of chain problems (the rest have no carry).
-      train_problems / heldout_problems: RL training prompts and held-out problems.
-      eval_every / eval_samples / eval_problems: tracking during the build.
     """
 
-    seed: int = 0
     sft_steps: int = 2400
-    batch: int = 32
-    learning_rate: float = 2e-3
     check_rate: float = 0.5
     chain_share: float = 0.5
-    train_problems: int = 4096
-    heldout_problems: int = 256
-    eval_every: int = 600
-    eval_samples: int = 4
-    eval_problems: int = 128
+    eval_every: int = 600  # four evaluations over the 2400 steps
 
     def steps(self) -> int:
         return self.sft_steps

@@ -39,6 +39,32 @@ Evaluate = Callable[[Any, int], dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """What every world's base-model build takes; each world adds its phases.
+
+    Attributes:
+      seed: model initialisation, problems and the choices in the solutions.
+      batch: examples per supervised step.
+      learning_rate: AdamW peak rate (warm-up, then cosine decay over every step).
+      train_problems / heldout_problems: RL training prompts and held-out problems.
+      eval_every / eval_samples / eval_problems: plateau tracking during the build.
+    """
+
+    seed: int = 0
+    batch: int = 32
+    learning_rate: float = 2e-3
+    train_problems: int = 4096
+    heldout_problems: int = 256
+    eval_every: int = 400
+    eval_samples: int = 4
+    eval_problems: int = 128
+
+    def steps(self) -> int:
+        """Supervised steps in all."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class World:
     """What a world's build needs beside the shared procedure.
 
