@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from magic_jax.data.tasks import carry
+from magic_jax.data.tasks.carry import prompt as prompt  # re-exported: the same user message
 from magic_jax.data.tasks.sums import distinct_problems, sum_rows
 from magic_jax.data.tasks.sums import row_problem as row_problem  # re-exported
 
@@ -121,11 +122,6 @@ class LockoutTask:
         """A supervised target: each column checked with probability ``check_rate``."""
         rate = self.check_rate if check_rate is None else check_rate
         return solution(a, b, [bool(x) for x in rng.random(DIGITS) < rate])
-
-
-def prompt(a: int, b: int) -> str:
-    """The user message of a problem."""
-    return f"{a}+{b}"
 
 
 def verl_rows(
