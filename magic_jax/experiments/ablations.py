@@ -218,7 +218,8 @@ def plan_runs(
     budget: int | None = None,
 ) -> list[tuple[str, Arm, int]]:
     """(ablation, arm, seed) of every run asked for, seed-major (all arms' seed 0 first),
-    each shared arm once."""
+    each shared arm once; pending arms (``Arm.pending``) are left out, or refused when
+    ``arms`` names them."""
     for n in names or ():
         if n not in ABLATIONS:
             raise KeyError(f"no ablation {n!r} (known: {', '.join(ABLATIONS)})")
@@ -240,6 +241,10 @@ def plan_runs(
                 continue
             for arm in ab.arms:
                 if (arms and arm.key not in arms) or (arm.key, seed) in seen:
+                    continue
+                if arm.pending:
+                    if arms:
+                        raise ValueError(f"{ab.key}/{arm.key} cannot run yet: {arm.pending}")
                     continue
                 seen.add((arm.key, seed))
                 out.append((ab.key, arm, seed))

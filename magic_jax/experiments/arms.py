@@ -98,12 +98,15 @@ class Arm:
       stages: ``None`` for the default's two stages (T 44, T 64), or the (name, T) of each
         stage of a schedule that replaces them; each stage gets ``STAGE_STEPS`` x
         (2 / number of stages) steps, so every arm trains the same number of steps.
+      pending: why the arm cannot run yet (a setting that waits on other arms' runs), or
+        ``None``. The runner skips a pending arm and refuses one asked for by name.
     """
 
     key: str
     label: str
     overrides: tuple[str, ...] = ()
     stages: tuple[tuple[str, int], ...] | None = None
+    pending: str | None = None
 
     def step_overrides(self, stage_steps: int) -> tuple[str, ...]:
         """The ``--set`` fixing each stage's steps (``stage_steps`` per default stage)."""
@@ -180,6 +183,10 @@ LOCKOUT_CENTRAL = Ablation(
             "lockout-fixed-mean",
             "fixed alpha: the adaptive arm's mean",
             ("entropy.mode=fixed", f"entropy.init_coef={LOCKOUT_FIXED_ALPHA}"),
+            pending=None
+            if LOCKOUT_FIXED_ALPHA is not None
+            else "its alpha (experiments.arms.LOCKOUT_FIXED_ALPHA) is set from the "
+            "lockout-adaptive arm's 8 seeds, after those runs",
         ),
         # the learnability control: nothing truncates the full check, no bonus
         Arm("lockout-long-T", "T 52 throughout, no bonus", _NO_BONUS, stages=(("T52", 52),)),
@@ -366,5 +373,6 @@ ABLATIONS: dict[str, Ablation] = {
             seeds=SEEDS_CENTRAL,
             world="carry",
         ),
+        LOCKOUT_CENTRAL,
     )
 }

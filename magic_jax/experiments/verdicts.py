@@ -37,6 +37,24 @@ def final_accuracy_at_06(run: Run) -> float:
     return float(extra["0.6"]["accuracy"]) if "0.6" in extra else math.nan
 
 
+def final_chain_accuracy(run: Run) -> float:
+    """Lock-out world: held-out avg@n on the carry-chain half at the last evaluation (the
+    evaluation's ``by_source`` entry whose source ends in ``-chain``)."""
+    by = _evals(run)[-1].get("by_source") or {}
+    chain = [v for k, v in by.items() if k.endswith("-chain")]
+    return float(chain[0]) if len(chain) == 1 else math.nan
+
+
+def probe_log10_p_stage1_end(run: Run) -> float:
+    """Lock-out world: the probe's mean over the held-out chains of log10 of the exact
+    probability of the full check, at the evaluation that ends stage 1 (nan without one)."""
+    stage2 = [m["step"] for m in run.metrics if m.get("stage") == 1]
+    end = min(stage2) if stage2 else None
+    row = next((e for e in _evals(run) if e["step"] == end), None)
+    probe = (row or {}).get("probe") or {}
+    return float(probe.get("log10_p_mean", math.nan))
+
+
 def mean_accuracy(run: Run) -> float:
     """Held-out avg@n averaged over every evaluation after step 0 (area under the curve)."""
     ev = [e["accuracy"] for e in _evals(run) if e["step"] > 0]
@@ -200,6 +218,8 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "final accuracy": final_accuracy,
     "final accuracy (evaluated at 0.6)": final_accuracy_at_06,
     "mean accuracy": mean_accuracy,
+    "final chain accuracy": final_chain_accuracy,
+    "probe log10 p at stage-1 end": probe_log10_p_stage1_end,
     "mean entropy": mean_entropy,
     "late entropy": late_entropy,
     "late |entropy - target|": late_target_gap,
@@ -296,6 +316,16 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "multi_stage": (
         Check("final accuracy", "carry-single-T64", "carry-none", 0, tolerance=0.02),
         Check("rollout tokens (M)", "carry-single-T64", "carry-none", -1),
+    ),
+    # as pre-registered in notebooks/prereg/central-lockout.yaml (its 7 predictions)
+    "central_lockout": (
+        Check("final accuracy", "lockout-none", "lockout-adaptive", +1),
+        Check("final chain accuracy", "lockout-none", "lockout-adaptive", +1),
+        Check("probe log10 p at stage-1 end", "lockout-none", "lockout-adaptive", +1),
+        Check("final accuracy", "lockout-fixed-mean", "lockout-adaptive", +1),
+        Check("final accuracy", "lockout-none", "lockout-long-T", +1),
+        Check("probe log10 p at stage-1 end", "lockout-none", "lockout-long-T", +1),
+        Check("late entropy", "lockout-none", "lockout-adaptive", +1),
     ),
 }
 
