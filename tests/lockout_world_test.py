@@ -266,3 +266,62 @@ def test_a_lockout_run_records_the_probe_at_every_evaluation(tmp_path):
         assert p["problems"] > 100 and 0 < p["p_mean"] < 1
         assert p["expected_per_step"] == pytest.approx(16 * 8 * p["chain_share"] * p["p_mean"])
         assert set(e["by_source"]) == {"heldout-chain", "heldout-plain"}
+
+
+def test_token_classes_split_choices_digits_format_and_text_after_the_answer():
+    from magic_jax.data.tasks import carry
+
+    tok = lockout.tokenizer()
+
+    def classes(text):
+        pieces = [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]
+        return "".join(c[0] for c in carry.token_classes(pieces))
+
+    # "8+7=15\n" checks: the line's first digit is the choice; "5\n" hurries
+    assert classes("8+7=15\n5\n</think>\n\\boxed{55}") == "cfdfddfcfff" + "ffffff" + "f" + "ddf"
+    assert classes("5\n</think>\n\\boxed{5} ok 7") == "cfff" + "ffffff" + "f" + "df" + "aaaaa"
+    assert classes("8+7=1") == "cfdfd"  # truncated: as far as it goes
+    assert carry.token_classes([]) == []
+
+
+def test_lockout_probe_measures_the_evaluations_own_samples(monkeypatch):
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.data.tasks import carry
+    from magic_jax.jobs.carry_world import world_driver
+    from magic_jax.rollout import probes
+    from magic_jax.rollout.evaluate import evaluate
+
+    tok, model, graphdef, params = _tiny_policy(seed=1)
+    rows = lockout.verl_rows(6, seed=5)
+    parsed, _ = tokenize_rows(
+        [parse_row(r, "t", f"h{i}") for i, r in enumerate(rows)], tok, max_prompt_length=16
+    )
+    driver = world_driver(model, 1.0, lockout.STAGE2_T)
+    dparams = driver.load_params(params)
+    kw = dict(graphdef=graphdef, params=params, rows=parsed, tokenizer=tok,
+              eos_ids=model.config.eos_ids, driver=driver, driver_params=dparams,
+              num_samples=4, seed=2, step=3)  # fmt: skip
+    got = probes.lockout_probe(probes.ProbeContext(**kw))["sampled"]
+    # the evaluation's own samples: the same keys give the same accuracy per half
+    ev = evaluate(driver, dparams, parsed, tok, num_samples=4, max_prompt_length=16, seed=2,
+                  step=3)  # fmt: skip
+    assert sorted(ev["by_source"]) == ["lockout-chain", "lockout-plain"]
+    for half in ("chain", "plain"):
+        assert got[f"pass_at_k_{half}"]["1"] == pytest.approx(ev["by_source"][f"lockout-{half}"])
+    assert got["samples"] == 24 and len(got["examples"]) <= 2 * probes.EXAMPLES
+    n_tokens = sum(got["tokens_by_class"].values())
+    assert n_tokens > 0 and len(got["entropy_by_position"]) <= lockout.STAGE2_T
+    mean_by_class = sum(
+        got["entropy_by_class"][c] * k for c, k in got["tokens_by_class"].items() if k
+    )
+    by_pos = got["entropy_by_position"]
+    assert np.isfinite(mean_by_class) and all(np.isfinite(by_pos))
+    assert set(got["entropy_by_class"]) == set(carry.TOKEN_CLASSES)
+    assert list(got["pass_at_k_chain"]) == ["1", "2", "4"]
+    assert 0 <= got["pass_at_k_chain"]["1"] <= got["pass_at_k_chain"]["4"] <= 1
+    # the last evaluation draws FINAL_SAMPLES per problem: pass@k up to it
+    monkeypatch.setattr(probes, "FINAL_SAMPLES", 8)
+    last = probes.lockout_probe(probes.ProbeContext(**kw, final=True))["sampled"]
+    assert last["samples"] == 48 and list(last["pass_at_k_plain"]) == ["1", "2", "4", "8"]
+    # without a driver the probe only teacher-forces
+    assert "sampled" not in probes.lockout_probe(probes.ProbeContext(**{**kw, "driver": None}))

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.data.rows import PromptRow
-from magic_jax.rollout.protocols import Params, Tokenizer
+from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
 
 # Teacher-forced sequences are padded to a multiple of this length (few compiled shapes).
 _LENGTH_BUCKET = 16
@@ -40,6 +40,13 @@ class ProbeContext:
       temperature: the rollouts' sampling temperature (the distribution probed:
         the full one, before any top-k or top-p).
       samples_per_step: prompts x G of a training step (the stage after the evaluation).
+      driver / driver_params: the evaluation's engine and the policy in its layout, for
+        probes that sample (None: the probe only teacher-forces).
+      num_samples / seed / step: the evaluation's samples per problem, the run's seed and
+        the step (a probe that samples with ``eval_seed(seed)`` and ``step`` draws the
+        evaluation's own samples).
+      final: the run's last evaluation.
+      pool: the verifier pool (None: verify in this thread).
     """
 
     graphdef: nnx.GraphDef
@@ -49,9 +56,16 @@ class ProbeContext:
     eos_ids: tuple[int, ...]
     temperature: float = 1.0
     samples_per_step: int = 0
+    driver: Driver | None = None
+    driver_params: Params | None = None
+    num_samples: int = 0
+    seed: int = 0
+    step: int = 0
+    final: bool = False
+    pool: Verifiers | None = None
 
 
-ProbeFn = Callable[[ProbeContext], dict[str, float]]
+ProbeFn = Callable[[ProbeContext], dict[str, object]]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -102,7 +116,97 @@ def response_ids(tokenizer: Tokenizer, text: str, eos_ids: Sequence[int]) -> lis
     return ids
 
 
-def lockout_probe(ctx: ProbeContext) -> dict[str, float]:
+# Samples per problem of the lock-out probe's sample statistics at a run's last evaluation
+# (pass@k up to k = 64).
+FINAL_SAMPLES = 64
+# Sample texts the probe keeps per evaluation (the first chain and plain problems' first).
+EXAMPLES = 2
+
+
+def _mean(x: Sequence[float]) -> float:
+    return float(np.mean(x)) if len(x) else float("nan")
+
+
+def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
+    """The lock-out world's figures of the policy's own samples (``num_samples`` per held-out
+    problem, the evaluation's sampling keys): strategy shares, entropy by token class and by
+    position, pass@k, and a few sample texts.
+
+    Returns:
+      ``samples``; ``check_rate_chain`` / ``check_rate_plain`` (columns checked, well-formed
+      responses), ``check_rate_by_column`` (chains, right to left), ``full_check`` (chain
+      samples checking every column), ``well_formed``; ``entropy_by_class`` (mean token
+      entropy per ``carry.TOKEN_CLASSES`` class, NaN for a class with no token) and
+      ``tokens_by_class``; ``entropy_by_position`` (mean entropy at each response position);
+      ``pass_at_k_chain`` / ``pass_at_k_plain`` (k = 1, 2, 4 ... ``num_samples``);
+      ``examples`` (``EXAMPLES`` texts of each half, with their rewards).
+    """
+    from magic_jax.data.tasks import carry, lockout
+    from magic_jax.rollout.evaluate import eval_seed, k_values, pass_at_k
+    from magic_jax.rollout.scoring import score_groups
+
+    groups, _, _ = score_groups(
+        ctx.driver,
+        ctx.driver_params,
+        list(ctx.rows),
+        tokenizer=ctx.tokenizer,
+        num_samples=num_samples,
+        seed=eval_seed(ctx.seed),
+        step=ctx.step,
+        pool=ctx.pool,
+        keep_texts=True,
+    )
+    checks: dict[str, list] = {"chain": [], "plain": [], "full": [], "formed": []}
+    by_column: list[list[bool]] = [[] for _ in range(lockout.DIGITS)]
+    ent: dict[str, list[float]] = {c: [] for c in carry.TOKEN_CLASSES}
+    pos: list[list[float]] = []
+    passed: dict[str, list[int]] = {"chain": [], "plain": []}
+    examples: list[dict[str, object]] = []
+    piece: dict[int, str] = {}  # token id -> its text
+    for row, g in zip(ctx.rows, groups):
+        half = "chain" if lockout.probe_target(row) is not None else "plain"
+        passed[half].append(sum(float(r) >= 1.0 for r in g.rewards))
+        for s, text in zip(g.samples, g.texts):
+            read = carry.read_checks(text)
+            checks["formed"].append(read is not None and len(read) == lockout.DIGITS)
+            if checks["formed"][-1]:
+                checks[half].extend(read)
+                if half == "chain":
+                    checks["full"].append(all(read))
+                    for col, c in zip(by_column, read):
+                        col.append(c)
+            ids = np.asarray(s.tokens[: s.length]).tolist()
+            pieces = [piece.get(i) or piece.setdefault(i, ctx.tokenizer.decode([i])) for i in ids]
+            for i, (c, e) in enumerate(zip(carry.token_classes(pieces), s.entropies)):
+                ent[c].append(float(e))
+                pos.extend([] for _ in range(i + 1 - len(pos)))
+                pos[i].append(float(e))
+        if sum(x["half"] == half for x in examples) < EXAMPLES:
+            examples.append({"half": half, "text": g.texts[0], "reward": float(g.rewards[0])})
+    pass_at = {
+        f"pass_at_k_{h}": {
+            str(k): _mean([pass_at_k(num_samples, c, k) for c in v]) for k in k_values(num_samples)
+        }
+        if v
+        else {}
+        for h, v in passed.items()
+    }
+    return {
+        "samples": len(checks["formed"]),
+        "check_rate_chain": _mean(checks["chain"]),
+        "check_rate_plain": _mean(checks["plain"]),
+        "check_rate_by_column": [_mean(c) for c in by_column],
+        "full_check": _mean(checks["full"]),
+        "well_formed": _mean(checks["formed"]),
+        "entropy_by_class": {c: _mean(v) for c, v in ent.items()},
+        "tokens_by_class": {c: len(v) for c, v in ent.items()},
+        "entropy_by_position": [round(_mean(v), 5) for v in pos],
+        **pass_at,
+        "examples": examples,
+    }
+
+
+def lockout_probe(ctx: ProbeContext) -> dict[str, object]:
     """The lock-out world's probe: can the policy still sample the full check of a chain?
 
     Returns:
@@ -112,7 +216,9 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, float]:
       order of magnitude), ``chain_share`` (chain problems among the evaluated) and
       ``expected_per_step`` (``samples_per_step x chain_share x p_mean``: how many
       full checks a training step is expected to sample; below about 1/steps left,
-      the strategy is locked out).
+      the strategy is locked out). With a driver, also ``lockout_samples``'s figures of
+      the evaluation's own samples under ``sampled`` (``FINAL_SAMPLES`` per problem at
+      the last evaluation).
     """
     from magic_jax.data.tasks import lockout
 
@@ -131,7 +237,12 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, float]:
     )
     p = np.exp(logp)
     share = len(chains) / len(ctx.rows)
+    sampled = {}
+    if ctx.driver is not None and ctx.num_samples:
+        n = FINAL_SAMPLES if ctx.final else ctx.num_samples
+        sampled = {"sampled": lockout_samples(ctx, n)}
     return {
+        **sampled,
         "problems": len(chains),
         "p_mean": float(p.mean()),
         "p_median": float(np.median(p)),

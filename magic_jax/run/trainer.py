@@ -86,19 +86,14 @@ class Trainer:
         self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
         self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = 0
+        self.pad_id = self.tokenizer.pad_token_id or 0
         self.graphdef, params = nnx.split(self.model, nnx.Param)
         rows = read_rows(cfg.data.train)
         n_read = len(rows)
-        if cfg.data.offline_filter_model:
-            d = cfg.data
+        if (d := cfg.data).offline_filter_model:
+            keep = d.offline_filter_keep_unrated
             rows = offline_filter(
-                rows,
-                d.offline_filter_model,
-                d.offline_filter_samples,
-                keep_unrated=d.offline_filter_keep_unrated,
+                rows, d.offline_filter_model, d.offline_filter_samples, keep_unrated=keep
             )
         # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
         self.rows, _ = self._tokenize(rows, "data.train")
@@ -107,9 +102,8 @@ class Trainer:
                 f"data.max_prompt_length: all {len(rows)} prompts are longer than "
                 f"{cfg.data.max_prompt_length} tokens"
             )
-        rows = self.rows
         self.log(
-            f"[data] {n_read} prompts read, {len(rows)} after filtering; "
+            f"[data] {n_read} prompts read, {len(self.rows)} after filtering; "
             f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
         )
         self._params = params
@@ -412,7 +406,7 @@ class Trainer:
             }
         row["skipped_long_prompts"] = self._eval_skipped
         if ev.probe is not None:  # a probe of the policy itself (rollout/probes.py)
-            row["probe"] = self._probe(state, step)
+            row["probe"] = self._probe(state, step, pool)
         row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
         ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
         if ended is not None:
@@ -430,12 +424,12 @@ class Trainer:
         )
         return row
 
-    def _probe(self, state: Any, step: int) -> dict[str, float]:
+    def _probe(self, state: Any, step: int, pool: Any) -> dict[str, object]:
         """``eval.probe`` of the policy after ``step`` (its figures: ``probe`` in eval.jsonl)."""
         from magic_jax.rollout.probes import ProbeContext, get_probe
         from magic_jax.run.stages import planned_stage
 
-        cfg, st = self.config, planned_stage(self.config, step)
+        cfg, st, d = self.config, planned_stage(self.config, step), self._eval_driver
         ctx = ProbeContext(
             graphdef=self.graphdef,
             params=state.params,
@@ -444,6 +438,13 @@ class Trainer:
             eos_ids=self.model.config.eos_ids,
             temperature=cfg.sampling.temperature,
             samples_per_step=st.prompts_per_step * st.group_size,
+            driver=d,
+            driver_params=d.load_params(state.params),
+            pool=pool,
+            num_samples=cfg.eval.num_samples,
+            seed=cfg.seed,
+            step=step,
+            final=step >= cfg.total_steps,
         )
         return get_probe(cfg.eval.probe)(ctx)
 

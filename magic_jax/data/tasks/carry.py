@@ -118,6 +118,40 @@ def read_checks(text: str) -> list[bool] | None:
     return [("=" in line) for line in body.split("\n")] if body else []
 
 
+# The classes ``token_classes`` gives a response's tokens.
+TOKEN_CLASSES = ("choice", "digit", "format", "after_answer")
+
+
+def token_classes(pieces: Sequence[str]) -> list[str]:
+    """The class of each token of a response, from its tokens' texts (in order).
+
+    ``choice``: the first token of a reasoning line, where the response checks the column
+    (``x+y...``, the line starts with the digit ``x``) or hurries it (the line is one
+    digit); ``digit``: every other digit, in the reasoning or the answer; ``format``: the
+    rest up to the answer's closing ``}`` (operators, line breaks, ``</think>``,
+    ``\\boxed{``); ``after_answer``: every token after that ``}`` (text the verifier
+    ignores). A token's class is read from the text before it, so a truncated response
+    is classified as far as it goes.
+    """
+    out, reasoning, line_start, answered, boxed = [], True, True, False, False
+    for piece in pieces:
+        if answered:
+            out.append("after_answer")
+            continue
+        if reasoning and piece.strip() == "</think>":
+            reasoning = False
+            out.append("format")
+            continue
+        digit = piece.isdigit()
+        out.append(
+            "choice" if reasoning and line_start and digit else "digit" if digit else "format"
+        )
+        line_start = reasoning and piece.endswith("\n")
+        boxed = boxed or "{" in piece
+        answered = boxed and "}" in piece
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CarryTask:
     """Operand sizes and the checking habit of the supervised data.
