@@ -327,6 +327,13 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("probe log10 p at stage-1 end", "lockout-none", "lockout-long-T", +1),
         Check("late entropy", "lockout-none", "lockout-adaptive", +1),
     ),
+    # as pre-registered in notebooks/prereg/offpolicy-adaptive.yaml
+    "offpolicy_adaptive": (
+        Check("final accuracy", "carry-a9-nsgd4", "carry-a9-nsgd4-adaptive", +1),
+        Check("late entropy", "carry-a9-nsgd4", "carry-a9-nsgd4-adaptive", +1),
+        Check("mean entropy", "carry-a9-nsgd1", "carry-a9-nsgd4", -1),
+        Check("final accuracy", "carry-a9-nsgd1", "carry-a9-nsgd4", -1),
+    ),
 }
 
 
