@@ -325,3 +325,19 @@ def test_lockout_probe_measures_the_evaluations_own_samples(monkeypatch):
     assert last["samples"] == 48 and list(last["pass_at_k_plain"]) == ["1", "2", "4", "8"]
     # without a driver the probe only teacher-forces
     assert "sampled" not in probes.lockout_probe(probes.ProbeContext(**{**kw, "driver": None}))
+
+
+def test_the_fixed_mean_arms_alpha_is_the_adaptive_arms_mean_over_its_8_seeds():
+    """The pre-registered rule (notebooks/prereg/central-lockout.yaml): the mean alpha over
+    every training step of the adaptive arm's 8 seeds, to 2 significant figures, set only
+    once all 8 are committed."""
+    from magic_jax.experiments import arms
+    from magic_jax.jobs.report import load_run
+
+    done = sorted((REPO / "notebooks/results/runs/lockout-adaptive").glob("seed*/run.json"))
+    if len(done) < len(arms.SEEDS_LOCKOUT):
+        assert arms.LOCKOUT_FIXED_ALPHA is None
+        return
+    alphas = [m["alpha"] for p in done for m in load_run(p.parent).metrics]
+    assert len(alphas) == 8 * 300
+    assert float(f"{np.mean(alphas):.2g}") == arms.LOCKOUT_FIXED_ALPHA
