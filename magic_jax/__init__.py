@@ -35,10 +35,11 @@ _LAZY = {
     # verification
     "VerifierPool": "magic_jax.rewards",
     "RewardResult": "magic_jax.rewards",
-    # the three extension points (docs/extending.md)
+    # the extension points (docs/extending.md)
     "register_reward": "magic_jax.rewards",
     "register_advantage": "magic_jax.update.advantages",
     "register_attention": "magic_jax.rollout.attention",
+    "register_token_classes": "magic_jax.update.token_classes",
 }
 
 

@@ -60,8 +60,8 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 # %% [markdown]
 # Entropy (log scale; dashed: the adaptive arm's target), alpha, held-out avg@4, response length
 # (checking a column makes it longer: the better strategy's share over the run), truncated
-# fraction and rollout reward against steps: the line is the mean over seeds, the band their
-# minimum to maximum.
+# fraction and rollout reward against steps: the thick line is the mean over seeds, each thin
+# line one seed.
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)

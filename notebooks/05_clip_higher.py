@@ -47,7 +47,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 # %% [markdown]
 # Entropy (log scale; dashed: each adaptive arm's target), the entropy coefficient alpha,
 # held-out avg@4, response length, truncated fraction and rollout reward against steps: the
-# line is the mean over seeds, the band their minimum to maximum.
+# thick line is the mean over seeds, each thin line one seed.
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)

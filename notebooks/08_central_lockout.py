@@ -52,11 +52,70 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %% [markdown]
 # Entropy, alpha, held-out accuracy, response length, truncated fraction and rollout reward
-# against steps (mean over seeds; band: minimum to maximum).
+# against steps (thick line: mean over seeds; thin lines: each seed).
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
 fig
+
+# %% [markdown]
+# The lock-out probe at every evaluation, one line per seed coloured by arm: the mean log10
+# probability of the full check on the held-out chains; the full checks the steps left are
+# expected to sample (log scale: a seed under the dashed line at 1 is locked out); the share of
+# the evaluation's chain samples that check every column; and the share of columns checked on
+# chains (solid) and on no-carry problems (dashed), where hurrying is never punished.
+
+# %%
+from magic_jax.experiments import lockout_report
+
+fig = lockout_report.probe_figure(runs)
+fig
+
+# %% [markdown]
+# Where the entropy sits. Top: the mean entropy of the per-column choice tokens (check or
+# hurry: the strategy), of digits and of format tokens, one line per seed (log scale). Bottom:
+# the entropy at each response position (seed mean) at the start, at the first step of stage 2
+# and at the end; position 0 is the first column's choice, later ones mix choices and digits.
+
+# %%
+fig = lockout_report.entropy_class_figure(runs)
+fig
+
+# %% [markdown]
+# The controller's path: alpha against the rollout entropy, one path per seed, each a moving
+# mean over 10 steps (circle: its first step, square: its last); the dashed vertical line is the
+# adaptive arm's target. An arm without a bonus stays on alpha = 0; the adaptive one climbs
+# while its entropy is below the target.
+
+# %%
+fig = lockout_report.phase_figure(runs)
+fig
+
+# %% [markdown]
+# pass@k at the last evaluation (64 samples per problem) against k, on the chains (left) and
+# the no-carry problems (right): thin lines each seed, thick the arm's mean. A locked-out
+# policy stays low on chains even at k = 64: the full check is out of reach, not unlucky.
+
+# %%
+fig = lockout_report.pass_at_k_figure(runs)
+fig
+
+# %% [markdown]
+# One row per seed: the full checks its 150 stage-2 steps are expected to sample (the probe's
+# expected per step at step 150, times 150) and whether that is below one (locked out), the
+# log10 probability of the full check there and at the end, final accuracy overall and on
+# chains, chain pass@k at the largest k, and the final share of full checks; then each arm's
+# count of locked-out seeds.
+
+# %%
+print(lockout_report.lockout_table(runs))
+
+# %% [markdown]
+# What the final policies write: sample responses from each arm's last evaluation (a chain and
+# a no-carry problem from each of the first seeds), one line each, with their reward.
+
+# %%
+print(lockout_report.examples_text(runs))
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the pre-registered predictions

@@ -1,4 +1,4 @@
-"""The ablations' figures and tables: seed means with their spread, effect sizes, one table.
+"""The ablations' figures and tables: seed means with each seed, effect sizes, one table.
 
 The outcomes, the report's predictions and Welch's t are in
 ``magic_jax.experiments.verdicts`` (re-exported here).
@@ -94,16 +94,15 @@ def _series(run: Run, key: str, evals: bool) -> dict[int, float]:
     return out
 
 
-def _band(
+def _seed_series(
     runs: Sequence[Run], key: str, evals: bool
-) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps, mean, min and max over runs of ``key`` (steps every run has)."""
+) -> tuple[list[dict[int, float]], list[int], list[float]]:
+    """Each run's ``{step: value}`` of ``key``, and the steps every run has with the seed
+    mean at each of them: ``(per run, steps, mean)``."""
     per = [_series(r, key, evals) for r in runs]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
     mean = [mean_of([p[s] for p in per]) for s in steps]
-    lo = [min(p[s] for p in per) for s in steps]
-    hi = [max(p[s] for p in per) for s in steps]
-    return steps, mean, lo, hi
+    return per, steps, mean
 
 
 def plot_arms(
@@ -114,23 +113,28 @@ def plot_arms(
     *,
     evals: bool = False,
 ) -> None:
-    """One colour per arm: the seed mean as a line, the seeds' min-max as a band."""
+    """One colour per arm: the seed mean as a thick line on top, and with several seeds each
+    seed as a thin translucent line (the mean is drawn first, so ``ax.lines`` starts with each
+    arm's mean; an arm draws 1 + seeds lines, 1 with one seed); an adaptive arm's entropy
+    target as a dashed line."""
     arms = [k for k in runs if runs[k]]
     for arm, color in zip(arms, colors(len(arms))):
-        steps, mean, lo, hi = _band(runs[arm], key, evals)
+        per, steps, mean = _seed_series(runs[arm], key, evals)
         if not steps:
             continue
         ax.plot(
             steps,
             mean,
             color=color,
-            linewidth=1.5,
+            linewidth=2.0,
             marker="o" if evals else None,
             markersize=3,
+            zorder=3,
             label=f"{labels.get(arm, arm)} (n={len(runs[arm])})",
         )
-        if len(runs[arm]) > 1:
-            ax.fill_between(steps, lo, hi, color=color, alpha=0.18, linewidth=0)
+        for seed in per if len(per) > 1 else []:
+            xs = sorted(seed)
+            ax.plot(xs, [seed[s] for s in xs], color=color, linewidth=0.7, alpha=0.35, zorder=2)
         if key == "entropy":
             ent = runs[arm][0].config.get("entropy") or {}
             if ent.get("mode", "adaptive") == "adaptive" and "target" in ent:
@@ -149,7 +153,7 @@ def _stage_changes(runs: Mapping[str, Sequence[Run]]) -> list[int]:
 def ablation_figure(
     ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
 ) -> Any:
-    """A 2 x 3 matplotlib figure (Agg) of one ablation: every arm's seed mean and spread."""
+    """A 2 x 3 matplotlib figure (Agg) of one ablation: every arm's seed mean and each seed."""
     from matplotlib.figure import Figure
 
     runs = load_arm_runs(ablation, results) if runs is None else runs
@@ -172,7 +176,8 @@ def ablation_figure(
             ax.axvline(s, color="0.5", linestyle=":", linewidth=0.9)
     axes.flat[0].legend(fontsize=7, loc="upper right")
     fig.suptitle(
-        f"{ab.title}: seed mean (line) and min-max (band); dotted: stage change", fontsize=11
+        f"{ab.title}: seed mean (thick line) and each seed (thin lines); dotted: stage change",
+        fontsize=11,
     )
     fig.tight_layout()
     return fig

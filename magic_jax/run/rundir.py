@@ -208,6 +208,7 @@ MAY_CHANGE = (
 # Options added after runs were stored: a stored config without one ran with this value.
 ADDED_DEFAULTS = {
     "advantage.estimator": "grpo",
+    "entropy.tokens": None,
     "rewards.abilities": {},
     "rollout.cache_bucket": 128,
     "rollout.layer_unroll": None,

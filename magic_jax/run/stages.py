@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from magic_jax.model.qwen2 import Qwen2
-    from magic_jax.rollout.protocols import Driver
+    from magic_jax.rollout.collect import Collected
+    from magic_jax.rollout.protocols import Driver, Tokenizer
+    from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.config import UpdateConfig
+    from magic_jax.update.token_classes import TokenMask
     from magic_jax.update.updater import Updater
 
 # what ``Schedule`` and ``LoopState`` store: plain JSON
@@ -56,6 +59,8 @@ class Stage:
         (k, r) alone and a resumed run samples the same. None without refill.
       driver: the ``RolloutDriver`` over an engine with this stage's T.
       updater: the ``PolicyUpdater`` with this stage's D_T and loss options.
+      entropy_tokens: with ``entropy.tokens``, its ``token_classes.TokenMask`` (built
+        by ``pack_step`` at the stage's first step; it caches each id's text).
     """
 
     index: int
@@ -66,6 +71,7 @@ class Stage:
     driver: Driver
     updater: Updater
     refill_batches: BatchSource | None = None
+    entropy_tokens: TokenMask | None = None
 
     def describe(self) -> str:
         """One log line: the stage's shape and prompt count."""
@@ -90,6 +96,36 @@ def update_config(config: TrainConfig, index: int) -> UpdateConfig:
         loss=dataclasses.replace(config.loss, kl_beta=config.kl_beta(index)),
         entropy=config.entropy,
         optimizer=config.optimizer,
+    )
+
+
+def pack_step(
+    config: TrainConfig, stage: Stage, got: Collected, tokenizer: Tokenizer, pad_id: int
+) -> RolloutBuffer:
+    """The rollout buffer of one step of ``stage``: the collected groups ``got`` with
+    their advantages, padded to the stage's shapes, and with ``entropy.tokens`` set its
+    ``entropy_mask`` (token ids decoded by ``tokenizer``, each once per stage).
+    """
+    import numpy as np
+
+    from magic_jax.rollout.collect import flatten
+    from magic_jax.update.buffer import pack_rollouts
+    from magic_jax.update.token_classes import TokenMask
+
+    st = stage.config
+    if config.entropy.tokens is not None and stage.entropy_tokens is None:
+        stage.entropy_tokens = TokenMask(config.entropy.tokens, tokenizer.decode)
+    samples, rewards = flatten(got.groups)
+    return pack_rollouts(
+        samples,
+        rewards,
+        group_size=st.group_size,
+        num_groups=st.prompts_per_step,
+        advantages=np.concatenate(got.advantages),
+        prompt_bucket=min(64, config.data.max_prompt_length),
+        response_bucket=min(256, st.max_response_length),
+        pad_id=pad_id,
+        entropy_tokens=stage.entropy_tokens,
     )
 
 

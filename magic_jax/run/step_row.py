@@ -49,6 +49,15 @@ def step_row(
         "response_length_mean": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
         "entropy": m["buffer_entropy"],
+        # with entropy.tokens: e_k over the selected tokens, and their share
+        **(
+            {
+                "entropy_selected": m["buffer_entropy_selected"],
+                "selected_token_fraction": m["selected_token_fraction"],
+            }
+            if "buffer_entropy_selected" in m
+            else {}
+        ),
         "alpha": m["alpha"],
         "entropy_coef_next": m["entropy_coef_next"],
         "kept_group_fraction": m["kept_group_fraction"],

@@ -38,8 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from magic_jax import distributed, interrupt, storage, watchdog
 from magic_jax.data.rows import offline_filter, tokenize_rows
 from magic_jax.data.sources import read_rows
@@ -48,7 +46,7 @@ from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
 from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
-from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, update_config
+from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, pack_step, update_config
 from magic_jax.run.step_row import step_row
 
 if TYPE_CHECKING:
@@ -452,9 +450,8 @@ class Trainer:
         import jax
 
         from magic_jax.rollout import partial
-        from magic_jax.rollout.collect import collect_groups, flatten
+        from magic_jax.rollout.collect import collect_groups
         from magic_jax.run import runlock
-        from magic_jax.update.buffer import pack_rollouts
 
         cfg, st = self.config, stage.config
         t0 = time.perf_counter()
@@ -497,17 +494,7 @@ class Trainer:
         t1 = time.perf_counter()
         for g in got.every:
             tracker.record(g.row.uid, g.rewards)
-        samples, rewards = flatten(got.groups)
-        buffer = pack_rollouts(
-            samples,
-            rewards,
-            group_size=st.group_size,
-            num_groups=st.prompts_per_step,
-            advantages=np.concatenate(got.advantages),
-            prompt_bucket=min(64, cfg.data.max_prompt_length),
-            response_bucket=min(256, st.max_response_length),
-            pad_id=self.pad_id,
-        )
+        buffer = pack_step(cfg, stage, got, self.tokenizer, self.pad_id)
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
         # an update is cut short only where its groups and the state before it are kept

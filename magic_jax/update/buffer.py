@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import jax
@@ -57,6 +57,8 @@ class RolloutBuffer:
       behaviour_logprobs: [B, R] float32 the sampler log-probs the update
         measures the rollout/trainer mismatch against (set by
         ``PolicyUpdater.update``; None = ``old_logprobs``).
+      entropy_mask: [B, R] float32, 1 on the response tokens ``entropy.tokens``
+        selects (the entropy bonus and e_k count only those); None = every one.
       group_size: G (static).
     """
 
@@ -74,6 +76,7 @@ class RolloutBuffer:
     valid: Any
     sampling_logprobs: Any = None
     behaviour_logprobs: Any = None
+    entropy_mask: Any = None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=1)
 
     @property
@@ -184,6 +187,7 @@ def pack_rollouts(
     prompt_len: int | None = None,
     response_len: int | None = None,
     pad_id: int = 0,
+    entropy_tokens: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> RolloutBuffer:
     """Packs the sampler's per-response records and their rewards into a ``RolloutBuffer``.
 
@@ -211,6 +215,8 @@ def pack_rollouts(
       prompt_len: fixed P instead of the bucket (must fit every prompt).
       response_len: fixed R instead of the bucket (must fit every response).
       pad_id: token id of padding slots.
+      entropy_tokens: a response's ids [R_i] -> [R_i] 1.0 on the tokens the entropy
+        bonus and e_k count (``token_classes.TokenMask``); None: no ``entropy_mask``.
 
     Returns:
       A ``RolloutBuffer`` of numpy arrays with B = num_groups * G rows.
@@ -229,12 +235,12 @@ def pack_rollouts(
     p_len, r_len = _padded_lengths(
         samples, prompt_bucket, response_bucket, prompt_len, response_len
     )
-    rows = _Rows.empty(n * g, p_len, r_len, pad_id)
+    rows = _Rows.empty(n * g, p_len, r_len, pad_id, entropy_tokens is not None)
     for slot, p in enumerate(sorted(by_group)):
         idx = sorted(by_group[p], key=lambda i: int(samples[i].sample_index))
         for j, i in enumerate(idx):
             given = None if advantages is None else advantages[i]
-            rows.put(slot * g + j, samples[i], p, rewards[i], given)
+            rows.put(slot * g + j, samples[i], p, rewards[i], given, entropy_tokens)
     if advantages is None:
         rows.adv = estimate_advantages(
             advantage or AdvantageConfig(),
@@ -301,10 +307,11 @@ class _Rows:
     gid: np.ndarray
     adv: np.ndarray
     valid: np.ndarray
+    ent_mask: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, b: int, p_len: int, r_len: int, pad_id: int) -> _Rows:
-        """B padding rows of P prompt and R response slots."""
+    def empty(cls, b: int, p_len: int, r_len: int, pad_id: int, ent_mask: bool = False) -> _Rows:
+        """B padding rows of P prompt and R response slots (and an entropy mask if asked)."""
         return cls(
             tokens=np.full((b, p_len + r_len), pad_id, np.int32),
             attn=np.zeros((b, p_len + r_len), np.int32),
@@ -317,13 +324,20 @@ class _Rows:
             gid=np.full((b,), -1, np.int32),
             adv=np.zeros((b,), np.float32),
             valid=np.zeros((b,), bool),
+            ent_mask=np.zeros((b, r_len), np.float32) if ent_mask else None,
         )
 
     def put(
-        self, row: int, s: SampleRecord, p: int, reward: float, advantage: float | None
+        self,
+        row: int,
+        s: SampleRecord,
+        p: int,
+        reward: float,
+        advantage: float | None,
+        entropy_tokens: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         """Sample ``s`` of prompt ``p`` into ``row``: its prompt left-padded to P, its
-        response from P on."""
+        response from P on (its entropy mask by ``entropy_tokens``, if given)."""
         p_len = self.tokens.shape[1] - self.resp_mask.shape[1]
         prompt = np.asarray(s.prompt_tokens, np.int32)
         k = int(s.length)
@@ -341,6 +355,8 @@ class _Rows:
         self.old_logp[row, :k] = np.asarray(s.logprobs[:k], np.float32)
         self.samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
         self.ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
+        if entropy_tokens is not None:
+            self.ent_mask[row, :k] = entropy_tokens(np.asarray(s.tokens[:k], np.int32))
         self.rew[row] = reward
         if advantage is not None:
             self.adv[row] = advantage
@@ -368,5 +384,6 @@ class _Rows:
             keep=np.repeat(keep_N, g) & self.valid,
             valid=self.valid,
             sampling_logprobs=self.samp_logp,
+            entropy_mask=self.ent_mask,
             group_size=g,
         )

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magic_jax.update.token_classes import parse_token_selection
+
 
 class EntropyEstimator(enum.StrEnum):
     """How the rollout buffer's entropy e_k is measured.
@@ -37,6 +39,9 @@ class EntropyControlConfig:
       max_coef: optional upper clamp of c_k (the reference code uses 5e-3).
       gate: "<=" (report: bonus on while e_k <= target) or "<" (reference code).
       estimator: how e_k is measured, see ``EntropyEstimator``.
+      tokens: None (the report's): the bonus and e_k cover every response token;
+        ``"classifier:class[+class...]"`` (``"carry:choice"``): only the response
+        tokens of those classes (``token_classes``; beyond the report's recipe).
     """
 
     mode: Literal["adaptive", "fixed"] = "adaptive"
@@ -46,8 +51,14 @@ class EntropyControlConfig:
     max_coef: float | None = None
     gate: Literal["<=", "<"] = "<="
     estimator: EntropyEstimator = EntropyEstimator.FULL
+    tokens: str | None = None
 
     def __post_init__(self):
+        if self.tokens is not None:
+            try:
+                parse_token_selection(self.tokens)
+            except ValueError as e:
+                raise ValueError(f"tokens: {e}") from None
         if self.mode not in ("adaptive", "fixed"):
             raise ValueError(
                 f"EntropyControlConfig.mode must be 'adaptive' or 'fixed', got {self.mode!r}"

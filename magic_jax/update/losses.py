@@ -166,6 +166,7 @@ def policy_loss(
     nominal_seqs: jax.Array | float | None = None,
     ref_logp_BT: jax.Array | None = None,
     behaviour_logp_BT: jax.Array | None = None,
+    entropy_mask_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MAGIC loss of SPEC eq. 3.1 on one (micro-)batch.
 
@@ -191,6 +192,9 @@ def policy_loss(
       ref_logp_BT: [B, T] reference-policy log-probs; required iff ``config.kl_beta > 0``.
       behaviour_logp_BT: [B, T] the sampler's log-probs; default ``old_logp_BT``.
         Required with ``config.tis_cap``.
+      entropy_mask_BT: [B, T] 1 on the tokens whose entropy the bonus holds up
+        (``entropy.tokens``): the bonus becomes ``alpha * H * entropy_mask``,
+        aggregated as before. None (the report's): every token.
 
     Returns:
       (loss, metrics). Metrics other than those in ``MAX_METRICS`` are token sums
@@ -208,8 +212,7 @@ def policy_loss(
         raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
     if config.tis_cap is not None and behaviour_logp_BT is None:
         raise ValueError("LossConfig.tis_cap needs behaviour_logp_BT")
-    if behaviour_logp_BT is None:
-        behaviour_logp_BT = old_logp_BT
+    behaviour_logp_BT = old_logp_BT if behaviour_logp_BT is None else behaviour_logp_BT
     m_BT = jnp.asarray(mask_BT, jnp.float32)
     on_BT = m_BT > 0
     # Masked positions hold padding; zero their log-ratio so exp cannot overflow into NaN grads.
@@ -230,7 +233,8 @@ def policy_loss(
         log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
         weight_BT = jnp.minimum(jnp.exp(log_w_BT), config.tis_cap)
         surr_BT = surr_BT * weight_BT
-    term_BT = -surr_BT - alpha * entropy_BT
+    bonus_BT = entropy_BT if entropy_mask_BT is None else entropy_BT * entropy_mask_BT
+    term_BT = -surr_BT - alpha * bonus_BT
     ref_kl_BT = None
     if config.kl_beta > 0:
         ref_kl_BT = k3_kl(logp_BT, jnp.where(on_BT, ref_logp_BT, logp_BT))

@@ -220,6 +220,7 @@ def loss_and_grads(
             nominal_seqs=nominal,
             ref_logp_BT=ref_logp_BR,
             behaviour_logp_BT=mb.behaviour_logprobs,
+            entropy_mask_BT=mb.entropy_mask,
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

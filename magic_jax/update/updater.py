@@ -17,6 +17,7 @@ from magic_jax.model.sharding import batch_sharding, data_shards
 from magic_jax.update.buffer import RolloutBuffer, split_mini_batches
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.entropy_control import (
+    EntropyControlConfig,
     entropy_coefficient,
     measure_entropy,
     update_entropy_control,
@@ -216,7 +217,8 @@ class PolicyUpdater:
         """All optimizer steps of one training step over its rollout buffer.
 
         Measures e_k over the response tokens of every valid row of the buffer
-        (before rejection sampling), sets alpha_k = c_k * 1{e_k <= target} for every
+        (before rejection sampling; with ``entropy.tokens`` only the selected
+        ones, see ``buffer_entropy``), sets alpha_k = c_k * 1{e_k <= target} for every
         step, runs ``num_reuse`` shuffled passes over the kept groups, cut into
         mini-batches by ``split_mini_batches`` (none when no group is kept: the
         step is skipped), then advances the controller to c_{k+1} (also when no
@@ -231,7 +233,8 @@ class PolicyUpdater:
         Returns:
           (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
           and scalars ``buffer_entropy``, ``alpha``, ``kept_group_fraction``,
-          ``num_sgd_steps``, ``entropy_coef_next``.
+          ``num_sgd_steps``, ``entropy_coef_next`` (with ``entropy.tokens`` also
+          ``buffer_entropy_selected`` and ``selected_token_fraction``).
 
         Raises:
           interrupt.Interrupted: a stop was asked (checked after each optimizer step;
@@ -239,14 +242,7 @@ class PolicyUpdater:
         """
         cfg = self.config
         buffer = jax.tree.map(np.asarray, buffer)
-        e_k = float(
-            measure_entropy(
-                buffer.entropies,
-                buffer.old_logprobs,
-                buffer.response_mask * buffer.valid[:, None],
-                cfg.entropy.estimator,
-            )
-        )
+        e_k, measured = buffer_entropy(buffer, cfg.entropy)
         alpha = float(entropy_coefficient(state.entropy, jnp.float32(e_k), cfg.entropy))
         keep_N = buffer.group_keep()
         valid_N = buffer.valid.reshape(buffer.num_groups, buffer.group_size).any(-1)
@@ -293,10 +289,45 @@ class PolicyUpdater:
             k: np.stack([np.asarray(m[k]) for m in steps]) for k in (steps[0] if steps else {})
         }
         metrics.update(
-            buffer_entropy=e_k,
             alpha=alpha,
             kept_group_fraction=float(keep_N.sum() / max(valid_N.sum(), 1)),
             num_sgd_steps=len(steps),
             entropy_coef_next=float(state.entropy.coef),
+            **measured,
         )
         return state, metrics
+
+
+def buffer_entropy(
+    buffer: RolloutBuffer, config: EntropyControlConfig
+) -> tuple[float, dict[str, float]]:
+    """e_k of a rollout buffer (numpy arrays) and its entropy figures.
+
+    e_k is the mean entropy (``config.estimator``) over the response tokens of valid
+    rows, or with ``config.tokens`` over those of them the buffer's ``entropy_mask``
+    selects.
+
+    Returns:
+      (e_k, figures): ``buffer_entropy`` (every response token of valid rows, as
+      without ``tokens``) and, with ``config.tokens``, ``buffer_entropy_selected``
+      (e_k) and ``selected_token_fraction`` (the selected share of those tokens).
+
+    Raises:
+      ValueError: ``config.tokens`` is set but the buffer has no ``entropy_mask``.
+    """
+    all_BR = buffer.response_mask * buffer.valid[:, None]
+    e_all = float(measure_entropy(buffer.entropies, buffer.old_logprobs, all_BR, config.estimator))
+    if config.tokens is None:
+        return e_all, {"buffer_entropy": e_all}
+    if buffer.entropy_mask is None:
+        raise ValueError(
+            f"entropy.tokens is {config.tokens!r} but the rollout buffer has no entropy_mask "
+            "(pack_rollouts(entropy_tokens=...))"
+        )
+    sel_BR = all_BR * buffer.entropy_mask
+    e_sel = float(measure_entropy(buffer.entropies, buffer.old_logprobs, sel_BR, config.estimator))
+    return e_sel, {
+        "buffer_entropy": e_all,
+        "buffer_entropy_selected": e_sel,
+        "selected_token_fraction": float(sel_BR.sum() / max(all_BR.sum(), 1.0)),
+    }
