@@ -86,6 +86,22 @@ def test_arms_change_what_they_claim(tmp_path):
     assert cfg("carry-fixed-2").entropy.mode == "fixed" == cfg("carry-fixed-0.005").entropy.mode
     assert cfg("carry-fixed-2").entropy.init_coef == 2.0
     both, first = cfg("carry-kl-0.1"), cfg("carry-kl-0.1-stage1")
+    choice, quiet = cfg("carry-choice-adaptive").entropy, cfg("carry-choice-none").entropy
+    assert choice.tokens == quiet.tokens == "carry:choice" and choice.target == 0.44
+    assert (choice.mode, quiet.mode, quiet.init_coef) == ("adaptive", "fixed", 0.0)
+    a9, a9_adaptive, a9_on = (
+        cfg("carry-a9-nsgd4"),
+        cfg("carry-a9-nsgd4-adaptive"),
+        cfg("carry-a9-nsgd1"),
+    )
+    assert {c.optimizer.learning_rate for c in (a9, a9_adaptive, a9_on)} == {1e-4}
+    assert (
+        [s.mini_batch_groups for s in a9.stages]
+        == [4, 4]
+        == [s.mini_batch_groups for s in a9_adaptive.stages]
+    )
+    assert [s.mini_batch_groups for s in a9_on.stages] == [16, 16]
+    assert (a9.entropy.init_coef, a9_adaptive.entropy.mode) == (0.0, "adaptive")
     assert [both.kl_beta(i) for i in (0, 1)] == [0.1, 0.1] and both.uses_kl
     assert [first.kl_beta(i) for i in (0, 1)] == [0.1, 0.0]
     clip, sym = cfg("carry-clip-0.07"), cfg("carry-clip-0.05")

@@ -160,6 +160,9 @@ _EVAL_AT_06 = "eval.extra_temperatures=[0.6]"
 # The carry world's off-policy arm: no bonus, D_T 4 of D_R 16 in both stages.
 _CARRY_NSGD4 = (*_NO_BONUS, *_NSGD4)
 
+# The entropy bonus and the controller's e_k on the carry task's choice tokens only.
+_CHOICE = "entropy.tokens=carry:choice"
+
 # Five seeds for the central claim (paired: seed k of every arm starts from the same
 # model and draws the same first prompts).
 SEEDS_CENTRAL = (0, 1, 2, 3, 4)
@@ -411,6 +414,26 @@ ABLATIONS: dict[str, Ablation] = {
             "Adaptive entropy control prevents the entropy collapse of an off-policy run "
             "(N_SGD 4) and so ends with higher test accuracy.",
             _a9_arms(),
+            seeds=SEEDS_CENTRAL,
+            world="carry",
+        ),
+        # The central claim in the carry world with the bonus and the controller on the
+        # choice tokens only (entropy.tokens, not the report's recipe): its prereg file.
+        Ablation(
+            "central_choice",
+            "Adaptive entropy control on the choice tokens only vs none, carry world (not the "
+            "report's recipe)",
+            "Adaptive entropy control keeps exploration alive, so learning continues and ends "
+            "higher than a run whose entropy collapses.",
+            (
+                # no bonus; the choice tokens' entropy is recorded (entropy_selected)
+                Arm("carry-choice-none", "no bonus", (*_NO_BONUS, _CHOICE)),
+                Arm(
+                    "carry-choice-adaptive",
+                    "adaptive on choice tokens: target 0.44, delta 0.01",
+                    (_CHOICE, "entropy.target=0.44", "entropy.delta=0.01"),
+                ),
+            ),
             seeds=SEEDS_CENTRAL,
             world="carry",
         ),

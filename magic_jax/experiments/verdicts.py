@@ -37,6 +37,13 @@ def final_accuracy_at_06(run: Run) -> float:
     return float(extra["0.6"]["accuracy"]) if "0.6" in extra else math.nan
 
 
+def late_selected_entropy(run: Run) -> float:
+    """The entropy of the tokens ``entropy.tokens`` selects (``entropy_selected``), averaged
+    over the last third of the steps (nan where the run did not record it)."""
+    v = [m["entropy_selected"] for m in run.metrics if "entropy_selected" in m]
+    return _late_mean(v) if len(v) == len(run.metrics) and v else math.nan
+
+
 def final_chain_accuracy(run: Run) -> float:
     """Lock-out world: held-out avg@n on the carry-chain half at the last evaluation (the
     evaluation's ``by_source`` entry whose source ends in ``-chain``)."""
@@ -219,6 +226,7 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "final accuracy (evaluated at 0.6)": final_accuracy_at_06,
     "mean accuracy": mean_accuracy,
     "final chain accuracy": final_chain_accuracy,
+    "late choice-token entropy": late_selected_entropy,
     "probe log10 p at stage-1 end": probe_log10_p_stage1_end,
     "mean entropy": mean_entropy,
     "late entropy": late_entropy,
@@ -326,6 +334,12 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "lockout-none", "lockout-long-T", +1),
         Check("probe log10 p at stage-1 end", "lockout-none", "lockout-long-T", +1),
         Check("late entropy", "lockout-none", "lockout-adaptive", +1),
+    ),
+    # as pre-registered in notebooks/prereg/central-choice.yaml
+    "central_choice": (
+        Check("final accuracy", "carry-choice-none", "carry-choice-adaptive", +1),
+        Check("late choice-token entropy", "carry-choice-none", "carry-choice-adaptive", +1),
+        Check("final check rate (carry columns)", "carry-choice-none", "carry-choice-adaptive", +1),
     ),
     # as pre-registered in notebooks/prereg/offpolicy-adaptive.yaml
     "offpolicy_adaptive": (
