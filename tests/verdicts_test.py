@@ -303,3 +303,23 @@ def test_twin_arms_have_the_same_training_config(tmp_path):
         assert a.sampling == b.sampling and a.loss.eps_high == b.loss.eps_high
         assert a.entropy == b.entropy and a.kl_beta(0) == b.kl_beta(0)
         assert (a.kl_beta(1) == b.kl_beta(1)) is (t.until is None)
+
+
+def test_lockout_measures_read_the_chain_half_and_the_probe_at_stage_1s_end(tmp_path):
+    from magic_jax.experiments.verdicts import final_chain_accuracy, probe_log10_p_stage1_end
+    from magic_jax.jobs.report import Run
+
+    def run(stages):
+        metrics = [{"step": i, "stage": s} for i, s in enumerate(stages)]
+        evals = [
+            {"step": k, "accuracy": 0.5, "probe": {"log10_p_mean": -k / 10},
+             "by_source": {"heldout-chain": k / 100, "heldout-plain": 0.9}}
+            for k in (0, 10, 20)
+        ]  # fmt: skip
+        return Run("r", tmp_path, metrics, evals, {})
+
+    two = run([0] * 10 + [1] * 10)
+    assert probe_log10_p_stage1_end(two) == -1.0 and final_chain_accuracy(two) == 0.2
+    # one stage of the same length: read at the same step, half its steps
+    assert probe_log10_p_stage1_end(run([0] * 20)) == -1.0
+    assert math.isnan(probe_log10_p_stage1_end(run([0] * 16)))  # no evaluation at step 8

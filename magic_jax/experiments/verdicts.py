@@ -54,9 +54,13 @@ def final_chain_accuracy(run: Run) -> float:
 
 def probe_log10_p_stage1_end(run: Run) -> float:
     """Lock-out world: the probe's mean over the held-out chains of log10 of the exact
-    probability of the full check, at the evaluation that ends stage 1 (nan without one)."""
+    probability of the full check, at the evaluation that ends stage 1 (nan without one).
+
+    That evaluation is at the first step of stage 2; a run with one stage (the
+    learnability control, as long as the others' two) is read at the same step, half its
+    steps (step 150, as notebooks/prereg/central-lockout.yaml states)."""
     stage2 = [m["step"] for m in run.metrics if m.get("stage") == 1]
-    end = min(stage2) if stage2 else None
+    end = min(stage2) if stage2 else len(run.metrics) // 2
     row = next((e for e in _evals(run) if e["step"] == end), None)
     probe = (row or {}).get("probe") or {}
     return float(probe.get("log10_p_mean", math.nan))
