@@ -159,6 +159,11 @@ def test_model_statistics_reads_a_saved_model_and_a_rows_file():
     st = model_statistics(CARRY_ASSETS / "model", rows, num_samples=2, seed=3)
     assert st["samples"] == 48 and 0.0 <= st["accuracy"] <= 1.0
     assert st["well_formed"] > 0.9 and 18 <= st["length"] <= 64
+    # entropy by token class: every response token counted once, the mean recovered
+    by, n = st["entropy_by_class"], st["tokens_by_class"]
+    assert sum(n.values()) == pytest.approx(st["length"] * 48)
+    mean = sum(by[c] * n[c] for c in by if n[c]) / sum(n.values())
+    assert mean == pytest.approx(st["entropy"], rel=1e-5) and by["choice"] > by["digit"]
     again = model_statistics(
         CARRY_ASSETS / "model", CARRY_ASSETS / "heldout.jsonl", num_samples=1, seed=3
     )

@@ -355,3 +355,19 @@ def test_stage2_kl_drift_reads_medians_and_ignores_a_spike(tmp_path):
     pulled = [0.1 - 0.005 * i for i in range(20)]  # falls towards 0 over the stage
     assert stage2_ref_kl_drift(run(pulled)) == pytest.approx(-0.08)
     assert math.isnan(stage2_ref_kl_drift(run([0.1])))
+
+
+def test_class_entropy_table_reads_each_final_models_classes(tmp_path):
+    ab = ablations.ABLATIONS["central_choice"]
+    arm = ab.arm("carry-choice-adaptive")
+    dest = ablations.summary_dir(tmp_path, arm, 0)
+    _fake_run(dest, arm, 0, 0.05, 0.9)
+    runs = ablations.load_arm_runs("central_choice", tmp_path)
+    assert ar.class_entropy_table("central_choice", runs).startswith("(no run has")
+    by = {"choice": 0.4, "digit": 0.01, "format": 0.02, "after_answer": 0.0}
+    world = {"entropy_by_class": by, "check_rate_needed": 0.9, "truncated": 0.0, "accuracy": 0.7}
+    (dest / "world.json").write_text(json.dumps(world))
+    text = ar.class_entropy_table(
+        "central_choice", ablations.load_arm_runs("central_choice", tmp_path)
+    )
+    assert "| 0 | 0.400 | 0.010 | 0.020 | 0.000 | 0.900 | 0.000 | 0.700 |" in text

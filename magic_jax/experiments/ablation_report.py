@@ -231,6 +231,40 @@ def world_table(
     return format_table(header, rows)
 
 
+def class_entropy_table(ablation: str, runs: Mapping[str, Sequence[Run]]) -> str:
+    """Carry world: where each final model's entropy sits, by token class (``world.json``'s
+    ``entropy_by_class``: choice, digit, format, after the answer), one row per seed, with
+    the carry columns it checks and its truncated share; runs measured before the classes
+    existed are left out."""
+    classes = ("choice", "digit", "format", "after_answer")
+    header = [
+        "arm",
+        "seed",
+        *(f"entropy, {c}" for c in classes),
+        "checks carry columns",
+        "truncated",
+        "accuracy",
+    ]
+    rows = []
+    for arm in ABLATIONS[ablation].arms:
+        for r in runs.get(arm.key, []):
+            w = world_record(r)
+            by = w.get("entropy_by_class")
+            if not by:
+                continue
+            rows.append(
+                [
+                    arm.label,
+                    str(run_seed(r)),
+                    *(f"{by[c]:.3f}" for c in classes),
+                    f"{w['check_rate_needed']:.3f}",
+                    f"{w['truncated']:.3f}",
+                    f"{w['accuracy']:.3f}",
+                ]
+            )
+    return format_table(header, rows) if rows else "(no run has entropy by token class)"
+
+
 def sft_comparison(
     arm: str,
     runs: Mapping[str, Sequence[Run]],

@@ -77,7 +77,9 @@ def world_statistics(
       reasoning closed); ``by_carries``: accuracy per carry count; ``entropy`` (mean token entropy
       over all response tokens), ``entropy_correct`` / ``entropy_wrong`` (the
       same over correct and over wrong responses); ``length`` (mean response
-      tokens); ``truncated`` (share that hit T).
+      tokens); ``truncated`` (share that hit T); ``entropy_by_class`` (mean entropy
+      of each ``carry.TOKEN_CLASSES`` class: choice, digit, format, after the answer)
+      and ``tokens_by_class``.
     """
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.data.tasks import carry
@@ -102,6 +104,8 @@ def world_statistics(
     rate = {True: [], False: []}  # needed column? -> checked or not
     ent = {True: [0.0, 0], False: [0.0, 0]}
     lengths, truncated, lines_ok = [], [], []
+    by_class = {c: [] for c in carry.TOKEN_CLASSES}  # class -> token entropies
+    piece: dict[int, str] = {}  # token id -> its text
     for row, g in zip(rows, groups):
         a, b = carry.row_problem(row)
         c = carry.carries(a, b)
@@ -115,6 +119,10 @@ def world_statistics(
             if lines_ok[-1]:
                 for n, k in zip(need, checks):
                     rate[n].append(k)
+            ids = np.asarray(s.tokens[: s.length]).tolist()
+            texts = [piece.get(i) or piece.setdefault(i, tok.decode([i])) for i in ids]
+            for cls, e in zip(carry.token_classes(texts), s.entropies):
+                by_class[cls].append(float(e))
             ent[right][0] += float(np.sum(s.entropies[: s.length]))
             ent[right][1] += int(s.length)
             lengths.append(int(s.length))
@@ -139,6 +147,8 @@ def world_statistics(
         "length": mean(lengths),
         "truncated": mean(truncated),
         "samples": n,
+        "entropy_by_class": {c: mean(v) for c, v in by_class.items()},
+        "tokens_by_class": {c: len(v) for c, v in by_class.items()},
     }
 
 
