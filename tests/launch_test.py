@@ -933,13 +933,16 @@ def _interrupt_a_running_command(script, env, state, *args):
     """Starts a command that runs until stopped; SIGINT to launch.sh (Ctrl-C) once every
     worker's log shows it running. Returns launch.sh's exit status and stderr."""
     code = "import time\nprint('looping', flush=True)\nwhile True: time.sleep(0.1)\n"
+
     # as at a terminal: SIGINT at its default, even when these tests run in the background
     # (a shell starts background jobs with SIGINT ignored, and bash cannot trap a signal
     # ignored on entry)
+    def as_at_a_terminal():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(["bash", str(script), *args, "--", "python", "-c", code, *GS],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                            text=True, preexec_fn=as_at_a_terminal)  # fmt: skip
     deadline = time.monotonic() + 120  # a loaded machine: set-up and start take a while
     while True:
         logs = list(state.glob("worker-*/magic-jax/logs/*.log"))
