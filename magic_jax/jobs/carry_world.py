@@ -83,6 +83,7 @@ def world_statistics(
     """
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.data.tasks import carry
+    from magic_jax.data.tasks.vocab import TokenPieces
     from magic_jax.rollout.evaluate import eval_seed
     from magic_jax.rollout.scoring import score_groups
 
@@ -105,7 +106,7 @@ def world_statistics(
     ent = {True: [0.0, 0], False: [0.0, 0]}
     lengths, truncated, lines_ok = [], [], []
     by_class = {c: [] for c in carry.TOKEN_CLASSES}  # class -> token entropies
-    piece: dict[int, str] = {}  # token id -> its text
+    pieces = TokenPieces(tok.decode)
     for row, g in zip(rows, groups):
         a, b = carry.row_problem(row)
         c = carry.carries(a, b)
@@ -119,9 +120,7 @@ def world_statistics(
             if lines_ok[-1]:
                 for n, k in zip(need, checks):
                     rate[n].append(k)
-            ids = np.asarray(s.tokens[: s.length]).tolist()
-            texts = [piece.get(i) or piece.setdefault(i, tok.decode([i])) for i in ids]
-            for cls, e in zip(carry.token_classes(texts), s.entropies):
+            for cls, e in zip(carry.token_classes(pieces(s.tokens[: s.length])), s.entropies):
                 by_class[cls].append(float(e))
             ent[right][0] += float(np.sum(s.entropies[: s.length]))
             ent[right][1] += int(s.length)

@@ -142,6 +142,7 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
       ``examples`` (``EXAMPLES`` texts of each half, with their rewards).
     """
     from magic_jax.data.tasks import carry, lockout
+    from magic_jax.data.tasks.vocab import TokenPieces
     from magic_jax.rollout.evaluate import eval_seed, k_values, pass_at_k
     from magic_jax.rollout.scoring import score_groups
 
@@ -162,7 +163,7 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
     pos: list[list[float]] = []
     passed: dict[str, list[int]] = {"chain": [], "plain": []}
     examples: list[dict[str, object]] = []
-    piece: dict[int, str] = {}  # token id -> its text
+    pieces = TokenPieces(ctx.tokenizer.decode)
     for row, g in zip(ctx.rows, groups):
         half = "chain" if lockout.probe_target(row) is not None else "plain"
         passed[half].append(sum(float(r) >= 1.0 for r in g.rewards))
@@ -175,9 +176,8 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
                     checks["full"].append(all(read))
                     for col, c in zip(by_column, read):
                         col.append(c)
-            ids = np.asarray(s.tokens[: s.length]).tolist()
-            pieces = [piece.get(i) or piece.setdefault(i, ctx.tokenizer.decode([i])) for i in ids]
-            for i, (c, e) in enumerate(zip(carry.token_classes(pieces), s.entropies)):
+            classes = carry.token_classes(pieces(s.tokens[: s.length]))
+            for i, (c, e) in enumerate(zip(classes, s.entropies)):
                 ent[c].append(float(e))
                 pos.extend([] for _ in range(i + 1 - len(pos)))
                 pos[i].append(float(e))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from magic_jax.data.tasks import carry
+from magic_jax.data.tasks.vocab import TokenPieces
 
 # fn(the text of each token of a response) -> the class of each token
 TokenClassFn = Callable[[Sequence[str]], Sequence[str]]
@@ -118,17 +119,7 @@ class TokenMask:
         self.spec = spec
         name, self.selected = parse_token_selection(spec)
         self.classify, _ = get_token_classes(name)
-        self._decode = decode
-        self._pieces: dict[int, str] = {}
-
-    def pieces(self, ids: Sequence[int] | np.ndarray) -> list[str]:
-        """The text of each token id alone."""
-        out = []
-        for i in np.asarray(ids).tolist():
-            if i not in self._pieces:
-                self._pieces[i] = self._decode([i])
-            out.append(self._pieces[i])
-        return out
+        self.pieces = TokenPieces(decode)  # the text of each token id alone
 
     def __call__(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """[len(ids)] float32: 1.0 where the token's class is selected, else 0.0.
@@ -136,7 +127,7 @@ class TokenMask:
         Raises:
           ValueError: the classifier gave another number of classes than tokens.
         """
-        classes = list(self.classify(self.pieces(ids)))
+        classes = list(self.classify(self.pieces(np.asarray(ids).tolist())))
         if len(classes) != len(ids):
             raise ValueError(
                 f"entropy.tokens {self.spec!r}: the classifier gave {len(classes)} classes "

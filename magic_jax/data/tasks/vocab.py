@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from magic_jax.data.rows import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
 
 R1_SPECIALS = ("<pad>", R1_BOS, R1_EOS, R1_USER, R1_ASSISTANT)
@@ -39,3 +41,24 @@ def char_tokenizer(
         bos_token=specials[1] if len(specials) > 1 else None,
         eos_token=specials[2] if len(specials) > 2 else None,
     )
+
+
+class TokenPieces:
+    """The text of each token id alone (``decode([id])``), each id decoded once: what a
+    token classifier (``magic_jax.data.tasks.carry.token_classes``) reads.
+
+    Args:
+      decode: ids -> text (a tokenizer's ``decode``).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._pieces: dict[int, str] = {}
+
+    def __call__(self, ids: Sequence[int]) -> list[str]:
+        out = []
+        for i in (int(x) for x in ids):
+            if i not in self._pieces:
+                self._pieces[i] = self._decode([i])
+            out.append(self._pieces[i])
+        return out
