@@ -19,6 +19,7 @@ from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.engine_config import DECODE_LANES_DEFAULT as DECODE_LANES_DEFAULT
 from magic_jax.rollout.engine_config import EngineConfig, EngineOptions
 from magic_jax.rollout.engine_config import default_lanes as default_lanes
+from magic_jax.rollout.protocols import VersionSchedule
 from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
 from magic_jax.rollout.sampling import SamplingConfig
 
@@ -44,8 +45,10 @@ class _SlotBuffers:
     and a finished sample is one slice per field.
     """
 
-    def __init__(self, slots: int, limit: int):
+    def __init__(self, slots: int, limit: int, versions: bool = False):
         self.length = np.zeros(slots, np.int64)
+        # the policy version of each token (a rollout under a ``VersionSchedule``)
+        self.versions = np.zeros((slots, limit), np.int32) if versions else None
         self.fields = (
             np.zeros((slots, limit), np.int32),  # tokens
             np.zeros((slots, limit), np.float32),  # logprobs
@@ -53,24 +56,30 @@ class _SlotBuffers:
             np.zeros((slots, limit), np.float32),  # sampling_logprobs
         )
 
-    def start(self, slots: np.ndarray, draws: tuple[np.ndarray, ...]) -> None:
-        """The first token of each of ``slots`` (sampled at insert)."""
+    def start(self, slots: np.ndarray, draws: tuple[np.ndarray, ...], version: int = 0) -> None:
+        """The first token of each of ``slots`` (sampled at insert, by ``version``)."""
         for buf, x in zip(self.fields, draws):
             buf[slots, 0] = x
+        if self.versions is not None:
+            self.versions[slots, 0] = version
         self.length[slots] = 1
 
-    def add(self, slots: np.ndarray, outs: StepOutput) -> None:
-        """A chunk's tokens [n, b] for the slots of its columns."""
+    def add(self, slots: np.ndarray, outs: StepOutput, version: int = 0) -> None:
+        """A chunk's tokens [n, b] for the slots of its columns (sampled by ``version``)."""
         valid = outs.valid
         step, col = np.nonzero(valid)
         at = self.length[slots[col]] + (np.cumsum(valid, axis=0)[step, col] - 1)
         for buf, x in zip(self.fields, outs[:4]):
             buf[slots[col], at] = x[step, col]
+        if self.versions is not None:
+            self.versions[slots[col], at] = version
         self.length[slots] += valid.sum(axis=0)
 
     def take(self, slot: int) -> tuple[np.ndarray, ...]:
+        """(tokens, logprobs, entropies, sampling_logprobs, versions or None) of ``slot``."""
         n = int(self.length[slot])
-        return tuple(buf[slot, :n].copy() for buf in self.fields)
+        v = None if self.versions is None else self.versions[slot, :n].copy()
+        return (*(buf[slot, :n].copy() for buf in self.fields), v)
 
 
 @dataclasses.dataclass
@@ -90,6 +99,7 @@ class _Work:
     on_sample: Callable[[Sample], None] | None
     ids: list[int] = dataclasses.field(default_factory=list)
     prefixes: dict[int, Prefix] = dataclasses.field(default_factory=dict)
+    prefix_versions: dict[int, int] = dataclasses.field(default_factory=dict)
     done: list[Sample] = dataclasses.field(default_factory=list)
     errors: list[BaseException] = dataclasses.field(default_factory=list)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -129,16 +139,21 @@ class _Lane:
         step: int,
         truncation: Truncation,
         profile: bool,
+        schedule: VersionSchedule | None = None,
     ):
         self.eng, self.cfg = engine, engine.config
+        self.schedule = schedule
+        self.version = 0 if schedule is None else schedule.start
         self.queue, self.params, self.state, self.unembed_VD = queue, params, state, unembed_VD
         self.work, self.stats = work, stats
         self.seed, self.step, self.truncation, self.profile = seed, step, truncation, profile
         self.b_max = b_max = self.cfg.max_concurrent_decodes
         self.slot_of: list[_Pending | None] = [None] * b_max
         self.prompt_len = np.zeros(b_max, np.int64)
-        self.buffers = _SlotBuffers(b_max, max(int(work.limits.max(initial=1)), 1))
-        self.first_draws: list[tuple[list[_Pending], list[int], StepOutput]] = []
+        limit = max(int(work.limits.max(initial=1)), 1)
+        self.buffers = _SlotBuffers(b_max, limit, versions=schedule is not None)
+        # (samples, slots, first tokens, the version of their prompt's prefill)
+        self.first_draws: list[tuple[list[_Pending], list[int], StepOutput, int]] = []
         self.eos = set(engine.eos_ids)
         self.sizes = engine.compact_sizes()
         self.whole_groups = engine.light_cpu_step and work.num_samples <= b_max
@@ -146,6 +161,7 @@ class _Lane:
     def run(self) -> DecodeState:
         """Decodes the lane's queue; returns the lane's decode state."""
         while (self.queue or any(s is not None for s in self.slot_of)) and not self.work.errors:
+            self._switch_version()
             t0 = time.perf_counter()
             self._fill_free_slots()
             self._start_inserted()
@@ -157,6 +173,19 @@ class _Lane:
             self.stats.host_s += time.perf_counter() - t0
             self._decode_chunk(rows, min_live, attend)
         return self.state
+
+    def _switch_version(self) -> None:
+        """Moves to the version the schedule names for this lane's chunk count (waiting
+        until it is published): its weights decode from here on, into the same cache."""
+        if self.schedule is None:
+            return
+        v = self.schedule.version_at(self.stats.chunks)
+        if v != self.version:
+            tw = time.perf_counter()
+            self.params = self.schedule.params(v)
+            self.unembed_VD = self.eng.decode_unembedding(self.params)
+            self.version = v
+            self.stats.version_wait_s += time.perf_counter() - tw
 
     def _fill_free_slots(self) -> None:
         free = collections.deque(s for s in range(self.b_max) if self.slot_of[s] is None)
@@ -191,6 +220,7 @@ class _Lane:
         if p not in work.prefixes:
             tp = time.perf_counter()
             work.prefixes[p] = self.eng.prefill(self.params, work.prompts[p])
+            work.prefix_versions[p] = self.version
             if self.profile:
                 jax.block_until_ready(work.prefixes[p])
             self.stats.prefill_s += time.perf_counter() - tp
@@ -217,14 +247,15 @@ class _Lane:
         self.stats.insert_s += time.perf_counter() - ti
         for pend, slot in zip(pends, slots):
             self.slot_of[slot], self.prompt_len[slot] = pend, len(work.prompts[p])
-        self.first_draws.append((pends, slots, first))
+        self.first_draws.append((pends, slots, first, work.prefix_versions.get(p, self.version)))
 
     def _start_inserted(self) -> None:
         """Token 0 of each sample inserted since the last chunk was sampled at insert;
         fetched here (one transfer for all), it may end the sample at once."""
-        fetched = jax.device_get([f for _, _, f in self.first_draws])
-        for (pends, slots, _), f in zip(self.first_draws, fetched):
-            self.buffers.start(np.asarray(slots), tuple(np.asarray(x).reshape(-1) for x in f))
+        fetched = jax.device_get([d[2] for d in self.first_draws])
+        for (pends, slots, _, v), f in zip(self.first_draws, fetched):
+            draws = tuple(np.asarray(x).reshape(-1) for x in f)
+            self.buffers.start(np.asarray(slots), draws, v)
             for i, (pend, slot) in enumerate(zip(pends, slots)):
                 if int(f.tokens[i]) in self.eos or pend.limit <= 1:
                     self._finish(pend, slot)
@@ -280,7 +311,7 @@ class _Lane:
         stats.chunks += 1
         stats.steps += n
         stats.slot_steps += n * len(cols)
-        self.buffers.add(cols, outs)  # only live rows produce valid tokens
+        self.buffers.add(cols, outs, self.version)  # only live rows produce valid tokens
         for c in np.flatnonzero(outs.done.any(axis=0)):
             slot = int(cols[c])
             if self.slot_of[slot] is not None:
@@ -288,7 +319,7 @@ class _Lane:
         stats.host_s += time.perf_counter() - t1
 
     def _finish(self, pend: _Pending, slot: int) -> None:
-        tokens, logp, ent, slp = self.buffers.take(slot)
+        tokens, logp, ent, slp, versions = self.buffers.take(slot)
         hit_eos = len(tokens) > 0 and int(tokens[-1]) in self.eos
         length = len(tokens)
         truncated = not hit_eos if self.truncation == "no_eos" else length == pend.limit
@@ -303,6 +334,7 @@ class _Lane:
             truncated=bool(truncated),
             length=length,
             finish_reason="eos" if hit_eos else "length",
+            versions=versions,
         )
         self.slot_of[slot] = None
         self.work.finish(sample)
@@ -384,6 +416,7 @@ class RolloutDriver:
         profile: bool = False,
         on_sample: Callable[[Sample], None] | None = None,
         prompt_indices: Sequence[int] | None = None,
+        schedule: VersionSchedule | None = None,
     ) -> tuple[list[Sample], RolloutStats]:
         """Generates ``num_samples`` responses for each prompt.
 
@@ -404,6 +437,9 @@ class RolloutDriver:
             (default 0, 1, ...): its samples' keys and ``Sample.prompt_index``. A
             rollout resumed with only its unfinished groups passes their indices,
             so each group draws what it would have drawn among all of them.
+          schedule: the policy versions each lane samples with, by its chunk count
+            (``params`` is then version ``schedule.start``'s weights); each sample
+            records its tokens' versions (``Sample.versions``).
 
         Raises:
           interrupt.Interrupted: a stop was asked (checked before each decode chunk).
@@ -436,6 +472,7 @@ class RolloutDriver:
                     step=step,
                     truncation=truncation,
                     profile=profile,
+                    schedule=schedule,
                 ).run()
             except BaseException as e:  # re-raised below, in the calling thread
                 work.errors.append(e)

@@ -113,6 +113,8 @@ def encode_group(
     }
     for f in _FIELDS:
         arrays[f] = np.concatenate([np.asarray(getattr(s, f), np.float32) for s in samples])
+    if all(s.versions is not None for s in samples):  # overlap mode: each token's version
+        arrays["versions"] = np.concatenate([np.asarray(s.versions, np.int32) for s in samples])
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -140,6 +142,7 @@ def decode_group(
             truncated=meta["truncated"][j],
             length=int(b - a),
             finish_reason=meta["finish_reason"][j],
+            versions=arrays["versions"][a:b] if "versions" in arrays else None,
         )
         for j, (a, b) in enumerate(zip(starts, ends))
     ]

@@ -65,3 +65,21 @@ class Driver(Protocol):
     ) -> tuple[list[Sample], RolloutStats]:
         """The samples ordered by (prompt, sample), and where the time went."""
         ...
+
+
+class VersionSchedule(Protocol):
+    """Which policy version a rollout's lanes sample with (``rollout.mode: overlap``).
+
+    A lane starts under ``start`` and, before each of its decode chunks, asks
+    ``version_at`` with the chunks it has run: the answer is a function of that
+    count alone, so which version samples which token never depends on thread
+    timing. ``params`` gives a version's weights in the engine's layout, waiting
+    until that version is published. Responses in flight keep their KV cache when
+    the version changes (the cache of earlier tokens was written by the older one).
+    """
+
+    start: int
+
+    def version_at(self, chunks: int) -> int: ...
+
+    def params(self, version: int) -> nnx.State: ...

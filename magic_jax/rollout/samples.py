@@ -28,6 +28,8 @@ class Sample:
         length equal to the limit, EOS counted (``"length"``, the reference code).
       length: L, exact.
       finish_reason: ``"eos"`` or ``"length"``.
+      versions: [L] int32 policy version that sampled each token (a rollout with a
+        ``driver.VersionSchedule``: ``rollout.mode: overlap``); None without one.
     """
 
     prompt_index: int
@@ -40,6 +42,7 @@ class Sample:
     truncated: bool
     length: int
     finish_reason: Literal["eos", "length"]
+    versions: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -49,7 +52,8 @@ class RolloutStats:
     ``prefill_s`` / ``insert_s`` are exact only with ``profile=True`` (else the
     work is asynchronous and lands in ``decode_s``). ``slot_steps`` counts rows
     computed per device step (the batch run), ``tokens`` the useful ones;
-    ``by_batch`` maps a decode batch size to [steps, seconds] spent at it.
+    ``by_batch`` maps a decode batch size to [steps, seconds] spent at it;
+    ``version_wait_s`` is time a lane waited for a scheduled policy version.
     """
 
     tokens: int = 0
@@ -62,6 +66,7 @@ class RolloutStats:
     steps: int = 0
     slot_steps: int = 0
     prefills: int = 0
+    version_wait_s: float = 0.0
     by_batch: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -157,11 +157,27 @@ class RolloutConfig(EngineOptions):
         rounds) and train on D_R mixed groups. Off by default, as in the report
         (rejection sampling without refill).
       refill_max_rounds: cap of extra rounds per step.
+      mode: ``sync`` generates step k's responses with the policy after k updates,
+        then updates; ``overlap`` generates ahead in a second thread while the
+        update runs (``run/overlap.py``, docs/training.md#overlap).
+      max_staleness: with ``overlap``, s: step k's rollout starts under the policy
+        after ``max(0, k - s)`` updates (0 is sync's schedule, in the overlap code).
+      publish_chunks: with ``overlap``, partial rollouts: every this many decode
+        chunks (per lane) the responses in flight move to the next policy version,
+        up to the newest the step may use (k), keeping their KV cache; null: a
+        rollout keeps the version it started with.
+      devices: with ``overlap`` and a ``mesh``, the first this many devices generate
+        (their own mesh, weights resharded to it when published) and the others
+        update (``mesh`` over them); null: both share every device.
     """
 
     truncation: Literal["no_eos", "length"] = "no_eos"
     refill: bool = False
     refill_max_rounds: int = 4
+    mode: Literal["sync", "overlap"] = "sync"
+    max_staleness: int = 1
+    publish_chunks: int | None = None
+    devices: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -169,6 +185,16 @@ class RolloutConfig(EngineOptions):
             raise ValueError(f"truncation: must be 'no_eos' or 'length', got {self.truncation!r}")
         if self.refill_max_rounds < 1:
             raise ValueError(f"refill_max_rounds: must be >= 1, got {self.refill_max_rounds}")
+        if self.mode not in ("sync", "overlap"):
+            raise ValueError(f"mode: must be 'sync' or 'overlap', got {self.mode!r}")
+        for name, low in (("max_staleness", 0), ("publish_chunks", 1), ("devices", 1)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
+        if self.max_staleness is None:
+            raise ValueError("max_staleness: must be an integer >= 0, got None")
+        if self.mode == "sync" and (self.publish_chunks is not None or self.devices is not None):
+            raise ValueError("publish_chunks and devices: need mode: overlap")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -290,6 +316,8 @@ class TrainConfig:
             raise ValueError(
                 f"watchdog_s must be a positive number of seconds or null, got {self.watchdog_s!r}"
             )
+        if self.rollout.devices is not None and self.mesh is None:
+            raise ValueError("rollout.devices: splitting the devices needs a mesh (set mesh)")
         if self.profile_steps is not None:
             from magic_jax.run.profile import parse_profile_steps
 

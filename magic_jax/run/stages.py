@@ -138,6 +138,7 @@ def build_stage(
     policy: Qwen2,
     graphdef: nnx.GraphDef,
     mesh: Mesh | None,
+    rollout_mesh: Mesh | None = None,
 ) -> Stage:
     """Builds stage ``index``: its prompts, prompt order, rollout driver and updater.
 
@@ -149,6 +150,8 @@ def build_stage(
       policy: the policy model (the engine takes its graph and shapes, not its weights).
       graphdef: the policy's ``nnx.GraphDef``.
       mesh: the training mesh, or None.
+      rollout_mesh: the devices that generate, when they are not the training mesh's
+        (``rollout.devices``); None: ``mesh``.
     """
     import jax
 
@@ -170,7 +173,7 @@ def build_stage(
         max_prompt_length=config.data.max_prompt_length,
         max_response_length=st.max_response_length,
         sampling=config.sampling,
-        mesh=mesh,
+        mesh=mesh if rollout_mesh is None else rollout_mesh,
     )
     updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)

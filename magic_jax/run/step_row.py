@@ -89,3 +89,28 @@ def step_row(
         / max(sum(r.wall_s for r in got.stats), 1e-9),
         **times,
     }
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """A step record's log line."""
+    return (
+        "[step {step}] stage {stage} reward {reward:.3f} trunc {truncated_fraction:.2f} "
+        "len {response_length_mean:.0f}/{response_length_max} entropy {entropy:.3f} "
+        "alpha {alpha:.4f} kept {kept_group_fraction:.2f} sgd {sgd_steps} "
+        "clip {clipfrac_low:.3f}/{clipfrac_high:.3f} kl {approx_kl:.2e} gnorm {grad_norm:.3f} "
+        "t_R {t_rollout_s:.1f}s t_T {t_update_s:.1f}s t_O {t_other_s:.1f}s"
+    ).format(**row)
+
+
+def format_eval(row: dict[str, Any], n: int) -> str:
+    """An evaluation record's log line (avg@``n``)."""
+    return (
+        f"[eval step {row['step']}] avg@{n} {row['accuracy']:.3f} "
+        f"pass@{n} {row['pass_at_n']:.3f} on {row['problems']} problems, "
+        f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f}"
+        + "".join(
+            f"; at temperature {t}: avg@{n} {r['accuracy']:.3f}"
+            for t, r in row.get("by_temperature", {}).items()
+        )
+        + f" ({row['t_eval_s']:.1f}s)"
+    )

@@ -47,7 +47,7 @@ from magic_jax.run.config_dict import to_dict
 from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
 from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, pack_step, update_config
-from magic_jax.run.step_row import step_row
+from magic_jax.run.step_row import format_eval, format_row, step_row
 
 if TYPE_CHECKING:
     from magic_jax.rollout.driver import RolloutDriver
@@ -78,10 +78,10 @@ class Trainer:
     def _setup(self) -> None:
         from flax import nnx
 
-        from magic_jax.model.sharding import make_mesh
+        from magic_jax.run.overlap import split_meshes
 
         cfg = self.config
-        self.mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)
+        self.mesh, self.rollout_mesh = split_meshes(cfg.mesh, cfg.rollout.devices, log=self.log)
         self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -140,6 +140,7 @@ class Trainer:
             policy=self.model,
             graphdef=self.graphdef,
             mesh=self.mesh,
+            rollout_mesh=self.rollout_mesh,
         )
         self.log(stage.describe())
         return stage
@@ -193,19 +194,27 @@ class Trainer:
         of the last stage or a stop; returns the summary."""
         from magic_jax.rewards import VerifierPool
         from magic_jax.run.checkpoint import TrainCheckpoints
+        from magic_jax.run.overlap import OverlapRollouts
 
-        cfg = self.config
+        cfg, ro = self.config, self.config.rollout
         self._setup()
         state = self._initial_state()
         found = newest_good_checkpoint(self.out, log=self.log)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        state, loop = resume_from(self.out, found, ckpts, state, log=self.log)
+        ov = None if ro.mode == "sync" else OverlapRollouts(ro.max_staleness, ro.publish_chunks)
+        self._overlap = ov  # overlap: the checkpoints also hold the s versions in flight
+        state, loop = resume_from(
+            self.out, found, ckpts, ov.template(state) if ov else state, log=self.log
+        )
+        state = ov.start(state, loop.step) if ov else state
         self._saved = self._kept_rollouts = loop.step  # the newest checkpoint's step
         self._stage_now: Stage | None = None
         self._start_monitor(loop.step)
         # the stop signal every process agrees on (0: none), asked once per step
         stop = distributed.max_int(signals.received or 0)
-        end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        end = self._end = (
+            cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        )
         counts = _counts(state)  # what the summary says of the state (an update may consume it)
         try:
             with (
@@ -217,6 +226,8 @@ class Trainer:
                 if not stop:
                     state, stop, counts = self._train(state, loop, end, pool, ckpts, signals)
         finally:
+            if ov is not None:
+                ov.close()
             ckpts.close()
         return self._summary(state, loop, stop, counts)
 
@@ -336,7 +347,7 @@ class Trainer:
         ended = schedule.after_step(cfg, step, row["truncated_fraction"])
         if ended is not None:
             row["stage_end"] = ended
-        self._monitor.step(row, _format(row))
+        self._monitor.step(row, format_row(row))
         interrupt.kill_point("step", step)
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
@@ -355,7 +366,9 @@ class Trainer:
         jax.block_until_ready(state)
         # the records up to this step are durable before the checkpoint that implies them
         self._monitor.flush()
-        path = ckpts.save(loop.step, state, loop.meta(), self.model.config)
+        ov, step = self._overlap, loop.step
+        item = state if ov is None else ov.checkpoint_item(state, step)
+        path = ckpts.save(step, item, loop.meta(), self.model.config)
         self._saved = loop.step
         return path
 
@@ -409,17 +422,7 @@ class Trainer:
         ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
         if ended is not None:
             row["stage_end"] = ended
-        self._monitor.eval(
-            row,
-            f"[eval step {step}] avg@{ev.num_samples} {row['accuracy']:.3f} "
-            f"pass@{ev.num_samples} {row['pass_at_n']:.3f} on {row['problems']} problems, "
-            f"len {row['response_length_mean']:.0f}, trunc {row['truncated_fraction']:.2f}"
-            + "".join(
-                f"; at temperature {t}: avg@{ev.num_samples} {r['accuracy']:.3f}"
-                for t, r in row.get("by_temperature", {}).items()
-            )
-            + f" ({row['t_eval_s']:.1f}s)",
-        )
+        self._monitor.eval(row, format_eval(row, ev.num_samples))
         return row
 
     def _probe(self, state: Any, step: int, pool: Any) -> dict[str, object]:
@@ -450,14 +453,19 @@ class Trainer:
         import jax
 
         from magic_jax.rollout import partial
-        from magic_jax.rollout.collect import collect_groups
         from magic_jax.run import runlock
 
-        cfg, st = self.config, stage.config
+        cfg, st, ov = self.config, stage.config, self._overlap
         t0 = time.perf_counter()
-        params = stage.driver.load_params(state.params)
-        store = None
-        if step == self._saved:  # a stop resumes here: keep the groups as they finish
+        store, extra = None, {}
+        if ov is not None:  # generated during the last updates (run/overlap.py)
+
+            def rollout(j, driver, params):
+                return self._collect(stage, j, j - step + k, driver, params, pool, None)
+
+            end = min(step - k + st.steps, self._end)
+            got, extra = ov.take(stage, step, end, rollout)
+        elif step == self._saved:  # a stop resumes here: keep the groups as they finish
             if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
                 partial.prune(self.out, keep=(step, self._kept_rollouts))
             self._kept_rollouts = step
@@ -468,14 +476,42 @@ class Trainer:
                 log=self.log,
                 fence=runlock.check_fence,
             )
+        if ov is None:
+            params = stage.driver.load_params(state.params)
+            got = self._collect(stage, step, k, stage.driver, params, pool, store)
+            params = None  # the engine's copy of the weights is not needed for the update
+        t1 = time.perf_counter()
+        for g in got.every:
+            tracker.record(g.row.uid, g.rewards)
+        buffer = pack_step(cfg, stage, got, self.tokenizer, self.pad_id)
+        t2 = time.perf_counter()
+        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+        # an update is cut short only where its groups and the state before it are kept
+        with contextlib.nullcontext() if store is not None else interrupt.deferred():
+            state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        interrupt.kill_point("update", step)  # the update is dispatched, not yet done
+        if ov is not None:
+            ov.published(step + 1, state.params)
+        jax.block_until_ready(state.params)
+        t3 = time.perf_counter()
+        wait = 0.0 if ov else got.wait_s  # overlap: t_rollout_s is the wait for the producer
+        times = {"t_rollout_s": t1 - t0 - wait, "t_update_s": t3 - t2, "t_other_s": t2 - t1 + wait}
+        row = step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
+        return state, row | extra
+
+    def _collect(self, stage: Stage, step: int, k: int, driver, params, pool, store):
+        """Step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its rounds."""
+        import jax
+
+        from magic_jax.rollout.collect import collect_groups
+
+        cfg, st = self.config, stage.config
         rounds = [stage.batches[k]]
         if cfg.rollout.refill:
-            first = k * cfg.rollout.refill_max_rounds
-            rounds += [
-                stage.refill_batches[first + r] for r in range(cfg.rollout.refill_max_rounds)
-            ]
-        got = collect_groups(
-            stage.driver,
+            first, n = k * cfg.rollout.refill_max_rounds, cfg.rollout.refill_max_rounds
+            rounds += [stage.refill_batches[first + r] for r in range(n)]
+        return collect_groups(
+            driver,
             params,
             rounds,
             tokenizer=self.tokenizer,
@@ -490,37 +526,8 @@ class Trainer:
             per_host=jax.process_count() > 1,
             saved=store,
         )
-        params = None  # the engine's copy of the weights is not needed for the update
-        t1 = time.perf_counter()
-        for g in got.every:
-            tracker.record(g.row.uid, g.rewards)
-        buffer = pack_step(cfg, stage, got, self.tokenizer, self.pad_id)
-        t2 = time.perf_counter()
-        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-        # an update is cut short only where its groups and the state before it are kept
-        with contextlib.nullcontext() if store is not None else interrupt.deferred():
-            state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
-        interrupt.kill_point("update", step)  # the update is dispatched, not yet done
-        jax.block_until_ready(state.params)
-        t3 = time.perf_counter()
-        times = {
-            "t_rollout_s": t1 - t0 - got.wait_s,
-            "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1 + got.wait_s,
-        }
-        return state, step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
 
 
 def _counts(state: Any) -> dict[str, Any]:
     s, skipped, coef = int(state.step), int(state.skipped), float(state.entropy.coef)
     return {"optimizer_steps": s, "skipped_updates": skipped, "entropy_coef": coef}
-
-
-def _format(row: dict[str, Any]) -> str:
-    return (
-        "[step {step}] stage {stage} reward {reward:.3f} trunc {truncated_fraction:.2f} "
-        "len {response_length_mean:.0f}/{response_length_max} entropy {entropy:.3f} "
-        "alpha {alpha:.4f} kept {kept_group_fraction:.2f} sgd {sgd_steps} "
-        "clip {clipfrac_low:.3f}/{clipfrac_high:.3f} kl {approx_kl:.2e} gnorm {grad_norm:.3f} "
-        "t_R {t_rollout_s:.1f}s t_T {t_update_s:.1f}s t_O {t_other_s:.1f}s"
-    ).format(**row)

@@ -1,0 +1,364 @@
+"""Rollout and update overlapped (``rollout.mode: overlap``), on a counted schedule.
+
+Version v of the policy is the weights after v updates. With ``max_staleness`` s,
+step k's rollout starts under version ``max(0, k - s)``; a second thread (the
+producer) generates the rollouts in step order while the main thread updates,
+so step k's rollout runs during the updates of steps ``k - s`` to ``k - 1``. The
+update of step k always starts from version k: a token sampled by version v is
+``k - v`` versions stale, at most s. Admission, not discarding, bounds it: a
+rollout waits for its start version to be published and nothing generated is
+thrown away (AReaL's rule, counted in steps).
+
+With ``publish_chunks`` n (partial rollouts), every n decode chunks of a lane the
+responses in flight move to the next version, up to version k, keeping their KV
+cache (PipelineRL's choice); each token records its version
+(``Sample.versions``). Which version samples which token is a function of the
+step and the lane's chunk count, never of thread timing, so a seed gives the
+same run twice, and s = 0 is sync's computation in the overlap code.
+
+Nothing is lost at a stop: a checkpoint after step c holds, beside the state
+(version c), the s versions ``c - s .. c - 1`` that the rollouts of steps
+``c .. c + s - 1`` start from (``Checkpointed``), so a resumed run regenerates
+exactly what the stopped one had in flight; the groups a rollout of the step
+after a checkpoint finished are on disk as in sync mode (``rollout.partial``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from magic_jax.rollout.collect import Collected
+
+
+class Cancelled(Exception):
+    """The pipeline was closed while the producer waited or decoded."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Checkpointed:
+    """What an overlap checkpoint saves (one orbax tree): the train state and the s
+    versions before it (``lagged[i]`` is version ``max(0, step - s + i)``)."""
+
+    state: Any
+    lagged: tuple[Any, ...]
+
+
+def copy_params(params: Any) -> Any:
+    """A copy of ``params`` that no donating update can overwrite."""
+    return jax.tree.map(lambda x: x.copy(), params)
+
+
+class Versions:
+    """The published policy versions (master-layout copies), kept while a rollout still
+    needs them: the newest and the ``keep`` before it."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._params: dict[int, Any] = {}
+        self._cond = threading.Condition()
+
+    def publish(self, version: int, params: Any) -> None:
+        with self._cond:
+            self._params[version] = params
+            for v in [v for v in self._params if v < version - self.keep]:
+                del self._params[v]
+            self._cond.notify_all()
+
+    def get(self, version: int, cancel: threading.Event | None = None) -> Any:
+        """Version ``version``'s weights, waiting until it is published (or ``cancel``)."""
+        with self._cond:
+            while version not in self._params:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(f"version {version} was not published")
+                if self._params and version < min(self._params):
+                    raise KeyError(f"policy version {version} is no longer kept")
+                self._cond.wait()
+            return self._params[version]
+
+    def newest(self) -> int:
+        with self._cond:
+            return max(self._params)
+
+    def lagged(self, step: int) -> tuple[Any, ...]:
+        """The versions a checkpoint after ``step`` updates keeps (``Checkpointed``)."""
+        return tuple(self.get(max(0, step - self.keep + i)) for i in range(self.keep))
+
+    def wake(self) -> None:
+        """Wakes the waiters (to see a cancel)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+class StepSchedule:
+    """Step ``step``'s ``driver.VersionSchedule``: it starts under ``max(0, step - s)``
+    and, with ``publish_chunks``, moves on one version per that many chunks, up to
+    ``step``."""
+
+    def __init__(
+        self,
+        step: int,
+        max_staleness: int,
+        publish_chunks: int | None,
+        engine_params: Callable[[int], Any],
+        cancelled: threading.Event,
+    ):
+        self.start = max(0, step - max_staleness)
+        self.step, self.every = step, publish_chunks
+        self._engine_params, self._cancelled = engine_params, cancelled
+
+    def version_at(self, chunks: int) -> int:
+        if self._cancelled.is_set():
+            raise Cancelled(f"step {self.step}'s rollout")
+        if self.every is None:
+            return self.start
+        return min(self.step, self.start + chunks // self.every)
+
+    def params(self, version: int) -> Any:
+        return self._engine_params(version)
+
+
+class ScheduledDriver:
+    """A driver whose ``run`` samples under ``schedule`` (what ``collect_groups`` calls)."""
+
+    def __init__(self, driver: Any, schedule: StepSchedule):
+        self.driver, self.schedule = driver, schedule
+
+    def load_params(self, params: Any) -> Any:
+        return self.driver.load_params(params)
+
+    def run(self, params: Any, prompts: Any, **kw: Any) -> Any:
+        return self.driver.run(params, prompts, schedule=self.schedule, **kw)
+
+
+@dataclasses.dataclass
+class Produced:
+    """One step's rollout from the producer: what ``collect_groups`` gave (or raised)
+    and when."""
+
+    step: int
+    got: Collected | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0  # generating and scoring
+    start_wait_s: float = 0.0  # waiting for its start version before it began
+
+
+class RolloutPipeline:
+    """The producer thread of one stage: the rollouts of steps ``first`` to ``end - 1``
+    in order, each started once its version is published.
+
+    Args:
+      rollout: (step, driver) -> ``Collected``: one step's ``collect_groups`` with
+        the given driver (a ``ScheduledDriver``) and its start version's weights.
+      driver: the stage's rollout driver.
+      versions: the published versions (the main thread publishes after each update).
+      first / end: the steps to generate.
+      max_staleness / publish_chunks: ``rollout`` options.
+    """
+
+    def __init__(
+        self,
+        rollout: Callable[[int, Any, Any], Collected],
+        driver: Any,
+        versions: Versions,
+        *,
+        first: int,
+        end: int,
+        max_staleness: int,
+        publish_chunks: int | None,
+    ):
+        self.rollout, self.driver, self.versions = rollout, driver, versions
+        self.first, self.end = first, end
+        self.s, self.every = max_staleness, publish_chunks
+        self._done: dict[int, Produced] = {}
+        self._cond = threading.Condition()
+        self._cancel = threading.Event()
+        self._engine: dict[int, Any] = {}  # version -> engine-layout weights
+        self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    def engine_params(self, version: int) -> Any:
+        """Version ``version`` in the engine's layout (made once, from the producer)."""
+        if version not in self._engine:
+            self._engine = {v: p for v, p in self._engine.items() if v >= version - self.s}
+            master = self.versions.get(version, self._cancel)
+            self._engine[version] = self.driver.load_params(master)
+        return self._engine[version]
+
+    def _produce(self) -> None:
+        for step in range(self.first, self.end):
+            out = Produced(step)
+            try:
+                sched = StepSchedule(step, self.s, self.every, self.engine_params, self._cancel)
+                t0 = time.perf_counter()
+                params = self.engine_params(sched.start)
+                t1 = time.perf_counter()
+                out.got = self.rollout(step, ScheduledDriver(self.driver, sched), params)
+                out.seconds, out.start_wait_s = time.perf_counter() - t1, t1 - t0
+            except BaseException as e:  # handed to the main thread by ``take``
+                out.error = e
+            with self._cond:
+                self._done[step] = out
+                self._cond.notify_all()
+            if out.error is not None:
+                return
+
+    def take(self, step: int) -> tuple[Produced, float]:
+        """Step ``step``'s rollout and the seconds the caller waited for it; raises what
+        the rollout raised."""
+        if not self.first <= step < self.end:
+            raise ValueError(f"step {step} is outside this pipeline's [{self.first}, {self.end})")
+        t0 = time.perf_counter()
+        with self._cond:
+            while step not in self._done:
+                self._cond.wait()
+            out = self._done.pop(step)
+        if out.error is not None:
+            raise out.error
+        return out, time.perf_counter() - t0
+
+    def close(self) -> list[int]:
+        """Stops the producer (a rollout in flight stops at its next chunk); returns the
+        steps generated but not taken (discarded)."""
+        self._cancel.set()
+        self.versions.wake()
+        self._thread.join()
+        with self._cond:
+            return sorted(s for s, p in self._done.items() if p.got is not None)
+
+
+def staleness_metrics(groups: Any, step: int) -> dict[str, Any]:
+    """The step's tokens by staleness (``step`` minus the version that sampled each),
+    their mean entropy per staleness, and tokens per version."""
+    by_s: dict[int, list[float]] = {}
+    by_v: dict[int, int] = {}
+    for g in groups:
+        for smp in g.samples:
+            if smp.versions is None or not smp.length:
+                continue
+            v = np.asarray(smp.versions)
+            for ver in np.unique(v):
+                on = v == ver
+                acc = by_s.setdefault(step - int(ver), [0.0, 0.0])
+                acc[0] += int(on.sum())
+                acc[1] += float(np.asarray(smp.entropies, np.float64)[on].sum())
+                by_v[int(ver)] = by_v.get(int(ver), 0) + int(on.sum())
+    return {
+        "staleness_tokens": {str(s): int(n) for s, (n, _) in sorted(by_s.items())},
+        "entropy_by_staleness": {str(s): e / n for s, (n, e) in sorted(by_s.items()) if n},
+        "tokens_per_version": {str(v): n for v, n in sorted(by_v.items())},
+        "staleness_mean": sum(s * n for s, (n, _) in by_s.items())
+        / max(sum(n for n, _ in by_s.values()), 1),
+    }
+
+
+class OverlapRollouts:
+    """The trainer's side of overlap mode: the published versions, one producer per
+    stage, the checkpoint item and each step's overlap metrics.
+
+    Example (the trainer's loop, in outline):
+      ov = OverlapRollouts(cfg.rollout)
+      state = ov.start(ckpts.restore(ov.template(state), path), step)
+      got, extra = ov.take(stage, step, end, rollout)  # while the last update ran
+      state = update(state, got); ov.published(step + 1, state.params)
+      ckpts.save(step + 1, ov.checkpoint_item(state, step + 1), ...)
+    """
+
+    def __init__(self, max_staleness: int, publish_chunks: int | None):
+        self.s, self.every = max_staleness, publish_chunks
+        self.versions = Versions(keep=max_staleness)
+        self.pipeline: RolloutPipeline | None = None
+        self._stage: Any = None
+
+    def template(self, state: Any) -> Any:
+        """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
+        return state if self.s == 0 else Checkpointed(state, (state.params,) * self.s)
+
+    def start(self, restored: Any, step: int) -> Any:
+        """Publishes the versions a run resumed (or started) at ``step`` needs; returns
+        the train state of ``restored`` (``template``'s shape)."""
+        if self.s == 0:
+            state, lagged = restored, ()
+        else:
+            state, lagged = restored.state, restored.lagged
+        for i, params in enumerate(lagged):
+            v = max(0, step - self.s + i)
+            if v < step:
+                self.versions.publish(v, copy_params(params))
+        self.versions.publish(step, copy_params(state.params))
+        return state
+
+    def checkpoint_item(self, state: Any, step: int) -> Any:
+        """What the checkpoint after ``step`` updates saves."""
+        return state if self.s == 0 else Checkpointed(state, self.versions.lagged(step))
+
+    def published(self, version: int, params: Any) -> None:
+        """The main thread's update made ``version``: the producer may use it."""
+        self.versions.publish(version, copy_params(params))
+
+    def take(
+        self, stage: Any, step: int, end: int, rollout: Callable[[int, Any, Any], Collected]
+    ) -> tuple[Collected, dict[str, Any]]:
+        """Step ``step``'s rollout (its producer started at this stage's first step
+        taken, generating up to ``end``) and its overlap metrics."""
+        if self.pipeline is None or self._stage is not stage:
+            self.close()
+            self._stage = stage
+            self.pipeline = RolloutPipeline(
+                rollout,
+                stage.driver,
+                self.versions,
+                first=step,
+                end=end,
+                max_staleness=self.s,
+                publish_chunks=self.every,
+            )
+        out, wait = self.pipeline.take(step)
+        got = out.got
+        extra = staleness_metrics(got.groups, step)
+        version_wait = out.start_wait_s + sum(st.version_wait_s for st in got.stats)
+        extra.update(t_wait_rollout_s=wait, t_wait_version_s=version_wait, t_produce_s=out.seconds)
+        return got, extra
+
+    def close(self) -> list[int]:
+        """Stops the producer; returns the steps it generated that were not taken."""
+        pipeline, self.pipeline, self._stage = self.pipeline, None, None
+        return [] if pipeline is None else pipeline.close()
+
+
+def split_meshes(
+    mesh: Any, rollout_devices: int | None, *, log: Callable[[str], None] = print
+) -> tuple[Any, Any]:
+    """(the update's mesh, the rollout's mesh or None) for ``mesh`` (a ``MeshConfig`` or
+    None) and ``rollout.devices``: the first ``rollout_devices`` devices generate (fsdp
+    over them, ``mesh.tensor`` kept), the rest update with ``mesh``'s axes.
+
+    Raises:
+      ConfigError: the split leaves one side without devices or does not fit the axes.
+    """
+    from magic_jax.model.sharding import make_mesh
+    from magic_jax.run.config import ConfigError
+
+    if mesh is None:
+        return None, None
+    if rollout_devices is None:
+        return make_mesh(mesh), None
+    devices = jax.devices()
+    if not 0 < rollout_devices < len(devices):
+        raise ConfigError(
+            f"rollout.devices: {rollout_devices} of {len(devices)} devices leaves a side with none"
+        )
+    try:
+        rollout = make_mesh(dataclasses.replace(mesh, data=1, fsdp=-1), devices[:rollout_devices])
+        update = make_mesh(mesh, devices[rollout_devices:])
+    except ValueError as e:
+        raise ConfigError(f"rollout.devices: {e}") from None
+    log(f"[overlap] {rollout_devices} device(s) generate, {len(devices) - rollout_devices} update")
+    return update, rollout
