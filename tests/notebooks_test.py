@@ -294,8 +294,20 @@ def test_the_notebooks_readme_holds_the_table_of_the_committed_runs(tmp_path):
         assert (ROOT / "notebooks" / "figures" / f"{key}.png").exists()
 
 
+def _with_notebook():
+    return [p.name.split("_", 1)[1][:-3] for p in NOTEBOOKS]
+
+
 def test_every_ablation_has_a_notebook_that_names_it():
-    assert [p.name.split("_", 1)[1][:-3] for p in NOTEBOOKS] == list(ablations.ABLATIONS)
+    named = _with_notebook()
+    # a claim pre-registered before its runs may wait for its notebook until they begin
+    waiting = [
+        k
+        for k, ab in ablations.ABLATIONS.items()
+        if k not in named
+        and not any(ablations.is_done(COMMITTED, a, s) for a in ab.arms for s in ab.seeds)
+    ]
+    assert named == [k for k in ablations.ABLATIONS if k not in waiting]
     for p in NOTEBOOKS:
         text = p.read_text()
         assert f'ABLATION = "{p.stem.split("_", 1)[1]}"' in text
@@ -314,7 +326,9 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
         assert proc.returncode == 0, f"{nb.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         assert "verdict: " in proc.stdout or nb in sweeps, nb.name
     done = sorted(p.parent.parent.name for p in tmp_path.glob("runs/*/seed0/run.json"))
-    assert done == sorted({a.key for _, a in _all_arms()})
+    named = _with_notebook()
+    ran = {a.key for k, ab in ablations.ABLATIONS.items() if k in named for a in ab.arms}
+    assert done == sorted({a.key for _, a in _all_arms()} & ran)
 
 
 def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path, monkeypatch):

@@ -323,3 +323,36 @@ def test_lockout_measures_read_the_chain_half_and_the_probe_at_stage_1s_end(tmp_
     # one stage of the same length: read at the same step, half its steps
     assert probe_log10_p_stage1_end(run([0] * 20)) == -1.0
     assert math.isnan(probe_log10_p_stage1_end(run([0] * 16)))  # no evaluation at step 8
+
+
+def test_the_staleness_arms_run_what_their_pre_registration_says(tmp_path, capsys):
+    from magic_jax.run.config import load_config
+
+    ab = ablations.ABLATIONS["staleness"]
+    pre = prereg.for_ablation("staleness", PREREG)
+    assert pre.status == "prospective" and pre.seeds == ab.seeds == ablations.SEEDS_CENTRAL
+    assert len(ab.arms) == 9 and not any(a.pending for a in ab.arms)
+    shipped = load_config(ablations.train_config("carry"), [f"output_dir={tmp_path}"])
+    for arm in ab.arms:
+        c = load_config(
+            ablations.train_config("carry"),
+            [*ablations.overrides_for(arm, 0, world="carry"), f"output_dir={tmp_path}"],
+        )
+        assert c.entropy == shipped.entropy and c.total_steps == shipped.total_steps == 300
+        assert c.rollout.publish_chunks is None
+        if arm.key == "carry-stale-sync":
+            assert (c.rollout.mode, c.loss.tis_cap) == ("sync", None)
+            continue
+        s, kind = int(arm.key.split("-")[1][len("stale") :]), arm.key.split("-")[2]
+        assert (c.rollout.mode, c.rollout.max_staleness) == ("overlap", s)
+        assert c.loss.tis_cap == (2.0 if kind == "decoupled" else None)
+    # the runner's dry run prints the command and runs nothing; no runs: no verdict yet
+    argv = ["run", "--ablation", "staleness", "--arm", "carry-stale4-decoupled", "--seeds", "0"]
+    assert ablations.main([*argv, "--results", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("magic-jax train configs/carry.yaml") == 1 and not (tmp_path / "runs").exists()
+    for o in ("rollout.mode=overlap", "rollout.max_staleness=4", "loss.tis_cap=2.0", "seed=0"):
+        assert f"--set {o} " in out
+    rows = corrected.judge_all({"staleness": pre}, tmp_path)
+    assert rows == {"staleness": []} and corrected.primary_verdict([]) == "no runs yet"
+    assert sum(p.direction != "same" for p in pre.predictions) == 4  # the Holm family

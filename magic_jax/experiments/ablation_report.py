@@ -25,6 +25,10 @@ from magic_jax.experiments.claims_table import (  # noqa: F401 (re-exported)
     write_tables,
 )
 from magic_jax.experiments.corrected import claim_rows, correct, label, primary_verdict
+from magic_jax.experiments.pairing import (  # noqa: F401 (re-exported: the notebooks' API)
+    identical_arms,
+    identical_text,
+)
 from magic_jax.experiments.results import load_arm_runs, rerun_command
 from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the notebooks' API)
     ALPHA,
@@ -34,8 +38,6 @@ from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the not
     Effect,
     effects,
     final_accuracy,
-    identical_arms,
-    identical_text,
     judge,
     mean_of,
     run_seed,

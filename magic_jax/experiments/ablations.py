@@ -14,6 +14,7 @@ built over several sessions::
 
     python -m magic_jax.experiments.ablations run                  # every missing (arm, seed)
     python -m magic_jax.experiments.ablations run --ablation temperature --seeds 0
+    python -m magic_jax.experiments.ablations run --ablation staleness --seeds 0 --dry-run
     python -m magic_jax.experiments.ablations status
 
 A short budget for smoke runs (CI executes the notebooks this way):
@@ -258,11 +259,14 @@ def ensure(
     seeds: Sequence[int] | None = None,
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
+    dry_run: bool = False,
 ) -> Path:
     """Runs every missing (ablation, arm, seed) asked for; returns the results directory.
 
     With ``MAGIC_JAX_NOTEBOOK_STEPS`` set, each stage runs that many steps and only the
-    first seed is run (unless ``seeds`` says otherwise).
+    first seed is run (unless ``seeds`` says otherwise). With ``dry_run``, logs each
+    missing run's ``magic-jax train`` command (its world's config as typed in a checkout)
+    instead of running it.
     """
     budget = step_budget()
     where = results_dir(results)
@@ -270,7 +274,12 @@ def ensure(
     if todo:
         log(f"[ablations] {len(todo)} run(s) to do in {where}")
     for ab, arm, seed in todo:
-        run_one(ab, arm, seed, where, budget=budget, log=log)
+        if dry_run:
+            world = ABLATIONS[ab].world
+            cmd = train_command(arm, seed, raw_dir(where, arm, seed), budget, world=world)
+            log(shlex.join(cmd))
+        else:
+            run_one(ab, arm, seed, where, budget=budget, log=log)
     return where
 
 
@@ -339,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--arm", action="append", help="only these arms (repeatable)")
     r.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
     r.add_argument("--results", help="results directory (default notebooks/results)")
+    r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     t = sub.add_parser(
         "sft", help="carry world: supervised baseline for each finished seed of an arm"
     )
@@ -354,7 +364,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
-            ensure(args.ablation, arms=args.arm, seeds=args.seeds, results=args.results)
+            ensure(
+                args.ablation,
+                arms=args.arm,
+                seeds=args.seeds,
+                results=args.results,
+                dry_run=args.dry_run,
+            )
         elif args.cmd == "sft":
             ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
         elif args.cmd == "status":

@@ -5,19 +5,20 @@ runs are not bit-for-bit reproducible and every sampled token depends on all bef
 two runs of the same config drift apart once one logged value differs. ``TWINS`` are the
 pairs of arms whose training configs are the same (over the steps given): the step where
 they diverge, and the difference of an outcome between them, is the run-to-run noise of
-one arm against itself.
+one arm against itself. ``identical_arms`` finds arms whose rollouts never differed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from magic_jax.experiments.corrected import load_runs
 from magic_jax.experiments.verdicts import OUTCOMES, mean_of, run_seed, sample_var, welch
+from magic_jax.jobs.report import Run
 
 # The logged values that show the sampled rollouts themselves differ.
 ROLLOUT_KEYS = ("reward", "response_length_mean", "truncated_fraction")
@@ -53,6 +54,37 @@ TWINS: tuple[Twin, ...] = (
         "the same config through stage 1 (beta 0.1); stage 2 differs by design",
     ),
 )
+
+
+def identical_arms(runs: Mapping[str, Sequence[Run]]) -> list[tuple[str, str, list[int]]]:
+    """Pairs of arms whose rollouts are step-for-step identical in some seed (the same
+    entropy, reward and mean response length at every step): ``(arm a, arm b, [seeds])``.
+    Such an arm tested nothing in those seeds: its setting never changed the policy (a loss
+    may still differ, e.g. where a clip that never binds moves the reported loss)."""
+    keys = ("entropy", "reward", "response_length_mean")
+    sig = {
+        arm: {run_seed(r): [tuple(m.get(k) for k in keys) for m in r.metrics] for r in rs}
+        for arm, rs in runs.items()
+    }
+    out = []
+    arms = list(runs)
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            same = sorted(
+                s for s in sig[a] if s is not None and s in sig[b] and sig[a][s] == sig[b][s]
+            )
+            if same:
+                out.append((a, b, same))
+    return out
+
+
+def identical_text(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str]) -> list[str]:
+    """One line per pair of arms identical in some seed."""
+    return [
+        f"{labels.get(a, a)} and {labels.get(b, b)} are identical step for step in seed"
+        f"{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}"
+        for a, b, s in identical_arms(runs)
+    ]
 
 
 def first_difference(a: Any, b: Any, keys: Sequence[str] | None = None) -> int | None:
