@@ -11,7 +11,13 @@ from magic_jax.run import rundir
 from magic_jax.run.trainer import Trainer
 
 # what only an overlap run records (its staleness and its two threads' waits)
-OVERLAP_KEYS = ("staleness_tokens", "entropy_by_staleness", "tokens_per_version", "staleness_mean")
+OVERLAP_KEYS = (
+    "staleness_tokens",
+    "entropy_by_staleness",
+    "tokens_per_version",
+    "staleness_mean",
+    "clipfrac_by_staleness",
+)
 
 
 def _run(files, name, *more):
@@ -40,7 +46,7 @@ def test_staleness_0_equals_sync_bit_for_bit(files, sync_run):
     for r in mo:
         assert set(r.pop("staleness_tokens")) == {"0"}
         for k in OVERLAP_KEYS[1:]:
-            r.pop(k)
+            r.pop(k, None)  # no clip fractions in a step that trained on no group
     assert ms == mo and es == eo
     ws, wo = _weights(sync_run), _weights(out)
     assert all(np.array_equal(ws[k], wo[k]) for k in ws)
@@ -58,6 +64,9 @@ def test_staleness_1_twice_is_the_same_run_and_bounded(files, stale1, sync_run):
     # except at a stage's first step, which starts under the previous step's version too
     assert hist[0] == {"0": sum(hist[0].values())}
     assert all(set(h) == {"1"} for h in hist[1:])
+    rows = rundir.read_records(stale1 / "metrics.jsonl")
+    clip = [r["clipfrac_by_staleness"] for r in rows[1:] if "clipfrac_by_staleness" in r]
+    assert clip and all(set(c) == {"1"} and 0 <= c["1"] <= 1 for c in clip)
     assert _records(stale1)[0] != _records(sync_run)[0]  # it did train on stale samples
 
 
@@ -78,3 +87,30 @@ def test_kill_9_mid_rollout_in_overlap_mode_resumes_to_the_same_run(files, stale
     log = _kill_then_resume(files, out, "rollout:3", *_overlap(1))
     assert "continuing at step" in log
     assert_same_run(stale1, out)
+
+
+def test_disaggregated_devices_generate_apart_from_the_update(files):
+    """rollout.devices=4 of the 8 virtual devices: two disjoint meshes; the weights move
+    to the rollout's at each published version, and the run trains as usual."""
+    more = (*_overlap(1), "mesh={data: 1, fsdp: -1, tensor: 1}", "rollout.devices=4")
+    logs = []
+    trainer = Trainer(_cfg(files, "ov_split", *more), log=logs.append)
+    trainer.run()
+    gen, upd = set(trainer.rollout_mesh.devices.flat), set(trainer.mesh.devices.flat)
+    assert len(gen) == len(upd) == 4 and not gen & upd
+    assert any("4 device(s) generate, 4 update" in line for line in logs)
+    rows = rundir.read_records(files / "ov_split" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["grad_norm"]) for r in rows)
+    assert all(set(r["staleness_tokens"]) == {"1"} for r in rows[1:])
+
+
+def test_overlap_options_are_checked(files):
+    from magic_jax.run.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="publish_chunks"):
+        _cfg(files, "bad", "rollout.publish_chunks=2")  # partial rollouts need overlap
+    with pytest.raises((ConfigError, ValueError), match="max_staleness"):
+        _cfg(files, "bad", *_overlap(-1))
+    with pytest.raises((ConfigError, ValueError), match="rollout.devices"):
+        _cfg(files, "bad", *_overlap(1), "rollout.devices=2")  # no mesh

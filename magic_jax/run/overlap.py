@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from magic_jax.rollout.collect import Collected
+from magic_jax.update.losses import STALENESS_BUCKETS
 
 
 class Cancelled(Exception):
@@ -362,3 +363,27 @@ def split_meshes(
         raise ConfigError(f"rollout.devices: {e}") from None
     log(f"[overlap] {rollout_devices} device(s) generate, {len(devices) - rollout_devices} update")
     return update, rollout
+
+
+def with_staleness(buffer: Any, groups: Any, step: int) -> Any:
+    """``buffer`` (packed from ``groups``: group i's sample j in row i * G + j) with its
+    ``staleness``: ``step`` minus the version of each response token (0 on padding)."""
+    g, r_len = buffer.group_size, buffer.response_len
+    stale = np.zeros((buffer.num_rows, r_len), np.int32)
+    for i, grp in enumerate(groups):
+        for smp in grp.samples:
+            if smp.versions is not None:
+                row, n = i * g + smp.sample_index, min(len(smp.versions), r_len)
+                stale[row, :n] = step - np.asarray(smp.versions[:n], np.int32)
+    return dataclasses.replace(buffer, staleness=stale)
+
+
+def clip_by_staleness(metrics: Any) -> dict[str, Any]:
+    """The update's clip fraction per token staleness (``losses.STALENESS_BUCKETS``; the
+    last bucket counts that many or more), over its optimizer steps; {} without them."""
+    if "stale_tokens" not in metrics or not np.size(metrics["stale_tokens"]):
+        return {}
+    tokens = np.asarray(metrics["stale_tokens"], np.float64).reshape(-1, STALENESS_BUCKETS)
+    clipped = np.asarray(metrics["stale_clipped"], np.float64).reshape(-1, STALENESS_BUCKETS)
+    t, c = tokens.sum(0), clipped.sum(0)
+    return {"clipfrac_by_staleness": {str(s): float(c[s] / t[s]) for s in np.flatnonzero(t)}}

@@ -454,6 +454,7 @@ class Trainer:
 
         from magic_jax.rollout import partial
         from magic_jax.run import runlock
+        from magic_jax.run.overlap import clip_by_staleness, with_staleness
 
         cfg, st, ov = self.config, stage.config, self._overlap
         t0 = time.perf_counter()
@@ -484,6 +485,8 @@ class Trainer:
         for g in got.every:
             tracker.record(g.row.uid, g.rewards)
         buffer = pack_step(cfg, stage, got, self.tokenizer, self.pad_id)
+        if ov is not None:  # each token's staleness: the loss counts clipping per staleness
+            buffer = with_staleness(buffer, got.groups, step)
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
         # an update is cut short only where its groups and the state before it are kept
@@ -497,7 +500,7 @@ class Trainer:
         wait = 0.0 if ov else got.wait_s  # overlap: t_rollout_s is the wait for the producer
         times = {"t_rollout_s": t1 - t0 - wait, "t_update_s": t3 - t2, "t_other_s": t2 - t1 + wait}
         row = step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
-        return state, row | extra
+        return state, row | extra | clip_by_staleness(m)
 
     def _collect(self, stage: Stage, step: int, k: int, driver, params, pool, store):
         """Step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its rounds."""

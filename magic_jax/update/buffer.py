@@ -59,6 +59,9 @@ class RolloutBuffer:
         ``PolicyUpdater.update``; None = ``old_logprobs``).
       entropy_mask: [B, R] float32, 1 on the response tokens ``entropy.tokens``
         selects (the entropy bonus and e_k count only those); None = every one.
+      staleness: [B, R] int32, how many versions older than the policy being
+        updated each response token's sampler was (``rollout.mode: overlap``; the
+        loss then counts clipped tokens per staleness); None otherwise.
       group_size: G (static).
     """
 
@@ -77,6 +80,7 @@ class RolloutBuffer:
     sampling_logprobs: Any = None
     behaviour_logprobs: Any = None
     entropy_mask: Any = None
+    staleness: Any = None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=1)
 
     @property

@@ -147,6 +147,10 @@ def aggregate(
     return xm_BT.sum() / jnp.maximum(m_BT.sum(), 1.0) * local_seqs / nominal_seqs
 
 
+# clip fractions per token staleness: 0, 1, ..., K-2 and K-1 or more versions
+STALENESS_BUCKETS = 5
+
+
 def _need(value, name: str, mode: Aggregation) -> None:
     if value is None:
         raise ValueError(f"aggregation {mode.value!r} needs {name}")
@@ -167,6 +171,7 @@ def policy_loss(
     ref_logp_BT: jax.Array | None = None,
     behaviour_logp_BT: jax.Array | None = None,
     entropy_mask_BT: jax.Array | None = None,
+    staleness_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MAGIC loss of SPEC eq. 3.1 on one (micro-)batch.
 
@@ -195,6 +200,10 @@ def policy_loss(
       entropy_mask_BT: [B, T] 1 on the tokens whose entropy the bonus holds up
         (``entropy.tokens``): the bonus becomes ``alpha * H * entropy_mask``,
         aggregated as before. None (the report's): every token.
+      staleness_BT: [B, T] int versions each token's sampler lags the policy being
+        updated (overlap mode): adds ``stale_tokens`` and ``stale_clipped``, [K]
+        token fractions per staleness 0 .. K-2 and K-1 or more
+        (K = ``STALENESS_BUCKETS``), whose ratio is the clip fraction per staleness.
 
     Returns:
       (loss, metrics). Metrics other than those in ``MAX_METRICS`` are token sums
@@ -276,4 +285,11 @@ def policy_loss(
         metrics["tis_capped"] = tmean(jnp.exp(log_w_BT) > config.tis_cap)
     if ref_kl_BT is not None:
         metrics["ref_kl"] = tmean(ref_kl_BT)
+    if staleness_BT is not None:
+        clipped_BT = ((a_BT < 0) & (ratio_BT < lo)) | ((a_BT > 0) & (ratio_BT > hi))
+        k = STALENESS_BUCKETS
+        b_BTK = jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k)
+        w_BT = jnp.where(on_BT, m_BT, 0.0) / jnp.maximum(num_tokens, 1.0)
+        metrics["stale_tokens"] = jnp.einsum("bt,btk->k", w_BT, b_BTK)
+        metrics["stale_clipped"] = jnp.einsum("bt,btk->k", w_BT * clipped_BT, b_BTK)
     return loss, metrics

@@ -221,6 +221,7 @@ def loss_and_grads(
             ref_logp_BT=ref_logp_BR,
             behaviour_logp_BT=mb.behaviour_logprobs,
             entropy_mask_BT=mb.entropy_mask,
+            staleness_BT=mb.staleness,
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
