@@ -114,3 +114,23 @@ def test_overlap_options_are_checked(files):
         _cfg(files, "bad", *_overlap(-1))
     with pytest.raises((ConfigError, ValueError), match="rollout.devices"):
         _cfg(files, "bad", *_overlap(1), "rollout.devices=2")  # no mesh
+
+
+def test_an_overlap_run_directory_loads_as_a_policy(stale1):
+    """Its checkpoints hold the s lagged versions beside the state, and the policy's
+    parameters where a sync checkpoint has them (``magic-jax eval`` / ``export`` read them)."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from magic_jax.run.overlap import Checkpointed
+    from magic_jax.run.policy import load_policy
+    from magic_jax.update.state import TrainState
+
+    names = {f.name for f in dataclasses.fields(Checkpointed)}
+    assert {f.name for f in dataclasses.fields(TrainState)} | {"lagged"} == names
+    model = load_policy(stale1, "float32", None)
+    embed = _weights(stale1)["model.embed_tokens.weight"]
+    leaves = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert any(x.shape == embed.shape and np.array_equal(x, embed) for x in leaves)

@@ -45,11 +45,27 @@ class Cancelled(Exception):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Checkpointed:
-    """What an overlap checkpoint saves (one orbax tree): the train state and the s
-    versions before it (``lagged[i]`` is version ``max(0, step - s + i)``)."""
+    """What an overlap checkpoint saves (one orbax tree): the train state's fields, top
+    level as in a sync checkpoint (so ``checkpoint.load_model`` reads its ``params``),
+    and the s versions before it (``lagged[i]`` is version ``max(0, step - s + i)``)."""
 
-    state: Any
+    params: Any
+    opt_state: Any
+    step: Any
+    skipped: Any
+    entropy: Any
     lagged: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, state: Any, lagged: tuple[Any, ...]) -> Checkpointed:
+        return cls(
+            **{f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, lagged=lagged
+        )
+
+    def train_state(self) -> Any:
+        from magic_jax.update.state import TrainState
+
+        return TrainState(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainState)})
 
 
 def copy_params(params: Any) -> Any:
@@ -272,15 +288,21 @@ class OverlapRollouts:
       ckpts.save(step + 1, ov.checkpoint_item(state, step + 1), ...)
     """
 
-    def __init__(self, max_staleness: int, publish_chunks: int | None):
-        self.s, self.every = max_staleness, publish_chunks
+    def __init__(
+        self,
+        max_staleness: int,
+        publish_chunks: int | None,
+        *,
+        log: Callable[[str], None] = print,
+    ):
+        self.s, self.every, self.log = max_staleness, publish_chunks, log
         self.versions = Versions(keep=max_staleness)
         self.pipeline: RolloutPipeline | None = None
         self._stage: Any = None
 
     def template(self, state: Any) -> Any:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
-        return state if self.s == 0 else Checkpointed(state, (state.params,) * self.s)
+        return state if self.s == 0 else Checkpointed.of(state, (state.params,) * self.s)
 
     def start(self, restored: Any, step: int) -> Any:
         """Publishes the versions a run resumed (or started) at ``step`` needs; returns
@@ -288,7 +310,7 @@ class OverlapRollouts:
         if self.s == 0:
             state, lagged = restored, ()
         else:
-            state, lagged = restored.state, restored.lagged
+            state, lagged = restored.train_state(), restored.lagged
         for i, params in enumerate(lagged):
             v = max(0, step - self.s + i)
             if v < step:
@@ -298,7 +320,7 @@ class OverlapRollouts:
 
     def checkpoint_item(self, state: Any, step: int) -> Any:
         """What the checkpoint after ``step`` updates saves."""
-        return state if self.s == 0 else Checkpointed(state, self.versions.lagged(step))
+        return state if self.s == 0 else Checkpointed.of(state, self.versions.lagged(step))
 
     def published(self, version: int, params: Any) -> None:
         """The main thread's update made ``version``: the producer may use it."""
@@ -310,7 +332,9 @@ class OverlapRollouts:
         """Step ``step``'s rollout (its producer started at this stage's first step
         taken, generating up to ``end``) and its overlap metrics."""
         if self.pipeline is None or self._stage is not stage:
-            self.close()
+            dropped = self.close()
+            if dropped:  # a stage that ended on an ``until`` rule: sampled for the old one
+                self.log(f"[overlap] the stage changed: rollouts of steps {dropped} discarded")
             self._stage = stage
             self.pipeline = RolloutPipeline(
                 rollout,
@@ -335,11 +359,16 @@ class OverlapRollouts:
 
 
 def split_meshes(
-    mesh: Any, rollout_devices: int | None, *, log: Callable[[str], None] = print
+    mesh: Any,
+    rollout_devices: int | None,
+    *,
+    overlap: bool = False,
+    log: Callable[[str], None] = print,
 ) -> tuple[Any, Any]:
     """(the update's mesh, the rollout's mesh or None) for ``mesh`` (a ``MeshConfig`` or
     None) and ``rollout.devices``: the first ``rollout_devices`` devices generate (fsdp
-    over them, ``mesh.tensor`` kept), the rest update with ``mesh``'s axes.
+    over them, ``mesh.tensor`` kept), the rest update with ``mesh``'s axes. ``overlap``:
+    the run is in overlap mode (one process only, for now).
 
     Raises:
       ConfigError: the split leaves one side without devices or does not fit the axes.
@@ -347,6 +376,11 @@ def split_meshes(
     from magic_jax.model.sharding import make_mesh
     from magic_jax.run.config import ConfigError
 
+    if jax.process_count() > 1 and (rollout_devices is not None or overlap):
+        raise ConfigError(
+            "rollout.mode: overlap runs in one process for now (its two threads' "
+            "collectives would have to run in the same order on every host)"
+        )
     if mesh is None:
         return None, None
     if rollout_devices is None:

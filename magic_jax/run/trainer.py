@@ -81,7 +81,9 @@ class Trainer:
         from magic_jax.run.overlap import split_meshes
 
         cfg = self.config
-        self.mesh, self.rollout_mesh = split_meshes(cfg.mesh, cfg.rollout.devices, log=self.log)
+        ro = cfg.rollout
+        ov = ro.mode == "overlap"
+        self.mesh, self.rollout_mesh = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=self.log)
         self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -201,7 +203,9 @@ class Trainer:
         state = self._initial_state()
         found = newest_good_checkpoint(self.out, log=self.log)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        ov = None if ro.mode == "sync" else OverlapRollouts(ro.max_staleness, ro.publish_chunks)
+        ov = None
+        if ro.mode == "overlap":
+            ov = OverlapRollouts(ro.max_staleness, ro.publish_chunks, log=lambda m: self.log(m))
         self._overlap = ov  # overlap: the checkpoints also hold the s versions in flight
         state, loop = resume_from(
             self.out, found, ckpts, ov.template(state) if ov else state, log=self.log
