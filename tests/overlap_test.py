@@ -56,6 +56,7 @@ def _staleness(out):
     return [r["staleness_tokens"] for r in rundir.read_records(out / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_staleness_1_twice_is_the_same_run_and_bounded(files, stale1, sync_run):
     again = _run(files, "ov_s1_again", *_overlap(1))
     assert_same_run(stale1, again)
@@ -89,6 +90,7 @@ def test_kill_9_mid_rollout_in_overlap_mode_resumes_to_the_same_run(files, stale
     assert_same_run(stale1, out)
 
 
+@pytest.mark.slow
 def test_disaggregated_devices_generate_apart_from_the_update(files):
     """rollout.devices=4 of the 8 virtual devices: two disjoint meshes; the weights move
     to the rollout's at each published version, and the run trains as usual."""
@@ -116,6 +118,7 @@ def test_overlap_options_are_checked(files):
         _cfg(files, "bad", *_overlap(1), "rollout.devices=2")  # no mesh
 
 
+@pytest.mark.slow
 def test_an_overlap_run_directory_loads_as_a_policy(stale1):
     """Its checkpoints hold the s lagged versions beside the state, and the policy's
     parameters where a sync checkpoint has them (``magic-jax eval`` / ``export`` read them)."""

@@ -13,7 +13,8 @@ no weight is materialised) and the run's mesh and batch sizes:
 XLA's memory analysis of those programs, with the exact per-device sizes of
 the sharded parameters, optimizer state and KV cache, gives the per-device
 memory of the two phases of a training step; XLA's cost analysis gives a
-roofline time (decode: bytes / HBM bandwidth; update: flops / peak).
+roofline time (decode: bytes / HBM bandwidth; update: flops / peak), from which
+``overlap_plan`` predicts the step in sync and overlap modes (``[overlap]`` lines).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from magic_jax.jobs.overlap_plan import overlap_lines, stage_overlap
 from magic_jax.jobs.roofline import (
     DecodeBound,
     DecodeOption,
@@ -399,7 +401,7 @@ def format_plan(plan: RunPlan, price: float | None = None) -> str:
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
     ]
-    bounds, at_rec = [], []
+    bounds, at_rec, overlap = [], [], []
     for p in plan.stages:
         lines += _stage_header(p, plan.hbm_bytes)
         head_dim = mc.head_dim or mc.hidden_size // mc.num_heads
@@ -417,4 +419,10 @@ def format_plan(plan: RunPlan, price: float | None = None) -> str:
             at_rec.append(
                 TimeBound(p.stage, p.steps, decode_bound(p, rec, bw, peak).rollout_s, upd)
             )
-    return "\n".join(lines + _time_lines(plan, bounds, at_rec, price))
+        chip = (plan.hbm_bytes, bw, peak)
+        overlap.append(stage_overlap(p, upd, rec or p.slots, chip, plan.devices, plan.engine))
+    label = {len(bounds): "the recommended slots", 0: "the slots as configured"}.get(
+        len(at_rec), "the recommended slots, as configured where none fits"
+    )
+    lines += _time_lines(plan, bounds, at_rec, price)
+    return "\n".join(lines + overlap_lines(overlap, plan.chips, plan.engine, label))

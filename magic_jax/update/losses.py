@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -217,10 +217,7 @@ def policy_loss(
       ``tis_weight_mean`` and ``tis_capped`` (with TIS); ``ratio_max``,
       ``sampler_ratio_max``, ``sampler_abs_log_ratio_max``.
     """
-    if config.kl_beta > 0 and ref_logp_BT is None:
-        raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
-    if config.tis_cap is not None and behaviour_logp_BT is None:
-        raise ValueError("LossConfig.tis_cap needs behaviour_logp_BT")
+    _check_inputs(config, ref_logp_BT, behaviour_logp_BT)
     behaviour_logp_BT = old_logp_BT if behaviour_logp_BT is None else behaviour_logp_BT
     m_BT = jnp.asarray(mask_BT, jnp.float32)
     on_BT = m_BT > 0
@@ -237,10 +234,8 @@ def policy_loss(
     # rollout/trainer mismatch, pi_theta / pi_behaviour (pi_theta is the trainer's pi_old
     # at the first optimizer step of a buffer)
     log_s_BT = jnp.where(on_BT, logp_BT - behaviour_logp_BT, 0.0)
-    weight_BT = None
-    if config.tis_cap is not None:
-        log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
-        weight_BT = jnp.minimum(jnp.exp(log_w_BT), config.tis_cap)
+    weight_BT, log_w_BT = _tis_weight(config, on_BT, old_logp_BT, behaviour_logp_BT)
+    if weight_BT is not None:
         surr_BT = surr_BT * weight_BT
     bonus_BT = entropy_BT if entropy_mask_BT is None else entropy_BT * entropy_mask_BT
     term_BT = -surr_BT - alpha * bonus_BT
@@ -286,10 +281,37 @@ def policy_loss(
     if ref_kl_BT is not None:
         metrics["ref_kl"] = tmean(ref_kl_BT)
     if staleness_BT is not None:
-        clipped_BT = ((a_BT < 0) & (ratio_BT < lo)) | ((a_BT > 0) & (ratio_BT > hi))
-        k = STALENESS_BUCKETS
-        b_BTK = jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k)
         w_BT = jnp.where(on_BT, m_BT, 0.0) / jnp.maximum(num_tokens, 1.0)
-        metrics["stale_tokens"] = jnp.einsum("bt,btk->k", w_BT, b_BTK)
-        metrics["stale_clipped"] = jnp.einsum("bt,btk->k", w_BT * clipped_BT, b_BTK)
+        metrics.update(_by_staleness(staleness_BT, w_BT, a_BT, ratio_BT, lo, hi))
     return loss, metrics
+
+
+def _tis_weight(config: LossConfig, on_BT, old_logp_BT, behaviour_logp_BT) -> tuple[Any, Any]:
+    """TIS's constant weights min(pi_old / pi_behaviour, cap) and their log ratio; (None,
+    None) without ``tis_cap``."""
+    if config.tis_cap is None:
+        return None, None
+    log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
+    return jnp.minimum(jnp.exp(log_w_BT), config.tis_cap), log_w_BT
+
+
+def _check_inputs(config: LossConfig, ref_logp: Any, behaviour_logp: Any) -> None:
+    if config.kl_beta > 0 and ref_logp is None:
+        raise ValueError("LossConfig.kl_beta > 0 needs ref_logp_BT")
+    if config.tis_cap is not None and behaviour_logp is None:
+        raise ValueError("LossConfig.tis_cap needs behaviour_logp_BT")
+
+
+def _by_staleness(
+    staleness_BT: jax.Array, w_BT: jax.Array, a_BT: jax.Array, ratio_BT: jax.Array, lo, hi
+) -> dict:
+    """``stale_tokens`` and ``stale_clipped``: [K] token fractions (weights ``w_BT``) per
+    staleness bucket, of all tokens and of those the clip range cut."""
+    clipped_BT = ((a_BT < 0) & (ratio_BT < lo)) | ((a_BT > 0) & (ratio_BT > hi))
+    k = STALENESS_BUCKETS
+    b_BTK = jax.lax.stop_gradient(jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k))
+    w_BT = jax.lax.stop_gradient(w_BT)
+    return {
+        "stale_tokens": jnp.einsum("bt,btk->k", w_BT, b_BTK),
+        "stale_clipped": jnp.einsum("bt,btk->k", w_BT * clipped_BT, b_BTK),
+    }
