@@ -13,8 +13,9 @@ generated while update k-1 runs, both threads on every device); and with
 ``rollout.devices=1``). Evaluations and checkpoints are off, so a step's main-thread
 time (``t_rollout_s + t_update_s + t_other_s``: in overlap mode t_rollout_s is the
 wait for the producer) is the step. It prints per world and mode the median step,
-its parts, the process's CPU seconds per wall second (cores busy: 2 cores cannot
-give more than 2), the ideal overlap ``max(rollout, update) + other`` from the sync
+its parts, the CPU seconds per wall second of its steps (``t_cpu_s``: cores busy; 2
+cores cannot give more than 2, so sync's figure bounds what overlap can gain from idle
+cores), the ideal overlap ``max(rollout, update) + other`` from the sync
 parts, and the ratio sync / overlap with a bootstrap 95% interval over steps.
 Last, the planner's TPU prediction for the 7B recipe (``[overlap]`` lines of
 ``magic-jax plan``: the committed output, or with ``--plan`` the command run now,
@@ -89,6 +90,7 @@ def steps_of(out: Path, steps: int) -> dict[str, np.ndarray]:
     cols = {k: np.asarray([r[k] for r in rows]) for k in PARTS}
     cols["step"] = sum(cols[k] for k in PARTS)
     cols["produce"] = np.asarray([r.get("t_produce_s", np.nan) for r in rows])
+    cols["cpu"] = np.asarray([r["t_cpu_s"] for r in rows])
     cols["len_mean"] = np.asarray([r["response_length_mean"] for r in rows])
     cols["len_max"] = np.asarray([r["response_length_max"] for r in rows])
     return cols
@@ -171,13 +173,19 @@ def report(world: str, config: str, got: dict, cores: dict) -> None:
         print(
             f"  {mode:8s} step {med['step'] * 1e3:7.1f} ms = wait/rollout "
             f"{med['t_rollout_s'] * 1e3:6.1f} + update {med['t_update_s'] * 1e3:6.1f} + other "
-            f"{med['t_other_s'] * 1e3:5.1f} | cores busy {statistics.mean(cores[mode]):.2f}{extra}"
+            f"{med['t_other_s'] * 1e3:5.1f} | cores busy {c['cpu'].sum() / c['step'].sum():.2f} "
+            f"in steps ({statistics.mean(cores[mode]):.2f} whole run){extra}"
         )
     ideal = max(np.median(s["t_rollout_s"]), np.median(s["t_update_s"]))
     ideal += np.median(s["t_other_s"])
     print(
         f"  ideal overlap from the sync parts: {ideal * 1e3:.1f} ms "
         f"({np.median(s['step']) / ideal:.2f}x), if neither phase slowed the other"
+    )
+    busy = s["cpu"].sum() / s["step"].sum()
+    print(
+        f"  bound from idle cores: sync's steps keep {busy:.2f} of {os.cpu_count()} cores busy, "
+        f"so overlap can gain at most {os.cpu_count() / busy:.2f}x from cores sync leaves idle"
     )
     for mode in cat:
         if mode != "sync":

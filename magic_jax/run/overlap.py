@@ -300,6 +300,13 @@ class OverlapRollouts:
         self.pipeline: RolloutPipeline | None = None
         self._stage: Any = None
 
+    @classmethod
+    def of(cls, rollout: Any, *, log: Callable[[str], None] = print) -> OverlapRollouts | None:
+        """The overlap of a run's ``rollout`` options; None in sync mode."""
+        if rollout.mode != "overlap":
+            return None
+        return cls(rollout.max_staleness, rollout.publish_chunks, log=log)
+
     def template(self, state: Any) -> Any:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
         return state if self.s == 0 else Checkpointed.of(state, (state.params,) * self.s)

@@ -203,9 +203,7 @@ class Trainer:
         state = self._initial_state()
         found = newest_good_checkpoint(self.out, log=self.log)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        ov = None
-        if ro.mode == "overlap":
-            ov = OverlapRollouts(ro.max_staleness, ro.publish_chunks, log=lambda m: self.log(m))
+        ov = OverlapRollouts.of(ro, log=lambda m: self.log(m))  # None in sync mode
         self._overlap = ov  # overlap: the checkpoints also hold the s versions in flight
         state, loop = resume_from(
             self.out, found, ckpts, ov.template(state) if ov else state, log=self.log
@@ -461,7 +459,7 @@ class Trainer:
         from magic_jax.run.overlap import clip_by_staleness, with_staleness
 
         cfg, st, ov = self.config, stage.config, self._overlap
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         store, extra = None, {}
         if ov is not None:  # generated during the last updates (run/overlap.py)
 
@@ -503,6 +501,7 @@ class Trainer:
         t3 = time.perf_counter()
         wait = 0.0 if ov else got.wait_s  # overlap: t_rollout_s is the wait for the producer
         times = {"t_rollout_s": t1 - t0 - wait, "t_update_s": t3 - t2, "t_other_s": t2 - t1 + wait}
+        times["t_cpu_s"] = time.process_time() - cpu0  # every thread's, verifiers apart
         row = step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
         return state, row | extra | clip_by_staleness(m)
 
