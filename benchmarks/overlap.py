@@ -56,6 +56,9 @@ MODES = {
 SKIP = 3  # first steps: compiles (cache warm or not) and the producer's start
 
 
+EXTRA: list[str] = []  # --set options given to every run
+
+
 def train(config: str, out: Path, cache: Path, steps: int, mode: str) -> tuple[float, float]:
     """One run of ``magic-jax train``; returns (wall seconds, CPU seconds of the process)."""
     sets = [
@@ -66,6 +69,7 @@ def train(config: str, out: Path, cache: Path, steps: int, mode: str) -> tuple[f
         "export_hf=false",
         "checkpoint_every=100000",
         *MODES[mode],
+        *EXTRA,
     ]
     cmd = [sys.executable, "-m", "magic_jax.jobs.cli", "train", config]
     for s in sets:
@@ -127,7 +131,9 @@ def main() -> None:
     ap.add_argument("--worlds", default="carry,default")
     ap.add_argument("--split", action="store_true", help="also the two-device split")
     ap.add_argument("--plan", action="store_true", help="run the 7B plan now (.venv-tpu)")
+    ap.add_argument("--set", action="append", default=[], help="an option for every run")
     args = ap.parse_args()
+    EXTRA[:] = args.set
     import jax
 
     modes = ["sync", "overlap", *(["split"] if args.split else [])]
