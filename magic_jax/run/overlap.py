@@ -100,10 +100,6 @@ class Versions:
                 self._cond.wait()
             return self._params[version]
 
-    def newest(self) -> int:
-        with self._cond:
-            return max(self._params)
-
     def lagged(self, step: int) -> tuple[Any, ...]:
         """The versions a checkpoint after ``step`` updates keeps (``Checkpointed``)."""
         return tuple(self.get(max(0, step - self.keep + i)) for i in range(self.keep))
