@@ -28,6 +28,10 @@ ROOTS = (
 # Names that two classes hold for different things, with the reason. Each entry names
 # the classes exactly: a third class defining the name fails the test.
 DIFFERENT_THINGS = {
+    "mode": (
+        {"EntropyControlConfig", "RolloutConfig"},
+        "the entropy controller's (adaptive or fixed); the rollouts' (sync or overlap)",
+    ),
     "temperature": (
         {"SamplingConfig", "LossConfig", "EvalConfig", "ScoringJob"},
         "the rollouts' sampling temperature; the loss's (load_config sets it to the "

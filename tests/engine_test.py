@@ -394,3 +394,17 @@ def test_prompt_too_long_is_rejected(hf_and_model):
     engine = _engine(model)
     with pytest.raises(ValueError, match="max_prefill_length"):
         engine.prefill(engine.load_params(model), np.arange(17))
+
+
+def test_compacted_decoding_is_on_except_on_gpu(monkeypatch):
+    """compact_batch None: on (CPU, TPU) but off on GPU, whose compiler (XLA, jax 0.11.2)
+    fails on the compacted chunk; an explicit value wins everywhere."""
+    import jax
+
+    from magic_jax.rollout.engine_config import EngineOptions, compacts
+
+    for backend, want in (("cpu", True), ("tpu", True), ("gpu", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert compacts(EngineOptions()) is want
+        assert compacts(EngineOptions(compact_batch=True)) is True
+        assert compacts(EngineOptions(compact_batch=False)) is False

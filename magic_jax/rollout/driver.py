@@ -17,7 +17,7 @@ from magic_jax import interrupt, watchdog
 from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
 from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.engine_config import DECODE_LANES_DEFAULT as DECODE_LANES_DEFAULT
-from magic_jax.rollout.engine_config import EngineConfig, EngineOptions
+from magic_jax.rollout.engine_config import EngineConfig, EngineOptions, compacts
 from magic_jax.rollout.engine_config import default_lanes as default_lanes
 from magic_jax.rollout.protocols import VersionSchedule
 from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
@@ -157,6 +157,7 @@ class _Lane:
         self.eos = set(engine.eos_ids)
         self.sizes = engine.compact_sizes()
         self.whole_groups = engine.light_cpu_step and work.num_samples <= b_max
+        self.compact = compacts(self.cfg)
 
     def run(self) -> DecodeState:
         """Decodes the lane's queue; returns the lane's decode state."""
@@ -266,7 +267,7 @@ class _Lane:
         the cache positions it attends to)."""
         cfg, sizes, s_max = self.cfg, self.sizes, self.cfg.cache_length
         rows, min_live = None, 0
-        if cfg.compact_batch and not self.queue:
+        if self.compact and not self.queue:
             b = min(x for x in sizes if x >= len(live))
             if b < self.b_max:
                 spare = [s for s in range(self.b_max) if self.slot_of[s] is None]

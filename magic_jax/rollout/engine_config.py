@@ -70,6 +70,8 @@ class EngineOptions:
         to the uninterrupted one only with ``False``; with ``True`` the resumed groups
         draw with the same keys and differ in the last bits of their log-probs
         (docs/training.md).
+        None: on, except on GPU, where XLA's compiler (jax 0.11.2, CUDA 13) fails on
+        the compacted chunk (docs/testing.md).
       cache_bucket: the attended cache length is the longest live row rounded up to a
         multiple of this (one compilation per length); 0 attends the whole cache.
       layer_unroll: how the decode step runs the stacked layers: ``True`` inlines every
@@ -85,7 +87,7 @@ class EngineOptions:
     decode_attention: str | None = None
     decode_layers: Literal["scan", "split"] | None = None
     lanes: int | None = None
-    compact_batch: bool = True
+    compact_batch: bool | None = None
     cache_bucket: int = 128
     layer_unroll: int | bool | None = None
 
@@ -267,3 +269,10 @@ def default_lanes(
     ):
         lanes -= 1
     return lanes
+
+
+def compacts(options: EngineOptions) -> bool:
+    """Whether ``options`` decode compacted batches (``EngineOptions.compact_batch``)."""
+    if options.compact_batch is not None:
+        return options.compact_batch
+    return jax.default_backend() != "gpu"
