@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 11. Rollout staleness: naive vs decoupled PPO (pre-registered; runs in progress)
+# # 11. Rollout staleness: naive vs decoupled PPO (pre-registered; not reproduced)
 #
 # The claim (the shape of AReaL's Table 3): rollouts generated ahead of the update by a stale
 # policy (`rollout.mode: overlap`, staleness s) degrade naive PPO as s grows, clearly at s = 4,
@@ -29,9 +29,9 @@
 # sync. Manipulation checks (descriptive): each overlap arm's `staleness_mean` is min(k, s) at
 # step k, and naive s0 is identical to sync step for step in every seed.
 #
-# The runs are made apart from this notebook, seed-major
-# (`python -m magic_jax.experiments.ablations run --ablation staleness`), and may be
-# incomplete: every cell shows what exists and says which (arm, seed) runs are missing, and
+# The runs are made apart from this notebook
+# (`python -m magic_jax.experiments.ablations run --ablation staleness`); on another results
+# directory they may be incomplete: every cell shows what exists and says which (arm, seed) runs are missing, and
 # a check without enough seeds is pending. At the full budget this notebook trains nothing (it
 # lists the missing runs and the command that makes them); `MAGIC_JAX_NOTEBOOK_STEPS=1` trains
 # one step per stage of seed 0 of each arm (a smoke run, in `results/budget-1/`).
@@ -358,8 +358,92 @@ if missing:
     print(f"\n{missing} of {len(AB.arms) * len(AB.seeds)} runs missing: the verdicts are not final")
 
 # %% [markdown]
+# ## After the runs: how far each update's policy is from the sampler (exploratory)
+#
+# Chosen after seeing the primary endpoint go the other way, so exploratory and not part of
+# any verdict: the mean over the steps of `sampler_kl` (k3 estimate of KL(pi_theta ||
+# pi_behaviour) on the rollout's tokens at the update's optimizer step: how far the policy
+# being updated has moved from the one that sampled its batch), with the naive arms' clip
+# fraction beside it, and held-out accuracy at the end of stage 1 (step 150). The pre-
+# registration's notes say what to expect of the mechanism: with one optimizer step per batch,
+# decoupled PPO's clip ratio is 1 and never binds, so nothing limits how far the policy moves
+# from its stale samples; naive PPO's clip against the sampler zeroes the gradient of tokens
+# already moved past the clip range. The p is an exact two-sided Mann-Whitney U over the seeds,
+# decoupled against naive at the same s, with no correction.
+
+
+# %%
+def _mean_key(run, key):
+    v = [m[key] for m in run.metrics if isinstance(m.get(key), int | float)]
+    return float(np.mean(v)) if v else float("nan")
+
+
+def _stage1_accuracy(run):
+    ev = [e for e in run.evals if e.get("step", 0) <= ablations.CARRY_STAGE_STEPS]
+    return float(ev[-1]["accuracy"]) if ev else float("nan")
+
+
+def drift_table():
+    from magic_jax.experiments.corrected import rank_p
+
+    def clipfrac(r):
+        return _mean_key(r, "clipfrac_low") + _mean_key(r, "clipfrac_high")
+
+    measures = (
+        ("mean sampler_kl", lambda r: _mean_key(r, "sampler_kl")),
+        ("mean clip fraction", clipfrac),
+        ("accuracy at step 150", _stage1_accuracy),
+    )
+    rows = []
+    for s in STALENESS:
+        per = {k: runs.get(arm_key(s, k), []) for k in KINDS}
+        for name, fn in measures:
+            vals = {k: [fn(r) for r in per[k]] for k in KINDS}
+            cells = [", ".join(f"{v:.3g}" for v in vals[k]) or "-" for k in KINDS]
+            means = [f"{np.mean(vals[k]):.4g}" if vals[k] else "-" for k in KINDS]
+            p = rank_p(vals["naive"], vals["decoupled"])
+            rows.append([str(s), name, *means, *cells, f"{p:.2g}"])
+    header = ["s", "measure", "naive mean", "decoupled mean", "naive seeds", "decoupled seeds"]
+    print(ablation_report.format_table([*header, "Mann-Whitney p"], rows))
+
+
+drift_table()
+
+# %% [markdown]
 # ## What the committed runs show
 #
-# The runs are in progress, so nothing is claimed here: the numbers, the seeds each rests on
-# and the verdicts are those the cells above print from the runs present when they ran. The
-# missing runs: `python -m magic_jax.experiments.ablations run --ablation staleness`.
+# All 45 runs (9 arms x seeds 0-4) were made at one commit (d3f35fd), from a clean clone. The
+# pre-registered claim is **not reproduced**; its primary endpoint went the other way.
+#
+# - **Primary, decoupled s4 > naive s4: reversed.** Final accuracy: decoupled s4 0.193, naive
+#   s4 0.591; difference -0.398 (95% CI -0.603 to -0.193). The seeds are fully separated
+#   (Mann-Whitney p 0.0079, Holm within the claim 0.032), in the direction opposite the
+#   prediction. Across the whole table (Holm over 59 predictions) it is inconclusive.
+# - **Naive s4 below sync: inconclusive.** 0.591 against 0.632 (-0.041, CI -0.252 to +0.171).
+#   Naive PPO kept its accuracy at every s tested (0.632, 0.662, 0.657, 0.591 at s = 0, 1, 2,
+#   4). The degradation the claim expected did not show at this budget.
+# - **Decoupled s4 the same as sync: not reproduced.** -0.439 (CI -0.650 to -0.228).
+# - **Decoupled s0 the same as sync: inconclusive.** +0.060 (CI -0.169 to +0.289), wider than
+#   the +-0.05 margin, as the pre-registration expected at this spread.
+# - **Exploratory entropy and alpha, naive s4 against sync: inconclusive.** Entropy: 0.080
+#   against 0.080. Alpha: 0.208 against 0.259 (p 0.11), in the predicted direction.
+# - **Manipulation checks hold.** Every overlap step's `staleness_mean` is min(k, s). Naive s0
+#   is identical to sync step for step in all 5 seeds. The decoupled arms' mean importance
+#   weight per run is 0.79 to 0.99 (0.56 in the one collapsed seed; a step with no group kept
+#   counts 0), and the cap at 2 cuts under 0.3% of tokens.
+#
+# What the drift table shows, exploratory and chosen after the runs. At every s > 0, decoupled
+# PPO's policy is further from the sampler at its update than naive PPO's, all 5 seeds apart:
+# mean `sampler_kl` 0.0049 against 0.0011 at s = 1, 0.015 against 0.0038 at s = 2, 0.061
+# against 0.0093 at s = 4. Its accuracy falls as s grows: 0.692, 0.451, 0.520, 0.193. Naive
+# PPO's clip zeroes few tokens (a mean clip fraction of 0.2% to 0.8%), but they are the ones
+# the last s updates moved furthest in their advantage's direction. Decoupled PPO keeps
+# pushing those, with weights up to 2. This is a hypothesis that fits the table; no run here
+# tests it.
+#
+# Why this differs from AReaL's result is not tested here either. AReaL ran several
+# mini-batches per batch, where the clip against pi_prox binds after the first; here there is
+# one optimizer step (the recipe's N_SGD 1). Its models, tasks and learning rates also differ.
+# The measured advice is narrow. In this world, overlap with naive PPO (the default) kept
+# accuracy up to staleness 4. Decoupled PPO (`loss.tis_cap`) with one optimizer step per
+# batch lost accuracy from staleness 1 on, and at staleness 4 lost most of it.

@@ -118,6 +118,25 @@ def test_overlap_options_are_checked(files):
         _cfg(files, "bad", *_overlap(1), "rollout.devices=2")  # no mesh
 
 
+def test_decoupled_ppo_under_staleness_logs_what_the_ablation_measured():
+    from magic_jax.run.config import RolloutConfig
+    from magic_jax.run.overlap import OverlapRollouts
+
+    def lines(tis_cap, **rollout):
+        out = []
+        ov = OverlapRollouts.of(RolloutConfig(**rollout), tis_cap, log=out.append)
+        return ov, out
+
+    assert lines(2.0) == (None, [])  # sync: no overlap, nothing said
+    for s, cap, said in ((1, 2.0, True), (4, 3.0, True), (0, 2.0, False), (2, None, False)):
+        ov, out = lines(cap, mode="overlap", max_staleness=s)
+        assert ov is not None and ov.s == s
+        assert bool(out) == said, (s, cap, out)
+        if said:
+            assert f"tis_cap {cap}" in out[0] and f"staleness {s}:" in out[0]
+            assert "section 11" in out[0]
+
+
 @pytest.mark.slow
 def test_an_overlap_run_directory_loads_as_a_policy(stale1):
     """Its checkpoints hold the s lagged versions beside the state, and the policy's

@@ -297,10 +297,20 @@ class OverlapRollouts:
         self._stage: Any = None
 
     @classmethod
-    def of(cls, rollout: Any, *, log: Callable[[str], None] = print) -> OverlapRollouts | None:
-        """The overlap of a run's ``rollout`` options; None in sync mode."""
+    def of(
+        cls, rollout: Any, tis_cap: float | None = None, *, log: Callable[[str], None] = print
+    ) -> OverlapRollouts | None:
+        """The overlap of a run's ``rollout`` options; None in sync mode. With ``tis_cap``
+        (decoupled PPO) and a staleness, logs what the staleness ablation measured."""
         if rollout.mode != "overlap":
             return None
+        if tis_cap is not None and rollout.max_staleness > 0:
+            log(
+                f"[overlap] decoupled PPO (loss.tis_cap {tis_cap}) at staleness "
+                f"{rollout.max_staleness}: measured in the carry world with one optimizer step "
+                "per batch, it lost accuracy from staleness 1 on, while naive PPO (tis_cap: "
+                "null) kept it up to 4 (notebooks/README.md, section 11)"
+            )
         return cls(rollout.max_staleness, rollout.publish_chunks, log=log)
 
     def template(self, state: Any) -> Any:

@@ -203,7 +203,7 @@ class Trainer:
         state = self._initial_state()
         found = newest_good_checkpoint(self.out, log=self.log)
         ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        ov = OverlapRollouts.of(ro, log=lambda m: self.log(m))  # None in sync mode
+        ov = OverlapRollouts.of(ro, cfg.loss.tis_cap, log=lambda m: self.log(m))  # None: sync
         self._overlap = ov  # overlap: the checkpoints also hold the s versions in flight
         state, loop = resume_from(
             self.out, found, ckpts, ov.template(state) if ov else state, log=self.log
