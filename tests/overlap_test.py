@@ -82,6 +82,17 @@ def test_partial_rollouts_staleness_2_twice_the_same(files):
     assert any(len(h) > 1 for h in hist), hist
 
 
+def test_partial_rollouts_reprefill_at_each_version(files):
+    """``publish_cache: reprefill``: the responses in flight are prefilled again under
+    each new version (the driver's test checks each token is its version's exactly)."""
+    more = _overlap(2, "rollout.publish_chunks=1", "rollout.decode_steps=1")
+    out = _run(files, "ov_s2r", *more, "rollout.publish_cache=reprefill")
+    rows = rundir.read_records(out / "metrics.jsonl")
+    assert sum(r["reprefills"] for r in rows) > 0
+    assert any(len(r["staleness_tokens"]) > 1 for r in rows)
+    assert all(np.isfinite(r["grad_norm"]) for r in rows)
+
+
 @pytest.mark.slow
 def test_kill_9_mid_rollout_in_overlap_mode_resumes_to_the_same_run(files, stale1):
     out = files / "ov_kill"
@@ -114,6 +125,10 @@ def test_overlap_options_are_checked(files):
         _cfg(files, "bad", "rollout.publish_chunks=2")  # partial rollouts need overlap
     with pytest.raises((ConfigError, ValueError), match="max_staleness"):
         _cfg(files, "bad", *_overlap(-1))
+    with pytest.raises((ConfigError, ValueError), match="reprefill needs publish_chunks"):
+        _cfg(files, "bad", *_overlap(1), "rollout.publish_cache=reprefill")
+    with pytest.raises((ConfigError, ValueError), match="rollout.publish_cache"):
+        _cfg(files, "bad", *_overlap(1), "rollout.publish_chunks=1", "rollout.publish_cache=x")
     with pytest.raises((ConfigError, ValueError), match="rollout.devices"):
         _cfg(files, "bad", *_overlap(1), "rollout.devices=2")  # no mesh
 

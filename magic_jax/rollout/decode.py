@@ -158,7 +158,21 @@ def _insert_rows(
     first = sampling_lib.draw(
         logits_nV, jax.vmap(jax.random.fold_in, (0, None))(keys_n, 0), sampling
     )
-    c = state.cache
+    done_n = _eos_hit(first.tokens, eos_E) | (max_new_n <= 1)
+    state = DecodeState(
+        cache=_write_rows(prefix, state.cache, slots_n),
+        tokens=state.tokens.at[slots_n].set(first.tokens),
+        keys=state.keys.at[slots_n].set(keys_n),
+        steps=state.steps.at[slots_n].set(1),
+        max_new=state.max_new.at[slots_n].set(max_new_n),
+        done=state.done.at[slots_n].set(done_n),
+    )
+    return state, first
+
+
+def _write_rows(prefix: Prefix, c: KVCache, slots_n: jax.Array) -> KVCache:
+    """The cache ``c`` with ``prefix``'s one-row cache in rows ``slots_n`` (distinct), each
+    row's positions past the prefix emptied; quantized once where the cache is."""
     pos_1S = jnp.full((1, c.max_len), -1, jnp.int32)
     pos_1S = jax.lax.dynamic_update_slice(pos_1S, prefix.cache.pos, (0, 0))
     rows = {"pos": pos_1S}
@@ -171,20 +185,17 @@ def _insert_rows(
     for name, row_1X in rows.items():
         buf = getattr(c, name)
         row_1X = row_1X.astype(buf.dtype)
-        for i in range(n):  # one contiguous block per slot: its every layer
+        for i in range(slots_n.shape[0]):  # one contiguous block per slot: its every layer
             buf = jax.lax.dynamic_update_slice(buf, row_1X, (slots_n[i],) + (0,) * (buf.ndim - 1))
         out[name] = buf
-    cache = KVCache(lengths=c.lengths.at[slots_n].set(prefix.length), **out)
-    done_n = _eos_hit(first.tokens, eos_E) | (max_new_n <= 1)
-    state = DecodeState(
-        cache=cache,
-        tokens=state.tokens.at[slots_n].set(first.tokens),
-        keys=state.keys.at[slots_n].set(keys_n),
-        steps=state.steps.at[slots_n].set(1),
-        max_new=state.max_new.at[slots_n].set(max_new_n),
-        done=state.done.at[slots_n].set(done_n),
-    )
-    return state, first
+    return KVCache(lengths=c.lengths.at[slots_n].set(prefix.length), **out)
+
+
+def reprefill_fn(prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
+    """Row ``slot``'s KV cache replaced by ``prefix`` (its prompt and response so far,
+    prefilled again under newer weights); its next token, key, counts and limit kept, so
+    decoding goes on where it was."""
+    return dataclasses.replace(state, cache=_write_rows(prefix, state.cache, slot[None]))
 
 
 def decode_attention(

@@ -20,7 +20,7 @@ from magic_jax.rollout.engine_config import DECODE_LANES_DEFAULT as DECODE_LANES
 from magic_jax.rollout.engine_config import EngineConfig, EngineOptions, compacts
 from magic_jax.rollout.engine_config import default_lanes as default_lanes
 from magic_jax.rollout.protocols import VersionSchedule
-from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
+from magic_jax.rollout.samples import RolloutStats, Sample, SlotBuffers, Truncation
 from magic_jax.rollout.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -30,56 +30,12 @@ if TYPE_CHECKING:
 
 
 class _Pending:
-    """A sample in a slot: its prompt, index and limit (its tokens are in ``_SlotBuffers``)."""
+    """A sample in a slot: its prompt, index and limit (its tokens are in ``SlotBuffers``)."""
 
     __slots__ = ("j", "limit", "p")
 
     def __init__(self, p: int, j: int, limit: int):
         self.p, self.j, self.limit = p, j, limit
-
-
-class _SlotBuffers:
-    """The responses growing in the slots, on the host: [slots, T] per field.
-
-    A chunk's outputs land in one scatter per field (no per-slot Python work),
-    and a finished sample is one slice per field.
-    """
-
-    def __init__(self, slots: int, limit: int, versions: bool = False):
-        self.length = np.zeros(slots, np.int64)
-        # the policy version of each token (a rollout under a ``VersionSchedule``)
-        self.versions = np.zeros((slots, limit), np.int32) if versions else None
-        self.fields = (
-            np.zeros((slots, limit), np.int32),  # tokens
-            np.zeros((slots, limit), np.float32),  # logprobs
-            np.zeros((slots, limit), np.float32),  # entropies
-            np.zeros((slots, limit), np.float32),  # sampling_logprobs
-        )
-
-    def start(self, slots: np.ndarray, draws: tuple[np.ndarray, ...], version: int = 0) -> None:
-        """The first token of each of ``slots`` (sampled at insert, by ``version``)."""
-        for buf, x in zip(self.fields, draws):
-            buf[slots, 0] = x
-        if self.versions is not None:
-            self.versions[slots, 0] = version
-        self.length[slots] = 1
-
-    def add(self, slots: np.ndarray, outs: StepOutput, version: int = 0) -> None:
-        """A chunk's tokens [n, b] for the slots of its columns (sampled by ``version``)."""
-        valid = outs.valid
-        step, col = np.nonzero(valid)
-        at = self.length[slots[col]] + (np.cumsum(valid, axis=0)[step, col] - 1)
-        for buf, x in zip(self.fields, outs[:4]):
-            buf[slots[col], at] = x[step, col]
-        if self.versions is not None:
-            self.versions[slots[col], at] = version
-        self.length[slots] += valid.sum(axis=0)
-
-    def take(self, slot: int) -> tuple[np.ndarray, ...]:
-        """(tokens, logprobs, entropies, sampling_logprobs, versions or None) of ``slot``."""
-        n = int(self.length[slot])
-        v = None if self.versions is None else self.versions[slot, :n].copy()
-        return (*(buf[slot, :n].copy() for buf in self.fields), v)
 
 
 @dataclasses.dataclass
@@ -144,6 +100,7 @@ class _Lane:
         self.eng, self.cfg = engine, engine.config
         self.schedule = schedule
         self.version = 0 if schedule is None else schedule.start
+        self.reprefill = getattr(schedule, "reprefill", False)
         self.queue, self.params, self.state, self.unembed_VD = queue, params, state, unembed_VD
         self.work, self.stats = work, stats
         self.seed, self.step, self.truncation, self.profile = seed, step, truncation, profile
@@ -151,7 +108,7 @@ class _Lane:
         self.slot_of: list[_Pending | None] = [None] * b_max
         self.prompt_len = np.zeros(b_max, np.int64)
         limit = max(int(work.limits.max(initial=1)), 1)
-        self.buffers = _SlotBuffers(b_max, limit, versions=schedule is not None)
+        self.buffers = SlotBuffers(b_max, limit, versions=schedule is not None)
         # (samples, slots, first tokens, the version of their prompt's prefill)
         self.first_draws: list[tuple[list[_Pending], list[int], StepOutput, int]] = []
         self.eos = set(engine.eos_ids)
@@ -177,7 +134,8 @@ class _Lane:
 
     def _switch_version(self) -> None:
         """Moves to the version the schedule names for this lane's chunk count (waiting
-        until it is published): its weights decode from here on, into the same cache."""
+        until it is published): its weights decode from here on, into the same cache, or
+        (``schedule.reprefill``) into caches prefilled again under it."""
         if self.schedule is None:
             return
         v = self.schedule.version_at(self.stats.chunks)
@@ -187,6 +145,13 @@ class _Lane:
             self.unembed_VD = self.eng.decode_unembedding(self.params)
             self.version = v
             self.stats.version_wait_s += time.perf_counter() - tw
+            live = [s for s in range(self.b_max) if self.slot_of[s] is not None]
+            tp = time.perf_counter()
+            for slot in live if self.reprefill else ():
+                seq = self.buffers.sequence(slot, self.work.prompts[self.slot_of[slot].p])
+                self.state = self.eng.reprefill(self.params, self.state, slot, seq)
+                self.stats.reprefills += 1
+            self.stats.prefill_s += time.perf_counter() - tp
 
     def _fill_free_slots(self) -> None:
         free = collections.deque(s for s in range(self.b_max) if self.slot_of[s] is None)
@@ -218,7 +183,8 @@ class _Lane:
             if n > 1 and (len(queue) < n or queue[n - 1] != (p, n - 1)):
                 n = 1
         entries = [queue.popleft() for _ in range(n)]
-        if p not in work.prefixes:
+        stale = self.reprefill and work.prefix_versions.get(p, self.version) != self.version
+        if p not in work.prefixes or stale:  # a re-prefilling lane uses no older prefix
             tp = time.perf_counter()
             work.prefixes[p] = self.eng.prefill(self.params, work.prompts[p])
             work.prefix_versions[p] = self.version

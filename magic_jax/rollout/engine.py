@@ -28,6 +28,7 @@ from magic_jax.rollout.decode import (
     insert_fn,
     insert_group_fn,
     prefill_fn,
+    reprefill_fn,
 )
 from magic_jax.rollout.decode_loop import decode_chunk_fn
 from magic_jax.rollout.engine_config import (  # noqa: F401  (re-exported)
@@ -78,6 +79,8 @@ def _compiled(
     if name == "insert_group":
         fn = functools.partial(insert_group_fn, sampling=sampling)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
+    if name == "reprefill":
+        return jax.jit(reprefill_fn, donate_argnums=1, out_shardings=shardings)
     if name == "generate":
         fn = functools.partial(decode_step, graphdef, sampling=sampling, **kw)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
@@ -365,6 +368,24 @@ class Engine:
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens[:n]
         return self._fn("prefill")(params, jnp.asarray(padded), jnp.int32(n))
+
+    def reprefill(
+        self, params: nnx.State, state: DecodeState, slot: int, tokens: np.ndarray
+    ) -> DecodeState:
+        """Prefills ``tokens`` (what row ``slot``'s cache holds: its prompt and response
+        so far, the newest token excepted) again under ``params`` into that row (donating
+        ``state``); the row's next token and sampling state are kept. Lengths are padded
+        to the prefill buckets, then to powers of two, up to the cache length."""
+        n, s_max = len(tokens), self.config.cache_length
+        if not 0 < n <= s_max:
+            raise ValueError(f"re-prefill of {n} tokens is not in [1, cache_length={s_max}]")
+        bucket = next((b for b in self.config.buckets() if b >= n), None)
+        if bucket is None:
+            bucket = min(s_max, 1 << (n - 1).bit_length())
+        padded = np.zeros((bucket,), np.int32)
+        padded[:n] = tokens
+        prefix = self._fn("prefill")(params, jnp.asarray(padded), jnp.int32(n))
+        return self._fn("reprefill")(prefix, state, jnp.int32(slot))
 
     def insert(
         self,

@@ -75,10 +75,12 @@ class VersionSchedule(Protocol):
     count alone, so which version samples which token never depends on thread
     timing. ``params`` gives a version's weights in the engine's layout, waiting
     until that version is published. Responses in flight keep their KV cache when
-    the version changes (the cache of earlier tokens was written by the older one).
+    the version changes (the cache of earlier tokens was written by the older one),
+    or with ``reprefill`` True have it prefilled again under the new version.
     """
 
     start: int
+    reprefill: bool
 
     def version_at(self, chunks: int) -> int: ...
 

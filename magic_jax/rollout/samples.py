@@ -1,11 +1,15 @@
-"""What a rollout gives: its samples (``Sample``) and where its time went (``RolloutStats``)."""
+"""What a rollout gives: its samples (``Sample``) and where its time went (``RolloutStats``);
+``SlotBuffers``, the responses growing in a lane's decode slots."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from magic_jax.rollout.decode import StepOutput
 
 Truncation = Literal["no_eos", "length"]
 
@@ -53,7 +57,9 @@ class RolloutStats:
     work is asynchronous and lands in ``decode_s``). ``slot_steps`` counts rows
     computed per device step (the batch run), ``tokens`` the useful ones;
     ``by_batch`` maps a decode batch size to [steps, seconds] spent at it;
-    ``version_wait_s`` is time a lane waited for a scheduled policy version.
+    ``version_wait_s`` is time a lane waited for a scheduled policy version;
+    ``reprefills`` counts responses re-prefilled under a new version (their time is in
+    ``prefill_s``).
     """
 
     tokens: int = 0
@@ -66,6 +72,7 @@ class RolloutStats:
     steps: int = 0
     slot_steps: int = 0
     prefills: int = 0
+    reprefills: int = 0
     version_wait_s: float = 0.0
     by_batch: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
@@ -83,3 +90,52 @@ class RolloutStats:
                 else:
                     setattr(out, f.name, getattr(out, f.name) + getattr(st, f.name))
         return out
+
+
+class SlotBuffers:
+    """The responses growing in the slots, on the host: [slots, T] per field.
+
+    A chunk's outputs land in one scatter per field (no per-slot Python work),
+    and a finished sample is one slice per field.
+    """
+
+    def __init__(self, slots: int, limit: int, versions: bool = False):
+        self.length = np.zeros(slots, np.int64)
+        # the policy version of each token (a rollout under a ``VersionSchedule``)
+        self.versions = np.zeros((slots, limit), np.int32) if versions else None
+        self.fields = (
+            np.zeros((slots, limit), np.int32),  # tokens
+            np.zeros((slots, limit), np.float32),  # logprobs
+            np.zeros((slots, limit), np.float32),  # entropies
+            np.zeros((slots, limit), np.float32),  # sampling_logprobs
+        )
+
+    def start(self, slots: np.ndarray, draws: tuple[np.ndarray, ...], version: int = 0) -> None:
+        """The first token of each of ``slots`` (sampled at insert, by ``version``)."""
+        for buf, x in zip(self.fields, draws):
+            buf[slots, 0] = x
+        if self.versions is not None:
+            self.versions[slots, 0] = version
+        self.length[slots] = 1
+
+    def add(self, slots: np.ndarray, outs: StepOutput, version: int = 0) -> None:
+        """A chunk's tokens [n, b] for the slots of its columns (sampled by ``version``)."""
+        valid = outs.valid
+        step, col = np.nonzero(valid)
+        at = self.length[slots[col]] + (np.cumsum(valid, axis=0)[step, col] - 1)
+        for buf, x in zip(self.fields, outs[:4]):
+            buf[slots[col], at] = x[step, col]
+        if self.versions is not None:
+            self.versions[slots[col], at] = version
+        self.length[slots] += valid.sum(axis=0)
+
+    def sequence(self, slot: int, prompt: np.ndarray) -> np.ndarray:
+        """What the slot's KV cache holds: ``prompt`` and every response token but the
+        newest (sampled, not yet fed)."""
+        return np.concatenate([prompt, self.fields[0][slot, : int(self.length[slot]) - 1]])
+
+    def take(self, slot: int) -> tuple[np.ndarray, ...]:
+        """(tokens, logprobs, entropies, sampling_logprobs, versions or None) of ``slot``."""
+        n = int(self.length[slot])
+        v = None if self.versions is None else self.versions[slot, :n].copy()
+        return (*(buf[slot, :n].copy() for buf in self.fields), v)

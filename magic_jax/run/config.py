@@ -164,8 +164,12 @@ class RolloutConfig(EngineOptions):
         after ``max(0, k - s)`` updates (0 is sync's schedule, in the overlap code).
       publish_chunks: with ``overlap``, partial rollouts: every this many decode
         chunks (per lane) the responses in flight move to the next policy version,
-        up to the newest the step may use (k), keeping their KV cache; null: a
-        rollout keeps the version it started with.
+        up to the newest the step may use (k); null: a rollout keeps the version it
+        started with.
+      publish_cache: with ``publish_chunks``, what the responses in flight keep at a
+        version change: ``keep`` their KV cache (written by the older version, as
+        PipelineRL), or ``reprefill`` it (prompt and response so far prefilled again
+        under the new version, as AReaL: each token is then exactly its version's).
       devices: with ``overlap`` and a ``mesh``, the first this many devices generate
         (their own mesh, weights resharded to it when published) and the others
         update (``mesh`` over them); null: both share every device.
@@ -177,6 +181,7 @@ class RolloutConfig(EngineOptions):
     mode: Literal["sync", "overlap"] = "sync"
     max_staleness: int = 1
     publish_chunks: int | None = None
+    publish_cache: Literal["keep", "reprefill"] = "keep"
     devices: int | None = None
 
     def __post_init__(self):
@@ -195,6 +200,12 @@ class RolloutConfig(EngineOptions):
             raise ValueError("max_staleness: must be an integer >= 0, got None")
         if self.mode == "sync" and (self.publish_chunks is not None or self.devices is not None):
             raise ValueError("publish_chunks and devices: need mode: overlap")
+        if self.publish_cache not in ("keep", "reprefill"):
+            raise ValueError(
+                f"publish_cache: must be 'keep' or 'reprefill', got {self.publish_cache!r}"
+            )
+        if self.publish_cache == "reprefill" and self.publish_chunks is None:
+            raise ValueError("publish_cache: reprefill needs publish_chunks (partial rollouts)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

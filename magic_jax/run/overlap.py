@@ -11,7 +11,8 @@ thrown away (AReaL's rule, counted in steps).
 
 With ``publish_chunks`` n (partial rollouts), every n decode chunks of a lane the
 responses in flight move to the next version, up to version k, keeping their KV
-cache (PipelineRL's choice); each token records its version
+cache (PipelineRL's choice) or, with ``publish_cache: reprefill``, prefilling it again
+under the new version (AReaL's); each token records its version
 (``Sample.versions``). Which version samples which token is a function of the
 step and the lane's chunk count, never of thread timing, so a seed gives the
 same run twice, and s = 0 is sync's computation in the overlap code.
@@ -113,7 +114,7 @@ class Versions:
 class StepSchedule:
     """Step ``step``'s ``driver.VersionSchedule``: it starts under ``max(0, step - s)``
     and, with ``publish_chunks``, moves on one version per that many chunks, up to
-    ``step``."""
+    ``step`` (with ``reprefill``, the responses in flight prefilled again at each)."""
 
     def __init__(
         self,
@@ -122,9 +123,10 @@ class StepSchedule:
         publish_chunks: int | None,
         engine_params: Callable[[int], Any],
         cancelled: threading.Event,
+        reprefill: bool = False,
     ):
         self.start = max(0, step - max_staleness)
-        self.step, self.every = step, publish_chunks
+        self.step, self.every, self.reprefill = step, publish_chunks, reprefill
         self._engine_params, self._cancelled = engine_params, cancelled
 
     def version_at(self, chunks: int) -> int:
@@ -174,6 +176,7 @@ class RolloutPipeline:
       versions: the published versions (the main thread publishes after each update).
       first / end: the steps to generate.
       max_staleness / publish_chunks: ``rollout`` options.
+      reprefill: ``rollout.publish_cache`` is ``reprefill``.
     """
 
     def __init__(
@@ -186,10 +189,11 @@ class RolloutPipeline:
         end: int,
         max_staleness: int,
         publish_chunks: int | None,
+        reprefill: bool = False,
     ):
         self.rollout, self.driver, self.versions = rollout, driver, versions
         self.first, self.end = first, end
-        self.s, self.every = max_staleness, publish_chunks
+        self.s, self.every, self.reprefill = max_staleness, publish_chunks, reprefill
         self._done: dict[int, Produced] = {}
         self._cond = threading.Condition()
         self._cancel = threading.Event()
@@ -209,7 +213,9 @@ class RolloutPipeline:
         for step in range(self.first, self.end):
             out = Produced(step)
             try:
-                sched = StepSchedule(step, self.s, self.every, self.engine_params, self._cancel)
+                sched = StepSchedule(
+                    step, self.s, self.every, self.engine_params, self._cancel, self.reprefill
+                )
                 t0 = time.perf_counter()
                 params = self.engine_params(sched.start)
                 t1 = time.perf_counter()
@@ -289,9 +295,11 @@ class OverlapRollouts:
         max_staleness: int,
         publish_chunks: int | None,
         *,
+        reprefill: bool = False,
         log: Callable[[str], None] = print,
     ):
         self.s, self.every, self.log = max_staleness, publish_chunks, log
+        self.reprefill = reprefill
         self.versions = Versions(keep=max_staleness)
         self.pipeline: RolloutPipeline | None = None
         self._stage: Any = None
@@ -311,7 +319,8 @@ class OverlapRollouts:
                 "per batch, it lost accuracy from staleness 1 on, while naive PPO (tis_cap: "
                 "null) kept it up to 4 (notebooks/README.md, section 11)"
             )
-        return cls(rollout.max_staleness, rollout.publish_chunks, log=log)
+        reprefill = rollout.publish_cache == "reprefill"
+        return cls(rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log)
 
     def template(self, state: Any) -> Any:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
@@ -357,12 +366,15 @@ class OverlapRollouts:
                 end=end,
                 max_staleness=self.s,
                 publish_chunks=self.every,
+                reprefill=self.reprefill,
             )
         out, wait = self.pipeline.take(step)
         got = out.got
         extra = staleness_metrics(got.groups, step)
         version_wait = out.start_wait_s + sum(st.version_wait_s for st in got.stats)
         extra.update(t_wait_rollout_s=wait, t_wait_version_s=version_wait, t_produce_s=out.seconds)
+        if self.reprefill:
+            extra["reprefills"] = sum(st.reprefills for st in got.stats)
         return got, extra
 
     def close(self) -> list[int]:
