@@ -158,9 +158,10 @@ def _insert_rows(
     first = sampling_lib.draw(
         logits_nV, jax.vmap(jax.random.fold_in, (0, None))(keys_n, 0), sampling
     )
+    cache = _write_rows(prefix, state.cache, slots_n)
     done_n = _eos_hit(first.tokens, eos_E) | (max_new_n <= 1)
     state = DecodeState(
-        cache=_write_rows(prefix, state.cache, slots_n),
+        cache=cache,
         tokens=state.tokens.at[slots_n].set(first.tokens),
         keys=state.keys.at[slots_n].set(keys_n),
         steps=state.steps.at[slots_n].set(1),
