@@ -161,7 +161,13 @@ def test_engine_options_are_the_rollout_sections(tmp_path):
     engine = {f.name for f in dataclasses.fields(EngineOptions)}
     rollout = {f.name for f in dataclasses.fields(RolloutConfig)}
     loop = {"truncation", "refill", "refill_max_rounds"}
-    assert rollout - engine == loop | {"mode", "max_staleness", "publish_chunks", "publish_cache", "devices"}
+    assert rollout - engine == loop | {
+        "mode",
+        "max_staleness",
+        "publish_chunks",
+        "publish_cache",
+        "devices",
+    }
     sets = ["rollout.cache_bucket=32", "rollout.layer_unroll=2", "rollout.decode_steps=8"]
     cfg = load_config(CONFIGS / "default.yaml", sets)
     config = EngineConfig.of(cfg.rollout, max_prefill_length=16, max_decode_length=8)

@@ -96,6 +96,23 @@ def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exac
 
 
 @pytest.mark.slow
+def test_sigterm_in_overlap_mode_keeps_the_groups_the_rollouts_in_flight_finished(files):
+    """rollout.mode overlap, staleness 1: the stop comes while the producer generates
+    ahead of the update; the groups its rollouts finished are on disk, the resumed run
+    decodes only the others, and it equals the uninterrupted run."""
+    from magic_jax.run.trainer import Trainer
+
+    more = ("rollout.mode=overlap", "rollout.max_staleness=1")
+    Trainer(_cfg(files, "exact_overlap", EXACT, *more), log=lambda s: None).run()
+    out = files / "stop_overlap"
+    took, first, _, log = _stop_then_resume(files, out, "rollout:2:2", *more)
+    assert took < 20, took
+    assert "is redone on resume" in first
+    assert re.search(r"step_0000000[23]/round_0: [1-4] of 4 groups finished before", log), log
+    assert_same_run(files / "exact_overlap", out)
+
+
+@pytest.mark.slow
 def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
     metrics = rundir.read_records(exact_reference / "metrics.jsonl")
     step = next(r["step"] for r in metrics if r["step"] >= 1 and r["sgd_steps"] >= 1)

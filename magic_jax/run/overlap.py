@@ -20,8 +20,11 @@ same run twice, and s = 0 is sync's computation in the overlap code.
 Nothing is lost at a stop: a checkpoint after step c holds, beside the state
 (version c), the s versions ``c - s .. c - 1`` that the rollouts of steps
 ``c .. c + s - 1`` start from (``Checkpointed``), so a resumed run regenerates
-exactly what the stopped one had in flight; the groups a rollout of the step
-after a checkpoint finished are on disk as in sync mode (``rollout.partial``).
+exactly what the stopped one had in flight. As in sync mode, the groups those
+rollouts finished are on disk (``rollout.partial``; the trainer keeps every step's
+from the newest checkpoint's on) and are not decoded again. With ``publish_chunks``
+a rollout is redone whole: its tokens' versions follow its lanes' chunk counts,
+which a rollout of fewer groups would not repeat.
 """
 
 from __future__ import annotations

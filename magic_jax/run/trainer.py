@@ -461,24 +461,24 @@ class Trainer:
         cfg, st, ov = self.config, stage.config, self._overlap
         t0, cpu0 = time.perf_counter(), time.process_time()
         store, extra = None, {}
+
+        def store_at(j):  # step j's groups, kept as they finish (rollout.partial)
+            fence, limit = runlock.check_fence, st.max_response_length
+            return partial.StepStore(self.out, j, limit=limit, log=self.log, fence=fence)
+
+        if step == self._saved:  # a stop resumes here: keep the groups as they finish
+            kept = range(self._kept_rollouts, self._end + 1) if ov else (step, self._kept_rollouts)
+            if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
+                partial.prune(self.out, keep=kept)  # overlap: and the steps in flight, ahead
+            self._kept_rollouts, store = step, None if ov else store_at(step)
         if ov is not None:  # generated during the last updates (run/overlap.py)
 
-            def rollout(j, driver, params):
-                return self._collect(stage, j, j - step + k, driver, params, pool, None)
+            def rollout(j, driver, params):  # partial rollouts are redone whole (overlap.py)
+                kept = store_at(j) if cfg.rollout.publish_chunks is None else None
+                return self._collect(stage, j, j - step + k, driver, params, pool, kept)
 
             end = min(step - k + st.steps, self._end)
             got, extra = ov.take(stage, step, end, rollout)
-        elif step == self._saved:  # a stop resumes here: keep the groups as they finish
-            if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
-                partial.prune(self.out, keep=(step, self._kept_rollouts))
-            self._kept_rollouts = step
-            store = partial.StepStore(
-                self.out,
-                step,
-                limit=st.max_response_length,
-                log=self.log,
-                fence=runlock.check_fence,
-            )
         if ov is None:
             params = stage.driver.load_params(state.params)
             got = self._collect(stage, step, k, stage.driver, params, pool, store)
