@@ -31,10 +31,11 @@
 #
 # The runs are made apart from this notebook
 # (`python -m magic_jax.experiments.ablations run --ablation staleness`); on another results
-# directory they may be incomplete: every cell shows what exists and says which (arm, seed) runs are missing, and
-# a check without enough seeds is pending. At the full budget this notebook trains nothing (it
-# lists the missing runs and the command that makes them); `MAGIC_JAX_NOTEBOOK_STEPS=1` trains
-# one step per stage of seed 0 of each arm (a smoke run, in `results/budget-1/`).
+# directory they may be incomplete: every cell shows what exists and says which (arm, seed)
+# runs are missing, and a check without enough seeds is pending. At the full budget this
+# notebook trains nothing (it lists the missing runs and the command that makes them);
+# `MAGIC_JAX_NOTEBOOK_STEPS=1` trains one step per stage of seed 0 of each arm (a smoke run,
+# in `results/budget-1/`).
 
 # %%
 import numpy as np
@@ -418,10 +419,12 @@ drift_table()
 # - **Primary, decoupled s4 > naive s4: reversed.** Final accuracy: decoupled s4 0.193, naive
 #   s4 0.591; difference -0.398 (95% CI -0.603 to -0.193). The seeds are fully separated
 #   (Mann-Whitney p 0.0079, Holm within the claim 0.032), in the direction opposite the
-#   prediction. Across the whole table (Holm over 59 predictions) it is inconclusive.
+#   prediction. Across the whole table (Holm over its 56 directional predictions) it is
+#   inconclusive.
 # - **Naive s4 below sync: inconclusive.** 0.591 against 0.632 (-0.041, CI -0.252 to +0.171).
-#   Naive PPO kept its accuracy at every s tested (0.632, 0.662, 0.657, 0.591 at s = 0, 1, 2,
-#   4). The degradation the claim expected did not show at this budget.
+#   Naive PPO's means stayed within seed noise of sync's at every s (0.632, 0.662, 0.657,
+#   0.591 at s = 0, 1, 2, 4; only s = 4 is tested). The degradation the claim expected did
+#   not show at this budget.
 # - **Decoupled s4 the same as sync: not reproduced.** -0.439 (CI -0.650 to -0.228).
 # - **Decoupled s0 the same as sync: inconclusive.** +0.060 (CI -0.169 to +0.289), wider than
 #   the +-0.05 margin, as the pre-registration expected at this spread.
@@ -435,15 +438,16 @@ drift_table()
 # What the drift table shows, exploratory and chosen after the runs. At every s > 0, decoupled
 # PPO's policy is further from the sampler at its update than naive PPO's, all 5 seeds apart:
 # mean `sampler_kl` 0.0049 against 0.0011 at s = 1, 0.015 against 0.0038 at s = 2, 0.061
-# against 0.0093 at s = 4. Its accuracy falls as s grows: 0.692, 0.451, 0.520, 0.193. Naive
-# PPO's clip zeroes few tokens (a mean clip fraction of 0.2% to 0.8%), but they are the ones
-# the last s updates moved furthest in their advantage's direction. Decoupled PPO keeps
-# pushing those, with weights up to 2. This is a hypothesis that fits the table; no run here
-# tests it.
+# against 0.0093 at s = 4. Its mean accuracy at s = 0, 1, 2, 4 is 0.692, 0.451, 0.520, 0.193
+# (naive: 0.632, 0.662, 0.657, 0.591). Naive PPO's clip zeroes few tokens (a mean clip
+# fraction of 0.2% to 0.8%), but they are the ones the last s updates moved furthest in their
+# advantage's direction. Decoupled PPO keeps pushing those, with weights up to 2. This is a
+# hypothesis that fits the table; no run here tests it.
 #
 # Why this differs from AReaL's result is not tested here either. AReaL ran several
 # mini-batches per batch, where the clip against pi_prox binds after the first; here there is
 # one optimizer step (the recipe's N_SGD 1). Its models, tasks and learning rates also differ.
-# The measured advice is narrow. In this world, overlap with naive PPO (the default) kept
-# accuracy up to staleness 4. Decoupled PPO (`loss.tis_cap`) with one optimizer step per
-# batch lost accuracy from staleness 1 on, and at staleness 4 lost most of it.
+# The measured advice is narrow. In this world, overlap with naive PPO (the default) showed
+# no significant loss of accuracy up to staleness 4. Decoupled PPO (`loss.tis_cap`) with one
+# optimizer step per batch had lower means from staleness 1 on (untested) and at staleness 4
+# lost most of its accuracy.

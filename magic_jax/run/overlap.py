@@ -318,9 +318,9 @@ class OverlapRollouts:
         if tis_cap is not None and rollout.max_staleness > 0:
             log(
                 f"[overlap] decoupled PPO (loss.tis_cap {tis_cap}) at staleness "
-                f"{rollout.max_staleness}: measured in the carry world with one optimizer step "
-                "per batch, it lost accuracy from staleness 1 on, while naive PPO (tis_cap: "
-                "null) kept it up to 4 (notebooks/README.md, section 11)"
+                f"{rollout.max_staleness}: in the carry world, at one optimizer step per batch "
+                "and staleness 4, it ended far below naive PPO (tis_cap: null): held-out "
+                "accuracy 0.19 against 0.59, 5 seeds each (notebooks/README.md, section 11)"
             )
         reprefill = rollout.publish_cache == "reprefill"
         return cls(rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log)
