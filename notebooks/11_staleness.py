@@ -73,6 +73,11 @@ def arm_key(s, kind):
     return f"carry-stale{s}-{kind}"
 
 
+def staleness_of(arm):
+    """The staleness s of an overlap arm's key (``carry-stale{s}-{kind}``)."""
+    return int(arm.removeprefix("carry-stale").split("-")[0])
+
+
 def seed_of(run):
     return ablation_report.run_seed(run)
 
@@ -212,7 +217,7 @@ def overlap_figure():
                 xs = [m["step"] for m in rows]
                 ys = [m["staleness_mean"] for m in rows]
                 axes[2].plot(xs, ys, style, color=colors[arm], ms=3, alpha=0.6)
-                s = int(arm.removeprefix("carry-stale").split("-")[0])
+                s = staleness_of(arm)
                 axes[2].plot(xs, [min(k, s) for k in xs], ":", color=colors[arm], lw=1)
     titles = ("rollout entropy by token staleness (nats)", "clip fraction by token staleness")
     for ax, title in zip(axes, (*titles, "staleness_mean, first 12 steps; dotted: min(k, s)")):
@@ -245,7 +250,7 @@ fig  # noqa: B018 (the cell shows it)
 def manipulation_table():
     rows = []
     for arm in OVERLAP:
-        s = int(arm.removeprefix("carry-stale").split("-")[0])
+        s = staleness_of(arm)
         for r in runs.get(arm, []):
             off = [m["step"] for m in r.metrics if m.get("staleness_mean") != min(m["step"], s)]
             tis = [m["tis_weight_mean"] for m in r.metrics if "tis_weight_mean" in m]

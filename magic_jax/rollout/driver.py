@@ -145,13 +145,18 @@ class _Lane:
             self.unembed_VD = self.eng.decode_unembedding(self.params)
             self.version = v
             self.stats.version_wait_s += time.perf_counter() - tw
-            live = [s for s in range(self.b_max) if self.slot_of[s] is not None]
-            tp = time.perf_counter()
-            for slot in live if self.reprefill else ():
-                seq = self.buffers.sequence(slot, self.work.prompts[self.slot_of[slot].p])
+            if self.reprefill:
+                self._reprefill_live()
+
+    def _reprefill_live(self) -> None:
+        """Each response in flight prefilled again under the lane's (new) weights."""
+        tp = time.perf_counter()
+        for slot, pend in enumerate(self.slot_of):
+            if pend is not None:
+                seq = self.buffers.sequence(slot, self.work.prompts[pend.p])
                 self.state = self.eng.reprefill(self.params, self.state, slot, seq)
                 self.stats.reprefills += 1
-            self.stats.prefill_s += time.perf_counter() - tp
+        self.stats.prefill_s += time.perf_counter() - tp
 
     def _fill_free_slots(self) -> None:
         free = collections.deque(s for s in range(self.b_max) if self.slot_of[s] is None)

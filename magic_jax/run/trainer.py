@@ -474,8 +474,8 @@ class Trainer:
         if ov is not None:  # generated during the last updates (run/overlap.py)
 
             def rollout(j, driver, params):  # partial rollouts are redone whole (overlap.py)
-                kept = store_at(j) if cfg.rollout.publish_chunks is None else None
-                return self._collect(stage, j, j - step + k, driver, params, pool, kept)
+                saved = store_at(j) if cfg.rollout.publish_chunks is None else None
+                return self._collect(stage, j, j - step + k, driver, params, pool, saved)
 
             end = min(step - k + st.steps, self._end)
             got, extra = ov.take(stage, step, end, rollout)
