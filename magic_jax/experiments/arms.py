@@ -199,6 +199,27 @@ LOCKOUT_CENTRAL = Ablation(
     world="lockout",
 )
 
+# The central claim's positive control in the lock-out world
+# (notebooks/prereg/lockout-control.yaml): stage 1's truncated responses get advantage 0
+# (advantage.mask=after: the group's mean and std still count them as wrong, so a truncated
+# check is not punished, only not rewarded), adaptive control against no bonus, 16 seeds.
+SEEDS_LOCKOUT_CONTROL = tuple(range(16))
+_MASK_AFTER = "advantage.mask=after"
+
+LOCKOUT_CONTROL = Ablation(
+    "lockout_control",
+    "Positive control: stage-1 truncation not punished (advantage mask after), adaptive vs "
+    "none, lock-out world",
+    "When checking is not punished, only not rewarded, adaptive entropy control keeps the full "
+    "check sampleable through stage 1, so stage 2 learns the chains.",
+    (
+        Arm("lockout-mask-none", "mask after, no bonus", (*_NO_BONUS, _MASK_AFTER)),
+        Arm("lockout-mask-adaptive", "mask after, adaptive (configs/lockout.yaml)", (_MASK_AFTER,)),
+    ),
+    seeds=SEEDS_LOCKOUT_CONTROL,
+    world="lockout",
+)
+
 # The report's Ablation 9 (notebooks/prereg/offpolicy-adaptive.yaml): adaptive control added
 # to an off-policy run (N_SGD 4) whose entropy collapses. At the carry world's learning rate
 # (3e-4) N_SGD 4 by reuse breaks the policy and by mini-batches does not collapse faster than
@@ -433,6 +454,7 @@ ABLATIONS: dict[str, Ablation] = {
             world="carry",
         ),
         LOCKOUT_CENTRAL,
+        LOCKOUT_CONTROL,
         Ablation(
             "offpolicy_adaptive",
             "Adaptive entropy control added to a collapsing off-policy run (the report's "

@@ -346,6 +346,13 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("probe log10 p at stage-1 end", "lockout-none", "lockout-long-T", +1),
         Check("late entropy", "lockout-none", "lockout-adaptive", +1),
     ),
+    # as pre-registered in notebooks/prereg/lockout-control.yaml
+    "lockout_control": (
+        Check("final chain accuracy", "lockout-mask-none", "lockout-mask-adaptive", +1),
+        Check("probe log10 p at stage-1 end", "lockout-mask-none", "lockout-mask-adaptive", +1),
+        Check("final accuracy", "lockout-mask-none", "lockout-mask-adaptive", +1),
+        Check("late entropy", "lockout-mask-none", "lockout-mask-adaptive", +1),
+    ),
     # as pre-registered in notebooks/prereg/central-choice.yaml
     "central_choice": (
         Check("final accuracy", "carry-choice-none", "carry-choice-adaptive", +1),

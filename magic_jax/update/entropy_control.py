@@ -36,8 +36,15 @@ class EntropyControlConfig:
       target: target entropy tgt_ent, in nats.
       delta: step of the coefficient per training step.
       init_coef: c_0 (adaptive) or the constant coefficient (fixed).
-      max_coef: optional upper clamp of c_k (the reference code uses 5e-3).
-      gate: "<=" (report: bonus on while e_k <= target) or "<" (reference code).
+      max_coef: optional upper clamp of c_k (the reference code's scripts use 5e-3).
+      gate: when the bonus is on and how a tie moves the coefficient.
+        ``"<="`` (the report): alpha_k = c_k * 1{e_k <= target}, c unchanged at a tie.
+        ``"<"``: alpha_k = c_k * 1{e_k < target}, c unchanged at a tie.
+        ``"reference-code"`` (Skywork-OR1's own code, ``EntController``): the switch lags
+        one step, alpha_k = c_k * 1{e_{k-1} < target} with the switch on at the first step,
+        and a tie lowers the coefficient (c_{k+1} = c_k - delta unless e_k < target).
+        Its scripts pair it with ``delta`` 1e-4, ``max_coef`` 5e-3 and
+        ``estimator: sampled-nll``; those stay separate options.
       estimator: how e_k is measured, see ``EntropyEstimator``.
       tokens: None (the report's): the bonus and e_k cover every response token;
         ``"classifier:class[+class...]"`` (``"carry:choice"``): only the response
@@ -49,7 +56,7 @@ class EntropyControlConfig:
     delta: float = 0.005
     init_coef: float = 0.0
     max_coef: float | None = None
-    gate: Literal["<=", "<"] = "<="
+    gate: Literal["<=", "<", "reference-code"] = "<="
     estimator: EntropyEstimator = EntropyEstimator.FULL
     tokens: str | None = None
 
@@ -63,8 +70,10 @@ class EntropyControlConfig:
             raise ValueError(
                 f"EntropyControlConfig.mode must be 'adaptive' or 'fixed', got {self.mode!r}"
             )
-        if self.gate not in ("<=", "<"):
-            raise ValueError(f"EntropyControlConfig.gate must be '<=' or '<', got {self.gate!r}")
+        if self.gate not in GATES:
+            raise ValueError(
+                f"EntropyControlConfig.gate must be one of {list(GATES)}, got {self.gate!r}"
+            )
         if self.estimator not in {e.value for e in EntropyEstimator}:
             raise ValueError(
                 f"EntropyControlConfig.estimator must be one of "
@@ -84,6 +93,9 @@ class EntropyControlConfig:
             )
 
 
+GATES = ("<=", "<", "reference-code")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EntropyControlState:
@@ -92,16 +104,23 @@ class EntropyControlState:
     Attributes:
       coef: float32 scalar, c_k.
       num_updates: int32 scalar, training steps the controller has seen.
+      switch: float32 scalar, the lagged on/off switch 1{e_{k-1} < target} of
+        ``gate: reference-code`` (1 before the first step); None for the other gates, so
+        their state (and checkpoints) hold only the two scalars above.
     """
 
     coef: jax.Array
     num_updates: jax.Array
+    switch: jax.Array | None = None
 
 
 def init_entropy_control(config: EntropyControlConfig) -> EntropyControlState:
-    """c_0 = ``config.init_coef``."""
+    """c_0 = ``config.init_coef``; the reference code's switch starts on."""
+    lagged = config.mode == "adaptive" and config.gate == "reference-code"
     return EntropyControlState(
-        coef=jnp.asarray(config.init_coef, jnp.float32), num_updates=jnp.asarray(0, jnp.int32)
+        coef=jnp.asarray(config.init_coef, jnp.float32),
+        num_updates=jnp.asarray(0, jnp.int32),
+        switch=jnp.asarray(1.0, jnp.float32) if lagged else None,
     )
 
 
@@ -134,7 +153,8 @@ def measure_entropy(
 def entropy_coefficient(
     state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
 ) -> jax.Array:
-    """alpha_k = c_k * 1{e_k <= target} (or ``<``); the constant in fixed mode.
+    """alpha_k = c_k * 1{e_k <= target} (``<``; ``reference-code``: c_k times the switch set
+    from e_{k-1}); the constant in fixed mode.
 
     Args:
       state: controller state holding c_k.
@@ -146,6 +166,8 @@ def entropy_coefficient(
     """
     if config.mode == "fixed":
         return jnp.asarray(config.init_coef, jnp.float32)
+    if config.gate == "reference-code":
+        return (state.coef * _switch(state)).astype(jnp.float32)
     on = entropy <= config.target if config.gate == "<=" else entropy < config.target
     return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
 
@@ -156,6 +178,9 @@ def update_entropy_control(
 ) -> EntropyControlState:
     """c_{k+1} = c_k + delta if e_k < target, c_k - delta if e_k > target, kept in [0, max].
 
+    With ``gate: reference-code``, c_k - delta also at e_k == target, and the switch of step
+    k + 1 becomes 1{e_k < target}.
+
     Args:
       state: controller state holding c_k.
       entropy: e_k, measured on step k's rollout buffer.
@@ -164,11 +189,25 @@ def update_entropy_control(
     Returns:
       The state holding c_{k+1} (unchanged coefficient in fixed mode).
     """
-    coef = state.coef
+    coef, switch = state.coef, state.switch
     if config.mode == "adaptive":
-        step = jnp.where(entropy < config.target, config.delta, 0.0) - jnp.where(
-            entropy > config.target, config.delta, 0.0
+        below = entropy < config.target
+        above = (
+            entropy >= config.target if config.gate == "reference-code" else entropy > config.target
         )
+        step = jnp.where(below, config.delta, 0.0) - jnp.where(above, config.delta, 0.0)
         hi = np.inf if config.max_coef is None else config.max_coef
         coef = jnp.clip(coef + step, 0.0, hi).astype(jnp.float32)
-    return EntropyControlState(coef=coef, num_updates=state.num_updates + 1)
+        if config.gate == "reference-code":
+            _switch(state)
+            switch = below.astype(jnp.float32)
+    return EntropyControlState(coef=coef, num_updates=state.num_updates + 1, switch=switch)
+
+
+def _switch(state: EntropyControlState) -> jax.Array:
+    if state.switch is None:
+        raise ValueError(
+            "entropy.gate 'reference-code' needs the controller state's lagged switch; this "
+            "state was made for another gate (init_entropy_control with this config makes one)"
+        )
+    return state.switch

@@ -40,6 +40,9 @@ class LossConfig:
       dual_clip: optional c > 1; for A < 0 the surrogate is bounded below by c * A.
       kl_beta: weight of the token-level k3 KL to a frozen reference policy; 0 = no
         KL and no reference forward pass at all.
+      kl_clamp: the k3 KL of each token clamped to [-kl_clamp, kl_clamp] (its gradient
+        0 where it binds), as Skywork-OR1's code does with 10 (``low_var_kl``); None = no
+        clamp (the report's formula).
       kl_reference: the reference policy's checkpoint directory (Hugging Face or
         magic_jax); None = the run's initial weights.
       behaviour_logprobs: the sampler log-probs the ratio divides by: ``"full"``,
@@ -60,6 +63,7 @@ class LossConfig:
     eps_high: float = 0.2
     dual_clip: float | None = None
     kl_beta: float = 0.0
+    kl_clamp: float | None = None
     kl_reference: str | None = None
     behaviour_logprobs: Literal["full", "sampled"] = "full"
     tis_cap: float | None = None
@@ -82,6 +86,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.dual_clip must be > 1 or None, got {self.dual_clip}")
         if self.kl_beta < 0:
             raise ValueError(f"LossConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"LossConfig.kl_clamp must be > 0 or None, got {self.kl_clamp}")
         if self.behaviour_logprobs not in ("full", "sampled"):
             raise ValueError(
                 "LossConfig.behaviour_logprobs must be 'full' or 'sampled', got "
@@ -100,10 +106,12 @@ class LossConfig:
 MAX_METRICS = ("ratio_max", "sampler_ratio_max", "sampler_abs_log_ratio_max")
 
 
-def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array) -> jax.Array:
-    """Token-level k3 estimate of KL(pi_theta || pi_ref): r - log r - 1, r = pi_ref / pi_theta."""
+def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array, clamp: float | None = None) -> jax.Array:
+    """Token-level k3 estimate of KL(pi_theta || pi_ref): r - log r - 1, r = pi_ref / pi_theta;
+    with ``clamp``, kept in [-clamp, clamp] (k3 >= 0, so only the upper bound can bind)."""
     log_r = ref_logp_BT - logp_BT
-    return jnp.exp(log_r) - log_r - 1.0
+    kl_BT = jnp.exp(log_r) - log_r - 1.0
+    return kl_BT if clamp is None else jnp.clip(kl_BT, -clamp, clamp)
 
 
 def aggregate(
@@ -241,7 +249,7 @@ def policy_loss(
     term_BT = -surr_BT - alpha * bonus_BT
     ref_kl_BT = None
     if config.kl_beta > 0:
-        ref_kl_BT = k3_kl(logp_BT, jnp.where(on_BT, ref_logp_BT, logp_BT))
+        ref_kl_BT = k3_kl(logp_BT, jnp.where(on_BT, ref_logp_BT, logp_BT), config.kl_clamp)
         term_BT = term_BT + config.kl_beta * ref_kl_BT
     loss = aggregate(
         term_BT,
