@@ -127,10 +127,11 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# **Not reproduced: every entropy arm was locked out; the learnability control was not.**
+# **Inconclusive, the estimate against the claim: every entropy arm was locked out; the
+# learnability control was not.**
 # Primary endpoint (final held-out avg@4, adaptive > none, 8 seeds each): 49.2 +- 2.5% against
-# 51.1 +- 1.0%, the estimate against the prediction (exact Mann-Whitney p = 0.065 two-sided,
-# 0.26 after Holm within the claim, 1 across the table). The fixed coefficient equal to the
+# 51.1 +- 1.0%, the estimate against the prediction (exact Mann-Whitney p = 0.053 two-sided
+# with ties, 0.21 after Holm within the claim, 1 across the table). The fixed coefficient equal to the
 # adaptive arm's mean alpha (0.21) ends at 44.1 +- 17.6% (seven seeds at 47-52%; seed 5 broke:
 # 0.6%, two thirds of its final responses malformed). All three entropy arms end where the
 # no-carry half alone puts them (about 50%): chain accuracy 0.1% in every arm.

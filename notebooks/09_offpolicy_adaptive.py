@@ -62,7 +62,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# **Not reproduced: the controller prevents the faster collapse, and the run ends lower.**
+# **Inconclusive, the estimate against the claim: the controller prevents the faster
+# collapse, and the run ends lower.**
 # The pilots (seed 100, `results/pilots/`) chose N_SGD 4 by mini-batches at 1e-4 by the rule
 # written before them: final held-out 0.945 against 0.222 at step 0, late entropy 0.0118
 # against N_SGD 1's 0.0304 at the same rate.

@@ -63,8 +63,8 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# **Not reproduced: with the outlet after the answer closed, every seed is held, and every
-# seed ends lower.** The controller holds the choice tokens' entropy at its target (late
+# **Inconclusive, the estimate against the claim: with the outlet after the answer closed,
+# every seed is held, and every seed ends lower.** The controller holds the choice tokens' entropy at its target (late
 # 0.433 nats against 0.134 without a bonus; exact Mann-Whitney p = 0.008, 0.024 after Holm
 # within the claim; its construction), with alpha above 0 most of the run (mean 0.33). Final
 # held-out avg@4: 65.5 +- 7.7% against 83.7 +- 16.3% without a bonus (p = 0.095, the estimate

@@ -229,3 +229,104 @@ def test_config_validation_names_the_field():
         EntropyControlConfig(delta=-1.0)
     with pytest.raises(ValueError, match="max_coef"):
         EntropyControlConfig(init_coef=0.1, max_coef=0.01)
+
+
+class _OriginalEntController:
+    """Skywork-OR1's ``EntController`` (verl/trainer/ppo/core_algos.py of its verl fork,
+    Apache License 2.0, Copyright the Skywork-OR1 authors), transcribed line for line with
+    how its trainer uses it (ray_trainer.py): the actor trains step k with ``value`` and
+    ``entropy_loss_enabled`` as they stand, then ``update(e_k)`` runs after the step."""
+
+    def __init__(self, init_ent_coef, max_ent_coef, min_ent_coef, delta_ent_coef, target_ent):
+        self.value = init_ent_coef
+        self.max_value = max_ent_coef
+        self.min_value = min_ent_coef
+        self.delta_ent_coef = delta_ent_coef
+        self.target_ent = target_ent
+        self.entropy_loss_enabled = 1
+
+    def update(self, current_ent):
+        if current_ent < self.target_ent:
+            self.value += self.delta_ent_coef
+        else:
+            self.value -= self.delta_ent_coef
+        self.value = float(np.clip(self.value, self.min_value, self.max_value))
+        self.entropy_loss_enabled = int(current_ent < self.target_ent)
+
+
+# entropies around the target 0.25 (exact in float32 and float64) with ties, runs below the
+# target long enough to reach the 5e-3 cap, and runs above it long enough to reach 0
+_TIES = [0.25, 0.125, 0.25, 0.125, 0.125, 0.5, 0.25, 0.25] + [0.125] * 60 + [0.25, 0.375]
+_TIES += [0.25] * 5 + [0.125, 0.25, 0.125] + [0.5] * 55 + [0.125, 0.25]
+
+
+def test_reference_code_gate_reproduces_the_original_controller_with_ties():
+    cfg = EntropyControlConfig(
+        target=0.25, delta=1e-4, max_coef=5e-3, gate="reference-code", estimator="sampled-nll"
+    )
+    state = init_entropy_control(cfg)
+    original = _OriginalEntController(0.0, 5e-3, 0.0, 1e-4, 0.25)
+    ours, theirs, states = [], [], []
+    for e in _TIES:
+        # the bonus weight of step k, then the controller moves on e_k
+        theirs.append(
+            (original.value * original.entropy_loss_enabled, original.entropy_loss_enabled)
+        )
+        original.update(e)
+        alpha = entropy_coefficient(state, jnp.float32(e), cfg)
+        state = update_entropy_control(state, np.float32(e), cfg)
+        states.append(state)
+        ours.append((float(alpha), int(float(state.switch))))
+        theirs[-1] += (original.value,)
+        ours[-1] += (float(state.coef),)
+    a_ours, a_theirs = np.array([o[0] for o in ours]), np.array([t[0] for t in theirs])
+    c_ours, c_theirs = np.array([o[2] for o in ours]), np.array([t[2] for t in theirs])
+    # the switch is the original's at every step (lagged one step, on at the first)
+    np.testing.assert_array_equal([o[1] for o in ours], [int(e < 0.25) for e in _TIES])
+    np.testing.assert_array_equal(a_ours > 0, a_theirs > 0)
+    # the coefficient to the last bit: the float64 the original holds, and the float32 weight
+    # a float32 loss multiplies by
+    c64 = np.array([float(np.asarray(s.coef64).view(np.float64)[0]) for s in states])
+    np.testing.assert_array_equal(c64, c_theirs)
+    np.testing.assert_array_equal(c_ours, c_theirs.astype(np.float32))
+    np.testing.assert_array_equal(a_ours, a_theirs.astype(np.float32))
+    assert c_theirs.max() == 5e-3 and c_theirs.min() == 0.0  # cap and floor both hit
+    # the differences from the default gate are real on this sequence
+    default = EntropyControlConfig(target=0.25, delta=1e-4, max_coef=5e-3)
+    s, alphas = init_entropy_control(default), []
+    for e in _TIES:
+        alphas.append(float(entropy_coefficient(s, jnp.float32(e), default)))
+        s = update_entropy_control(s, jnp.float32(e), default)
+    assert not np.allclose(alphas, a_theirs)
+
+
+def test_reference_code_switch_lags_one_step_and_ties_lower_the_coefficient():
+    cfg = EntropyControlConfig(target=0.25, delta=0.01, gate="reference-code", init_coef=0.02)
+    s = init_entropy_control(cfg)
+    assert float(s.switch) == 1.0
+    # step 0: switch on from the start whatever e_0 is; e_0 above the target
+    assert float(entropy_coefficient(s, jnp.float32(0.5), cfg)) == pytest.approx(0.02)
+    s = update_entropy_control(s, jnp.float32(0.5), cfg)
+    # step 1: switched off by e_0, though e_1 is below the target
+    assert float(entropy_coefficient(s, jnp.float32(0.125), cfg)) == 0.0
+    s = update_entropy_control(s, jnp.float32(0.125), cfg)
+    assert float(s.coef) == pytest.approx(0.02) and float(s.switch) == 1.0
+    # a tie lowers the coefficient and switches the bonus off for the next step
+    s = update_entropy_control(s, jnp.float32(0.25), cfg)
+    assert float(s.coef) == pytest.approx(0.01) and float(s.switch) == 0.0
+    # other gates keep no switch, so their state (and checkpoints) are as before
+    assert init_entropy_control(EntropyControlConfig()).switch is None
+    with pytest.raises(ValueError, match="lagged switch"):
+        entropy_coefficient(init_entropy_control(EntropyControlConfig()), jnp.float32(0.1), cfg)
+    with pytest.raises(ValueError, match="gate"):
+        EntropyControlConfig(gate="<<")
+
+
+def test_reference_code_controller_state_survives_orbax(tmp_path):
+    cfg = EntropyControlConfig(gate="reference-code")
+    s = update_entropy_control(init_entropy_control(cfg), jnp.float32(0.5), cfg)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ctl", s)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "ctl", jax.tree.map(ocp.utils.to_shape_dtype_struct, s))
+    assert float(restored.switch) == 0.0 and int(restored.num_updates) == 1

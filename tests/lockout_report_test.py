@@ -88,8 +88,8 @@ def test_the_table_counts_locked_out_seeds_per_arm(runs, tmp_path):
     text = lr.lockout_table(runs)
     assert "| none | 1 | 0.75 | yes |" in text and "| adaptive | 0 | 3 | no |" in text
     assert "| old | 0 | - | - | - | - | 0.500 | 0.100 | - | - |" in text
-    assert "- adaptive: 0 of 2 measured seeds locked out" in text
-    assert "- none: 2 of 2 measured seeds locked out" in text
+    assert "- adaptive: 0 of 2 measured seeds locked out (below 0.5: 0, 1: 0, 2: 0)" in text
+    assert "- none: 2 of 2 measured seeds locked out (below 0.5: " in text
     assert "- pending: no runs" in text
     assert "- old: 0 of 0 measured seeds locked out (1 without the probe)" in text
 

@@ -3,9 +3,11 @@
 import datetime
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -132,6 +134,53 @@ def test_rank_and_paired_tests():
     assert math.isnan(corrected.rank_p([0.1], hi))
     assert corrected.paired_p(lo, hi) == pytest.approx(0.0625)  # 5 positive signs, exact
     assert math.isnan(corrected.paired_p(lo, lo))
+
+
+def test_rank_p_is_scipys_exact_without_ties_and_the_permutation_p_with_them():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for n, m in ((5, 5), (8, 8), (4, 7), (16, 16)):
+        a, b = rng.normal(size=n), rng.normal(0.8, size=m)
+        want = stats.mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue
+        assert corrected.rank_p(b, a) == pytest.approx(want, rel=1e-9)
+    # ties: against the full permutation distribution of U (every split enumerated)
+    for a, b in (
+        ([0.5, 0.5, 0.25, 0.75, 0.5], [0.5, 0.75, 0.75, 1.0, 0.5]),
+        ([1, 1, 2, 2, 3, 3], [2, 3, 3, 4, 4, 4]),
+        ([0.0] * 4 + [0.25], [0.0, 0.0, 0.25, 0.25, 0.5, 0.5]),
+    ):
+        perm = stats.permutation_test(
+            (a, b),
+            lambda x, y: stats.mannwhitneyu(x, y, method="asymptotic").statistic,
+            permutation_type="independent",
+            n_resamples=np.inf,
+        ).pvalue
+        assert corrected.rank_p(b, a) == pytest.approx(perm, rel=1e-9)
+        ties_ignored = stats.mannwhitneyu(a, b, method="exact").pvalue
+        assert corrected.rank_p(b, a) != pytest.approx(ties_ignored, rel=1e-3)
+    # the lock-out claim's primary endpoint: U = 13.5 of 8 vs 8 seeds (0.065 ignoring ties)
+    adaptive = [
+        0.5,
+        0.50585938,
+        0.49121094,
+        0.51855469,
+        0.43554688,
+        0.49609375,
+        0.48242188,
+        0.50488281,
+    ]
+    none = [
+        0.50292969,
+        0.5078125,
+        0.52734375,
+        0.515625,
+        0.51757812,
+        0.49707031,
+        0.50488281,
+        0.51660156,
+    ]
+    assert corrected.rank_p(none, adaptive) == pytest.approx(0.05345765, rel=1e-6)
 
 
 def test_verdicts_come_from_the_holm_adjusted_p(tmp_path):
@@ -356,3 +405,29 @@ def test_the_staleness_arms_run_what_their_pre_registration_says(tmp_path, capsy
     rows = corrected.judge_all({"staleness": pre}, tmp_path)
     assert rows == {"staleness": []} and corrected.primary_verdict([]) == "no runs yet"
     assert sum(p.direction != "same" for p in pre.predictions) == 4  # the Holm family
+
+
+def test_the_readme_table_quotes_only_the_notes_of_predictions_that_held():
+    """A bracket after a measure in notebooks/README.md's table quotes a prediction's note
+    only when that prediction was reproduced (Holm within its claim)."""
+    readme = (PREREG.parent / "README.md").read_text()
+    pres = prereg.load_all(PREREG)
+    rows = corrected.judge_all(pres, COMMITTED)
+    checked = 0
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) < 7 or cells[0] not in pres:
+            continue
+        held = {r.prediction.note for r in rows[cells[0]] if r.verdict == "reproduced"}
+        every = {r.prediction.note for r in rows[cells[0]] if r.prediction.note}
+        for bracket in re.findall(r"\[([^\]]*)\]", cells[-2]):
+            for note in bracket.split("; "):
+                if note in every or any(note in n for n in every):
+                    assert any(note in n for n in held), (cells[0], note)
+                    checked += 1
+    assert checked >= 5
+    # and the rule itself: an inconclusive prediction's note is not quoted
+    r = next(
+        r for rs in rows.values() for r in rs if r.prediction.note and r.verdict != "reproduced"
+    )
+    assert r.prediction.note not in corrected.label([r])

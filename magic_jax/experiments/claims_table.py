@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from magic_jax.experiments import prereg
-from magic_jax.experiments.corrected import Row, judge_all, label, primary_verdict
+from magic_jax.experiments.corrected import (
+    Row,
+    detectable_effect,
+    judge_all,
+    label,
+    primary_verdict,
+)
 from magic_jax.experiments.pairing import twin_table
 from magic_jax.experiments.results import results_dir
 from magic_jax.experiments.verdicts import mean_of
@@ -76,6 +82,9 @@ def summary_rows(
             )
         changes = []
         for c in pre.measure_changes:
+            if c.measure == c.first_declared:  # the same measure, its code changed
+                changes.append(f"{c.measure}: its code changed in {c.commit} ({c.note})")
+                continue
             now = [r for r in rs if r.measure == c.measure]
             then = [r for r in first.get(name, []) if r.measure == c.first_declared]
             changes += [
@@ -90,6 +99,7 @@ def summary_rows(
                 registration(pre),
                 f"{len(prim.effect.arm)}/{len(prim.effect.reference)}" if prim else "0",
                 endpoint,
+                _detectable(prim),
                 primary_verdict(rs),
                 label(rs) or "-",
                 "<br>".join(changes) or "none recorded",
@@ -98,11 +108,20 @@ def summary_rows(
     return out
 
 
+def _detectable(prim: Row | None) -> str:
+    """The primary endpoint's smallest detectable |difference| (``detectable_effect``)."""
+    if prim is None or prim.prediction.direction == "same":
+        return "-"
+    d = detectable_effect(prim.effect)
+    return "-" if math.isnan(d) else f"{d:.3f}"
+
+
 SUMMARY_HEADER = (
     "claim",
     "pre-registered",
     "seeds",
     "primary endpoint (p: raw / Holm in claim / Holm in table)",
+    "detectable at 80% power",
     "verdict (primary, Holm in claim)",
     "verdict by measure (Holm in claim)",
     "measures chosen after the runs",

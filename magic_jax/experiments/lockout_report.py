@@ -322,13 +322,19 @@ def lockout_row(run: Run, steps_left: int = 150) -> tuple[list[str], bool | None
     return cells, locked
 
 
+# The locked-out call's threshold (1 expected full check over stage 2) and the others its
+# sensitivity is shown at.
+LOCKOUT_THRESHOLDS = (0.5, 1.0, 2.0)
+
+
 def lockout_table(runs: Mapping[str, Sequence[Run]], steps_left: int = 150) -> str:
     """A Markdown table, one row per (arm, seed): the full checks expected in stage 2
     (``steps_left`` x the expected per step at the evaluation at stage 2's first step),
     whether that is below 1 (locked out), the probe's log10 P(full check) there and at the
     end, final held-out accuracy and chain accuracy, chain pass@k at the largest k recorded,
     and the final share of chain samples checking every column; then a line per arm with
-    its locked-out seeds. Returns the text."""
+    its locked-out seeds, and how many fall below each of ``LOCKOUT_THRESHOLDS``. Returns
+    the text."""
     header = [
         "arm",
         "seed",
@@ -343,14 +349,22 @@ def lockout_table(runs: Mapping[str, Sequence[Run]], steps_left: int = 150) -> s
     ]
     rows, counts = [], []
     for arm, rs in runs.items():
-        locked = []
+        locked, expected = [], []
         for r in rs:
             cells, lo = lockout_row(r, steps_left)
             seed = run_seed(r)
             rows.append([arm, "-" if seed is None else str(seed), *cells])
             if lo is not None:
                 locked.append(lo)
+                start = _eval_at(r, stage_2_start(r))
+                expected.append(steps_left * _number(_at(start, "probe", "expected_per_step")))
         line = f"- {arm}: {sum(locked)} of {len(locked)} measured seeds locked out"
+        if expected:  # how the call depends on its threshold of 1
+            line += (
+                " (below "
+                + ", ".join(f"{t:g}: {sum(e < t for e in expected)}" for t in LOCKOUT_THRESHOLDS)
+                + ")"
+            )
         if len(rs) > len(locked):
             line += f" ({len(rs) - len(locked)} without the probe)"
         counts.append(line if rs else f"- {arm}: no runs")

@@ -107,20 +107,33 @@ class EntropyControlState:
       switch: float32 scalar, the lagged on/off switch 1{e_{k-1} < target} of
         ``gate: reference-code`` (1 before the first step); None for the other gates, so
         their state (and checkpoints) hold only the two scalars above.
+      coef64: ``gate: reference-code`` only: c_k as the reference code holds it, a float64
+        (a Python float), stored as its two 32-bit words (uint32 [2]) so that the
+        coefficient follows the original's float64 steps to the last bit; ``coef`` is its
+        float32 rounding, the weight the loss uses, as a float32 loss does there.
     """
 
     coef: jax.Array
     num_updates: jax.Array
     switch: jax.Array | None = None
+    coef64: jax.Array | None = None
 
 
 def init_entropy_control(config: EntropyControlConfig) -> EntropyControlState:
     """c_0 = ``config.init_coef``; the reference code's switch starts on."""
-    lagged = config.mode == "adaptive" and config.gate == "reference-code"
+    if config.mode == "adaptive" and config.gate == "reference-code":
+        return _reference_state(float(config.init_coef), 1.0, 0)
     return EntropyControlState(
-        coef=jnp.asarray(config.init_coef, jnp.float32),
-        num_updates=jnp.asarray(0, jnp.int32),
-        switch=jnp.asarray(1.0, jnp.float32) if lagged else None,
+        coef=jnp.asarray(config.init_coef, jnp.float32), num_updates=jnp.asarray(0, jnp.int32)
+    )
+
+
+def _reference_state(value: float, switch: float, num_updates: int) -> EntropyControlState:
+    return EntropyControlState(
+        coef=jnp.asarray(np.float32(value)),
+        num_updates=jnp.asarray(num_updates, jnp.int32),
+        switch=jnp.asarray(switch, jnp.float32),
+        coef64=jnp.asarray(np.array([value], np.float64).view(np.uint32)),
     )
 
 
@@ -172,14 +185,14 @@ def entropy_coefficient(
     return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
 def update_entropy_control(
-    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+    state: EntropyControlState, entropy: jax.Array | float, config: EntropyControlConfig
 ) -> EntropyControlState:
     """c_{k+1} = c_k + delta if e_k < target, c_k - delta if e_k > target, kept in [0, max].
 
-    With ``gate: reference-code``, c_k - delta also at e_k == target, and the switch of step
-    k + 1 becomes 1{e_k < target}.
+    With ``gate: reference-code`` (the original's ``EntController.update``): c_k - delta
+    also at e_k == target, the switch of step k + 1 becomes 1{e_k < target}, and the
+    arithmetic is the original's, in float64 on the host.
 
     Args:
       state: controller state holding c_k.
@@ -189,23 +202,33 @@ def update_entropy_control(
     Returns:
       The state holding c_{k+1} (unchanged coefficient in fixed mode).
     """
-    coef, switch = state.coef, state.switch
+    if config.mode == "adaptive" and config.gate == "reference-code":
+        _switch(state)
+        value = float(np.asarray(state.coef64, np.uint32).view(np.float64)[0])
+        below = float(entropy) < config.target
+        value = value + config.delta if below else value - config.delta
+        hi = np.inf if config.max_coef is None else config.max_coef
+        value = float(np.clip(value, 0.0, hi))
+        return _reference_state(value, float(below), int(state.num_updates) + 1)
+    return _update(state, entropy, config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _update(
+    state: EntropyControlState, entropy: jax.Array, config: EntropyControlConfig
+) -> EntropyControlState:
+    coef = state.coef
     if config.mode == "adaptive":
-        below = entropy < config.target
-        above = (
-            entropy >= config.target if config.gate == "reference-code" else entropy > config.target
+        step = jnp.where(entropy < config.target, config.delta, 0.0) - jnp.where(
+            entropy > config.target, config.delta, 0.0
         )
-        step = jnp.where(below, config.delta, 0.0) - jnp.where(above, config.delta, 0.0)
         hi = np.inf if config.max_coef is None else config.max_coef
         coef = jnp.clip(coef + step, 0.0, hi).astype(jnp.float32)
-        if config.gate == "reference-code":
-            _switch(state)
-            switch = below.astype(jnp.float32)
-    return EntropyControlState(coef=coef, num_updates=state.num_updates + 1, switch=switch)
+    return dataclasses.replace(state, coef=coef, num_updates=state.num_updates + 1)
 
 
 def _switch(state: EntropyControlState) -> jax.Array:
-    if state.switch is None:
+    if state.switch is None or state.coef64 is None:
         raise ValueError(
             "entropy.gate 'reference-code' needs the controller state's lagged switch; this "
             "state was made for another gate (init_entropy_control with this config makes one)"
