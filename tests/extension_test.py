@@ -307,3 +307,39 @@ def test_a_config_imports_its_extensions_for_the_command_line(run):
     with VerifierPool(cfg.rewards) as pool:
         right, wrong = pool.map([_item("math", " 2 "), _item("math", "22")])
     assert (right.reward, wrong.reward) == (1.0, 0.0)
+
+
+def test_an_extension_next_to_its_config_is_found_from_any_working_directory(tmp_path):
+    """`extensions` names a module beside the config file: the same command works from
+    another directory (the config's folder is searched before the working directory)."""
+    import sys
+
+    from magic_jax.run.config import load_config
+    from magic_jax.run.config_dict import ConfigError
+
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "near_config_ext.py").write_text(
+        "import magic_jax\n\n\n"
+        "def est(rewards_NG, truncated_NG, valid_NG, config):\n"
+        "    return rewards_NG - rewards_NG.mean(-1, keepdims=True)\n\n\n"
+        'magic_jax.register_advantage("near-config", est)\n'
+    )
+    (here / "run.yaml").write_text(
+        "model: model\noutput_dir: run\ndata: {train: [train.jsonl]}\n"
+        "stages: [{steps: 1, max_response_length: 4, prompts_per_step: 2, mini_batch_groups: 2,"
+        " group_size: 2}]\n"
+        "extensions: [near_config_ext]\nadvantage: {estimator: near-config}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        with contextlib.chdir(elsewhere):
+            cfg = load_config(here / "run.yaml")
+        assert cfg.advantage.estimator == "near-config"
+        assert str(here.resolve()) in sys.path
+    finally:
+        sys.path[:] = [p for p in sys.path if p != str(here.resolve())]
+        sys.modules.pop("near_config_ext", None)
+    with contextlib.chdir(elsewhere), pytest.raises(ConfigError, match="looked on sys.path and in"):
+        load_config(None, ["extensions=[not_anywhere_ext]"])

@@ -28,3 +28,45 @@ def test_public_names_resolve(name):
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_thing"):
         magic_jax.no_such_thing  # noqa: B018
+
+
+_HIDE_FLAX = """
+import importlib.machinery
+import sys
+
+import magic_jax
+
+
+class NoFlax:  # the path finder, blind to flax: flax is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "flax":
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path[:] = [NoFlax() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+try:
+    import flax
+except ModuleNotFoundError as e:
+    print("outside:", e)
+try:
+    import magic_jax.model.qwen2
+except ModuleNotFoundError as e:
+    print("inside:", e)
+print(magic_jax.extras.message("scipy"))
+"""
+
+
+def test_a_missing_optional_dependency_names_its_extra():
+    """With flax hidden from the path finder (as a core install lacks it), importing the
+    model from magic_jax says which extra to install; an import of flax from elsewhere keeps
+    Python's own error. The core wheel is checked for real in tests/wheel_test.py (slow)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HIDE_FLAX], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "outside: No module named 'flax'",
+        "inside: No module named 'flax': magic_jax.model.qwen2 needs it; install the [model] "
+        "extra: pip install 'magic-jax[model]'",
+        "None",
+    ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from magic_jax.experiments.prereg import Prediction, Prereg
 from magic_jax.experiments.results import results_dir
-from magic_jax.experiments.verdicts import ALPHA, OUTCOMES, Effect, judge, mean_of
+from magic_jax.experiments.verdicts import ALPHA, OUTCOMES, Effect, judge
 
 TEST_NAMES = {
     "welch": "Welch's t",
@@ -293,8 +293,3 @@ def primary_verdict(rows: Sequence[Row]) -> str:
     if v == "inconclusive" and prim.against:
         v += " (estimate against the prediction)"
     return v
-
-
-def arm_means(r: Row) -> tuple[float, float]:
-    """The two arms' seed means of the row's measure."""
-    return mean_of(r.effect.arm), mean_of(r.effect.reference)

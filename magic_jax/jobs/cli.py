@@ -470,6 +470,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ModuleNotFoundError as e:  # a light install: name the extra, in one line
+        from magic_jax import extras
+
+        text = extras.message(e.name or "", f"magic-jax {args.command}", extra="train")
+        if text is None:
+            raise
+        print(f"magic-jax {args.command}: error: {text}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -94,8 +94,3 @@ def get_attention(name: str) -> DecodeAttention:
     if impl is None:
         raise ValueError(f"unknown decode attention {name!r}; registered: {', '.join(_ATTENTIONS)}")
     return impl
-
-
-def attention_names() -> tuple[str, ...]:
-    """Every decode attention's name: the built-ins, then the registered ones."""
-    return tuple(_ATTENTIONS)

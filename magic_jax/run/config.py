@@ -456,7 +456,7 @@ def load_config(
     if moved:
         where = f"{path}: " if path is not None else ""
         raise ConfigError(f"{where}{moved[0]} moved: use {MOVED_OPTIONS[moved[0]]}")
-    import_extensions(raw.get("extensions"))
+    import_extensions(raw.get("extensions"), near=path.parent if path is not None else None)
     # The trainer recomputes the sampler's log-probs: one temperature for both.
     sampling = raw.get("sampling")
     if isinstance(sampling, dict) and "temperature" in sampling:

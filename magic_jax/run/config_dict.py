@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
 import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -147,29 +149,40 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{where}: {e}" if path else str(e)) from None
 
 
-def import_extensions(names: Any) -> None:
+def import_extensions(names: Any, near: str | os.PathLike | None = None) -> None:
     """Imports the modules a config's ``extensions`` lists, before the config is checked,
     so that what they register (rewards, advantage estimators, decode attentions) can be
-    named in it. A name is looked up on ``sys.path``, then in the working directory
-    (which joins ``sys.path``: the verifier workers import a reward from there too).
+    named in it. A name is looked up on ``sys.path``, then in ``near`` (the config file's
+    folder), then in the working directory; the folder it is found in joins ``sys.path``
+    (the verifier workers import a reward from there too).
 
     Raises:
       ConfigError: not a list of module names, or a module that does not import.
     """
     import importlib.util
-    import os
     import sys
 
     names = [names] if isinstance(names, str) else names or []
     if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"extensions: expected a list of module names, got {names!r}")
+    folders = [str(Path(near).resolve())] if near is not None else []
+    folders.append(os.getcwd())
     for i, name in enumerate(names):
+        top = name.split(".")[0]
         try:
-            if importlib.util.find_spec(name.split(".")[0]) is None and os.getcwd() not in sys.path:
-                sys.path.append(os.getcwd())
+            if importlib.util.find_spec(top) is None:
+                for folder in folders:
+                    found = (Path(folder) / f"{top}.py").exists() or (Path(folder) / top).is_dir()
+                    if found:
+                        if folder not in sys.path:
+                            sys.path.append(folder)
+                        break
             importlib.import_module(name)
         except Exception as e:
-            raise ConfigError(f"extensions[{i}]: cannot import {name!r}: {e}") from None
+            where = " or ".join(dict.fromkeys(folders))
+            raise ConfigError(
+                f"extensions[{i}]: cannot import {name!r} (looked on sys.path and in {where}): {e}"
+            ) from None
 
 
 def to_dict(obj: Any) -> Any:

@@ -65,7 +65,7 @@ class Trainer:
     """Runs a ``TrainConfig`` to the end of its last stage, resuming if it can.
 
     Example:
-      summary = Trainer(load_config("configs/tiny.yaml")).run()
+      summary = Trainer(load_config("configs/default.yaml")).run()
     """
 
     def __init__(self, config: TrainConfig, *, log: Callable[[str], None] = print):

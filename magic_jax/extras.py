@@ -1,0 +1,81 @@
+"""Which install extra brings each optional dependency, and the one-line error that says so.
+
+``pip install magic-jax`` is the light core (jax, optax, numpy): the loss functions,
+advantages and entropy control. The model, the trainer and its commands need extras
+(``setup.py``). ``import magic_jax`` appends a finder to ``sys.meta_path`` that is asked
+only after every other finder failed, and only answers for the packages below when a
+``magic_jax`` module is the one importing: it raises ``ModuleNotFoundError`` naming the
+extra to install instead of the bare "No module named 'flax'".
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# top-level module -> the smallest extra that installs it
+EXTRA_OF = {
+    "flax": "model",
+    "orbax": "model",
+    "transformers": "model",
+    "safetensors": "model",
+    "yaml": "model",
+    "grain": "train",
+    "math_verify": "train",
+    "tensorflow_datasets": "train",
+    "importlib_resources": "train",
+    "psutil": "train",
+    "pyarrow": "train",
+    "tensorboardX": "train",
+    "tqdm": "train",
+    "matplotlib": "train",
+    "gcsfs": "train",
+    "etils": "train",
+    "google": "train",
+    "jetstream": "jetstream",
+    "jupytext": "notebooks",
+}
+
+
+def message(name: str, importer: str | None = None, extra: str | None = None) -> str | None:
+    """The one-line error for a missing ``name`` (None when no extra brings it)."""
+    top = name.partition(".")[0]
+    extra = extra or EXTRA_OF.get(top)
+    if top not in EXTRA_OF or extra is None:
+        return None
+    who = f"{importer} needs it" if importer else "it is needed"
+    return (
+        f"No module named {name!r}: {who}; install the [{extra}] extra: "
+        f"pip install 'magic-jax[{extra}]'"
+    )
+
+
+def _importer() -> str | None:
+    """The ``magic_jax`` module whose import statement is running, if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        mod = frame.f_globals.get("__name__", "")
+        if not mod.startswith(("importlib", "_frozen_importlib", __name__)):
+            return mod if mod == "magic_jax" or mod.startswith("magic_jax.") else None
+        frame = frame.f_back
+    return None
+
+
+class HintFinder:
+    """The last finder on ``sys.meta_path``: turns a missing optional dependency of a
+    ``magic_jax`` module into an error that names its extra."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.partition(".")[0] not in EXTRA_OF:
+            return None
+        importer = _importer()
+        text = message(name, importer) if importer else None
+        if text is not None:
+            raise ModuleNotFoundError(text, name=name)
+        return None
+
+
+def install() -> None:
+    """Appends the finder once (``import magic_jax`` calls this)."""
+    if not any(isinstance(f, HintFinder) for f in sys.meta_path):
+        sys.meta_path.append(HintFinder())
