@@ -82,6 +82,7 @@ setup(
             "uv==0.13.9",
             # building and installing the wheel (tests/wheel_test.py)
             "build>=1.2",
+            "wheel",
         ],
     },
     entry_points={"console_scripts": ["magic-jax=magic_jax.jobs.cli:main"]},
