@@ -51,10 +51,13 @@ def message(name: str, importer: str | None = None, extra: str | None = None) ->
 
 
 def _importer() -> str | None:
-    """The ``magic_jax`` module whose import statement is running, if any."""
+    """The ``magic_jax`` module whose import statement is running, if any (None for a
+    lookup such as ``importlib.util.find_spec``, which asks whether a module exists)."""
     frame = sys._getframe(2)
     while frame is not None:
         mod = frame.f_globals.get("__name__", "")
+        if mod == "importlib.util" and frame.f_code.co_name == "find_spec":
+            return None
         if not mod.startswith(("importlib", "_frozen_importlib", __name__)):
             return mod if mod == "magic_jax" or mod.startswith("magic_jax.") else None
         frame = frame.f_back

@@ -54,6 +54,10 @@ try:
 except ModuleNotFoundError as e:
     print("inside:", e)
 print(magic_jax.extras.message("scipy"))
+# a magic_jax module asking whether flax exists gets None, not an error
+probe = {"__name__": "magic_jax.probe"}
+exec("import importlib.util; found = importlib.util.find_spec('flax')", probe)
+print("lookup:", probe["found"])
 """
 
 
@@ -69,4 +73,5 @@ def test_a_missing_optional_dependency_names_its_extra():
         "inside: No module named 'flax': magic_jax.model.qwen2 needs it; install the [model] "
         "extra: pip install 'magic-jax[model]'",
         "None",
+        "lookup: None",
     ]

@@ -454,7 +454,6 @@ ABLATIONS: dict[str, Ablation] = {
             world="carry",
         ),
         LOCKOUT_CENTRAL,
-        LOCKOUT_CONTROL,
         Ablation(
             "offpolicy_adaptive",
             "Adaptive entropy control added to a collapsing off-policy run (the report's "
@@ -494,5 +493,6 @@ ABLATIONS: dict[str, Ablation] = {
             seeds=SEEDS_CENTRAL,
             world="carry",
         ),
+        LOCKOUT_CONTROL,
     )
 }

@@ -131,7 +131,9 @@ SUMMARY_HEADER = (
 def tables(results: str | Path | None = None, where: str | Path | None = None) -> dict[str, str]:
     """``{"summary": ..., "effects": ..., "runs": ...}``: the Markdown tables of every
     pre-registered claim (``where``: the pre-registration directory)."""
-    pres = prereg.load_all(where)
+    # a claim whose runs have begun and not all finished joins every table when they have
+    # (its notebook shows the partial runs as such)
+    pres = {k: v for k, v in prereg.load_all(where).items() if not in_progress(v, results)}
     rows = judge_all(pres, results)
     first = judge_all(pres, results, first_declared=True)
     # a claim without runs has no row (its file's commit is all there is to show)
@@ -142,6 +144,15 @@ def tables(results: str | Path | None = None, where: str | Path | None = None) -
         "effects": effects_table(rows, first),
         "runs": runs_table(pres, results),
     }
+
+
+def in_progress(pre: prereg.Prereg, results: str | Path | None = None) -> bool:
+    """Whether some of the claim's (arm, seed) runs are finished and others are not."""
+    where = results_dir(results)
+    done = [
+        (where / "runs" / a / f"seed{s}" / "run.json").exists() for a in pre.arms for s in pre.seeds
+    ]
+    return any(done) and not all(done)
 
 
 def summary_table(results: str | Path | None = None, where: str | Path | None = None) -> str:

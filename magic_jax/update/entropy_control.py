@@ -204,12 +204,12 @@ def update_entropy_control(
     """
     if config.mode == "adaptive" and config.gate == "reference-code":
         _switch(state)
-        value = float(np.asarray(state.coef64, np.uint32).view(np.float64)[0])
-        below = float(entropy) < config.target
+        value = float(_local(state.coef64).astype(np.uint32).view(np.float64)[0])
+        below = float(_local(entropy)) < config.target
         value = value + config.delta if below else value - config.delta
         hi = np.inf if config.max_coef is None else config.max_coef
         value = float(np.clip(value, 0.0, hi))
-        return _reference_state(value, float(below), int(state.num_updates) + 1)
+        return _reference_state(value, float(below), int(_local(state.num_updates)) + 1)
     return _update(state, entropy, config)
 
 
@@ -225,6 +225,14 @@ def _update(
         hi = np.inf if config.max_coef is None else config.max_coef
         coef = jnp.clip(coef + step, 0.0, hi).astype(jnp.float32)
     return dataclasses.replace(state, coef=coef, num_updates=state.num_updates + 1)
+
+
+def _local(x: jax.Array | float) -> np.ndarray:
+    """A replicated value as this process holds it (a multi-host array is not fully
+    addressable, but every device of a replicated one holds all of it)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
 
 
 def _switch(state: EntropyControlState) -> jax.Array:
