@@ -181,6 +181,7 @@ def test_rank_p_is_scipys_exact_without_ties_and_the_permutation_p_with_them():
         0.51660156,
     ]
     assert corrected.rank_p(none, adaptive) == pytest.approx(0.05345765, rel=1e-6)
+    assert math.isnan(corrected.rank_p([0.1, math.nan, 0.3], [0.2, 0.4]))
 
 
 def test_verdicts_come_from_the_holm_adjusted_p(tmp_path):

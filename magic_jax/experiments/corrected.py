@@ -48,7 +48,7 @@ def holm(ps: Sequence[float]) -> list[float]:
 
 def rank_p(reference: Sequence[float], arm: Sequence[float]) -> float:
     """Two-sided exact Mann-Whitney U p-value that handles ties (nan with fewer than 2
-    values a side).
+    values a side, or a value that is not finite).
 
     The permutation distribution of the arm's rank sum, with tied values given their
     midranks, over every way of splitting the pooled values into the two arms' sizes
@@ -64,6 +64,8 @@ def rank_p(reference: Sequence[float], arm: Sequence[float]) -> float:
     if min(len(reference), len(arm)) < 2:
         return math.nan
     pooled = np.concatenate([np.asarray(arm, float), np.asarray(reference, float)])
+    if not np.isfinite(pooled).all():  # a measure a run could not give: as scipy, nan
+        return math.nan
     r2 = np.rint(2 * stats.rankdata(pooled)).astype(int)  # twice the midranks: integers
     n, total = len(arm), int(r2.sum())
     # ways[k, s]: subsets of k of the values seen so far whose doubled ranks sum to s
