@@ -246,6 +246,28 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     assert "| 01-temperature | final accuracy (evaluated at 0.6) |" in effects
 
 
+def test_records_are_stored_compressed_and_read_back_the_same(tmp_path):
+    arm = ablations.ABLATIONS["temperature"].arms[0]
+    where = ablations.summary_dir(tmp_path, arm, 0)
+    _fake_run(where, arm, 0, 0.4, 0.6)
+    plain = load_run(where)
+    seconds = ablations.recorded_seconds(where)
+    assert ablations.main(["pack", "--results", str(tmp_path)]) == 0
+    assert sorted(p.name for p in where.glob("*.jsonl*")) == ["eval.jsonl.gz", "metrics.jsonl.gz"]
+    packed = load_run(where)
+    assert (packed.metrics, packed.evals) == (plain.metrics, plain.evals) and plain.metrics
+    assert ablations.recorded_seconds(where) == seconds
+    # the same bytes each time (no time or name in the header): re-collecting changes nothing
+    first = (where / "metrics.jsonl.gz").read_bytes()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain.metrics))
+    (raw / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain.evals))
+    ablations._collect(raw, where, {"arm": arm.key})
+    assert (where / "metrics.jsonl.gz").read_bytes() == first
+    assert not (where / "metrics.jsonl").exists() and ablations.pack_records(tmp_path) == 0
+
+
 def test_a_failing_run_says_which_and_where_and_records_nothing(tmp_path):
     bad = ablations.Arm("bad", "bad", ("sampling.temperature=banana",))
     with pytest.raises(RuntimeError, match=r"x/bad seed 0: magic-jax train exited 2 \(log "):
@@ -271,6 +293,8 @@ def test_committed_summaries_match_the_current_arms(record):
     overrides = [f"{MOVED_OPTIONS.get(k, k)}={v}" for k, v in pairs]
     assert overrides == ablations.overrides_for(arm, rec["seed"], world=world.key)
     assert rec["command"].startswith(f"magic-jax train {world.config} --set ")
+    # stored compressed: a seventh of the size (ablations pack)
+    assert {p.name for p in record.parent.glob("*.jsonl*")} == {"metrics.jsonl.gz", "eval.jsonl.gz"}
     run = load_run(record.parent)
     assert [m["step"] for m in run.metrics] == list(range(2 * world.stage_steps))
     assert run.evals[-1]["step"] == 2 * world.stage_steps

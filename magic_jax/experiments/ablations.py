@@ -7,7 +7,8 @@ checkpoints, TensorBoard files). When a run finishes, its records (``metrics.jso
 ``eval.jsonl``, ``config.yaml``; in the carry world also ``world.json``, the final
 model's ``magic_jax.jobs.carry_world.world_statistics``) and a ``run.json`` (the command, the
 wall time, the commit it ran at and whether the tree had uncommitted changes) are copied to
-``<results>/runs/<arm>/seed<k>/``: a small directory that
+``<results>/runs/<arm>/seed<k>/``, the JSON lines gzip-compressed (``metrics.jsonl.gz``, a
+seventh of the size): a small directory that
 ``magic_jax.jobs.report.load_run`` reads and that is committed. Runs already there are
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
 built over several sessions::
@@ -16,6 +17,7 @@ built over several sessions::
     python -m magic_jax.experiments.ablations run --ablation temperature --seeds 0
     python -m magic_jax.experiments.ablations run --ablation staleness --seeds 0 --dry-run
     python -m magic_jax.experiments.ablations status
+    python -m magic_jax.experiments.ablations pack                 # gzip records copied in plain
 
 A short budget for smoke runs (CI executes the notebooks this way):
 ``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
@@ -101,6 +103,7 @@ def train_command(
 
 
 RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml", "world.json")
+PACKED = ("metrics.jsonl", "eval.jsonl")  # stored gzip-compressed (``<name>.gz``)
 WORLD_SAMPLES = 4  # samples per held-out problem for a finished run's world statistics
 
 
@@ -126,22 +129,47 @@ def _collect(raw: Path, dest: Path, record: dict) -> None:
     tmp.mkdir(parents=True)
     for name in RECORD_FILES:
         if (raw / name).exists():
-            shutil.copy2(raw / name, tmp / name)
+            if name in PACKED:
+                pack(raw / name, tmp / (name + ".gz"))
+            else:
+                shutil.copy2(raw / name, tmp / name)
     (tmp / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
 
 
+def pack(src: Path, dest: Path) -> None:
+    """``src`` gzip-compressed into ``dest``, byte-for-byte the same for the same input (no
+    name or time in the gzip header), so re-collecting a run changes nothing in git."""
+    import gzip
+
+    dest.write_bytes(gzip.compress(src.read_bytes(), compresslevel=9, mtime=0))
+
+
+def pack_records(results: Path) -> int:
+    """Compresses the plain ``metrics.jsonl`` / ``eval.jsonl`` of every collected run under
+    ``<results>/runs`` (records copied in from an older checkout); returns how many."""
+    done = 0
+    for name in PACKED:
+        for plain in sorted((results / "runs").glob(f"*/seed*/{name}")):
+            pack(plain, plain.with_name(name + ".gz"))
+            plain.unlink()
+            done += 1
+    return done
+
+
 def recorded_seconds(run_dir: Path, *, evals: bool = True) -> float:
     """Seconds of training steps (rollout, update, other) and, with ``evals``, of
-    evaluations that a run's records account for."""
+    evaluations that a run's records (plain or compressed) account for."""
+    from magic_jax.jobs.report import read_record_text
+
     files = [("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s"))]
     if evals:
         files.append(("eval.jsonl", ("t_eval_s",)))
     total = 0.0
     for name, keys in files:
-        p = run_dir / name
-        for line in p.read_text().splitlines() if p.exists() else []:
+        text = read_record_text(run_dir / name)
+        for line in text.splitlines() if text is not None else []:
             if line.strip():
                 row = json.loads(line)
                 total += sum(float(row.get(k, 0.0)) for k in keys)
@@ -358,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--results", help="results directory (default notebooks/results)")
     s = sub.add_parser("status", help="which runs are done")
     s.add_argument("--results")
+    k = sub.add_parser(
+        "pack", help="gzip the plain JSON lines of runs copied in from an older checkout"
+    )
+    k.add_argument("--results")
     f = sub.add_parser("figures", help="one PNG per ablation and the summary table")
     f.add_argument("--results")
     f.add_argument("--out", default=None, help="figure directory (default <results>/../figures)")
@@ -375,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
         elif args.cmd == "status":
             _status(results_dir(args.results))
+        elif args.cmd == "pack":
+            print(f"{pack_records(results_dir(args.results))} record file(s) compressed")
         else:
             from magic_jax.experiments.ablation_report import write_figures
 

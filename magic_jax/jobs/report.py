@@ -62,11 +62,25 @@ class Run:
         return out
 
 
+def read_record_text(path: Any) -> str | None:
+    """The text of a record file (``metrics.jsonl``, ``eval.jsonl``), or of its gzip-compressed
+    copy (``metrics.jsonl.gz``: how committed run records are stored); None if neither exists."""
+    if path.exists():
+        return path.read_text()
+    packed = path.with_name(path.name + ".gz")
+    if packed.exists():
+        import gzip
+
+        return gzip.decompress(packed.read_bytes()).decode("utf-8")
+    return None
+
+
 def _read_lines(path: Any) -> list[dict[str, Any]]:
-    if not path.exists():
+    text = read_record_text(path)
+    if text is None:
         return []
     rows = []
-    lines = path.read_text().splitlines()
+    lines = text.splitlines()
     for n, line in enumerate(lines):
         if not line.strip():
             continue
@@ -81,7 +95,8 @@ def _read_lines(path: Any) -> list[dict[str, Any]]:
 
 
 def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
-    """Reads a run directory's ``metrics.jsonl``, ``eval.jsonl`` and ``config.yaml``.
+    """Reads a run directory's ``metrics.jsonl``, ``eval.jsonl`` (or their ``.gz`` copies)
+    and ``config.yaml``.
 
     Raises:
       FileNotFoundError: ``path`` has neither metrics nor evaluations.
