@@ -45,6 +45,8 @@ _LAZY = {
     "register_advantage": "magic_jax.update.advantages",
     "register_attention": "magic_jax.rollout.attention",
     "register_token_classes": "magic_jax.update.token_classes",
+    "register_sampling": "magic_jax.rollout.sampling",
+    "SamplingMethod": "magic_jax.rollout.sampling",
 }
 
 

@@ -1,12 +1,13 @@
 """Extending from outside the package (docs/extending.md): a fractional reward, an
-advantage estimator and a decode attention, registered by name and named in a short
-training run's config, each seen at work there.
+advantage estimator, a decode attention and a sampling method, registered by name and
+named in a short training run's config, each seen at work there.
 
 Only public names are imported. The module's top level stays free of JAX: the verifier
 workers import the reward from it (``extension_test:digit_share``).
 """
 
 import contextlib
+import dataclasses
 import json
 
 import numpy as np
@@ -66,6 +67,27 @@ def naive_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
     return jnp.einsum("bkgs,bskh->bkgh", jax.nn.softmax(s_BKGS, axis=-1), v_BSKH.astype(f32))
 
 
+MINP_TRACES: list[tuple] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class MinP:
+    """min-p sampling: keeps the tokens at least ``p`` times as probable as the likeliest."""
+
+    p: float = 0.1
+
+    def __post_init__(self):
+        if not 0 <= self.p <= 1:
+            raise ValueError(f"p must be in [0, 1], got {self.p}")
+
+    def restrict(self, z_BV):
+        import jax.numpy as jnp
+
+        MINP_TRACES.append(z_BV.shape)  # once per trace of the decode programs
+        floor_B1 = jnp.max(z_BV, axis=-1, keepdims=True) + jnp.log(self.p)
+        return jnp.where(z_BV >= floor_B1, z_BV, -jnp.inf)
+
+
 @pytest.fixture(scope="module")
 def registered():
     magic_jax.register_reward("digit-share", digit_share, deadline_s=20.0)
@@ -74,6 +96,7 @@ def registered():
     magic_jax.register_reward("too-much", too_much)
     magic_jax.register_advantage("rloo", rloo)
     magic_jax.register_attention("naive", naive_attention)
+    magic_jax.register_sampling("min-p", MinP)
 
 
 # --------------------------------------------------------------------------- rewards
@@ -133,6 +156,13 @@ def test_registration_refuses_what_workers_cannot_import_and_names_clash(registe
         magic_jax.register_advantage("rloo", digit_share)
     with pytest.raises(ValueError, match="'naive' is already registered"):
         magic_jax.register_attention("naive", digit_share)
+    with pytest.raises(ValueError, match="'min-p' is already registered"):
+        magic_jax.register_sampling(
+            "min-p",
+            dataclasses.make_dataclass(
+                "P", [], frozen=True, namespace={"restrict": lambda self, z: z}
+            ),
+        )
 
 
 def flat(rewards_NG, truncated_NG, valid_NG, config):
@@ -159,6 +189,29 @@ def test_an_estimator_is_checked_and_padding_gets_zero(registered):
         estimate_advantages(AdvantageConfig(estimator="flat"), rewards_NG, rewards_NG < 0)
     with pytest.raises(ValueError, match="'exploding' returned NaN or infinite"):
         estimate_advantages(AdvantageConfig(estimator="exploding"), rewards_NG, rewards_NG < 0)
+
+
+def test_a_sampling_method_draws_only_what_it_keeps(registered):
+    import jax
+    import jax.numpy as jnp
+
+    from magic_jax import SamplingConfig
+    from magic_jax.rollout.sampling import draw
+
+    probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    n = 4000
+    logits_BV = jnp.asarray(np.tile(np.log(probs), (n, 1)), jnp.float32)
+    keys_B = jax.random.split(jax.random.key(7), n)
+    out = draw(logits_BV, keys_B, SamplingConfig(method="min-p", options={"p": 0.3}))
+    counts = np.bincount(np.asarray(out.tokens), minlength=5)
+    # kept: p >= 0.3 * 0.4 = 0.12 -> the first three, renormalised to 0.4/0.85, 0.3/0.85, ...
+    assert counts[3:].sum() == 0
+    kept = probs[:3] / probs[:3].sum()
+    assert np.abs(counts[:3] / n - kept).max() < 4 * np.sqrt(kept * (1 - kept) / n).max()
+    np.testing.assert_allclose(out.sampling_logprobs, np.log(kept)[out.tokens], rtol=1e-5)
+    np.testing.assert_allclose(out.logprobs, np.log(probs)[out.tokens], rtol=1e-5)
+    with pytest.raises(ValueError, match=r"options: sampling method 'min-p': p must be in"):
+        SamplingConfig(method="min-p", options={"p": 2})
 
 
 def test_partial_credit_through_the_metrics():
@@ -220,6 +273,7 @@ def run(tmp_path_factory, registered):
         ],
         "rollout": {"max_concurrent_decodes": 8, "decode_steps": 8, "decode_attention": "naive"},
         "advantage": {"estimator": "rloo"},
+        "sampling": {"method": "min-p", "options": {"p": 0.3}},
         "rewards": {"num_workers": 1, "abilities": {"math": "digit-share"}},
         "optimizer": {"learning_rate": 1e-2},
         "checkpoint_every": 10,
@@ -228,6 +282,7 @@ def run(tmp_path_factory, registered):
     (root / "run.yaml").write_text(yaml.safe_dump(raw))
     RLOO_CALLS.clear()
     NAIVE_TRACES.clear()
+    MINP_TRACES.clear()
     with contextlib.chdir(root):
         cfg = load_config("run.yaml")
         Trainer(cfg, log=lambda s: None).run()
@@ -235,12 +290,16 @@ def run(tmp_path_factory, registered):
     return root, cfg, [json.loads(line) for line in lines]
 
 
-def test_the_run_uses_all_three(run):
-    _, cfg, rows = run
+def test_the_run_uses_all_four(run):
+    root, cfg, rows = run
     assert cfg.rollout.decode_attention == "naive" and cfg.advantage.estimator == "rloo"
+    assert cfg.sampling.strategy == MinP(0.3)
     assert [r["step"] for r in rows] == [0, 1]
-    # the decode programs were traced with the naive attention
-    assert NAIVE_TRACES
+    # the decode programs were traced with the naive attention and the min-p method, and
+    # the run's recorded config names it (a resume rebuilds the same method)
+    assert NAIVE_TRACES and MINP_TRACES
+    saved = yaml.safe_load((root / "run" / "config.yaml").read_text())["sampling"]
+    assert (saved["method"], saved["options"]) == ("min-p", {"p": 0.3})
     # and it attends correctly: the trainer's recomputed log-probs match the sampler's
     trained = [r for r in rows if r["sgd_steps"] > 0]
     assert trained and all(abs(r["sampler_ratio_mean"] - 1) < 1e-3 for r in trained)
@@ -271,6 +330,10 @@ def test_unknown_names_are_one_line_errors(run):
         "rollout.decode_attention=paged": (
             "rollout.decode_attention: unknown decode attention 'paged'",
             {"dense", "ragged", "naive"},
+        ),
+        "sampling.method=top-a": (
+            "sampling.method: unknown sampling method 'top-a'",
+            {"full", "greedy", "top-k-top-p", "min-p"},
         ),
         "rewards.abilities.math=exact": (
             "rewards.abilities[math]: unknown reward 'exact'",

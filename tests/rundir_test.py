@@ -173,6 +173,17 @@ def test_resume_config_refuses_what_changes_the_experiment(change, done, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
+def test_resume_config_reads_options_added_since_as_their_defaults():
+    new = _cfg()
+    new["sampling"] = {"temperature": 1.0, "method": None, "options": {}}
+    old = _cfg()
+    old["sampling"] = {"temperature": 1.0}  # stored before sampling methods had names
+    assert check(old, new, 2) == []
+    new["sampling"].update(method="min-p", options={"p": 0.1})
+    with pytest.raises(RunDirError, match=r"sampling\.method"):
+        check(old, new, 2)
+
+
 def test_resume_config_places_stages_by_the_checkpoint_when_known():
     # stage 0 ended early on a rule at step 2: at step 3 the run is in stage 1
     with pytest.raises(RunDirError, match=r"stages\[1\]\.group_size"):

@@ -116,3 +116,64 @@ def test_sample_key_is_fold_in_chain():
 def test_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingConfig(**kwargs)
+
+
+def test_shorthand_resolves_to_the_builtin_methods():
+    assert SamplingConfig().strategy == sampling.Full()
+    assert SamplingConfig(greedy=True, top_p=0.5).strategy == sampling.Greedy()
+    assert SamplingConfig(top_k=5, top_p=0.9).strategy == sampling.TopKTopP(5, 0.9)
+    assert SamplingConfig(method="top-k-top-p", options={"top_k": 5}).strategy == (
+        sampling.TopKTopP(5, 1.0)
+    )
+    # equal configs hash equal (a static argument of the decode step), options included
+    a = SamplingConfig(method="top-k-top-p", options={"top_k": 5})
+    b = SamplingConfig(method="top-k-top-p", options={"top_k": 5})
+    c = SamplingConfig(method="top-k-top-p", options={"top_k": 6})
+    assert a == b and hash(a) == hash(b) and a != c
+    assert all(isinstance(m(), sampling.SamplingMethod) for m in (sampling.Full, sampling.Greedy))
+
+
+def test_greedy_restriction_is_the_fast_paths_token():
+    z = np.random.default_rng(4).normal(size=(4, 300)).astype(np.float32)
+    z[0, 7] = z[0, 9] = z[0].max() + 1  # a tie: the first
+    kept = np.asarray(sampling.Greedy().restrict(jnp.asarray(z)))
+    assert (np.isfinite(kept).sum(-1) == 1).all()
+    np.testing.assert_array_equal(np.isfinite(kept).argmax(-1), z.argmax(-1))
+    assert z.argmax(-1)[0] == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"method": "min-q"}, r"method: unknown sampling method 'min-q'; registered: full, "),
+        ({"method": "top-k-top-p", "top_p": 0.9}, r"method: 'top-k-top-p' is named, so greedy"),
+        ({"method": "top-k-top-p", "options": {"k": 3}}, r"options: sampling method 'top-k-top"),
+        ({"method": "top-k-top-p", "options": {"top_p": 2.0}}, r"options: .*top_p must be in"),
+        ({"options": {"p": 0.1}}, r"options: \{'p': 0.1\} given but no sampling method named"),
+    ],
+)
+def test_a_bad_method_or_options_is_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_registering_a_method_checks_its_name_and_shape():
+    with pytest.raises(ValueError, match="'greedy' is empty or built in"):
+        sampling.register_sampling("greedy", sampling.Full)
+    with pytest.raises(ValueError, match="not a class with restrict"):
+        sampling.register_sampling("x-none", object)
+
+    class Loose:  # not frozen: unhashable
+        __hash__ = None
+
+        def restrict(self, z_BV):
+            return z_BV[:, :3]
+
+    sampling.register_sampling("x-loose", Loose, replace=True)
+    with pytest.raises(ValueError, match="method: 'x-loose' builds an unhashable Loose"):
+        SamplingConfig(method="x-loose")
+    Loose.__hash__ = object.__hash__
+    bad = SamplingConfig(method="x-loose")
+    keys = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(ValueError, match=r"sampling method Loose: restrict gave \(2, 3\), not"):
+        sampling.draw(jnp.zeros((2, 10)), keys, bad)

@@ -1,9 +1,10 @@
-"""Next-token sampling (temperature, top-k, top-p, greedy) with log-probs and entropy."""
+"""Next-token sampling with log-probs and entropy: the temperature-scaled distribution,
+restricted by a sampling method (greedy, top-k / top-p, or one registered by name)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,96 @@ from magic_jax.model.logprobs import logprob_entropy_lse
 _BLOCK = 256
 
 
+@runtime_checkable
+class SamplingMethod(Protocol):
+    """One way of choosing the next token: which tokens of the temperature-scaled
+    distribution may be sampled. The sampler then draws from the renormalised survivors.
+
+    A method is a small frozen dataclass (hashable: it is a static argument of the
+    compiled decode step), built from a config's ``sampling.options`` and registered by
+    name with ``register_sampling``. ``restrict`` runs inside ``jit`` on [B, V] float32.
+    """
+
+    def restrict(self, z_BV: jax.Array) -> jax.Array:
+        """``z_BV`` (temperature-scaled logits) with the tokens that may not be sampled set
+        to -inf; at least one token per row must stay finite."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+    """Samples the whole temperature-scaled distribution."""
+
+    def restrict(self, z_BV: jax.Array) -> jax.Array:
+        return z_BV
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """Takes the arg-max token (the first of tied maxima): no randomness."""
+
+    def restrict(self, z_BV: jax.Array) -> jax.Array:
+        first_B = jnp.argmax(z_BV, axis=-1)
+        keep_BV = jnp.arange(z_BV.shape[-1])[None, :] == first_B[:, None]
+        return jnp.where(keep_BV, z_BV, -jnp.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKTopP:
+    """Top-k, then nucleus (top-p) on the renormalised survivors, as Hugging Face's
+    warpers (``truncate``).
+
+    Attributes:
+      top_k: keep the ``top_k`` most probable tokens (0 keeps everything).
+      top_p: keep the most probable tokens whose mass reaches ``top_p`` (1 keeps all).
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def restrict(self, z_BV: jax.Array) -> jax.Array:
+        return truncate(z_BV, top_k=self.top_k, top_p=self.top_p)
+
+
+_BUILTIN_METHODS: dict[str, type] = {"full": Full, "greedy": Greedy, "top-k-top-p": TopKTopP}
+_METHODS: dict[str, type] = dict(_BUILTIN_METHODS)
+
+
+def register_sampling(name: str, method: type, *, replace: bool = False) -> None:
+    """Registers ``method`` (a frozen dataclass with ``restrict``: a ``SamplingMethod``) as
+    ``sampling.method: name``; a run builds it as ``method(**sampling.options)``.
+
+    Raises:
+      ValueError: an empty or built-in name, a class without ``restrict``, or a name
+        another class holds (unless ``replace``).
+    """
+    if not isinstance(name, str) or not name.strip() or name in _BUILTIN_METHODS:
+        raise ValueError(f"sampling method name {name!r} is empty or built in")
+    if not isinstance(method, type) or not callable(getattr(method, "restrict", None)):
+        raise ValueError(f"sampling method {name!r}: {method!r} is not a class with restrict()")
+    if _METHODS.get(name, method) is not method and not replace:
+        raise ValueError(f"sampling method {name!r} is already registered; pass replace=True")
+    _METHODS[name] = method
+
+
+def get_sampling(name: str) -> type:
+    """The class registered as ``name``.
+
+    Raises:
+      ValueError: one line naming ``name`` and the registered methods.
+    """
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    if method is None:
+        raise ValueError(f"unknown sampling method {name!r}; registered: {', '.join(_METHODS)}")
+    return method
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """How the next token is chosen from the model's logits.
@@ -23,16 +114,25 @@ class SamplingConfig:
       temperature: logits are divided by it before everything else (> 0). The
         reported log-probs and entropies are those of this temperature-scaled
         full distribution, which is what the trainer recomputes.
-      top_p: nucleus sampling: keep the most probable tokens whose mass reaches
-        ``top_p`` (1.0 keeps everything). Applied after ``top_k``.
-      top_k: keep the ``top_k`` most probable tokens (0 keeps everything).
-      greedy: take the arg-max token (no randomness).
+      top_p / top_k / greedy: the built-in methods in short (verl's names):
+        ``greedy`` takes the arg-max (``Greedy``); ``top_k`` > 0 or ``top_p`` < 1
+        truncate (``TopKTopP``: top-k first, then the nucleus); otherwise the whole
+        distribution is sampled (``Full``).
+      method: a registered ``SamplingMethod`` by name (``register_sampling``), built
+        from ``options``; None: the shorthand above chooses. Not together with it.
+      options: the method's parameters (``{p: 0.05}``).
+      strategy: the ``SamplingMethod`` these resolve to (derived).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    method: str | None = None
+    options: dict[str, bool | int | float | str] = dataclasses.field(
+        default_factory=dict, compare=False
+    )
+    strategy: SamplingMethod = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -41,11 +141,44 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "strategy", self._resolve())
+
+    def _resolve(self) -> SamplingMethod:
+        if self.method is None:
+            if self.options:
+                raise ValueError(f"options: {self.options} given but no sampling method named")
+            if self.greedy:
+                return Greedy()
+            if self.top_k > 0 or self.top_p < 1.0:
+                return TopKTopP(self.top_k, self.top_p)
+            return Full()
+        if self.greedy or self.top_k > 0 or self.top_p < 1.0:
+            raise ValueError(
+                f"method: {self.method!r} is named, so greedy, top_k and top_p must keep "
+                "their defaults (give the method's own options instead)"
+            )
+        try:
+            cls = get_sampling(self.method)
+        except ValueError as e:
+            raise ValueError(f"method: {e}") from None
+        try:
+            strategy = cls(**self.options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"options: sampling method {self.method!r}: {e}") from None
+        try:
+            hash(strategy)
+        except TypeError:
+            raise ValueError(
+                f"method: {self.method!r} builds an unhashable {type(strategy).__name__} "
+                "(make it a frozen dataclass: it is a static argument of the decode step)"
+            ) from None
+        return strategy
 
     @property
     def truncates(self) -> bool:
-        """Whether top-k or top-p can remove tokens from the distribution."""
-        return not self.greedy and (self.top_p < 1.0 or self.top_k > 0)
+        """Whether the method can remove tokens from the distribution (not greedy)."""
+        return not isinstance(self.strategy, Full | Greedy)
 
 
 class Draw(NamedTuple):
@@ -57,7 +190,7 @@ class Draw(NamedTuple):
         distribution.
       entropies: float32 entropy of the temperature-scaled full distribution.
       sampling_logprobs: float32 log-prob under the distribution actually sampled
-        from (after top-k / top-p renormalisation; 0 for greedy).
+        from (the method's survivors, renormalised; 0 for greedy).
     """
 
     tokens: jax.Array
@@ -171,17 +304,20 @@ def draw(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig) -> Dra
     Args:
       logits_BV: [B, V] raw logits (any float dtype; computed in fp32).
       keys_B: [B] typed PRNG keys, one per row (ignored when greedy).
-      config: the sampling strategy (static).
+      config: the temperature and sampling method (static).
 
     Returns:
       A ``Draw`` of [B] arrays.
     """
     z_BV = logits_BV.astype(jnp.float32) / config.temperature
-    if config.greedy:
+    if isinstance(config.strategy, Greedy):  # its one survivor, without drawing
         tokens_B = jnp.argmax(z_BV, axis=-1).astype(jnp.int32)
         logp_B, ent_B = logprobs_and_entropy(z_BV, tokens_B, 1.0)
         return Draw(tokens_B, logp_B, ent_B, jnp.zeros_like(logp_B))
-    zt_BV = truncate(z_BV, top_k=config.top_k, top_p=config.top_p) if config.truncates else z_BV
+    zt_BV = config.strategy.restrict(z_BV) if config.truncates else z_BV
+    if zt_BV.shape != z_BV.shape:
+        name = type(config.strategy).__name__
+        raise ValueError(f"sampling method {name}: restrict gave {zt_BV.shape}, not {z_BV.shape}")
     u_B = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B)
     tokens_B = _inverse_cdf(zt_BV, u_B)
     logp_B, ent_B = logprobs_and_entropy(z_BV, tokens_B, 1.0)

@@ -212,6 +212,8 @@ ADDED_DEFAULTS = {
     "rewards.abilities": {},
     "rollout.cache_bucket": 128,
     "rollout.layer_unroll": None,
+    "sampling.method": None,
+    "sampling.options": {},
 }
 
 

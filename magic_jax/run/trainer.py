@@ -30,7 +30,6 @@ checkpoints and the export.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from magic_jax import distributed, interrupt, storage, watchdog
 from magic_jax.data.rows import offline_filter, tokenize_rows
 from magic_jax.data.sources import read_rows
+from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run import rundir
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
@@ -387,9 +387,8 @@ class Trainer:
                 raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
 
-            def sampling_at(t):
-                kw = dict(temperature=t, top_p=ev.top_p, top_k=0, greedy=False)
-                return dataclasses.replace(cfg.sampling, **kw)
+            def sampling_at(t):  # the evaluation's own protocol, whatever training samples with
+                return SamplingConfig(temperature=t, top_p=ev.top_p)
 
             self._eval_driver = self._driver(limit, sampling_at(ev.temperature))
             # one engine and KV cache for every temperature (they run one after another)
