@@ -287,7 +287,7 @@ def test_token_classes_split_choices_digits_format_and_text_after_the_answer():
 def test_lockout_probe_measures_the_evaluations_own_samples(monkeypatch):
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.data.tasks import carry
-    from magic_jax.jobs.carry_world import world_driver
+    from magic_jax.jobs.worlds import world_driver
     from magic_jax.rollout import probes
     from magic_jax.rollout.evaluate import evaluate
 

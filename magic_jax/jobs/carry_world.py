@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from magic_jax.jobs.worlds import (
-    MAX_PROMPT,
     BuildOptions,
     World,
     build_world,
     read_rows_file,
+    sample_heldout,
     sft_examples,
+    world_driver,
 )
 
 CARRY_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "carry"
@@ -81,26 +82,12 @@ def world_statistics(
       of each ``carry.TOKEN_CLASSES`` class: choice, digit, format, after the answer)
       and ``tokens_by_class``.
     """
-    from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.data.tasks import carry
     from magic_jax.data.tasks.vocab import TokenPieces
-    from magic_jax.rollout.evaluate import eval_seed
-    from magic_jax.rollout.scoring import score_groups
 
     if driver is None:
         driver = world_driver(model, temperature, max_response_length)
-    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
-    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
-    groups, _, _ = score_groups(
-        driver,
-        params,
-        parsed,
-        tokenizer=tok,
-        num_samples=num_samples,
-        seed=eval_seed(seed),
-        step=0,
-        keep_texts=True,
-    )
+    _, groups = sample_heldout(driver, params, tok, rows, num_samples=num_samples, seed=seed)
     by = defaultdict(list)  # key -> rewards
     rate = {True: [], False: []}  # needed column? -> checked or not
     ent = {True: [0.0, 0], False: [0.0, 0]}
@@ -211,7 +198,7 @@ def sft_continuation(
         return checked_examples(task, tok, rng, n, rate, held)
 
     def evaluator(model, tok, rows, *, num_samples, seed):
-        driver = world_driver(model)
+        driver = world_driver(model, 1.0, MAX_RESPONSE)
 
         def run(params, step):  # the scalar figures (train_sft prints them)
             st = world_statistics(
@@ -234,21 +221,6 @@ def sft_continuation(
     return {**out, "check_rate": rate}
 
 
-def world_driver(model: Any, temperature: float = 1.0, max_response_length: int = MAX_RESPONSE):
-    """The engine the statistics sample with."""
-    from magic_jax.rollout.driver import make_driver
-    from magic_jax.rollout.engine_config import EngineOptions
-    from magic_jax.rollout.sampling import SamplingConfig
-
-    return make_driver(
-        model,
-        EngineOptions(max_concurrent_decodes=128),
-        max_prompt_length=MAX_PROMPT,
-        max_response_length=max_response_length,
-        sampling=SamplingConfig(temperature=temperature),
-    )
-
-
 def checked_examples(task, tok, rng: np.random.Generator, n: int, rate: float, exclude: set):
     """``n`` fresh supervised (prompt ids, response ids + EOS) pairs, each column checked
     with probability ``rate``, none held out."""
@@ -268,7 +240,7 @@ def _response(task: Any, config: WorldBuildConfig, rng, step: int, i: int, a: in
 
 def _evaluator(model: Any, tok: Any, heldout: list[dict[str, Any]], config: WorldBuildConfig):
     """The held-out figures during the build, and the whole set's statistics at its end."""
-    driver = world_driver(model)
+    driver = world_driver(model, 1.0, MAX_RESPONSE)
     keys = ("accuracy", "check_rate_needed", "check_rate_other", "well_formed", "entropy")
 
     def evaluate(params, step):

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.worlds import MAX_PROMPT, BuildOptions, World, build_world, sft_examples
+from magic_jax.jobs.worlds import (
+    BuildOptions,
+    World,
+    build_world,
+    sample_heldout,
+    sft_examples,
+    world_driver,
+)
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 MODEL_DIR = ASSETS / "model"
@@ -90,33 +97,11 @@ def make_evaluator(
 
     Uses the training engine (T = ``MAX_RESPONSE``) and the math reward.
     """
-    from magic_jax.data.rows import parse_row, tokenize_rows
-    from magic_jax.rollout.driver import make_driver
-    from magic_jax.rollout.engine_config import EngineOptions
-    from magic_jax.rollout.evaluate import eval_seed
-    from magic_jax.rollout.sampling import SamplingConfig
-    from magic_jax.rollout.scoring import score_groups
-
-    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
-    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
-    driver = make_driver(
-        model,
-        EngineOptions(max_concurrent_decodes=128),
-        max_prompt_length=MAX_PROMPT,
-        max_response_length=MAX_RESPONSE,
-        sampling=SamplingConfig(temperature=1.0),
-    )
+    driver = world_driver(model, 1.0, MAX_RESPONSE)
 
     def run(params, step):
-        groups, _, _ = score_groups(
-            driver,
-            params,
-            parsed,
-            tokenizer=tok,
-            num_samples=num_samples,
-            seed=eval_seed(seed),
-            step=step,
-            keep_texts=True,
+        _, groups = sample_heldout(
+            driver, params, tok, rows, num_samples=num_samples, seed=seed, step=step
         )
         by_style: dict[str, list[float]] = {"worked": [], "quick": []}
         ent_sum, tokens, n = 0.0, 0, 0

@@ -20,8 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.carry_world import world_driver
-from magic_jax.jobs.worlds import MAX_PROMPT, BuildOptions, World, build_world
+from magic_jax.jobs.worlds import (
+    BuildOptions,
+    World,
+    build_world,
+    sample_heldout,
+    world_driver,
+)
 
 LOCKOUT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "lockout"
 LOCKOUT_BUILD = LOCKOUT_ASSETS / "build.json"  # the shipped base's build settings and statistics
@@ -98,26 +103,12 @@ def world_statistics(
     """
     from flax import nnx
 
-    from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.data.tasks import lockout
-    from magic_jax.rollout.evaluate import eval_seed
     from magic_jax.rollout.probes import ProbeContext, lockout_probe
-    from magic_jax.rollout.scoring import score_groups
 
     if driver is None:
         driver = world_driver(model, temperature, max_response_length or lockout.STAGE2_T)
-    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
-    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
-    groups, _, _ = score_groups(
-        driver,
-        params,
-        parsed,
-        tokenizer=tok,
-        num_samples=num_samples,
-        seed=eval_seed(seed),
-        step=0,
-        keep_texts=True,
-    )
+    parsed, groups = sample_heldout(driver, params, tok, rows, num_samples=num_samples, seed=seed)
     t = _tally(rows, groups)
 
     def mean(x):

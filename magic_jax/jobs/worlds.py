@@ -122,6 +122,52 @@ def sft_examples(
     return prompts, responses
 
 
+def world_driver(model: Any, temperature: float, max_response_length: int) -> Any:
+    """The engine a world's held-out figures sample with (128 decodes at once)."""
+    from magic_jax.rollout.driver import make_driver
+    from magic_jax.rollout.engine_config import EngineOptions
+    from magic_jax.rollout.sampling import SamplingConfig
+
+    return make_driver(
+        model,
+        EngineOptions(max_concurrent_decodes=128),
+        max_prompt_length=MAX_PROMPT,
+        max_response_length=max_response_length,
+        sampling=SamplingConfig(temperature=temperature),
+    )
+
+
+def sample_heldout(
+    driver: Any,
+    params: Any,
+    tok: Any,
+    rows: list[dict[str, Any]],
+    *,
+    num_samples: int,
+    seed: int,
+    step: int = 0,
+) -> tuple[list[Any], list[Any]]:
+    """(parsed rows, their scored groups with texts): ``num_samples`` responses to each
+    held-out row, with the evaluation's seed (``evaluate.eval_seed``)."""
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.rollout.evaluate import eval_seed
+    from magic_jax.rollout.scoring import score_groups
+
+    parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
+    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
+    groups, _, _ = score_groups(
+        driver,
+        params,
+        parsed,
+        tokenizer=tok,
+        num_samples=num_samples,
+        seed=eval_seed(seed),
+        step=step,
+        keep_texts=True,
+    )
+    return parsed, groups
+
+
 def write_rows_file(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
