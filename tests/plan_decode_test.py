@@ -39,10 +39,11 @@ def test_a_bf16_plan_scales_up_to_float32_and_nothing_fits_when_hbm_is_short():
 
 def test_the_printed_plan_has_a_decode_line_per_precision():
     from magic_jax.jobs.plan import RunPlan, format_plan
-    from magic_jax.jobs.topology import parse_topology
+    from magic_jax.jobs.topology import resolve_topology
     from magic_jax.model.config import ModelConfig
 
-    chip, chips = parse_topology("v5p:2x2x2")
+    s = resolve_topology("v5p:2x2x2")
+    chip, chips = s.chip, s.chips
     mc = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=4, num_kv_heads=2)  # fmt: skip
     plan = RunPlan("v5p:2x2x2", chip, chips, chips, mc, [_stage()], {})  # the model's float32

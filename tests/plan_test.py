@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from magic_jax.jobs.cli import main
-from magic_jax.jobs.topology import PlanError, libtpu_available, parse_topology
+from magic_jax.jobs.topology import PlanError, libtpu_available, resolve_topology
 from magic_jax.run.config import load_config
 
 needs_libtpu = pytest.mark.skipif(
@@ -84,12 +84,12 @@ def _hand_param_bytes(fsdp: int, tensor: int) -> int:
 
 def test_topology_names_and_errors(tmp_path, capsys):
     # (gcloud's names and their chip counts: tests/plan_names_test.py)
-    assert parse_topology("v5p:4x4x4")[1] == 64 == parse_topology("v5p-128")[1]
-    assert parse_topology("v5e:2x2")[0].hbm_gib == 16
+    assert resolve_topology("v5p:4x4x4").chips == 64 == resolve_topology("v5p-128").chips
+    assert resolve_topology("v5e:2x2").chip.hbm_gib == 16
     with pytest.raises(PlanError, match="expected a gcloud accelerator type"):
-        parse_topology("pod:16")
+        resolve_topology("pod:16")
     with pytest.raises(PlanError, match="unknown TPU generation 'v9'"):
-        parse_topology("v9:2x2")
+        resolve_topology("v9:2x2")
     cfg = _run(tmp_path)
     for bad in ("v9:2x2", "v6e-48"):
         assert main(["plan", str(cfg), "--topology", bad]) == 2
@@ -205,8 +205,8 @@ def test_gcloud_names_compile_for_their_chips():
 
     # v5p-N and v4-N count TensorCores: v5p-128 is 64 chips (one device each), v4-32 is 16
     # (libtpu's v4 devices are its TensorCores)
-    assert len(topology_devices("v5p-128")) == 64 == parse_topology("v5p-128")[1]
-    assert parse_topology("v4-32")[1] == 16 and len(topology_devices("v4-32")) == 32
+    assert len(topology_devices("v5p-128")) == 64 == resolve_topology("v5p-128")[1]
+    assert resolve_topology("v4-32")[1] == 16 and len(topology_devices("v4-32")) == 32
     assert len(topology_devices("v6e-64")) == 64 and len(topology_devices("v5litepod-8")) == 8
     assert len(topology_devices("v6e-1")) == 1
 

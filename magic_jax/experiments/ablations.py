@@ -52,7 +52,7 @@ from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the noteboo
     Arm,
     World,
 )
-from magic_jax.experiments.prereg import head_state
+from magic_jax.experiments.prereg import head_state, late_runs, load_all
 from magic_jax.experiments.results import (  # noqa: F401 (re-exported: the notebooks' API)
     RESULTS_ENV,
     STEPS_ENV,
@@ -415,6 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = results_dir(args.results)
             out = Path(args.out) if args.out else where.parent / "figures"
             print(write_figures(where, out))
+            # a prospective claim's runs must follow its pre-registration
+            for pre in load_all().values():
+                if pre.status == "prospective":
+                    for line in late_runs(pre, where):
+                        print(f"warning: {pre.name}: {line}", file=sys.stderr)
     except (KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

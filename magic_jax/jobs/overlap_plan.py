@@ -217,8 +217,8 @@ def predict_overlap(
 
     def split(r: int) -> Split:
         ok = memory.holds(r, devices) and r % multiple == 0 and (devices - r) % multiple == 0
-        rollout, regime = cost.rollout(r)
-        return Split(r, devices, rollout, update_s * devices / (devices - r), ok, regime)
+        (rollout, update), regime = split_time(cost, update_s, devices, r), cost.rollout(r)[1]
+        return Split(r, devices, rollout, update, ok, regime)
 
     held = [s for s in map(split, range(1, devices)) if s.holds]
     best = min(held, key=lambda s: (s.step_s, s.rollout_devices), default=None)

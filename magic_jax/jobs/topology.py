@@ -192,12 +192,6 @@ def _accelerator_type(name: str, prefix: str, n: int) -> SliceName:
     return SliceName(CHIPS[gen], f"{gen}:{sizes[n]}", n // per_chip, f"{prefix}-{n}")
 
 
-def parse_topology(name: str) -> tuple[Chip, int]:
-    """``v5e:4x4`` or ``v5litepod-16`` -> (the v5e chip, 16 chips) (see ``resolve_topology``)."""
-    s = resolve_topology(name)
-    return s.chip, s.chips
-
-
 def libtpu_available() -> bool:
     """Whether libtpu is installed (``pip install jax[tpu]``): TPU programs can be compiled."""
     import importlib.util

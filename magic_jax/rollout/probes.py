@@ -282,7 +282,7 @@ def get_probe(name: str) -> ProbeFn:
     """
     fn = _PROBES.get(name) if isinstance(name, str) else None
     if fn is None:
-        raise ValueError(f"unknown probe {name!r}; registered: {', '.join(_PROBES)}")
+        raise ValueError(f"unknown probe {name!r}; registered: {', '.join(probe_names())}")
     return fn
 
 
