@@ -85,7 +85,7 @@ def test_offline_filter_options_reach_the_filter(tmp_path):
 
 def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     from magic_jax.run.config import ConfigError
-    from magic_jax.run.trainer import Trainer
+    from magic_jax.run.trainer import Trainer, load_inputs
 
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
@@ -104,12 +104,8 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
         CONFIGS / "default.yaml",
         ["rollout.dtype=bfloat16", "rollout.kv_dtype=int8", f"output_dir={tmp_path / 'run'}"],
     )
-    trainer = Trainer.__new__(Trainer)  # only what _driver reads
-    trainer.config = cfg
-    from magic_jax.run.policy import load_policy
-
-    trainer.model = load_policy(cfg.model, cfg.param_dtype, None)
-    trainer.mesh = None
+    trainer = Trainer(cfg)
+    trainer.inputs, _ = load_inputs(cfg)  # what _driver reads
     engine = trainer._driver(44).engine
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
     assert engine.config.kv_dtype == "int8"

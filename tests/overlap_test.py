@@ -113,7 +113,8 @@ def test_disaggregated_devices_generate_apart_from_the_update(files):
     logs = []
     trainer = Trainer(_cfg(files, "ov_split", *more), log=logs.append)
     trainer.run()
-    gen, upd = set(trainer.rollout_mesh.devices.flat), set(trainer.mesh.devices.flat)
+    i = trainer.inputs
+    gen, upd = set(i.rollout_mesh.devices.flat), set(i.mesh.devices.flat)
     assert len(gen) == len(upd) == 4 and not gen & upd
     assert any("4 device(s) generate, 4 update" in line for line in logs)
     rows = rundir.read_records(files / "ov_split" / "metrics.jsonl")

@@ -25,7 +25,7 @@ from magic_jax.run import rundir
 from magic_jax.run.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
 from magic_jax.run.rundir import RunDirError
 from magic_jax.run.runlock import RunLock
-from magic_jax.run.trainer import Trainer
+from magic_jax.run.trainer import Trainer, load_inputs
 
 # evaluation on the training prompts every 2 steps; fp32 export for bitwise comparison
 OVERRIDES = (
@@ -214,8 +214,8 @@ def test_overlong_prompts_are_counted_at_load(files, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     logs = []
     trainer = Trainer(_cfg(files, tmp_path / "x", f"data.train=[{data}]"), log=logs.append)
-    trainer._setup()
-    assert len(trainer.rows) == 9
+    inputs, _ = load_inputs(trainer.config, log=trainer.log)
+    assert len(inputs.rows) == 9
     assert any(
         "3 of 12 prompts are longer than data.max_prompt_length (16 tokens)" in x for x in logs
     )

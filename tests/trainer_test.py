@@ -10,7 +10,7 @@ import yaml
 from magic_jax.jobs.cli import main
 from magic_jax.run.checkpoint import latest_good_checkpoint as latest_checkpoint
 from magic_jax.run.config import ConfigError, load_config
-from magic_jax.run.trainer import Trainer
+from magic_jax.run.trainer import Trainer, load_inputs
 
 # The model is a tiny one over one-digit sums (tests/helpers.py, save_sums_model).
 
@@ -148,7 +148,7 @@ def test_online_filter_drops_prompts_solved_in_the_previous_stage(files, tmp_pat
     tracker.record(rows[1].uid, [1, 0, 1, 1])
     assert excluded_after(cfg, ["other:9"], tracker) == sorted(["other:9", rows[0].uid])
     trainer = Trainer(cfg, log=lambda s: None)
-    trainer._setup()
+    trainer.inputs, _ = load_inputs(cfg, log=lambda s: None)
     stage = trainer._stage(1, excluded_after(cfg, [], tracker))
     assert [r.uid for r in stage.rows] == [r.uid for r in rows[1:]]
     assert stage.config.max_response_length == 5 and stage.updater.config.mini_batch_groups == 4
@@ -288,7 +288,7 @@ def test_evaluation_samples_at_its_own_temperature(files, tmp_path):
     trainer = Trainer(_config(files, tmp_path / "t", *temp), log=lambda s: None)
     trainer.run(stop_after=1)
     assert trainer._driver(5).engine.config.sampling.temperature == 0.5
-    assert trainer._eval_driver.engine.config.sampling.temperature == 1.0
+    assert trainer.evaluator.driver.engine.config.sampling.temperature == 1.0
     assert _config(files, tmp_path / "u", *temp, "eval.temperature=0.7").eval.temperature == 0.7
     with pytest.raises(ConfigError, match="eval.*temperature must be > 0"):
         _config(files, tmp_path / "bad", evals, "eval.temperature=0")
@@ -305,12 +305,12 @@ def test_evaluation_also_at_extra_temperatures(files, tmp_path):
     trainer = Trainer(_config(files, out, evals), log=lambda s: None)
     trainer.run(stop_after=1)
     temps = {
-        t: d.engine.config.sampling.temperature for t, d in trainer._extra_eval_drivers.items()
+        t: d.engine.config.sampling.temperature for t, d in trainer.evaluator.extra_drivers.items()
     }
     assert temps == {0.6: 0.6, 1.0: 1.0}
     # one engine's programs and one KV cache for every temperature
-    main = trainer._eval_driver
-    assert all(d._states is main._states for d in trainer._extra_eval_drivers.values())
+    main = trainer.evaluator.driver
+    assert all(d._states is main._states for d in trainer.evaluator.extra_drivers.values())
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

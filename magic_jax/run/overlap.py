@@ -32,14 +32,24 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from magic_jax.rollout.collect import Collected
+from magic_jax.run.step_rollouts import CollectFn, StepRollout
 from magic_jax.update.losses import STALENESS_BUCKETS
+
+if TYPE_CHECKING:
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Driver, Params
+    from magic_jax.rollout.scoring import Group
+    from magic_jax.run.config import RolloutConfig
+    from magic_jax.run.stages import Stage
+    from magic_jax.update.buffer import RolloutBuffer
+    from magic_jax.update.state import TrainState
 
 
 class Cancelled(Exception):
@@ -282,14 +292,15 @@ def staleness_metrics(groups: Any, step: int) -> dict[str, Any]:
 
 
 class OverlapRollouts:
-    """The trainer's side of overlap mode: the published versions, one producer per
-    stage, the checkpoint item and each step's overlap metrics.
+    """Overlap mode's ``step_rollouts.StepRollouts``: the published versions, one
+    producer per stage, the checkpoint item and each step's overlap metrics.
 
-    Example (the trainer's loop, in outline):
-      ov = OverlapRollouts(cfg.rollout)
-      state = ov.start(ckpts.restore(ov.template(state), path), step)
-      got, extra = ov.take(stage, step, end, rollout)  # while the last update ran
-      state = update(state, got); ov.published(step + 1, state.params)
+    Example (the trainer's step, in outline):
+      ov = OverlapRollouts.of(cfg.rollout)
+      state = ov.resume(ckpts.restore(ov.checkpoint_template(state), path), step)
+      r = ov.rollout(stage, step, k, state, collect, store_at, resumed=False, end=end)
+      state = update(state, ov.annotate(pack(r.got), r.got.groups, step))
+      ov.updated(step + 1, state.params)
       ckpts.save(step + 1, ov.checkpoint_item(state, step + 1), ...)
     """
 
@@ -305,11 +316,15 @@ class OverlapRollouts:
         self.reprefill = reprefill
         self.versions = Versions(keep=max_staleness)
         self.pipeline: RolloutPipeline | None = None
-        self._stage: Any = None
+        self._stage: Stage | None = None
 
     @classmethod
     def of(
-        cls, rollout: Any, tis_cap: float | None = None, *, log: Callable[[str], None] = print
+        cls,
+        rollout: RolloutConfig,
+        tis_cap: float | None = None,
+        *,
+        log: Callable[[str], None] = print,
     ) -> OverlapRollouts | None:
         """The overlap of a run's ``rollout`` options; None in sync mode. With ``tis_cap``
         (decoupled PPO) and a staleness, logs what the staleness ablation measured."""
@@ -325,13 +340,13 @@ class OverlapRollouts:
         reprefill = rollout.publish_cache == "reprefill"
         return cls(rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log)
 
-    def template(self, state: Any) -> Any:
+    def checkpoint_template(self, state: TrainState) -> Any:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
         return state if self.s == 0 else Checkpointed.of(state, (state.params,) * self.s)
 
-    def start(self, restored: Any, step: int) -> Any:
+    def resume(self, restored: Any, step: int) -> TrainState:
         """Publishes the versions a run resumed (or started) at ``step`` needs; returns
-        the train state of ``restored`` (``template``'s shape)."""
+        the train state of ``restored`` (``checkpoint_template``'s shape)."""
         if self.s == 0:
             state, lagged = restored, ()
         else:
@@ -343,16 +358,48 @@ class OverlapRollouts:
         self.versions.publish(step, copy_params(state.params))
         return state
 
-    def checkpoint_item(self, state: Any, step: int) -> Any:
+    def kept_steps(self, step: int, first: int, end: int) -> Sequence[int]:
+        # the steps in flight, ahead of this one, too
+        return range(first, end + 1)
+
+    def checkpoint_item(self, state: TrainState, step: int) -> Any:
         """What the checkpoint after ``step`` updates saves."""
         return state if self.s == 0 else Checkpointed.of(state, self.versions.lagged(step))
 
-    def published(self, version: int, params: Any) -> None:
+    def updated(self, version: int, params: Params) -> None:
         """The main thread's update made ``version``: the producer may use it."""
         self.versions.publish(version, copy_params(params))
 
+    def annotate(self, buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:
+        """Each token's staleness: the loss counts clipping per staleness."""
+        return with_staleness(buffer, groups, step)
+
+    def rollout(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        state: TrainState,
+        collect: CollectFn,
+        store_at: Callable[[int], StepStore],
+        *,
+        resumed: bool,
+        end: int,
+    ) -> StepRollout:
+        """Step ``step``'s groups, generated during the last updates, and its overlap
+        metrics. Groups are kept as they finish unless ``publish_chunks`` is set (a
+        partial rollout is redone whole: its tokens' versions follow its chunk counts)."""
+
+        def one(j: int, driver: Driver, params: Params) -> Collected:
+            saved = store_at(j) if self.every is None else None
+            return collect(j, j - step + k, driver, params, saved)
+
+        got, metrics = self.take(stage, step, min(step - k + stage.config.steps, end), one)
+        # t_rollout_s is the wait for the producer
+        return StepRollout(got, metrics, 0.0, False)
+
     def take(
-        self, stage: Any, step: int, end: int, rollout: Callable[[int, Any, Any], Collected]
+        self, stage: Stage, step: int, end: int, rollout: Callable[[int, Driver, Params], Collected]
     ) -> tuple[Collected, dict[str, Any]]:
         """Step ``step``'s rollout (its producer started at this stage's first step
         taken, generating up to ``end``) and its overlap metrics."""

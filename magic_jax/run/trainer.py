@@ -30,6 +30,7 @@ checkpoints and the export.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -38,21 +39,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from magic_jax import distributed, interrupt, storage, watchdog
-from magic_jax.data.rows import offline_filter, tokenize_rows
+from magic_jax.data.rows import offline_filter
 from magic_jax.data.sources import read_rows
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run import rundir
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
+from magic_jax.run.evaluation import Evaluator, tokenize_logged
 from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
-from magic_jax.run.stages import LoopState, Schedule, Stage, build_stage, pack_step, update_config
+from magic_jax.run.stages import LoopState, Stage, build_stage, pack_step, update_config
+from magic_jax.run.step_rollouts import StepRollouts, SyncRollouts
 from magic_jax.run.step_row import format_eval, format_row, step_row
 
 if TYPE_CHECKING:
-    from magic_jax.rollout.driver import RolloutDriver
-    from magic_jax.rollout.protocols import Verifiers
+    from magic_jax.data.rows import PromptRow
+    from magic_jax.model.qwen2 import Qwen2
+    from magic_jax.rollout.collect import Collected
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
     from magic_jax.run.checkpoint import TrainCheckpoints
+    from magic_jax.run.monitor import Monitor
+    from magic_jax.run.profile import StepProfiler
     from magic_jax.update.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -61,8 +69,74 @@ METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
 
 
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """What a run trains, read once (``load_inputs``).
+
+    Attributes:
+      model: the policy (its weights are split out as the train state's).
+      graphdef: the policy's ``nnx`` graph, without weights.
+      tokenizer: the run's tokenizer; ``pad_id`` its padding id.
+      rows: the training prompts, tokenised once, offline filtering applied.
+      mesh: the update's mesh (None: one device); ``rollout_mesh`` the rollout's
+        when ``rollout.devices`` splits them (else None).
+    """
+
+    model: Qwen2
+    graphdef: Any
+    tokenizer: Tokenizer
+    pad_id: int
+    rows: list[PromptRow]
+    mesh: Any
+    rollout_mesh: Any
+
+
+def load_inputs(
+    cfg: TrainConfig, *, log: Callable[[str], None] = print
+) -> tuple[RunInputs, Params]:
+    """The run's policy, tokenizer, meshes and training prompts, and the initial weights.
+
+    Raises:
+      ConfigError: no prompt fits ``data.max_prompt_length``.
+    """
+    from flax import nnx
+
+    from magic_jax.run.overlap import split_meshes
+
+    ro = cfg.rollout
+    ov = ro.mode == "overlap"
+    mesh, rollout_mesh = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=log)
+    model = load_policy(cfg.model, cfg.param_dtype, mesh)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rows = read_rows(cfg.data.train)
+    n_read = len(rows)
+    if (d := cfg.data).offline_filter_model:
+        keep = d.offline_filter_keep_unrated
+        rows = offline_filter(
+            rows, d.offline_filter_model, d.offline_filter_samples, keep_unrated=keep
+        )
+    # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
+    kept, _ = tokenize_logged(rows, tokenizer, d.max_prompt_length, "data.train", log)
+    if not kept:
+        raise ConfigError(
+            f"data.max_prompt_length: all {len(rows)} prompts are longer than "
+            f"{d.max_prompt_length} tokens"
+        )
+    log(
+        f"[data] {n_read} prompts read, {len(kept)} after filtering; "
+        f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
+    )
+    pad_id = tokenizer.pad_token_id or 0
+    return RunInputs(model, graphdef, tokenizer, pad_id, kept, mesh, rollout_mesh), params
+
+
 class Trainer:
     """Runs a ``TrainConfig`` to the end of its last stage, resuming if it can.
+
+    Everything a run holds beyond its config is made in ``_open``, once, before the
+    first step; each step is ``_step``, the same code in sync and overlap mode (the
+    difference is the ``step_rollouts.StepRollouts`` it takes its groups from).
 
     Example:
       summary = Trainer(load_config("configs/default.yaml")).run()
@@ -70,79 +144,39 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, log: Callable[[str], None] = print):
         self.config = config
-        self.log = log
         self.out = storage.path(config.output_dir, what="output_dir")
-        self._eval_driver = None
-        self._extra_eval_drivers: dict[float, RolloutDriver] = {}
+        self._print = log
+        self.monitor: Monitor | None = None
 
-    def _setup(self) -> None:
-        from flax import nnx
+    def log(self, line: str) -> None:
+        """One line of the run's output (above the progress bar once the run has one)."""
+        (self._print if self.monitor is None else self.monitor.write)(line)
 
-        from magic_jax.run.overlap import split_meshes
-
-        cfg = self.config
-        ro = cfg.rollout
-        ov = ro.mode == "overlap"
-        self.mesh, self.rollout_mesh = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=self.log)
-        self.model = load_policy(cfg.model, cfg.param_dtype, self.mesh)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        self.pad_id = self.tokenizer.pad_token_id or 0
-        self.graphdef, params = nnx.split(self.model, nnx.Param)
-        rows = read_rows(cfg.data.train)
-        n_read = len(rows)
-        if (d := cfg.data).offline_filter_model:
-            keep = d.offline_filter_keep_unrated
-            rows = offline_filter(
-                rows, d.offline_filter_model, d.offline_filter_samples, keep_unrated=keep
-            )
-        # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
-        self.rows, _ = self._tokenize(rows, "data.train")
-        if not self.rows:
-            raise ConfigError(
-                f"data.max_prompt_length: all {len(rows)} prompts are longer than "
-                f"{cfg.data.max_prompt_length} tokens"
-            )
-        self.log(
-            f"[data] {n_read} prompts read, {len(self.rows)} after filtering; "
-            f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
-        )
-        self._params = params
-
-    def _tokenize(self, rows: list, name: str) -> tuple[list, int]:
-        """``rows`` with their token ids, those longer than data.max_prompt_length left out."""
-        limit = self.config.data.max_prompt_length
-        kept, _ = tokenize_rows(rows, self.tokenizer, max_prompt_length=limit)
-        if len(kept) < len(rows):
-            self.log(
-                f"[data] {name}: {len(rows) - len(kept)} of {len(rows)} prompts are longer "
-                f"than data.max_prompt_length ({limit} tokens) and are left out"
-            )
-        return kept, len(rows) - len(kept)
-
-    def _driver(self, max_response_length: int, sampling: Any = None):
+    def _driver(self, max_response_length: int, sampling: SamplingConfig | None = None):
         """A rollout driver with the run's slots and sampling (or ``sampling``), for one limit."""
         from magic_jax.rollout.driver import make_driver
 
         cfg = self.config
         return make_driver(
-            self.model,
+            self.inputs.model,
             cfg.rollout,
             max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=max_response_length,
             sampling=cfg.sampling if sampling is None else sampling,
-            mesh=self.mesh,
+            mesh=self.inputs.mesh,
         )
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:
+        i = self.inputs
         stage = build_stage(
             self.config,
             index,
-            self.rows,
+            i.rows,
             excluded,
-            policy=self.model,
-            graphdef=self.graphdef,
-            mesh=self.mesh,
-            rollout_mesh=self.rollout_mesh,
+            policy=i.model,
+            graphdef=i.graphdef,
+            mesh=i.mesh,
+            rollout_mesh=i.rollout_mesh,
         )
         self.log(stage.describe())
         return stage
@@ -189,111 +223,110 @@ class Trainer:
             if finished:
                 return rundir.finished_summary(self.out, cfg.total_steps) or {}
             signals = stack.enter_context(rundir.StopSignals())
-            return self._run(stop_after, signals)
+            end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+            return self._run(end, signals)
 
-    def _run(self, stop_after: int | None, signals: rundir.StopSignals) -> dict[str, object]:
-        """Trains from the newest good checkpoint (or the start) to ``stop_after``, the end
-        of the last stage or a stop; returns the summary."""
-        from magic_jax.rewards import VerifierPool
+    def _open(self, end: int) -> tuple[TrainState, LoopState]:
+        """Makes what the run holds (the one place the trainer's state is made): its
+        inputs, the KL reference, the source of its rollouts, checkpoints, monitor,
+        profiler and evaluator; resumes from the newest good checkpoint, if any.
+        Returns the train state and where the loop stands."""
         from magic_jax.run.checkpoint import TrainCheckpoints
+        from magic_jax.run.monitor import Monitor
         from magic_jax.run.overlap import OverlapRollouts
-
-        cfg, ro = self.config, self.config.rollout
-        self._setup()
-        state = self._initial_state()
-        found = newest_good_checkpoint(self.out, log=self.log)
-        ckpts = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
-        ov = OverlapRollouts.of(ro, cfg.loss.tis_cap, log=lambda m: self.log(m))  # None: sync
-        self._overlap = ov  # overlap: the checkpoints also hold the s versions in flight
-        state, loop = resume_from(
-            self.out, found, ckpts, ov.template(state) if ov else state, log=self.log
-        )
-        state = ov.start(state, loop.step) if ov else state
-        self._saved = self._kept_rollouts = loop.step  # the newest checkpoint's step
-        self._stage_now: Stage | None = None
-        self._start_monitor(loop.step)
-        # the stop signal every process agrees on (0: none), asked once per step
-        stop = distributed.max_int(signals.received or 0)
-        end = self._end = (
-            cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-        )
-        counts = _counts(state)  # what the summary says of the state (an update may consume it)
-        try:
-            with (
-                self._monitor,
-                VerifierPool(cfg.rewards) as pool,
-                self._profiler,
-                watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
-            ):
-                if not stop:
-                    state, stop, counts = self._train(state, loop, end, pool, ckpts, signals)
-        finally:
-            if ov is not None:
-                ov.close()
-            ckpts.close()
-        return self._summary(state, loop, stop, counts)
-
-    def _initial_state(self) -> TrainState:
-        """The train state of the initial weights (and the KL reference policy)."""
+        from magic_jax.run.profile import StepProfiler
         from magic_jax.update.state import init_train_state
 
         cfg = self.config
+        self.inputs, params = load_inputs(cfg, log=self.log)
         # the KL reference: the initial weights (copied before any update) or loss.kl_reference
-        self.ref_params = reference_params(cfg, self._params, self.mesh)
+        self.ref_params = reference_params(cfg, params, self.inputs.mesh)
         if self.ref_params is not None:
             self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
-        state = init_train_state(self._params, update_config(cfg, 0), mesh=self.mesh)
-        del self._params
-        return state
-
-    def _start_monitor(self, step: int) -> None:
-        from magic_jax.run.monitor import Monitor
-        from magic_jax.run.profile import StepProfiler
-
-        cfg = self.config
-        self._monitor = Monitor(
+        state = init_train_state(params, update_config(cfg, 0), mesh=self.inputs.mesh)
+        del params  # the train state owns the weights now
+        overlap = OverlapRollouts.of(cfg.rollout, cfg.loss.tis_cap, log=self.log)
+        self.rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
+        self.ckpts: TrainCheckpoints = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
+        found = newest_good_checkpoint(self.out, log=self.log)
+        restore_into = self.rollouts.checkpoint_template(state)
+        restored, loop = resume_from(self.out, found, self.ckpts, restore_into, log=self.log)
+        state = self.rollouts.resume(restored, loop.step)
+        # the newest checkpoint's step, and the oldest step whose saved groups are kept
+        self.saved = self.kept_from = loop.step
+        self.end = end
+        self.stage: Stage | None = None
+        self.monitor = Monitor(
             self.out,
             stage_steps=[s.steps for s in cfg.stages],
-            start_step=step,
-            log=self.log,
+            start_step=loop.step,
+            log=self._print,
             primary=distributed.is_primary(),
         )
-        self.log = self._monitor.write  # the run's other lines print above the progress bar
-        self._profiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
+        self.profiler: StepProfiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
+        self.evaluator: Evaluator | None = None
+        if cfg.eval is not None:
+            i = self.inputs
+            self.evaluator = Evaluator(
+                cfg, i.model, i.graphdef, i.tokenizer, self._driver, log=self.log
+            )
+        return state, loop
+
+    def _run(self, end: int, signals: rundir.StopSignals) -> dict[str, object]:
+        """Trains from the newest good checkpoint (or the start) to ``end`` (the last
+        stage's end or ``stop_after``) or a stop; returns the summary."""
+        from magic_jax.rewards import VerifierPool
+
+        cfg = self.config
+        state, loop = self._open(end)
+        try:
+            # the stop signal every process agrees on (0: none), asked once per step
+            stop = distributed.max_int(signals.received or 0)
+            counts = _counts(state)  # what the summary says of the state (an update may consume it)
+            with (
+                self.monitor,
+                VerifierPool(cfg.rewards) as pool,
+                self.profiler,
+                watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
+            ):
+                if not stop:
+                    state, stop, counts = self._train(state, loop, pool, signals)
+        finally:
+            self.rollouts.close()
+            self.ckpts.close()
+        return self._summary(state, loop, stop, counts)
 
     def _train(
         self,
         state: TrainState,
         loop: LoopState,
-        end: int,
         pool: Verifiers,
-        ckpts: TrainCheckpoints,
         signals: rundir.StopSignals,
     ) -> tuple[TrainState, int, dict[str, float]]:
-        """Steps until ``end``, the last stage's end or a stop, checkpointing as due;
+        """Steps until ``self.end``, the last stage's end or a stop, checkpointing as due;
         returns (the state, the stop signal or 0, the summary's counts of the state)."""
         cfg, schedule = self.config, loop.schedule
         counts, stop = _counts(state), 0
-        while loop.step < end and not schedule.finished(cfg):
+        while loop.step < self.end and not schedule.finished(cfg):
             try:
                 if cfg.eval is not None and loop.step == 0:
-                    self._evaluate(state, 0, pool, schedule)
+                    self._evaluate(state, 0, pool, loop, until=True)
                 state, ended = self._one_step(loop.step, state, loop, pool)
                 counts = _counts(state)
             except interrupt.Interrupted as e:
                 # Only a rollout or an update with its groups saved is cut short
                 # (``_step``): the state is that of `step` steps, or checkpointed.
                 self.log(f"[stop] {e}: step {loop.step} is redone on resume")
-                if self._saved < loop.step:  # a rollout without saved groups: keep the state
-                    self._save(ckpts, state, loop)
+                if self.saved < loop.step:  # a rollout without saved groups: keep the state
+                    self._save(state, loop)
                 return state, e.signum, counts
             stop = distributed.max_int(signals.received or 0)
             if not stop and distributed.preemption_notice(loop.step):
                 self.log(f"[stop] preemption notice at step {loop.step}")
                 stop = int(signal.SIGTERM)
             due = loop.step % cfg.checkpoint_every == 0 or ended is not None
-            if due or loop.step == end or stop:
-                self._save(ckpts, state, loop)
+            if due or loop.step == self.end or stop:
+                self._save(state, loop)
             if stop:
                 break
         return state, stop, counts
@@ -314,13 +347,13 @@ class Trainer:
             name = signal.Signals(stop).name
             summary["stopped_by"] = name
             self.log(
-                f"[stop] {name}: stopped at step {step} (checkpoint at step {self._saved}); "
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {self.saved}); "
                 f"run the same command to resume"
             )
         elif schedule.finished(cfg) and cfg.export_hf:
             # every process gathers the weights tensor by tensor; process 0 writes them
-            out = self.out / "hf_final"
-            export_policy(out, self.graphdef, state.params, self.tokenizer, cfg.export_dtype)
+            out, i = self.out / "hf_final", self.inputs
+            export_policy(out, i.graphdef, state.params, i.tokenizer, cfg.export_dtype)
             summary["hf_export"] = str(out)
         if distributed.is_primary():
             rundir.write_summary(self.out, summary)
@@ -337,24 +370,21 @@ class Trainer:
           interrupt.Interrupted: a stop came during the rollout, update or evaluation.
         """
         cfg, schedule = self.config, loop.schedule
-        stage = self._stage_now
-        if stage is None or stage.index != schedule.index:
-            stage = self._stage_now = self._stage(schedule.index, loop.excluded)
+        if self.stage is None or self.stage.index != schedule.index:
+            self.stage = self._stage(schedule.index, loop.excluded)
         interrupt.at(step)
-        with self._profiler.step(step):  # profile_steps: a trace of steps A to B-1
-            state, row = self._step(
-                state, stage, step, schedule.stage_step(step), pool, loop.tracker
-            )
+        with self.profiler.step(step):  # profile_steps: a trace of steps A to B-1
+            state, row = self._step(state, self.stage, step, schedule.stage_step(step), pool, loop)
         step = loop.step = step + 1
         ended = schedule.after_step(cfg, step, row["truncated_fraction"])
         if ended is not None:
             row["stage_end"] = ended
-        self._monitor.step(row, format_row(row))
+        self.monitor.step(row, format_row(row))
         interrupt.kill_point("step", step)
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
             with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
-                ev = self._evaluate(state, step, pool, None if ended else schedule)
+                ev = self._evaluate(state, step, pool, loop, until=ended is None)
             ended = ended or ev.get("stage_end")
         if ended is not None:
             # the stage switch: online filtering, fresh statistics (checkpointed)
@@ -362,149 +392,89 @@ class Trainer:
             loop.end_stage(cfg, ended)
         return state, ended
 
-    def _save(self, ckpts: TrainCheckpoints, state: TrainState, loop: LoopState) -> Path:
+    def _save(self, state: TrainState, loop: LoopState) -> Path:
         import jax
 
         jax.block_until_ready(state)
         # the records up to this step are durable before the checkpoint that implies them
-        self._monitor.flush()
-        ov, step = self._overlap, loop.step
-        item = state if ov is None else ov.checkpoint_item(state, step)
-        path = ckpts.save(step, item, loop.meta(), self.model.config)
-        self._saved = loop.step
+        self.monitor.flush()
+        item = self.rollouts.checkpoint_item(state, loop.step)
+        path = self.ckpts.save(loop.step, item, loop.meta(), self.inputs.model.config)
+        self.saved = loop.step
         return path
 
     def _evaluate(
-        self, state: Any, step: int, pool: Any, schedule: Schedule | None = None
+        self, state: TrainState, step: int, pool: Verifiers, loop: LoopState, *, until: bool
     ) -> dict[str, Any]:
-        """avg@n on the eval set; with ``schedule``, its until rule sees the result."""
-        from magic_jax.rollout.evaluate import evaluate
-
-        cfg, ev = self.config, self.config.eval
-        if self._eval_driver is None:
-            self._eval_rows, self._eval_skipped = self._tokenize(read_rows(ev.data), "eval.data")
-            if not self._eval_rows:
-                raise ConfigError("eval.data: no problem fits data.max_prompt_length")
-            limit = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
-
-            def sampling_at(t):  # the evaluation's own protocol, whatever training samples with
-                return SamplingConfig(temperature=t, top_p=ev.top_p)
-
-            self._eval_driver = self._driver(limit, sampling_at(ev.temperature))
-            # one engine and KV cache for every temperature (they run one after another)
-            self._extra_eval_drivers = {
-                t: self._eval_driver.with_sampling(sampling_at(t)) for t in ev.extra_temperatures
-            }
-        t0 = time.perf_counter()
-
-        def run(driver):
-            return evaluate(
-                driver,
-                driver.load_params(state.params),
-                self._eval_rows,
-                self.tokenizer,
-                num_samples=ev.num_samples,
-                seed=cfg.seed,
-                step=step,
-                max_prompt_length=cfg.data.max_prompt_length,
-                pool=pool,
-            )
-
-        row = run(self._eval_driver)
-        if self._extra_eval_drivers:
-            row["by_temperature"] = {
-                f"{t:g}": {k: v for k, v in run(d).items() if isinstance(v, int | float)}
-                for t, d in self._extra_eval_drivers.items()
-            }
-        row["skipped_long_prompts"] = self._eval_skipped
-        if ev.probe is not None:  # a probe of the policy itself (rollout/probes.py)
-            row["probe"] = self._probe(state, step, pool)
-        row = {"step": step, **row, "t_eval_s": time.perf_counter() - t0}
-        ended = None if schedule is None else schedule.after_eval(cfg, row["accuracy"])
+        """avg@n on the eval set, recorded; ``until``: the stage's until rule sees it."""
+        row = self.evaluator(state.params, step, pool)
+        ended = loop.schedule.after_eval(self.config, row["accuracy"]) if until else None
         if ended is not None:
             row["stage_end"] = ended
-        self._monitor.eval(row, format_eval(row, ev.num_samples))
+        self.monitor.eval(row, format_eval(row, self.config.eval.num_samples))
         return row
 
-    def _probe(self, state: Any, step: int, pool: Any) -> dict[str, object]:
-        """``eval.probe`` of the policy after ``step`` (its figures: ``probe`` in eval.jsonl)."""
-        from magic_jax.rollout.probes import ProbeContext, get_probe
-        from magic_jax.run.stages import planned_stage
-
-        cfg, st, d = self.config, planned_stage(self.config, step), self._eval_driver
-        ctx = ProbeContext(
-            graphdef=self.graphdef,
-            params=state.params,
-            rows=self._eval_rows,
-            tokenizer=self.tokenizer,
-            eos_ids=self.model.config.eos_ids,
-            temperature=cfg.sampling.temperature,
-            samples_per_step=st.prompts_per_step * st.group_size,
-            driver=d,
-            driver_params=d.load_params(state.params),
-            pool=pool,
-            num_samples=cfg.eval.num_samples,
-            seed=cfg.seed,
-            step=step,
-            final=step >= cfg.total_steps,
-        )
-        return get_probe(cfg.eval.probe)(ctx)
-
-    def _step(self, state, stage: Stage, step: int, k: int, pool, tracker):
+    def _step(
+        self, state: TrainState, stage: Stage, step: int, k: int, pool: Verifiers, loop: LoopState
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Step ``step`` (stage step ``k``): its rollouts, their buffer, the update and
+        the step's metrics line; returns (the new state, the line)."""
         import jax
 
         from magic_jax.rollout import partial
         from magic_jax.run import runlock
-        from magic_jax.run.overlap import clip_by_staleness, with_staleness
+        from magic_jax.run.overlap import clip_by_staleness
 
-        cfg, st, ov = self.config, stage.config, self._overlap
+        cfg, st, source = self.config, stage.config, self.rollouts
         t0, cpu0 = time.perf_counter(), time.process_time()
-        store, extra = None, {}
 
-        def store_at(j):  # step j's groups, kept as they finish (rollout.partial)
+        def store_at(j: int) -> StepStore:  # step j's groups, kept as they finish
             fence, limit = runlock.check_fence, st.max_response_length
             return partial.StepStore(self.out, j, limit=limit, log=self.log, fence=fence)
 
-        if step == self._saved:  # a stop resumes here: keep the groups as they finish
-            kept = range(self._kept_rollouts, self._end + 1) if ov else (step, self._kept_rollouts)
-            if jax.process_index() == 0:  # the previous step's, until its checkpoint is whole
-                partial.prune(self.out, keep=kept)  # overlap: and the steps in flight, ahead
-            self._kept_rollouts, store = step, None if ov else store_at(step)
-        if ov is not None:  # generated during the last updates (run/overlap.py)
+        def collect(j: int, kj: int, driver: Driver, params: Params, store) -> Collected:
+            return self._collect(stage, j, kj, driver, params, pool, store)
 
-            def rollout(j, driver, params):  # partial rollouts are redone whole (overlap.py)
-                saved = store_at(j) if cfg.rollout.publish_chunks is None else None
-                return self._collect(stage, j, j - step + k, driver, params, pool, saved)
-
-            end = min(step - k + st.steps, self._end)
-            got, extra = ov.take(stage, step, end, rollout)
-        if ov is None:
-            params = stage.driver.load_params(state.params)
-            got = self._collect(stage, step, k, stage.driver, params, pool, store)
-            params = None  # the engine's copy of the weights is not needed for the update
+        resumed = step == self.saved  # a stop resumes here: keep the groups as they finish
+        if resumed:
+            if jax.process_index() == 0:
+                partial.prune(self.out, keep=source.kept_steps(step, self.kept_from, self.end))
+            self.kept_from = step
+        r = source.rollout(stage, step, k, state, collect, store_at, resumed=resumed, end=self.end)
         t1 = time.perf_counter()
-        for g in got.every:
-            tracker.record(g.row.uid, g.rewards)
-        buffer = pack_step(cfg, stage, got, self.tokenizer, self.pad_id)
-        if ov is not None:  # each token's staleness: the loss counts clipping per staleness
-            buffer = with_staleness(buffer, got.groups, step)
+        for g in r.got.every:
+            loop.tracker.record(g.row.uid, g.rewards)
+        i = self.inputs
+        buffer = pack_step(cfg, stage, r.got, i.tokenizer, i.pad_id)
+        buffer = source.annotate(buffer, r.got.groups, step)
         t2 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
         # an update is cut short only where its groups and the state before it are kept
-        with contextlib.nullcontext() if store is not None else interrupt.deferred():
+        with contextlib.nullcontext() if r.saved else interrupt.deferred():
             state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
         interrupt.kill_point("update", step)  # the update is dispatched, not yet done
-        if ov is not None:
-            ov.published(step + 1, state.params)
+        source.updated(step + 1, state.params)
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
-        wait = 0.0 if ov else got.wait_s  # overlap: t_rollout_s is the wait for the producer
-        times = {"t_rollout_s": t1 - t0 - wait, "t_update_s": t3 - t2, "t_other_s": t2 - t1 + wait}
-        times["t_cpu_s"] = time.process_time() - cpu0  # every thread's, verifiers apart
-        row = step_row(cfg, stage.index, st, step, k, got, m, int(state.skipped), times)
-        return state, row | extra | clip_by_staleness(m)
+        times = {
+            "t_rollout_s": t1 - t0 - r.other_s,
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + r.other_s,
+            "t_cpu_s": time.process_time() - cpu0,  # every thread's, verifiers apart
+        }
+        row = step_row(cfg, stage.index, st, step, k, r.got, m, int(state.skipped), times)
+        return state, row | r.metrics | clip_by_staleness(m)
 
-    def _collect(self, stage: Stage, step: int, k: int, driver, params, pool, store):
+    def _collect(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        driver: Driver,
+        params: Params,
+        pool: Verifiers,
+        store: StepStore | None,
+    ) -> Collected:
         """Step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its rounds."""
         import jax
 
@@ -519,7 +489,7 @@ class Trainer:
             driver,
             params,
             rounds,
-            tokenizer=self.tokenizer,
+            tokenizer=self.inputs.tokenizer,
             pool=pool,
             group_size=st.group_size,
             num_groups=st.prompts_per_step,
