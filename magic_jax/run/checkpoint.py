@@ -18,7 +18,6 @@ written while training goes on, and the manifest follows once orbax commits it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from magic_jax import storage
+from magic_jax.run.manifest import MANIFEST, first_line, mismatch, write_manifest
 from magic_jax.run.rundir import RunDirError, write_atomic
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ STATE_DIR = "state"
 CHECKPOINTS = "checkpoints"
 BAD_CHECKPOINTS = "checkpoints_bad"
 TRAINER_STATE = "trainer.json"
-MANIFEST = "manifest.json"
 _STEP_NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -179,98 +178,26 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
             with ocp.StandardCheckpointer() as ckptr:
                 state = ckptr.restore(path / STATE_DIR, target)
     except Exception as e:  # orbax and tensorstore raise many types for damaged files
-        raise CheckpointError(f"{path}: cannot read the checkpoint: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {first_line(e)}") from None
     return nnx.merge(graphdef, state)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
-
-
-# --------------------------------------------------------------------------- manifests
-
-
-def _files(path: Any) -> dict[str, dict[str, Any]]:
-    """Every file under ``path`` except the manifest: relative POSIX path -> facts.
-
-    Locally the facts are the size; on GCS the size and the CRC32C that Cloud
-    Storage keeps for every object (one listing, nothing downloaded).
-    """
-    if storage.is_gcs(path):
-        found = storage.listing(path)
-        return {rel: found[rel] for rel in sorted(found) if rel != MANIFEST}
-    out = {}
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            file = Path(dirpath, name)
-            rel = file.relative_to(path).as_posix()
-            if rel != MANIFEST:
-                out[rel] = {"size": file.stat().st_size}
-    return dict(sorted(out.items()))
-
-
-def _sha256(path: Any) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Records every file of a finished checkpoint in ``manifest.json``: its size and
-    SHA-256 (local), or its size and the CRC32C Cloud Storage computed (``gs://``)."""
-    path = storage.path(path)
-    files = {}
-    for rel, facts in _files(path).items():
-        if storage.is_gcs(path):
-            files[rel] = {"size": facts["size"], "crc32c": facts["crc32c"]}
-        else:
-            files[rel] = {"size": facts["size"], "sha256": _sha256(path / rel)}
-    manifest = {"format": 1, "files": files}
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    return manifest
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """Why a training checkpoint cannot be used (None when it verifies).
 
-    Checks the manifest against every file (presence, size, checksum, no file
-    beyond it) and the contents of ``trainer.json``.
+    Checks the manifest against every file (``manifest.mismatch``) and the contents
+    of ``trainer.json``.
     """
     path = storage.path(path)
+    wrong = mismatch(path)
+    if wrong is not None:
+        return wrong
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError("'files' is not an object")
-    except FileNotFoundError:
-        return f"no {MANIFEST} (its writing never finished)"
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({_first_line(e)})"
-    try:
-        present = _files(path)
-        for rel, entry in files.items():
-            if rel not in present:
-                return f"{rel} is missing"
-            size = present[rel]["size"]
-            if size != entry["size"]:
-                return f"{rel} has {size} bytes, the manifest says {entry['size']}"
-            if "crc32c" in entry and "crc32c" in present[rel]:
-                same = present[rel]["crc32c"] == entry["crc32c"]
-            else:  # a checksum of the content (a run directory copied between kinds of storage)
-                same = _sha256(path / rel) == entry.get("sha256")
-            if not same:
-                return f"{rel} does not match its checksum"
-        extra = sorted(set(present) - set(files))
-        if extra:
-            return f"{extra[0]} is not in the manifest"
         read_trainer_state(path)
     except RunDirError as e:
         return str(e).removeprefix(f"{path / TRAINER_STATE}: ")
     except (OSError, KeyError, TypeError) as e:
-        return f"cannot be read ({_first_line(e)})"
+        return f"cannot be read ({first_line(e)})"
     return None
 
 
@@ -286,7 +213,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         raise RunDirError(f"{file}: missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunDirError(f"{file}: not a JSON trainer state ({_first_line(e)})") from None
+        raise RunDirError(f"{file}: not a JSON trainer state ({first_line(e)})") from None
     checks: dict[str, Callable[[Any], bool]] = {
         "next_step": lambda v: isinstance(v, int) and v > 0,
         "stage": lambda v: isinstance(v, int) and v >= 0,
@@ -526,7 +453,7 @@ class TrainCheckpoints:
             )
         except Exception as e:  # orbax raises many types for a mismatched tree
             raise RunDirError(
-                f"{path}: does not fit this run's model and optimizer: {_first_line(e)}"
+                f"{path}: does not fit this run's model and optimizer: {first_line(e)}"
             ) from None
         return got["state"]
 
