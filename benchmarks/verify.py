@@ -19,8 +19,8 @@ import time
 
 from magic_jax.rewards import (
     MathConfig,
-    PoolConfig,
     RewardItem,
+    RewardsConfig,
     SandboxConfig,
     VerifierPool,
     compute_reward,
@@ -155,7 +155,7 @@ def main() -> None:
     rng.shuffle(items)
     chars = sum(len(it.response) for it in items) / len(items)
     math_config, sandbox_config = MathConfig(), SandboxConfig()
-    config = PoolConfig(num_workers=args.workers, math=math_config, sandbox=sandbox_config)
+    config = RewardsConfig(num_workers=args.workers, math=math_config, sandbox=sandbox_config)
     print(f"batch: {args.math} math + {args.code} code items, mean response {chars:,.0f} chars")
     print(f"cpus: {os.cpu_count()}, pool workers: {config.workers}")
 

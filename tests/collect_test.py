@@ -16,7 +16,7 @@ from magic_jax.run.config import (
     UntilConfig,
     load_config,
 )
-from magic_jax.run.stages import Schedule
+from magic_jax.run.stages import StageProgress
 from magic_jax.testing import Sample
 from magic_jax.update.advantages import AdvantageConfig, group_keep_mask
 from magic_jax.update.buffer import pack_rollouts
@@ -145,7 +145,7 @@ def _run_config(**stage0):
 
 def test_schedule_truncation_rule_budget_and_state_round_trip():
     cfg = _run_config(until=UntilConfig(truncated_below=0.1, truncated_steps=2))
-    s = Schedule()
+    s = StageProgress()
     assert s.after_step(cfg, 1, 0.05) is None  # one low step
     assert s.after_step(cfg, 2, 0.5) is None  # the run of low steps restarts
     assert s.after_step(cfg, 3, 0.0) is None
@@ -153,7 +153,7 @@ def test_schedule_truncation_rule_budget_and_state_round_trip():
     assert reason is not None and "under 0.1 for 2" in reason
     s.advance(4, reason)
     assert s.index == 1 and s.stage_step(4) == 0 and s.switches[0]["step"] == 4
-    back = Schedule.from_state_dict(s.state_dict())
+    back = StageProgress.from_state_dict(s.state_dict())
     assert back == s
     # stage 1 has no rules: its budget of 5 steps ends it
     assert [back.after_step(cfg, n, 0.0) for n in range(5, 9)] == [None] * 4
@@ -164,7 +164,7 @@ def test_schedule_truncation_rule_budget_and_state_round_trip():
 
 def test_schedule_eval_rule():
     cfg = _run_config(until=UntilConfig(eval_patience=2, eval_min_gain=0.01))
-    s = Schedule()
+    s = StageProgress()
     assert s.after_eval(cfg, 0.30) is None  # the baseline
     assert s.after_eval(cfg, 0.35) is None  # a gain
     assert s.after_eval(cfg, 0.355) is None  # under min gain: 1

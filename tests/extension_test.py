@@ -109,14 +109,14 @@ def _item(ability, response="1+1=2", gold="2", uid="sums:7"):
 
 
 def test_a_fractional_reward_scores_in_this_process_and_in_the_workers(registered):
-    from magic_jax.rewards import PoolConfig, RewardStatus, VerifierPool, compute_reward
+    from magic_jax.rewards import RewardsConfig, RewardStatus, VerifierPool, compute_reward
 
     local = compute_reward(_item("digit-share", "2 2 1"))
     assert (local.reward, local.status) == (pytest.approx(0.4), RewardStatus.WRONG)
     assert compute_reward(_item("digit-share", "2")).status is RewardStatus.CORRECT
     # a worker process imports the reward by reference; the slow one meets its own
     # deadline (1 s, not the pool's 30 s math deadline) and its worker is replaced
-    config = PoolConfig(num_workers=1, abilities={"math": "digit-share"})
+    config = RewardsConfig(num_workers=1, abilities={"math": "digit-share"})
     assert config.deadline_for("slow") == 1.0 and config.deadline_for("math") == 30.0
     with VerifierPool(config) as pool:
         share, slow, routed, again = pool.map(

@@ -10,8 +10,8 @@ from conftest import our_tmp_dirs, reward_statuses
 
 from magic_jax.rewards import (
     MathConfig,
-    PoolConfig,
     RewardItem,
+    RewardsConfig,
     SandboxConfig,
     VerifierPool,
     compute_reward,
@@ -23,7 +23,7 @@ ROOT = os.geteuid() == 0
 SANDBOX = SandboxConfig(test_timeout_s=1.0, cpu_s=1, max_wall_s=4.0, memory_mb=512)
 # Math-Verify's own limit is far above the pool deadline so that the power
 # tower is stopped from outside, by killing its worker.
-CONFIG = PoolConfig(
+CONFIG = RewardsConfig(
     num_workers=2,
     max_items_per_worker=4,
     math_deadline_s=2.0,
@@ -236,7 +236,7 @@ def test_worker_killed_mid_sandbox_leaves_no_process(isolation):
     # The pool deadline is shorter than the sandbox's own limits, so the
     # worker is killed while its sandboxed program is still running.
     sandbox = SandboxConfig(isolation=isolation, test_timeout_s=20, cpu_s=20, max_wall_s=30)
-    config = PoolConfig(
+    config = RewardsConfig(
         num_workers=1, sandbox=sandbox, sandbox_uid_base=CONFIG.sandbox_uid_base + 200
     )
     before = {p.pid for p in children()}
@@ -265,7 +265,7 @@ def test_worker_does_not_load_jax(pool):
 
 
 def test_close_cancels_queued_items_and_leaves_no_process():
-    config = PoolConfig(
+    config = RewardsConfig(
         num_workers=1,
         math_deadline_s=3.0,
         math=CONFIG.math,
@@ -297,8 +297,8 @@ def test_pool_config_validation_names_the_field():
         ({"worker_memory_mb": 10}, "worker_memory_mb"),
     ]:
         with pytest.raises(ValueError, match=field):
-            PoolConfig(**kwargs)
-    assert PoolConfig().workers == (os.cpu_count() or 1)
+            RewardsConfig(**kwargs)
+    assert RewardsConfig().workers == (os.cpu_count() or 1)
     with pytest.raises(TypeError, match="response must be a str"):
         RewardItem(response=None, ground_truth="1")
 
@@ -338,7 +338,7 @@ def test_integer_answers_are_decided_without_a_worker():
         RewardItem(response="<think>3+4=8</think>\n\\boxed{8}", ground_truth="7"),
         RewardItem(response="<think>x</think> so it is \\boxed{0.5}", ground_truth="\\frac12"),
     ]
-    with VerifierPool(PoolConfig(num_workers=1)) as pool:
+    with VerifierPool(RewardsConfig(num_workers=1)) as pool:
         tickets = pool.submit_many(items)
         assert pool.poll(tickets[0]) is not None and pool.poll(tickets[1]) is not None
         rest = pool.collect([tickets[2]])

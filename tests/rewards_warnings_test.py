@@ -4,7 +4,7 @@ import json
 import logging
 import os
 
-from magic_jax.rewards import PoolConfig, RewardItem, SandboxConfig, VerifierPool
+from magic_jax.rewards import RewardItem, RewardsConfig, SandboxConfig, VerifierPool
 from magic_jax.rewards import pool as pool_mod
 
 # A sandbox set-up that warns on every machine: as root, an interpreter the
@@ -33,7 +33,7 @@ def _warnings(caplog):
 def test_sandbox_warning_once_and_only_when_code_runs(caplog, capfd):
     pool_mod._logged_notes.clear()
     # two items per worker: fresh workers keep starting and probing the sandbox again
-    config = PoolConfig(num_workers=2, max_items_per_worker=2, sandbox=SANDBOX)
+    config = RewardsConfig(num_workers=2, max_items_per_worker=2, sandbox=SANDBOX)
     with caplog.at_level(logging.WARNING), VerifierPool(config) as pool:
         assert {r.status.value for r in pool.map([MATH] * 4)} == {"correct"}
         assert not [m for m in _warnings(caplog) if EXPECTED in m]  # math only: silent

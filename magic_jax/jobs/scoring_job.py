@@ -255,7 +255,7 @@ class Scorer:
 
         ``total`` / ``done``: units (problems, prompts) in all and already done.
         """
-        from magic_jax.rewards import PoolConfig, VerifierPool
+        from magic_jax.rewards import RewardsConfig, VerifierPool
         from magic_jax.rollout.driver import make_driver
         from magic_jax.rollout.evaluate import score_problems
         from magic_jax.rollout.sampling import SamplingConfig
@@ -272,7 +272,7 @@ class Scorer:
         )
         params = driver.engine.load_params(self.loaded.model)
         self.log(f"[{desc}] engine: {describe_engine(driver, params)}")
-        pool = VerifierPool(PoolConfig(num_workers=o.workers))
+        pool = VerifierPool(RewardsConfig(num_workers=o.workers))
         bar = Progress(total, desc=desc, unit=unit, initial=done, log=self.log, bar=self.bar)
         with pool, bar:
             for chunk in chunks:

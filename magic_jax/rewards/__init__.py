@@ -14,7 +14,7 @@ from magic_jax.rewards.math_reward import (
     math_reward,
     parse_math_ground_truth,
 )
-from magic_jax.rewards.pool import PoolConfig, VerifierPool
+from magic_jax.rewards.pool import RewardsConfig, VerifierPool
 from magic_jax.rewards.registry import (
     RewardScoreError,
     RewardSpec,
@@ -35,12 +35,12 @@ __all__ = [
     "CodeTests",
     "GroundTruthError",
     "MathConfig",
-    "PoolConfig",
     "RewardItem",
     "RewardResult",
     "RewardScoreError",
     "RewardSpec",
     "RewardStatus",
+    "RewardsConfig",
     "SandboxConfig",
     "VerifierPool",
     "code_reward",

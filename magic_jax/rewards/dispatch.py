@@ -37,7 +37,7 @@ def resolve_ability(item: RewardItem) -> str | None:
 
 def route(item: RewardItem, abilities: Mapping[str, str]) -> RewardItem:
     """``item`` with its ability replaced by the reward ``abilities`` routes it to
-    (``PoolConfig.abilities``; an ability not listed stays)."""
+    (``RewardsConfig.abilities``; an ability not listed stays)."""
     target = abilities.get(resolve_ability(item) or "") if abilities else None
     return item if target is None else dataclasses.replace(item, ability=target)
 

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from magic_jax.rewards.dispatch import as_item, quick_reward, resolve_ability, route
-from magic_jax.rewards.pool_config import PoolConfig
+from magic_jax.rewards.pool_config import RewardsConfig
 from magic_jax.rewards.procs import kill_uid, remove_orphan_dirs
 from magic_jax.rewards.registry import worker_setup
 from magic_jax.rewards.types import RewardItem, RewardResult, RewardStatus
@@ -60,14 +60,14 @@ class VerifierPool:
 
     Use as a context manager; leaving it stops every worker and sandbox::
 
-        with VerifierPool(PoolConfig(num_workers=8)) as pool:
+        with VerifierPool(RewardsConfig(num_workers=8)) as pool:
             tickets = pool.submit_many(items)
             ...  # decode the next batch
             results = pool.collect(tickets)
     """
 
-    def __init__(self, config: PoolConfig | None = None) -> None:
-        self.config = config or PoolConfig()
+    def __init__(self, config: RewardsConfig | None = None) -> None:
+        self.config = config or RewardsConfig()
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, RewardItem, float]] = collections.deque()
         self._results: dict[int, RewardResult] = {}

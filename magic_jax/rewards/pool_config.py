@@ -1,4 +1,4 @@
-"""The verifier pool's settings (``PoolConfig``): workers, deadlines, limits, routing."""
+"""The verifier pool's settings (``RewardsConfig``): workers, deadlines, limits, routing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from magic_jax.rewards.sandbox import SandboxConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PoolConfig:
+class RewardsConfig:
     """Verifier pool settings.
 
     Attributes:

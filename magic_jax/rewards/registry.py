@@ -3,7 +3,7 @@ how the verifier pool's worker processes find a registered reward again.
 
 A reward is ``fn(response, ground_truth) -> score``: a float in [0, 1] (1 full credit,
 between 0 and 1 partial credit) or a ``RewardResult``. ``register_reward`` names it;
-a data row's ``ability`` (or ``PoolConfig.abilities``) picks it.
+a data row's ``ability`` (or ``RewardsConfig.abilities``) picks it.
 
 The pool verifies in fresh interpreters (``worker.py``), which know only the
 built-ins. A registered reward reaches them by reference: registration records the
@@ -43,10 +43,10 @@ class RewardSpec:
     """A reward known by name.
 
     Attributes:
-      name: what a row's ``ability`` (or ``PoolConfig.abilities``) calls it.
+      name: what a row's ``ability`` (or ``RewardsConfig.abilities``) calls it.
       fn: ``fn(response, ground_truth) -> float | RewardResult``.
       deadline_s: the pool's wall-clock limit of one item; None: the pool's own option
-        (the built-ins: ``PoolConfig.math_deadline_s`` and ``code_deadline``).
+        (the built-ins: ``RewardsConfig.math_deadline_s`` and ``code_deadline``).
       ref: ``"module:qualname"``, how a worker process imports ``fn`` (None: built in).
       config: the pool option a built-in verifier takes as ``config=``: ``"math"``
         (``MathConfig``) or ``"sandbox"`` (``SandboxConfig``); None for a registered one.
@@ -159,7 +159,7 @@ def reward_names() -> tuple[str, ...]:
 
 
 def check_routes(abilities: Mapping[str, str]) -> dict[str, str]:
-    """``PoolConfig.abilities`` checked (every target known) and lower-cased."""
+    """``RewardsConfig.abilities`` checked (every target known) and lower-cased."""
     routes = {}
     for ability, target in abilities.items():
         if not isinstance(ability, str) or not isinstance(target, str):

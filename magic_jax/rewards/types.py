@@ -90,7 +90,7 @@ class RewardItem:
       ground_truth: ``reward_model.ground_truth`` as stored in the data: a plain
         string, a JSON string, or an already-parsed list or dict.
       ability: the reward that scores it: ``"math"``, ``"code"`` or a registered
-        one (the row's ``ability`` field, or where ``PoolConfig.abilities`` routes
+        one (the row's ``ability`` field, or where ``RewardsConfig.abilities`` routes
         it). ``None`` infers math or code from the ground-truth shape (a test dict
         means code). An unknown ability is not rejected here: it verifies to
         ``ERROR`` so that a bad data row does not stop a training run.

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from magic_jax.model.sharding import MeshConfig
-from magic_jax.rewards.pool import PoolConfig
+from magic_jax.rewards.pool import RewardsConfig
 from magic_jax.rollout.engine_config import EngineOptions
 from magic_jax.rollout.probes import get_probe
 from magic_jax.rollout.sampling import SamplingConfig
@@ -295,7 +295,7 @@ class TrainConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyControlConfig = dataclasses.field(default_factory=EntropyControlConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    rewards: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    rewards: RewardsConfig = dataclasses.field(default_factory=RewardsConfig)
     mesh: MeshConfig | None = None
     eval: EvalConfig | None = None
     update: UpdateOptions = dataclasses.field(default_factory=UpdateOptions)

@@ -124,7 +124,7 @@ class Versions:
             self._cond.notify_all()
 
 
-class StepSchedule:
+class StepVersionSchedule:
     """Step ``step``'s ``driver.VersionSchedule``: it starts under ``max(0, step - s)``
     and, with ``publish_chunks``, moves on one version per that many chunks, up to
     ``step`` (with ``reprefill``, the responses in flight prefilled again at each)."""
@@ -156,7 +156,7 @@ class StepSchedule:
 class ScheduledDriver:
     """A driver whose ``run`` samples under ``schedule`` (what ``collect_groups`` calls)."""
 
-    def __init__(self, driver: Any, schedule: StepSchedule):
+    def __init__(self, driver: Any, schedule: StepVersionSchedule):
         self.driver, self.schedule = driver, schedule
 
     def load_params(self, params: Any) -> Any:
@@ -226,7 +226,7 @@ class RolloutPipeline:
         for step in range(self.first, self.end):
             out = Produced(step)
             try:
-                sched = StepSchedule(
+                sched = StepVersionSchedule(
                     step, self.s, self.every, self.engine_params, self._cancel, self.reprefill
                 )
                 t0 = time.perf_counter()

@@ -6,7 +6,7 @@ controller, step) carries across stages; what a new stage changes is built
 here: its prompt set (online filtering drops the prompts solved every time in
 the previous stage, SPEC item 10), its prompt order, its decode engine and its
 jitted update step. A stage ends on its step budget or earlier on its
-``until`` rules; ``Schedule`` tracks where the run is and is saved with every
+``until`` rules; ``StageProgress`` tracks where the run is and is saved with every
 checkpoint, so a resumed run switches stages at the same steps.
 """
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from magic_jax.update.token_classes import TokenMask
     from magic_jax.update.updater import Updater
 
-# what ``Schedule`` and ``LoopState`` store: plain JSON
+# what ``StageProgress`` and ``LoopState`` store: plain JSON
 JSON = dict[str, object]
 
 
@@ -201,7 +201,7 @@ def excluded_after(
 
 
 @dataclasses.dataclass
-class Schedule:
+class StageProgress:
     """Where the run is in its stages, and the state of the current stage's ``until`` rules.
 
     Plain JSON (``state_dict``), stored in each checkpoint's trainer state under
@@ -284,7 +284,7 @@ class Schedule:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: JSON) -> Schedule:
+    def from_state_dict(cls, state: JSON) -> StageProgress:
         return cls(**state)
 
 
@@ -301,7 +301,7 @@ class LoopState:
     """
 
     step: int = 0
-    schedule: Schedule = dataclasses.field(default_factory=Schedule)
+    schedule: StageProgress = dataclasses.field(default_factory=StageProgress)
     tracker: AccuracyTracker = dataclasses.field(default_factory=AccuracyTracker)
     excluded: list[str] = dataclasses.field(default_factory=list)
 
@@ -328,7 +328,7 @@ class LoopState:
         ``checkpoint.read_trainer_state``)."""
         return cls(
             step=meta["next_step"],
-            schedule=Schedule.from_state_dict(meta["schedule"]),
+            schedule=StageProgress.from_state_dict(meta["schedule"]),
             tracker=AccuracyTracker.from_state_dict(meta["tracker"]),
             excluded=list(meta["excluded"]),
         )
