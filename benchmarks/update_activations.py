@@ -32,7 +32,7 @@ from magic_jax.model.qwen2 import abstract_model
 from magic_jax.model.sharding import BATCH_AXES, TRAIN_RULES, MeshConfig, make_mesh, model_shardings
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
-from magic_jax.update.step import loss_and_grads
+from magic_jax.update.step import StepSpec, loss_and_grads
 
 GIB = 2**30
 # DeepSeek-R1-Distill-Qwen-7B's shape; the depth is the benchmark's
@@ -62,7 +62,7 @@ def temporaries(layers: int, pinned: bool, args: argparse.Namespace, mesh) -> fl
     )
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES)) if pinned else None
     fn = jax.jit(
-        functools.partial(loss_and_grads, graphdef=graphdef, config=cfg, batch_sharding=rows)
+        functools.partial(loss_and_grads, spec=StepSpec(graphdef, cfg, batch_sharding=rows))
     )
     alpha = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
     compiled = fn.lower(params, batch, alpha).compile()

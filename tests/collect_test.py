@@ -272,7 +272,7 @@ def test_score_groups_per_host_in_one_process_equals_the_plain_path():
     from helpers import sums_rows
 
     from magic_jax.data.rows import parse_row, tokenize_rows
-    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.rollout.scoring import Scoring, score_groups
 
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(sums_rows(5, seed=1))]
     rows, _ = tokenize_rows(rows, _Tokenizer(), max_prompt_length=64)
@@ -283,12 +283,10 @@ def test_score_groups_per_host_in_one_process_equals_the_plain_path():
             _Driver(),
             None,
             rows,
-            tokenizer=_Tokenizer(),
-            pool=pool,
+            Scoring(_Tokenizer(), pool, per_host=per_host),
             num_samples=3,
             seed=0,
             step=0,
-            per_host=per_host,
         )
         assert stats == "stats" and len(pool.items) == 15
         got[per_host] = [
@@ -335,7 +333,7 @@ def test_score_groups_without_a_pool_verifies_lane_samples_in_the_calling_thread
 
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.rewards import RewardItem, RewardStatus, compute_reward
-    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.rollout.scoring import Scoring, score_groups
 
     raw = sums_rows(4, seed=2)
     rows = [parse_row(r, f"rows:{i}", f"rows:{i}") for i, r in enumerate(raw)]
@@ -344,11 +342,10 @@ def test_score_groups_without_a_pool_verifies_lane_samples_in_the_calling_thread
         _LaneDriver(),
         None,
         rows,
-        tokenizer=_Tokenizer(),
+        Scoring(_Tokenizer(), keep_texts=True),
         num_samples=3,
         seed=0,
         step=0,
-        keep_texts=True,
     )
     got = [r.status for g in groups for r in g.results]
     assert RewardStatus.ERROR not in got

@@ -24,7 +24,7 @@ from magic_jax.update.entropy_control import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.optim import OptimizerConfig
 from magic_jax.update.state import TrainState, init_train_state
-from magic_jax.update.step import live_first, loss_and_grads, train_step
+from magic_jax.update.step import StepSpec, live_first, loss_and_grads, train_step
 from magic_jax.update.updater import PolicyUpdater
 
 V, G = 64, 4
@@ -70,7 +70,7 @@ L0 = LossConfig(eps_high=0.28, logit_chunk=8)
 @functools.cache
 def _jitted_loss_and_grads(graphdef, loss_cfg, micro=None):
     cfg = UpdateConfig(mini_batch_groups=4, micro_batch_size=micro, loss=loss_cfg)
-    return jax.jit(lambda p, b, a: loss_and_grads(p, b, a, graphdef=graphdef, config=cfg))
+    return jax.jit(lambda p, b, a: loss_and_grads(p, b, a, StepSpec(graphdef, cfg)))
 
 
 @functools.cache
@@ -328,7 +328,7 @@ def test_kl_to_reference_policy_matches_numpy(model):
     graphdef, params = nnx.split(model, nnx.Param)
     _, ref_params = nnx.split(ref_model, nnx.Param)
     loss, _, m = jax.jit(
-        lambda p, r, b: loss_and_grads(p, b, 0.0, graphdef=graphdef, config=cfg, ref_params=r)
+        lambda p, r, b: loss_and_grads(p, b, 0.0, StepSpec(graphdef, cfg), ref_params=r)
     )(params, ref_params, buf)
     mask = buf.loss_mask() > 0
     log_r = (ref_logp - logp)[mask]
@@ -338,7 +338,7 @@ def test_kl_to_reference_policy_matches_numpy(model):
     np.testing.assert_allclose(float(m["ref_kl"]), k3.mean(), rtol=1e-4)
     np.testing.assert_allclose(float(loss), (-adv + 0.1 * k3).mean(), rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="ref_params"):
-        loss_and_grads(params, buf, 0.0, graphdef=graphdef, config=cfg)
+        loss_and_grads(params, buf, 0.0, StepSpec(graphdef, cfg))
 
 
 @pytest.mark.slow
@@ -351,7 +351,7 @@ def test_bf16_compute_keeps_fp32_master_params():
         cfg = UpdateConfig(mini_batch_groups=4, loss=L0)
         state = init_train_state(params, cfg)
         state, metrics = jax.jit(
-            lambda s, b, g=graphdef, c=cfg: train_step(s, b, 0.0, graphdef=g, config=c)
+            lambda s, b, g=graphdef, c=cfg: train_step(s, b, 0.0, StepSpec(g, c))
         )(state, buf)
         assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
         assert bool(metrics["applied"])
@@ -369,7 +369,7 @@ def test_adamw_step_and_nonfinite_skip(model):
     # eps 1e-4: the first step g / (|g| + eps) stays smooth where g ~ 0
     opt = OptimizerConfig(learning_rate=1e-3, eps=1e-4, weight_decay=0.1, max_grad_norm=None)
     cfg = UpdateConfig(mini_batch_groups=4, loss=L0, optimizer=opt)
-    step = jax.jit(lambda s, b: train_step(s, b, 0.0, graphdef=graphdef, config=cfg))
+    step = jax.jit(lambda s, b: train_step(s, b, 0.0, StepSpec(graphdef, cfg)))
     _, grads, _ = _jitted_loss_and_grads(graphdef, L0)(params, buf, 0.0)
     p_before = jax.device_get(params)
     state, m = step(init_train_state(params, cfg), buf)
@@ -524,7 +524,7 @@ def test_update_over_kept_rows_only_equals_the_whole_padded_batch():
 
     @jax.jit
     def live(p, b, n):
-        return loss_and_grads(p, b, 0.01, graphdef=graphdef, config=cfg, micro_rows=G, live_micro=n)
+        return loss_and_grads(p, b, 0.01, StepSpec(graphdef, cfg, micro_rows=G), live_micro=n)
 
     loss, g, m = live(params, packed, jnp.int32(n))
     assert_fp32_close(float(loss), float(full_loss), terms=16 * 24)
@@ -553,7 +553,7 @@ def test_on_policy_tis_takes_pi_old_from_the_same_forward():
     old = two_pass.logprobs(params, buf)
     prepared = dataclasses.replace(buf, old_logprobs=old, behaviour_logprobs=buf.old_logprobs)
     batch = prepared.take_groups([*np.flatnonzero(buf.group_keep()), 0], [1, 1, 1, 0])
-    step = jax.jit(lambda s, b: train_step(s, b, 0.0, graphdef=graphdef, config=cfg))
+    step = jax.jit(lambda s, b: train_step(s, b, 0.0, StepSpec(graphdef, cfg)))
     state_b, m_b = step(init_train_state(jax.tree.map(jnp.copy, params), cfg), batch)
     assert_fp32_close(float(m_a["loss"][0]), float(m_b["loss"]), terms=16 * 24)
     assert_fp32_close(float(m_a["grad_norm"][0]), float(m_b["grad_norm"]), terms=16 * 24)

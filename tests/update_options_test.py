@@ -22,6 +22,7 @@ from magic_jax.update.buffer import pack_rollouts
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.step import (
+    StepSpec,
     compute_logprobs,
     default_update_layer_unroll,
     default_update_mlp_kernel,
@@ -72,7 +73,7 @@ def _update(remat="none", compute_dtype=None) -> tuple[collections.Counter, str,
     count in the traced program, the program's text, (loss, grads, metrics))."""
     graphdef, params = _policy()
     cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, remat=remat, compute_dtype=compute_dtype)
-    fn = jax.jit(lambda p, b: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=cfg))
+    fn = jax.jit(lambda p, b: loss_and_grads(p, b, 0.01, StepSpec(graphdef, cfg)))
     traced = fn.trace(params, _buffer())
     text = str(traced.jaxpr)
     counts = collections.Counter(re.findall(r"= ([a-z_0-9]+)\[", text))
@@ -168,7 +169,7 @@ def test_update_mlp_kernel_option_reaches_the_update_and_changes_no_number():
         cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, mlp_kernel=kernel)
         model = update_graphdef(graphdef, params, cfg)
         forward = jax.make_jaxpr(lambda p, g=model: compute_logprobs(g, p, batch, LOSS))(params)
-        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, StepSpec(graphdef, c)))
         out.append((str(forward).count("custom_vjp_call"), fn(params, batch)))
     # the layers' MLP (under the layer scan) runs as the kernel: one custom-VJP call more
     assert out[1][0] == out[0][0] + 1, (out[0][0], out[1][0])
@@ -188,7 +189,7 @@ def test_update_layer_unroll_option_reaches_the_update_and_changes_no_number():
     out = []
     for unroll in (1, True):
         cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, layer_unroll=unroll)
-        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, StepSpec(graphdef, c)))
         text = str(fn.trace(params, _buffer()).jaxpr)
         out.append((re.findall(r"unroll=(\w+)", text), fn(params, _buffer())))
     # the layer scans (forward, backward) run unrolled over both layers when inlined
@@ -211,7 +212,7 @@ def test_attention_chunk_option_reaches_the_update_and_changes_no_number():
         cfg = UpdateConfig(mini_batch_groups=2, loss=LOSS, attention_chunk=chunk)
         model = nnx.merge(update_graphdef(graphdef, params, cfg), params)
         assert model.config.attention_chunk == (chunk or CFG.attention_chunk)
-        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, graphdef=graphdef, config=c))
+        fn = jax.jit(lambda p, b, c=cfg: loss_and_grads(p, b, 0.01, StepSpec(graphdef, c)))
         text = str(fn.trace(params, _buffer()).jaxpr)
         counts = collections.Counter(re.findall(r"= ([a-z_0-9]+)\[", text))
         out.append((_remats(counts), fn(params, _buffer())))

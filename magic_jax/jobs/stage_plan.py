@@ -401,7 +401,7 @@ def _compiled_terms(
 
     from magic_jax.model.sharding import BATCH_AXES
     from magic_jax.rollout.decode import prefill_fn
-    from magic_jax.update.step import loss_and_grads, train_step
+    from magic_jax.update.step import StepSpec, loss_and_grads, train_step
 
     rows, micro, ucfg = out.rows, out.micro_batch, t["config"]
     batch = _batch(config, index, rows, mesh)
@@ -409,10 +409,10 @@ def _compiled_terms(
     alpha = jax.ShapeDtypeStruct((), "float32", sharding=repl)
     rows_sh = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     state_sh = jax.tree.map(lambda x: x.sharding, t["state"])
-    kw = dict(graphdef=t["graphdef"], config=ucfg, ref_params=t["ref"])
+    spec = StepSpec(t["graphdef"], ucfg, batch_sharding=rows_sh)
 
     def step(state, batch, alpha):  # as PolicyUpdater compiles it
-        new, metrics = train_step(state, batch, alpha, batch_sharding=rows_sh, **kw)
+        new, metrics = train_step(state, batch, alpha, spec, ref_params=t["ref"])
         return jax.lax.with_sharding_constraint(new, state_sh), metrics
 
     update = compile_program(jax.jit(step, donate_argnums=0).lower(t["state"], batch, alpha))
@@ -423,10 +423,8 @@ def _compiled_terms(
     one = jax.jit(
         functools.partial(
             loss_and_grads,
-            graphdef=flat["graphdef"],
-            config=ucfg,
+            spec=StepSpec(flat["graphdef"], ucfg, batch_sharding=rows_sh),
             ref_params=flat["ref"],
-            batch_sharding=rows_sh,
         )
     )
     micro_c = compile_program(

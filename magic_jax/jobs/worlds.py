@@ -151,7 +151,7 @@ def sample_heldout(
     held-out row, with the evaluation's seed (``evaluate.eval_seed``)."""
     from magic_jax.data.rows import parse_row, tokenize_rows
     from magic_jax.rollout.evaluate import eval_seed
-    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.rollout.scoring import Scoring, score_groups
 
     parsed = [parse_row(r, "held-out", f"h{i}") for i, r in enumerate(rows)]
     parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=MAX_PROMPT)
@@ -159,11 +159,10 @@ def sample_heldout(
         driver,
         params,
         parsed,
-        tokenizer=tok,
+        Scoring(tok, keep_texts=True),
         num_samples=num_samples,
         seed=eval_seed(seed),
         step=step,
-        keep_texts=True,
     )
     return parsed, groups
 

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from magic_jax.rollout.scoring import Group, score_groups
+from magic_jax.rollout.scoring import Group, Scoring, score_groups
 from magic_jax.update.advantages import AdvantageConfig, estimate_advantages, group_keep_mask
 
 if TYPE_CHECKING:
     from magic_jax.data.rows import PromptRow
     from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
-    from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
+    from magic_jax.rollout.protocols import Driver, Params
+    from magic_jax.rollout.samples import RolloutStats, Sample
 
 
 @dataclasses.dataclass
@@ -77,21 +77,36 @@ def _mixed(advantages: Sequence[np.ndarray]) -> np.ndarray:
     return np.asarray(group_keep_mask(np.stack(advantages)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectSpec:
+    """What a step's collection needs beside its prompts and weights (one definition):
+    how responses are scored, and the stage's rejection sampling.
+
+    Attributes:
+      scoring: tokenizer, verifiers, truncation, per-host (``scoring.Scoring``).
+      group_size: G.
+      num_groups: D_R.
+      advantage: the advantage options (they decide which groups are mixed).
+      seed: the run's seed; refill round r draws with ``seed + 7919 * r``, apart from
+        round 0's prompts of the same indices.
+      refill: sample further rounds while fewer than D_R groups are mixed.
+    """
+
+    scoring: Scoring
+    group_size: int
+    num_groups: int
+    advantage: AdvantageConfig
+    seed: int
+    refill: bool = False
+
+
 def collect_groups(
     driver: Driver,
     params: Params,
     rounds: Sequence[Sequence[PromptRow]],
+    spec: CollectSpec,
     *,
-    tokenizer: Tokenizer,
-    pool: Verifiers | None,
-    group_size: int,
-    num_groups: int,
-    advantage: AdvantageConfig,
-    seed: int,
     step: int,
-    refill: bool = False,
-    truncation: Truncation = "no_eos",
-    per_host: bool = False,
     saved: StepStore | None = None,
 ) -> Collected:
     """One step's rollouts: round 0, then (with ``refill``) further rounds until D_R
@@ -102,13 +117,8 @@ def collect_groups(
       rounds: the prompts of each round (tokenised rows): ``rounds[0]`` the
         step's own, ``rounds[r]`` refill round r's (at most ``len(rounds) - 1``
         refill rounds run).
-      tokenizer / pool / truncation / per_host: see ``score_groups``.
-      group_size: G.
-      num_groups: D_R.
-      advantage: the advantage options (they decide which groups are mixed).
-      seed / step: the sampling keys; refill round r draws with
-        ``seed + 7919 * r``, apart from round 0's prompts of the same indices.
-      refill: sample further rounds while fewer than D_R groups are mixed.
+      spec: scoring, G, D_R, the advantage options, the seed and refill.
+      step: the global step (the sampling keys).
       saved: a ``partial.StepStore``: each round loads the groups saved by an earlier
         attempt at this step and saves those it finishes (``score_groups``' store).
 
@@ -123,13 +133,10 @@ def collect_groups(
             driver,
             params,
             rounds[r],
-            tokenizer=tokenizer,
-            pool=pool,
-            num_samples=group_size,
-            seed=seed + 7919 * r,
+            spec.scoring,
+            num_samples=spec.group_size,
+            seed=spec.seed + 7919 * r,
             step=step,
-            truncation=truncation,
-            per_host=per_host,
             store=None if saved is None else saved.round(r),
         )
         stats.append(st)
@@ -138,9 +145,9 @@ def collect_groups(
 
     got = select_groups(
         sample_round,
-        num_groups=num_groups,
-        advantage=advantage,
-        refill=refill,
+        num_groups=spec.num_groups,
+        advantage=spec.advantage,
+        refill=spec.refill,
         max_rounds=len(rounds) - 1,
     )
     return dataclasses.replace(got, stats=stats, wait_s=sum(waits))

@@ -154,7 +154,7 @@ def score_problems(
     Returns:
       One ``ProblemResult`` per row, in order.
     """
-    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.rollout.scoring import Scoring, score_groups
 
     if indices is None:
         indices = range(len(rows))
@@ -162,13 +162,11 @@ def score_problems(
         driver,
         params,
         rows,
-        tokenizer=tokenizer,
+        Scoring(tokenizer, pool, keep_texts=keep_responses),
         num_samples=num_samples,
         seed=seed,
         step=step,
-        pool=pool,
         max_new_tokens=max_new_tokens,
-        keep_texts=keep_responses,
     )
     return [
         ProblemResult(

@@ -144,18 +144,16 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
     from magic_jax.data.tasks import carry, lockout
     from magic_jax.data.tasks.vocab import TokenPieces
     from magic_jax.rollout.evaluate import eval_seed, k_values, pass_at_k
-    from magic_jax.rollout.scoring import score_groups
+    from magic_jax.rollout.scoring import Scoring, score_groups
 
     groups, _, _ = score_groups(
         ctx.driver,
         ctx.driver_params,
         list(ctx.rows),
-        tokenizer=ctx.tokenizer,
+        Scoring(ctx.tokenizer, ctx.pool, keep_texts=True),
         num_samples=num_samples,
         seed=eval_seed(ctx.seed),
         step=ctx.step,
-        pool=ctx.pool,
-        keep_texts=True,
     )
     checks: dict[str, list] = {"chain": [], "plain": [], "full": [], "formed": []}
     by_column: list[list[bool]] = [[] for _ in range(lockout.DIGITS)]

@@ -81,20 +81,38 @@ class _InProcess:
         return [compute_reward(self._items[t]) for t in tickets]
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How sampled responses become scored groups: what ``score_groups`` and
+    ``collect.collect_groups`` take beside the prompts (one definition).
+
+    Attributes:
+      tokenizer: decodes responses (``decode(ids, skip_special_tokens=True)``).
+      pool: a ``VerifierPool``; None verifies in this thread (it must be the
+        main thread: the verifiers' timeouts use SIGALRM).
+      truncation: ``RolloutConfig.truncation``.
+      per_host: the rows are this process's slice of the step's prompts in a
+        multi-host run (see ``_gather``).
+      keep_texts: keep the decoded responses in ``Group.texts``.
+    """
+
+    tokenizer: Tokenizer
+    pool: Verifiers | None = None
+    truncation: Truncation = "no_eos"
+    per_host: bool = False
+    keep_texts: bool = False
+
+
 def score_groups(
     driver: Driver,
     params: Params,
     rows: Sequence[PromptRow],
+    scoring: Scoring,
     *,
-    tokenizer: Tokenizer,
     num_samples: int,
     seed: int,
     step: int = 0,
-    pool: Verifiers | None = None,
     max_new_tokens: int | np.ndarray | None = None,
-    truncation: Truncation = "no_eos",
-    keep_texts: bool = False,
-    per_host: bool = False,
     store: RoundStore | None = None,
 ) -> tuple[list[Group], RolloutStats, float]:
     """Samples ``num_samples`` responses to each row and verifies them.
@@ -106,16 +124,10 @@ def score_groups(
       driver: a ``RolloutDriver`` (its engine's sampling settings apply);
         ``params`` its engine's weights.
       rows: the prompts, tokenised (``data.tokenize_rows`` set their ``token_ids``).
-      tokenizer: decodes responses (``decode(ids, skip_special_tokens=True)``).
+      scoring: the tokenizer, verifiers and the rest of ``Scoring``.
       num_samples: G.
       seed / step: sample j of prompt p draws token t with ``fold_in(seed, step, p, j, t)``.
-      pool: a ``VerifierPool``; None verifies in this thread (it must be the
-        main thread: the verifiers' timeouts use SIGALRM).
       max_new_tokens: response limit (default: the engine's), or [rows, G] per sample.
-      truncation: ``RolloutConfig.truncation``.
-      keep_texts: keep the decoded responses in ``Group.texts``.
-      per_host: ``rows`` is this process's slice of the step's prompts in a
-        multi-host run (see ``_gather``).
       store: a ``partial.RoundStore``: the groups saved there are loaded instead of
         decoded (every host must find the same ones), and each group decoded here is
         written there once its G results are in (with a ``VerifierPool``; the
@@ -134,6 +146,8 @@ def score_groups(
             f"score_groups: rows {missing[:3]} have no token_ids (tokenise them with "
             f"data.tokenize_rows)"
         )
+    tokenizer, pool, per_host = scoring.tokenizer, scoring.pool, scoring.per_host
+    keep_texts = scoring.keep_texts
     prompts = _prompts(rows, per_host)
     done = _load_saved(store, prompts, num_samples, per_host)
     todo = [p for p in range(len(prompts.ids)) if p not in done]
@@ -151,7 +165,7 @@ def score_groups(
             seed=seed,
             step=step,
             max_new_tokens=limits,
-            truncation=truncation,
+            truncation=scoring.truncation,
             on_sample=scorer.submit,
             prompt_indices=todo,
         )

@@ -478,29 +478,21 @@ class Trainer:
         """Step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its rounds."""
         import jax
 
-        from magic_jax.rollout.collect import collect_groups
+        from magic_jax.rollout.collect import CollectSpec, collect_groups
+        from magic_jax.rollout.scoring import Scoring
 
-        cfg, st = self.config, stage.config
+        cfg, st, ro = self.config, stage.config, self.config.rollout
         rounds = [stage.batches[k]]
-        if cfg.rollout.refill:
-            first, n = k * cfg.rollout.refill_max_rounds, cfg.rollout.refill_max_rounds
+        if ro.refill:
+            first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
             rounds += [stage.refill_batches[first + r] for r in range(n)]
-        return collect_groups(
-            driver,
-            params,
-            rounds,
-            tokenizer=self.inputs.tokenizer,
-            pool=pool,
-            group_size=st.group_size,
-            num_groups=st.prompts_per_step,
-            advantage=cfg.advantage,
-            seed=cfg.seed,
-            step=step,
-            refill=cfg.rollout.refill,
-            truncation=cfg.rollout.truncation,
-            per_host=jax.process_count() > 1,
-            saved=store,
+        scoring = Scoring(
+            self.inputs.tokenizer, pool, ro.truncation, per_host=jax.process_count() > 1
         )
+        spec = CollectSpec(
+            scoring, st.group_size, st.prompts_per_step, cfg.advantage, cfg.seed, ro.refill
+        )
+        return collect_groups(driver, params, rounds, spec, step=step, saved=store)
 
 
 def _counts(state: Any) -> dict[str, Any]:

@@ -148,18 +148,41 @@ def micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | Non
     return jax.tree.map(split, batch)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What an update step is traced for: ``loss_and_grads`` and ``train_step`` take one
+    (hashable: a static part of the compiled step).
+
+    Attributes:
+      graphdef: the policy's ``nnx.GraphDef`` (``config.remat`` and
+        ``config.compute_dtype`` are applied to it, see ``update_graphdef``).
+      config: update options.
+      batch_sharding: sharding of the batch rows, kept on every micro-batch (None
+        when unsharded).
+      nominal_rows: the nominal mini-batch in sequences (D_T x G), which
+        ``micro-token-mean`` divides by; default the batch's rows.
+      old_from_current: the ratio's denominator pi_old is the ``params`` themselves
+        (the trainer's log-probs before an on-policy step): take it from this forward
+        pass, stop-gradient, instead of ``batch.old_logprobs``. The loss and gradients
+        equal those of a separate pi_old pass.
+      micro_rows: rows per micro-batch; default ``config.micro_batch_size``.
+    """
+
+    graphdef: nnx.GraphDef
+    config: UpdateConfig
+    batch_sharding: NamedSharding | None = None
+    nominal_rows: int | None = None
+    old_from_current: bool = False
+    micro_rows: int | None = None
+
+
 def loss_and_grads(
     params: Any,
     batch: RolloutBuffer,
     alpha: jax.Array | float,
+    spec: StepSpec,
     *,
-    graphdef: nnx.GraphDef,
-    config: UpdateConfig,
     ref_params: Any = None,
-    batch_sharding: NamedSharding | None = None,
-    nominal_rows: int | None = None,
-    old_from_current: bool = False,
-    micro_rows: int | None = None,
     live_micro: jax.Array | None = None,
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mini-batch loss, gradients and metrics, accumulated over micro-batches.
@@ -172,37 +195,28 @@ def loss_and_grads(
       params: policy parameters (differentiated).
       batch: a mini-batch ``RolloutBuffer`` [M rows].
       alpha: entropy-bonus coefficient alpha_k.
-      graphdef: the policy's ``nnx.GraphDef`` (``config.remat`` and
-        ``config.compute_dtype`` are applied to it, see ``update_graphdef``).
-      config: update options.
+      spec: the policy's graph, the update options and how the batch is laid out.
       ref_params: reference-policy parameters (used iff ``config.loss.kl_beta > 0``).
-      batch_sharding: sharding of the batch rows, kept on every micro-batch.
-      nominal_rows: the nominal mini-batch in sequences (D_T x G), which
-        ``micro-token-mean`` divides by; default the batch's rows.
-      micro_rows: rows per micro-batch; default ``config.micro_batch_size``.
       live_micro: () int32, only the first this many micro-batches hold counted
         rows (see ``live_first``): the loop runs over those alone, so the cost
         follows the kept rows, not the batch's shape. None runs every one.
-      old_from_current: the ratio's denominator pi_old is these ``params``
-        themselves (the trainer's log-probs before an on-policy step): take it
-        from this forward pass, stop-gradient, instead of ``batch.old_logprobs``.
-        The loss and gradients equal those of a separate pi_old pass.
 
     Returns:
       (loss, grads, metrics); grads have the structure of ``params``.
     """
+    config, batch_sharding = spec.config, spec.batch_sharding
     lcfg = config.loss
     if lcfg.kl_beta > 0 and ref_params is None:
         raise ValueError("UpdateConfig.loss.kl_beta > 0 needs ref_params (the reference policy)")
-    graphdef = update_graphdef(graphdef, params, config)
+    graphdef = update_graphdef(spec.graphdef, params, config)
     mask_BR = batch.loss_mask()
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)  # T_k
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
-    nominal = float(nominal_rows or batch.num_rows)
+    nominal = float(spec.nominal_rows or batch.num_rows)
 
     def micro_loss(p, mb):
         logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg, batch_sharding)
-        old_BR = jax.lax.stop_gradient(logp_BR) if old_from_current else mb.old_logprobs
+        old_BR = jax.lax.stop_gradient(logp_BR) if spec.old_from_current else mb.old_logprobs
         ref_logp_BR = None
         if lcfg.kl_beta > 0:
             ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg, batch_sharding)
@@ -225,7 +239,7 @@ def loss_and_grads(
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    size = micro_rows or config.micro_batch_size or batch.num_rows
+    size = spec.micro_rows or config.micro_batch_size or batch.num_rows
     if size >= batch.num_rows and live_micro is None:
         (loss, metrics), grads = grad_fn(params, batch)
         return loss, grads, metrics
@@ -273,14 +287,9 @@ def train_step(
     state: TrainState,
     batch: RolloutBuffer,
     alpha: jax.Array | float,
+    spec: StepSpec,
     *,
-    graphdef: nnx.GraphDef,
-    config: UpdateConfig,
     ref_params: Any = None,
-    batch_sharding: NamedSharding | None = None,
-    nominal_rows: int | None = None,
-    old_from_current: bool = False,
-    micro_rows: int | None = None,
     live_micro: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
@@ -292,11 +301,9 @@ def train_step(
       state: the train state.
       batch: a mini-batch ``RolloutBuffer`` [M rows].
       alpha: entropy-bonus coefficient alpha_k of this training step.
-      graphdef: the policy's ``nnx.GraphDef``.
-      config: update options.
+      spec: what the step is traced for (``StepSpec``).
       ref_params: the frozen reference policy, needed iff ``config.loss.kl_beta > 0``.
-      batch_sharding: sharding of the batch rows (None when unsharded).
-      nominal_rows / old_from_current / micro_rows / live_micro: see ``loss_and_grads``.
+      live_micro: see ``loss_and_grads``.
 
     Returns:
       (new state, metrics): loss, pg_loss, clipfrac_low/high/dual, ratio_mean/max,
@@ -304,24 +311,14 @@ def train_step(
       grad_norm (before clipping), num_tokens, num_seqs, applied, skipped, step.
     """
     loss, grads, metrics = loss_and_grads(
-        state.params,
-        batch,
-        alpha,
-        graphdef=graphdef,
-        config=config,
-        ref_params=ref_params,
-        batch_sharding=batch_sharding,
-        nominal_rows=nominal_rows,
-        old_from_current=old_from_current,
-        micro_rows=micro_rows,
-        live_micro=live_micro,
+        state.params, batch, alpha, spec, ref_params=ref_params, live_micro=live_micro
     )
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
     finite = jnp.isfinite(loss) & jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
     )
     apply = finite & (num_tokens > 0)
-    tx = make_optimizer(config.optimizer)
+    tx = make_optimizer(spec.config.optimizer)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
 

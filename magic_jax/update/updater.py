@@ -24,6 +24,7 @@ from magic_jax.update.entropy_control import (
 )
 from magic_jax.update.state import TrainState, init_train_state, shardings_on_mesh
 from magic_jax.update.step import (
+    StepSpec,
     compute_logprobs,
     live_first,
     micro_batches,
@@ -102,19 +103,17 @@ class PolicyUpdater:
         shardings = None if self.mesh is None else shardings_on_mesh(state, self.mesh)
 
         def step(state, batch, alpha, ref_params, live_micro):
-            new_state, metrics = train_step(
-                state,
-                batch,
-                alpha,
-                graphdef=self.graphdef,
-                config=self.config,
-                ref_params=ref_params,
+            spec = StepSpec(
+                self.graphdef,
+                self.config,
                 batch_sharding=self.batch_sharding,
                 # micro-token-mean divides by the nominal D_T x G, whatever the bucket
                 nominal_rows=self.config.mini_batch_groups * batch.group_size,
                 old_from_current=old_from_current,
                 micro_rows=micro_rows,
-                live_micro=live_micro,
+            )
+            new_state, metrics = train_step(
+                state, batch, alpha, spec, ref_params=ref_params, live_micro=live_micro
             )
             if shardings is not None:
                 # Donation aliases buffers only when the output keeps the input's layout.
