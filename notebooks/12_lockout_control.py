@@ -120,9 +120,29 @@ print(ablation_report.describe(ABLATION, runs))
 # %% [markdown]
 # ## What the committed runs show
 #
-# **No verdict yet: the runs are being made.** The 32 runs (16 seeds x 2 arms, at deaa169)
-# were started after the registration; the claim joins the table in `notebooks/README.md`, and
-# this section gets its verdict, when all of them are in. The figures, tables and checks above
-# show the seeds that have finished so far, and a check without enough seeds says so; nothing
-# here is a result until every seed is in. Whatever the primary endpoint shows, this section
-# will say what it means for the central claim, with the probe at step 150 per arm and seed.
+# **Inconclusive, with no effect to find: the positive control failed.** All 32 runs (16 seeds
+# x 2 arms, at deaa169, after the registration in 6ae9c93). Final chain accuracy is 0.000
+# (adaptive) against 0.001 (no bonus) (exact Mann-Whitney p = 0.35, 0.70 after Holm within the
+# claim; the estimate points against the prediction): neither arm learns a carry chain. The
+# manipulation check is inconclusive too: log10 of the full check's probability at step 150
+# is -6.1 +- 1.9 (adaptive) against -6.8 +- 1.9 (no bonus) (p = 0.38). Final accuracy 45.8
+# +- 11.4% against 50.1 +- 1.6% (p = 0.052, against the prediction; one adaptive seed, 9,
+# broke at 4.2%). Only late entropy moves, 0.087 against 0.062 nats (p < 0.001), which a
+# controller does by construction.
+#
+# What the mask did, and the bonus did not: at step 150 the full check is still sampleable in
+# 15 of 16 seeds of each arm (median 9.8 expected full checks over the 150 stage-2 steps
+# without a bonus, 16.9 with; locked out, below 0.5 expected, 1 of 16 in each arm, the same at
+# 1 and 2). In 08, where a truncated checked line is punished, the same probe stood at
+# 10^-18.7 (no bonus) and 10^-16.1 (adaptive) and every seed was locked out. So not punishing
+# truncation keeps the full check about twelve orders of magnitude more probable through
+# stage 1; the bonus adds 0.7 orders, within noise. Then stage 2 does not learn it in either
+# arm: by the last step its probability has fallen to 10^-21.7 (no bonus) and 10^-24.8
+# (adaptive), though a full check of a chain is right at T = 52.
+#
+# For the central claim this means the lock-out world, at the shipped controller's strength,
+# has no setting where the bonus's mechanism (keep a needed behaviour sampleable until it pays)
+# shows: where stage 1 punishes checking (08) and where it only withholds reward (here) alike.
+# A positive control that fails makes 08's negative uninformative about the mechanism; it says
+# the world cannot show it, not that the mechanism is absent. A world where it could would need
+# the kept behaviour to be learned once it is sampled, which this one's stage 2 does not do.
