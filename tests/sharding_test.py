@@ -119,7 +119,7 @@ def test_update_keeps_activations_row_sharded():
     from magic_jax.update.buffer import pack_rollouts
     from magic_jax.update.config import UpdateConfig
     from magic_jax.update.losses import LossConfig
-    from magic_jax.update.step import loss_and_grads
+    from magic_jax.update.step import StepSpec, loss_and_grads
 
     cfg = dataclasses.replace(CFG, intermediate_size=256)
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
@@ -148,7 +148,7 @@ def test_update_keeps_activations_row_sharded():
     for name, sh in (("free", None), ("pinned", rows)):
         fn = jax.jit(
             lambda p, b, sh=sh: loss_and_grads(
-                p, b, 0.0, graphdef=graphdef, config=ucfg, batch_sharding=sh
+                p, b, 0.0, StepSpec(graphdef, ucfg, batch_sharding=sh)
             )
         )
         c = fn.lower(params, buf).compile()

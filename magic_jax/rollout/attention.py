@@ -13,6 +13,8 @@ from typing import Protocol
 
 import jax
 
+from magic_jax.registry import Registry
+
 
 class AttendFn(Protocol):
     """One decode query per row against one layer's KV cache.
@@ -57,10 +59,10 @@ class DecodeAttention:
         return self.attend is None and not self.ragged
 
 
-_ATTENTIONS: dict[str, DecodeAttention] = {
-    "dense": DecodeAttention(name="dense"),
-    "ragged": DecodeAttention(name="ragged", ragged=True),
-}
+_ATTENTIONS: Registry[DecodeAttention] = Registry(
+    "decode attention",
+    {"dense": DecodeAttention(name="dense"), "ragged": DecodeAttention(name="ragged", ragged=True)},
+)
 
 
 def register_attention(name: str, attend: AttendFn, *, replace: bool = False) -> DecodeAttention:
@@ -73,15 +75,10 @@ def register_attention(name: str, attend: AttendFn, *, replace: bool = False) ->
       ValueError: an empty name, a built-in's name, or a name another function holds
         (unless ``replace``).
     """
-    if not isinstance(name, str) or not name.strip() or name in ("dense", "ragged"):
-        raise ValueError(f"decode attention name {name!r} is empty or built in")
     if not callable(attend):
         raise ValueError(f"decode attention {name!r}: {attend!r} is not callable")
-    old = _ATTENTIONS.get(name)
-    if old is not None and old.attend is not attend and not replace:
-        raise ValueError(f"decode attention {name!r} is already registered; pass replace=True")
-    impl = _ATTENTIONS[name] = DecodeAttention(name=name, attend=attend)
-    return impl
+    impl = DecodeAttention(name=name, attend=attend)
+    return _ATTENTIONS.add(name, impl, replace=replace, same=lambda a, b: a.attend is b.attend)
 
 
 def get_attention(name: str) -> DecodeAttention:
@@ -90,7 +87,4 @@ def get_attention(name: str) -> DecodeAttention:
     Raises:
       ValueError: one line naming ``name`` and the registered attentions.
     """
-    impl = _ATTENTIONS.get(name) if isinstance(name, str) else None
-    if impl is None:
-        raise ValueError(f"unknown decode attention {name!r}; registered: {', '.join(_ATTENTIONS)}")
-    return impl
+    return _ATTENTIONS.get(name)

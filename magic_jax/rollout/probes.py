@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from magic_jax.data.rows import PromptRow
+from magic_jax.registry import Registry
 from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
 
 # Teacher-forced sequences are padded to a multiple of this length (few compiled shapes).
@@ -251,8 +252,7 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, object]:
     }
 
 
-_PROBES: dict[str, ProbeFn] = {"lockout": lockout_probe}
-_BUILTIN = ("lockout",)
+_PROBES: Registry[ProbeFn] = Registry("probe", {"lockout": lockout_probe})
 
 
 def register_probe(name: str, fn: ProbeFn, *, replace: bool = False) -> None:
@@ -262,14 +262,9 @@ def register_probe(name: str, fn: ProbeFn, *, replace: bool = False) -> None:
       ValueError: an empty name, a built-in's name, or a name another function holds
         (unless ``replace``).
     """
-    if not isinstance(name, str) or not name.strip() or name in _BUILTIN:
-        raise ValueError(f"probe name {name!r} is empty or built in")
     if not callable(fn):
         raise ValueError(f"probe {name!r}: {fn!r} is not callable")
-    old = _PROBES.get(name)
-    if old is not None and old is not fn and not replace:
-        raise ValueError(f"probe {name!r} is already registered; pass replace=True")
-    _PROBES[name] = fn
+    _PROBES.add(name, fn, replace=replace)
 
 
 def get_probe(name: str) -> ProbeFn:
@@ -278,12 +273,9 @@ def get_probe(name: str) -> ProbeFn:
     Raises:
       ValueError: one line naming ``name`` and the registered probes.
     """
-    fn = _PROBES.get(name) if isinstance(name, str) else None
-    if fn is None:
-        raise ValueError(f"unknown probe {name!r}; registered: {', '.join(probe_names())}")
-    return fn
+    return _PROBES.get(name)
 
 
 def probe_names() -> tuple[str, ...]:
     """Every probe's name: the built-ins, then the registered ones."""
-    return tuple(_PROBES)
+    return _PROBES.names()

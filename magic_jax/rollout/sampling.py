@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from magic_jax.model.logprobs import logprob_entropy_lse
+from magic_jax.registry import Registry
 
 # Inverse-CDF sampling works on blocks of this many vocabulary entries: a cumulative
 # sum over the whole vocabulary is several times slower on CPU than two short ones.
@@ -73,8 +74,9 @@ class TopKTopP:
         return truncate(z_BV, top_k=self.top_k, top_p=self.top_p)
 
 
-_BUILTIN_METHODS: dict[str, type] = {"full": Full, "greedy": Greedy, "top-k-top-p": TopKTopP}
-_METHODS: dict[str, type] = dict(_BUILTIN_METHODS)
+_METHODS: Registry[type] = Registry(
+    "sampling method", {"full": Full, "greedy": Greedy, "top-k-top-p": TopKTopP}
+)
 
 
 def register_sampling(name: str, method: type, *, replace: bool = False) -> None:
@@ -85,13 +87,11 @@ def register_sampling(name: str, method: type, *, replace: bool = False) -> None
       ValueError: an empty or built-in name, a class without ``restrict``, or a name
         another class holds (unless ``replace``).
     """
-    if not isinstance(name, str) or not name.strip() or name in _BUILTIN_METHODS:
+    if _METHODS.is_builtin(name):
         raise ValueError(f"sampling method name {name!r} is empty or built in")
     if not isinstance(method, type) or not callable(getattr(method, "restrict", None)):
         raise ValueError(f"sampling method {name!r}: {method!r} is not a class with restrict()")
-    if _METHODS.get(name, method) is not method and not replace:
-        raise ValueError(f"sampling method {name!r} is already registered; pass replace=True")
-    _METHODS[name] = method
+    _METHODS.add(name, method, replace=replace)
 
 
 def get_sampling(name: str) -> type:
@@ -100,10 +100,7 @@ def get_sampling(name: str) -> type:
     Raises:
       ValueError: one line naming ``name`` and the registered methods.
     """
-    method = _METHODS.get(name) if isinstance(name, str) else None
-    if method is None:
-        raise ValueError(f"unknown sampling method {name!r}; registered: {', '.join(_METHODS)}")
-    return method
+    return _METHODS.get(name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

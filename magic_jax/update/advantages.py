@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magic_jax.registry import Registry
+
 
 class TruncationMask(enum.StrEnum):
     """How truncated responses (no EOS within the length limit) enter the advantages.
@@ -147,8 +149,7 @@ def _grpo(rewards_NG, truncated_NG, valid_NG, config):
     )
 
 
-_BUILTIN = ("grpo",)
-_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": _grpo}
+_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", {"grpo": _grpo})
 
 
 def register_advantage(name: str, fn: AdvantageFn, *, replace: bool = False) -> None:
@@ -159,13 +160,9 @@ def register_advantage(name: str, fn: AdvantageFn, *, replace: bool = False) -> 
       ValueError: an empty name, a built-in's name, or a name another function holds
         (unless ``replace``).
     """
-    if not isinstance(name, str) or not name.strip() or name in _BUILTIN:
-        raise ValueError(f"advantage estimator name {name!r} is empty or built in")
     if not callable(fn):
         raise ValueError(f"advantage estimator {name!r}: {fn!r} is not callable")
-    if _ESTIMATORS.get(name, fn) is not fn and not replace:
-        raise ValueError(f"advantage estimator {name!r} is already registered; pass replace=True")
-    _ESTIMATORS[name] = fn
+    _ESTIMATORS.add(name, fn, replace=replace)
 
 
 def get_advantage(name: str) -> AdvantageFn:
@@ -174,12 +171,7 @@ def get_advantage(name: str) -> AdvantageFn:
     Raises:
       ValueError: one line naming ``name`` and the registered estimators.
     """
-    fn = _ESTIMATORS.get(name) if isinstance(name, str) else None
-    if fn is None:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; registered: {', '.join(_ESTIMATORS)}"
-        )
-    return fn
+    return _ESTIMATORS.get(name)
 
 
 def estimate_advantages(
@@ -198,7 +190,7 @@ def estimate_advantages(
     r_NG = np.asarray(rewards_NG, np.float32)
     t_NG = np.asarray(truncated_NG, bool)
     adv_NG = np.asarray(get_advantage(name)(r_NG, t_NG, valid_NG, config), np.float32)
-    if name in _BUILTIN:
+    if _ESTIMATORS.is_builtin(name):
         return adv_NG
     if adv_NG.shape != r_NG.shape:
         raise ValueError(
