@@ -25,11 +25,13 @@ demo: setup
 # The default suite in parallel (pytest-xdist, up to 4 workers), then the tests marked
 # `serial` (sandbox limits, process checks) alone; pytest exits 5 when a selection holds no test.
 test: setup
-	$(BIN)/pytest -q -n auto --maxprocesses=4 -m "not slow and not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(BIN)/pytest -q -m "serial and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -q -n auto --maxprocesses=4 -m "not slow and not heavy and not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -q -m "serial and not slow and not heavy" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-# pytest exits 5 when no test carries the mark: not a failure
+# The `heavy` tests (default-suite tests of 10 s or more) in parallel as `make test` would run
+# them, then the `slow` ones; pytest exits 5 when no test carries the mark: not a failure
 test-slow: setup
+	$(BIN)/pytest -q -n auto --maxprocesses=4 -m "heavy and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	MAGIC_JAX_TEST_FAST_COMPILE=0 $(BIN)/pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # `magic-jax plan` compiles for TPU slices here through libtpu; jax[tpu] lives in its own

@@ -80,6 +80,7 @@ def _sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
 
 
+@pytest.mark.heavy
 def test_train_without_a_config_runs_the_default_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["train", *_sets(_shortened(out))]) == 0

@@ -237,6 +237,7 @@ def test_bf16_engine_casts_the_weights_and_cache_and_stays_within_bf16_of_fp32(h
         assert np.abs(got - want).max() > 0  # the bf16 engine did compute in bf16
 
 
+@pytest.mark.heavy
 def test_bf16_rollout_logprobs_match_the_fp32_recompute(hf_and_model):
     """Sampling from the bf16 engine: each token's log-prob from the sampler is close to
     the fp32 policy's recomputed one (the mismatch the trainer logs as sampler_*)."""
@@ -329,6 +330,7 @@ def test_insert_and_generate_donate_the_state(hf_and_model):
     assert new.cache.k.is_deleted() and not newer.cache.k.is_deleted()
 
 
+@pytest.mark.heavy
 def test_sharded_engine_matches_unsharded(hf_and_model):
     _, model = hf_and_model
     prompts = [np.array(p) for p in PROMPTS]

@@ -192,6 +192,7 @@ def test_e_k_is_measured_over_the_selected_tokens_of_valid_rows():
         buffer_entropy(bare, EntropyControlConfig(tokens="carry:choice"))
 
 
+@pytest.mark.heavy
 def test_a_carry_run_controls_and_records_the_choice_tokens_entropy(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     heldout = (REPO / "magic_jax" / "assets" / "carry" / "heldout.jsonl").read_text()

@@ -103,6 +103,7 @@ def _by_hand(problems):
     }
 
 
+@pytest.mark.heavy
 def test_eval_on_the_aime_files_resumes_and_checks_its_protocol(files, tmp_path):
     opts = ["--n", "aime24=4", "--n", "2", "--limit", "5", "--max-response-length", "4",
             "--max-prompt-length", "256", "--chunk", "2", "--workers", "1",

@@ -87,6 +87,7 @@ def test_per_head_decode_attention_equals_all_pairs_in_fp32():
     _decode_logits(model, KVCache(k8, v8, cache.pos, cache.lengths, k_scale=ks, v_scale=vs))
 
 
+@pytest.mark.heavy
 def test_int8_cache_decode_stays_within_its_rounding_of_the_bf16_cache():
     """The same bf16 model decodes over a bf16 cache and over that cache quantized to
     int8 (as the engine's insert does). Keys and values then carry a relative
@@ -135,6 +136,7 @@ def _sample(engine, model, seed=0):
     return samples
 
 
+@pytest.mark.heavy
 def test_int8_rollout_logprobs_match_the_fp32_recompute_as_closely_as_bf16():
     """Sampling from a bf16 engine with an int8 cache (through refills, compaction
     and attended-length buckets: the scales travel with their rows): each token's
@@ -163,6 +165,7 @@ def test_int8_rollout_logprobs_match_the_fp32_recompute_as_closely_as_bf16():
     assert mean8 < 2 * stats[None][0] + 1e-3, stats
 
 
+@pytest.mark.heavy
 def test_sharded_int8_engine_matches_unsharded():
     """Slots over the data axes and kv heads over ``tensor``: the scales are sharded as
     their cache and the samples are the unsharded engine's."""

@@ -232,6 +232,7 @@ def _stacked_like(loop: Qwen2, **change) -> Qwen2:
         pytest.param("full", 2, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.heavy
 def test_scanned_layers_equal_the_loop_values_and_grads(remat, unroll):
     """nnx.scan over stacked layers (per-layer sliding windows as data), each remat
     policy and layer unroll give the loop's logits, KV-cache decode and gradients."""

@@ -82,6 +82,7 @@ def test_partial_rollouts_staleness_2_twice_the_same(files):
     assert any(len(h) > 1 for h in hist), hist
 
 
+@pytest.mark.heavy
 def test_partial_rollouts_reprefill_at_each_version(files):
     """``publish_cache: reprefill``: the responses in flight are prefilled again under
     each new version (the driver's test checks each token is its version's exactly)."""

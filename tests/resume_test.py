@@ -112,6 +112,7 @@ def test_stage_boundary_split_equals_the_uninterrupted_run(files, reference):
     assert a["excluded"] == b["excluded"] and a["tracker"] == b["tracker"]
 
 
+@pytest.mark.heavy
 def test_resume_at_a_stage_boundary_applies_online_filtering(files, monkeypatch):
     """A prompt solved every time in stage 0 leaves stage 1's prompt set, whether the run
     goes straight on or resumes from the checkpoint written at stage 0's end."""

@@ -214,6 +214,7 @@ def test_sampled_frequencies_match_model_distribution():
         assert stats.chisquare(obs, alt).pvalue < 1e-3
 
 
+@pytest.mark.heavy
 def test_results_do_not_depend_on_scheduling(model, monkeypatch):
     """Same seed, different slot counts / chunking / bucketing / lanes / insert rules (a
     light step inserts whole groups only, a heavy one single samples too): identical

@@ -243,6 +243,7 @@ def test_micro_batched_equals_full_batch(model, agg, micro):
         assert_fp32_close(float(m[k]), float(full_m[k]), terms=16 * 24, err_msg=k)
 
 
+@pytest.mark.heavy
 def test_sharded_equals_unsharded():
     """One train_step on a (data 1, fsdp 2, tensor 4) CPU mesh equals the single-device step.
 

@@ -268,6 +268,7 @@ def test_runs_before_the_pre_registration_commit_are_found(tmp_path):
     assert prereg.head_state(tmp_path)["dirty"] is True
 
 
+@pytest.mark.heavy
 def test_every_run_of_a_prospective_claim_follows_its_pre_registration():
     """The table's runs: each prospective claim's were made at or after the commit that
     added its file; retrospective claims are flagged as such in the table."""
