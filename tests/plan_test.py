@@ -205,8 +205,8 @@ def test_gcloud_names_compile_for_their_chips():
 
     # v5p-N and v4-N count TensorCores: v5p-128 is 64 chips (one device each), v4-32 is 16
     # (libtpu's v4 devices are its TensorCores)
-    assert len(topology_devices("v5p-128")) == 64 == resolve_topology("v5p-128")[1]
-    assert resolve_topology("v4-32")[1] == 16 and len(topology_devices("v4-32")) == 32
+    assert len(topology_devices("v5p-128")) == 64 == resolve_topology("v5p-128").chips
+    assert resolve_topology("v4-32").chips == 16 and len(topology_devices("v4-32")) == 32
     assert len(topology_devices("v6e-64")) == 64 and len(topology_devices("v5litepod-8")) == 8
     assert len(topology_devices("v6e-1")) == 1
 
