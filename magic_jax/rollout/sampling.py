@@ -87,8 +87,6 @@ def register_sampling(name: str, method: type, *, replace: bool = False) -> None
       ValueError: an empty or built-in name, a class without ``restrict``, or a name
         another class holds (unless ``replace``).
     """
-    if _METHODS.is_builtin(name):
-        raise ValueError(f"sampling method name {name!r} is empty or built in")
     if not isinstance(method, type) or not callable(getattr(method, "restrict", None)):
         raise ValueError(f"sampling method {name!r}: {method!r} is not a class with restrict()")
     _METHODS.add(name, method, replace=replace)
