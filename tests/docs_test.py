@@ -31,6 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_BYTES = 12_500
+DOCS_MAX_BYTES = 90_000  # docs/*.md together: a reference a newcomer reads through
 MARKER = re.compile(r"^<!-- test: (\w+) -->$")
 FENCE = re.compile(r"^(`{3,})(\S*)")
 
@@ -270,6 +271,11 @@ def test_relative_links_resolve(page):
 def test_readme_is_short():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, size
+
+
+def test_docs_stay_under_their_budget():
+    sizes = {p.name: len(p.read_bytes()) for p in sorted((ROOT / "docs").glob("*.md"))}
+    assert sum(sizes.values()) <= DOCS_MAX_BYTES, sizes
 
 
 def test_docs_index_lists_every_page():

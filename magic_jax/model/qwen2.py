@@ -379,7 +379,7 @@ class Qwen2(nnx.Module):
             (the input remat keeps of each layer) is also split over ``tensor``
             along the embed axis. Without it XLA may contract over the weights'
             ``fsdp``-sharded embed axis instead, every device holding every row's
-            activations (docs/tpu.md, "The update's activations").
+            activations (docs/benchmarks.md, ``update_activations.py``).
         """
         if cache is not None and cache.quantized:
             raise ValueError(
