@@ -245,10 +245,23 @@ def remove_tree(p: Any) -> None:
 
 
 def move_tree(src: Any, dest: Any) -> None:
-    """Moves a directory (locally a rename; on GCS a server-side copy, then delete)."""
+    """Moves a directory (locally a rename; on GCS a server-side copy, then delete).
+
+    On GCS every step may be repeated: a copy (a rewrite) of an object already copied
+    writes it again, and the deletes are one batch that passes over objects already
+    gone. A delete whose reply was lost and was retried finds its object gone (404),
+    which gcsfs's own ``mv`` (copy, then one delete per object) raises as
+    ``FileNotFoundError``.
+    """
     if is_gcs(src):
         fs = gcs_fs()
-        fs.mv(str(src), str(dest), recursive=True)
+        src, dest = str(src).rstrip("/"), str(dest).rstrip("/")
+        names = listing(src)
+        for rel in names:
+            fs.copy(f"{src}/{rel}", f"{dest}/{rel}")
+        if names:
+            with contextlib.suppress(FileNotFoundError):  # every object was gone already
+                fs.rm([f"{src}/{rel}" for rel in names])
         return
     Path(dest).parent.mkdir(parents=True, exist_ok=True)
     os.replace(src, dest)
@@ -322,10 +335,13 @@ def staged(p: str | os.PathLike, *, upload: bool = True) -> Iterator[Path]:
     try:
         yield tmp
         if upload:
+            from magic_jax import interrupt
+
             fs = gcs_fs()
             dest = str(p).rstrip("/")
-            for file in sorted(tmp.rglob("*")):
-                if file.is_file():
-                    fs.put_file(str(file), f"{dest}/{file.relative_to(tmp).as_posix()}")
+            for i, file in enumerate(f for f in sorted(tmp.rglob("*")) if f.is_file()):
+                if i:
+                    interrupt.kill_point("upload")  # some of the files on the bucket
+                fs.put_file(str(file), f"{dest}/{file.relative_to(tmp).as_posix()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -199,6 +199,7 @@ def export_policy(
     import jax.numpy as jnp
     from flax import nnx
 
+    from magic_jax import interrupt
     from magic_jax.model.convert import save_hf
     from magic_jax.run import runlock
 
@@ -208,6 +209,7 @@ def export_policy(
         storage.remove_tree(out)  # this run's own earlier export
     with storage.staged(out, upload=primary) as local:
         save_hf(nnx.merge(graphdef, params), local, dtype=jnp.dtype(dtype))
+        interrupt.kill_point("export")  # the weights written, the tokenizer not yet
         if primary:
             tokenizer.save_pretrained(local)
             runlock.check_fence(out.name, server=True)  # the upload follows

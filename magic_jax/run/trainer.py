@@ -389,6 +389,7 @@ class Trainer:
         if ended is not None:
             # the stage switch: online filtering, fresh statistics (checkpointed)
             self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
+            interrupt.kill_point("stage", step)  # the switch is made, not yet checkpointed
             loop.end_stage(cfg, ended)
         return state, ended
 
