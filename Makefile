@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-tpu gpu-test lint format bench ci clean constraints ablations
+.PHONY: setup demo test test-slow test-tpu gpu-test lint format bench ci clean constraints ablations campaign
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,13 @@ gpu-test:
 ablations: setup
 	$(BIN)/python -m magic_jax.experiments.ablations run
 	$(BIN)/python -m magic_jax.experiments.ablations figures
+
+# The fault campaign (tests/campaign.py): the tiny run on a flaky bucket (the GCS emulator
+# behind tests/faultproxy.py, 5% of requests failing), killed 10 times per seed at random
+# points and resumed, then compared with a clean run; ~8 min per seed on 2 cores.
+CAMPAIGN_ARGS ?= --seeds 0-4 --kills 10
+campaign: setup
+	$(BIN)/python tests/campaign.py $(CAMPAIGN_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -12,12 +12,21 @@ here (``storage``), so every process reads entries from the bucket and a
 recreated slice compiles nothing it compiled before. JAX writes entries from
 process 0 only; each entry is one object, uploaded whole and never rewritten,
 so readers see a whole executable or none.
+
+A cache that cannot be written (its disk full, its directory read-only) costs
+nothing but the saving: JAX warns once per executable it fails to save, which on a
+full disk is every compile of the run, and once per entry it cannot read (a write
+the full disk cut short leaves a truncated entry, which is compiled again). ``enable``
+turns each kind into one line naming the directory and the first error; the run
+goes on.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 ENV = "MAGIC_JAX_COMPILATION_CACHE"
@@ -102,6 +111,7 @@ def enable() -> Path | str | None:
     if not _installed:
         jax.monitoring.register_event_duration_secs_listener(CLOCK._on_duration)
         jax.monitoring.register_event_listener(CLOCK._on_event)
+        warnings.showwarning = _one_line_for_failed_writes(warnings.showwarning)
         _installed = True
     path = cache_dir()
     if path is None:
@@ -122,11 +132,38 @@ def enable() -> Path | str | None:
     return path
 
 
+_FAILED = {
+    "Error writing persistent compilation cache entry": (
+        "cannot be written", "programs compile as usual and are not saved for the next run"),
+    "Error reading persistent compilation cache entry": (
+        "holds an unreadable entry", "such entries are compiled again"),
+}  # fmt: skip
+
+
+def _one_line_for_failed_writes(show):
+    """``warnings.showwarning`` with JAX's per-executable cache warnings (a failed write, an
+    unreadable entry) replaced by one line of each kind for the process."""
+    told: set[str] = set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        kind = next((k for k in _FAILED if text.startswith(k)), None)
+        if kind is None:
+            return show(message, category, filename, lineno, file, line)
+        if kind not in told:
+            told.add(kind)
+            what, then = _FAILED[kind]
+            error = text.split(": ", 1)[-1]
+            print(f"warning: the compilation cache {cache_dir()} {what} ({error}); {then}",
+                  file=sys.stderr)  # fmt: skip
+        return None
+
+    return showwarning
+
+
 def _bucket_usable(uri: str) -> bool:
     """Asks the cache's bucket once (``storage.check``); a one-line warning when it cannot
     be used."""
-    import sys
-
     from magic_jax import storage
 
     try:

@@ -37,6 +37,13 @@ CHECK_TIMEOUT_ENV = "MAGIC_JAX_GCS_CHECK_TIMEOUT_S"
 CHECK_TIMEOUT_S = 20.0
 
 
+# the exit status of a command a full local disk ended (sysexits' EX_IOERR)
+DISK_FULL_EXIT = 74
+# the exit status of a command a Cloud Storage fault ended after its clients' retries
+# (sysexits' EX_UNAVAILABLE): the same command resumes once the bucket answers again
+UNAVAILABLE_EXIT = 69
+
+
 class StorageError(ValueError):
     """A ``gs://`` path that cannot be used; the message names it and why, in one line."""
 
@@ -176,6 +183,124 @@ def _ask(c: Any, bucket: str, key: str) -> str | None:
     except gex.GoogleAPICallError as e:
         return f"Cloud Storage answered {e.code}: {_short(e)}"
     return None
+
+
+def describe_failure(e: BaseException) -> str | None:
+    """One line naming the object and the fault, when ``e`` (or what caused it) is a
+    Cloud Storage request that failed after its client's retries; else None.
+
+    gcsfs's errors do not name the object (a 503 reads "We encountered an internal
+    error. Please try again., 503"; a 404 is the bare request URL), so the object is
+    read from the request gcsfs was making (its ``_call`` frame) or from the URL.
+    """
+    import re
+    import urllib.parse
+
+    if type(e).__module__.startswith("magic_jax"):
+        return None  # the library's own errors are one line already
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        fault = _fault(e)
+        if fault is not None:
+            url = _request_url(e) or str(e)
+            m = re.search(r"(?:^|/)b/([^/?]+)/o(?:/([^?\s]+)|\?(?:[^\s]*&)?name=([^&\s]+))", url)
+            if m:
+                key = urllib.parse.unquote(m.group(2) or m.group(3))
+                what = f"gs://{m.group(1)}/{key}"
+            else:
+                m = re.search(r"gs://[^\s\"']+", str(e))
+                what = m.group(0) if m else "a request"
+            return f"Cloud Storage failed on {what}: {fault}, after the client's retries"
+        e = e.__cause__ if e.__cause__ is not None else (
+            None if e.__suppress_context__ else e.__context__
+        )  # fmt: skip
+    return None
+
+
+def describe_disk_full(e: BaseException) -> str | None:
+    """One line naming the full disk, when ``e`` (or what caused it) is a write that
+    found no space (ENOSPC, a quota, TensorStore's RESOURCE_EXHAUSTED on a local file);
+    else None. What was saved before stays: every file the library writes is written
+    whole or not at all, and a checkpoint is used only once it is complete."""
+    import errno
+    import shutil
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            "No space left on device" in text or "Disk quota exceeded" in text
+            or ("RESOURCE_EXHAUSTED" in text and "local file" in text)
+        )  # fmt: skip
+        if full:
+            where = getattr(e, "filename", None) or _local_file(text) or _path_local(e)
+            if where is None:
+                return "no space left on a local disk; free some and run the same command to resume"
+            where = Path(os.fspath(where))
+            probe = where
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            free = shutil.disk_usage(probe).free
+            return (f"no space left on the disk holding {where} ({free / 2**20:.1f} MiB free); "
+                    "free some and run the same command to resume")  # fmt: skip
+        e = e.__cause__ if e.__cause__ is not None else (
+            None if e.__suppress_context__ else e.__context__
+        )  # fmt: skip
+    return None
+
+
+def _local_file(text: str) -> str | None:
+    import re
+
+    m = re.search(r'local file "([^"]+)"', text)
+    return m.group(1) if m else None
+
+
+def _path_local(e: BaseException) -> str | None:
+    """The innermost local path among the variables of the frames ``e`` passed through."""
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        for name in ("tmp", "path", "p", "file", "filename", "dest", "target", "local"):
+            v = tb.tb_frame.f_locals.get(name)
+            if isinstance(v, (str, os.PathLike)) and os.path.isabs(os.fspath(v)):
+                found = os.fspath(v)
+                break
+        tb = tb.tb_next
+    return found
+
+
+def _fault(e: BaseException) -> str | None:
+    """What went wrong, if ``e`` is a Cloud Storage client's error; else None."""
+    module = type(e).__module__
+    if module.startswith("gcsfs") and hasattr(e, "code"):
+        return f"{e.code} {_short(e).removesuffix(f', {e.code}')}"
+    if module.startswith("google.api_core") and hasattr(e, "code"):
+        return f"{int(e.code)} {_short(e)}"
+    if module.startswith(("aiohttp", "requests", "urllib3")):
+        return f"{type(e).__name__} ({_short(e)})"
+    if isinstance(e, FileNotFoundError) and "/storage/v1/b/" in str(e):
+        return "404 the object or upload session is gone"
+    return None
+
+
+def _request_url(e: BaseException) -> str | None:
+    """The URL of the request gcsfs was making when ``e`` was raised (its frames)."""
+    import urllib.parse
+
+    tb, url = e.__traceback__, None
+    while tb is not None:
+        code, f = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        if code.co_name in ("_call", "_request") and "gcsfs" in code.co_filename:
+            path, args = f.get("path"), f.get("args") or ()
+            if isinstance(path, str):
+                try:
+                    url = path.format(*(urllib.parse.quote(str(a), safe="") for a in args))
+                except (IndexError, KeyError, ValueError):
+                    url = path
+        tb = tb.tb_next
+    return url
 
 
 def _short(e: BaseException) -> str:

@@ -16,8 +16,9 @@ bucket, and for each seed runs ``magic-jax train`` with ``output_dir`` and ``mod
 - ``wall``: SIGKILL or SIGTERM after a random number of seconds (anywhere: start-up,
   compile, the lock, evaluation, the summary).
 
-The same command resumes after each kill; when the kills are spent it runs to the end.
-The bucket's run directory must then equal the clean run's (``resume_test.
+The same command resumes after each kill. A run that finishes before its kill (a miss)
+is checked, and a new run takes the kills left; after the last kill the run goes to its
+end. Each finished run's directory on the bucket must equal the clean run's (``resume_test.
 assert_same_run``: records, summary, bit-identical final weights), and every attempt
 must have ended by its kill or finished (never an error). A failing seed prints its
 schedule as JSON; ``--replay JSON`` runs exactly that schedule again (a ``wall`` kill
@@ -135,24 +136,27 @@ def _newest(out: str) -> int | None:
 
 
 def _draw(rng: random.Random, newest: int | None, est_s: float) -> dict:
-    """One kill, at a point the run has still to pass (or after a random time)."""
-    first = 0 if newest is None else newest  # a resume redoes step `newest`
+    """One kill, at a point the run has still to pass (or after a random time).
+
+    A run whose newest checkpoint is at step r resumes at step index r: it passes
+    ``rollout:s`` / ``update:s`` for s in [r, STEPS - 1], ``step:s`` / ``checkpoint:s``
+    (after s steps) for s in [r + 1, STEPS], ``stage:s`` at the stage ends (2, 4)
+    above r, then the export. A wall-clock kill falls within the time left.
+    """
+    r = 0 if newest is None else newest
+    left_s = 8.0 + est_s * (STEPS - r + 1) / (STEPS + 1)  # start-up, the steps left, the end
     kind = rng.choice(("point", "point", "term", "wall", "wall"))
-    if kind == "point":
-        if rng.random() < 0.15:
-            return {"kind": "point", "at": f"{rng.choice(LAST_POINTS)}:{STEPS - 1}"}
-        point = rng.choice(POINTS)
-        lo = first + 1 if point in ("step", "stage") else first  # kill_point("step", s+1)
-        step = rng.randint(min(lo, STEPS), STEPS) if point in ("step", "stage") else (
-            rng.randint(min(lo, STEPS - 1), STEPS - 1))  # fmt: skip
-        if point == "stage":
-            step = rng.choice((2, 4)) if first < 2 else 4
-        return {"kind": "point", "at": f"{point}:{step}"}
-    if kind == "term":
-        where = rng.choice(TERMS)
-        step = rng.randint(min(first, STEPS - 1), STEPS - 1)
-        return {"kind": "term", "at": f"{where}:{step}:{rng.randint(1, 2)}"}
-    return {"kind": "wall", "after_s": round(rng.uniform(1.0, est_s), 2),
+    if kind == "term" and r < STEPS:
+        step = rng.randint(r, STEPS - 1)
+        return {"kind": "term", "at": f"{rng.choice(TERMS)}:{step}:{rng.randint(1, 2)}"}
+    if kind in ("point", "term"):
+        points = [f"{p}:{s}" for p in ("rollout", "update") for s in range(r, STEPS)]
+        points += [f"{p}:{s}" for p in ("step", "checkpoint") for s in range(r + 1, STEPS + 1)]
+        points += [f"stage:{s}" for s in (2, 4) if s > r]
+        if r == STEPS or rng.random() < 0.15:
+            points = [f"{p}:{STEPS - 1}" for p in LAST_POINTS]
+        return {"kind": "point", "at": rng.choice(points)}
+    return {"kind": "wall", "after_s": round(rng.uniform(1.0, left_s), 2),
             "signal": rng.choice(("KILL", "KILL", "TERM"))}  # fmt: skip
 
 
@@ -169,7 +173,9 @@ def _landed(kill: dict, rc: int | None) -> bool:
 
 def run_seed(seed, kills, *, emulator, root, model, reference, est_s, rates, stall_s,
              replay=None, log=print) -> dict:  # fmt: skip
-    """One seed of the campaign; returns its figures (raises ``CampaignFailure``)."""
+    """One seed of the campaign: runs of the tiny config, each killed until it finishes
+    and then compared with the clean run, until ``kills`` kills have landed (or the
+    replayed schedule is spent); returns its figures (raises ``CampaignFailure``)."""
     from faultproxy import FaultProxy
     from resume_test import assert_same_run
 
@@ -177,45 +183,52 @@ def run_seed(seed, kills, *, emulator, root, model, reference, est_s, rates, sta
     from magic_jax.run import runlock
 
     rng = random.Random(seed)
-    out = emulator.uri(f"campaign-s{seed}")
     attempts: list[Attempt] = []
     schedule = {"seed": seed, "rates": rates, "stall_s": stall_s, "kills": []}
+    planned = list(replay["kills"]) if replay else None
+    landed = runs = 0
     with FaultProxy(emulator.url, seed=seed, rates=rates, stall_s=stall_s) as proxy:
         env = dict(os.environ, **proxy.env, **{runlock.LEASE_ENV: "4"})
-        planned = list(replay["kills"]) if replay else None
         try:
             while True:
-                newest = _newest(out)
-                if planned is not None:
-                    kill = planned.pop(0) if planned else {}
-                else:
-                    n = sum(_landed(a.kill, a.rc) for a in attempts)
-                    kill = _draw(rng, newest, est_s) if n < kills else {}
-                schedule["kills"].append(kill)
-                rc, wall = _train(root, out, model, env, kill)
-                attempts.append(Attempt(kill, rc, wall, _newest(out)))
-                log(
-                    f"  seed {seed} attempt {len(attempts)}: {json.dumps(kill)} -> rc {rc} "
-                    f"({wall:.1f} s, newest checkpoint {attempts[-1].newest})"
-                )
-                if rc == 0 and not kill:
-                    break
-                if rc != 0 and not _landed(kill, rc):
-                    raise CampaignFailure(
-                        f"attempt {len(attempts)} ended with rc {rc}, not "
-                        f"by its kill {kill} (see {root / 'attempts.log'})"
+                out = emulator.uri(f"campaign-s{seed}-run{runs}")
+                runs += 1
+                while True:  # the attempts of one run, until it finishes
+                    newest = _newest(out)
+                    if planned is not None:
+                        kill = planned.pop(0) if planned else {}
+                    else:
+                        kill = _draw(rng, newest, est_s) if landed < kills else {}
+                    schedule["kills"].append(kill)
+                    rc, wall = _train(root, out, model, env, kill)
+                    attempts.append(Attempt(kill, rc, wall, _newest(out)))
+                    log(
+                        f"  seed {seed} run {runs} attempt {len(attempts)}: {json.dumps(kill)}"
+                        f" -> rc {rc} ({wall:.1f} s, newest checkpoint {attempts[-1].newest})"
                     )
-                if len(attempts) > 4 * kills + 10:
-                    raise CampaignFailure("the run does not finish")
-            got = Path(tempfile.mkdtemp(prefix="campaign-", dir=root))
-            fs = storage.gcs_fs()
-            for rel in storage.listing(out):
-                (got / rel).parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{out}/{rel}", str(got / rel))
-            try:
-                assert_same_run(reference, got)
-            except AssertionError as e:
-                raise CampaignFailure(f"the resumed run differs from the clean run: {e}") from e
+                    if rc == 0:
+                        break  # finished (a kill it did not reach is a miss)
+                    if not _landed(kill, rc):
+                        raise CampaignFailure(
+                            f"attempt {len(attempts)} ended with rc {rc}, not by its kill "
+                            f"{kill} (see {root / 'attempts.log'})"
+                        )
+                    landed += 1
+                    if len(attempts) > 4 * kills + 10:
+                        raise CampaignFailure("the run does not finish")
+                got = Path(tempfile.mkdtemp(prefix="campaign-", dir=root))
+                fs = storage.gcs_fs()
+                for rel in storage.listing(out):
+                    (got / rel).parent.mkdir(parents=True, exist_ok=True)
+                    fs.get_file(f"{out}/{rel}", str(got / rel))
+                try:
+                    assert_same_run(reference, got)
+                except AssertionError as e:
+                    raise CampaignFailure(
+                        f"run {runs} differs from the clean run ({out}, copied to {got}): {e}"
+                    ) from e
+                if (planned is not None and not planned) or (planned is None and landed >= kills):
+                    break
         except CampaignFailure as e:
             log(
                 f"FAILED seed {seed}: {e}\nreplay with: python tests/campaign.py --replay "
@@ -223,12 +236,12 @@ def run_seed(seed, kills, *, emulator, root, model, reference, est_s, rates, sta
             )
             raise
         figures = proxy.summary()
-    landed = [a for a in attempts if _landed(a.kill, a.rc)]
+    hit = [a for a in attempts if a.rc != 0]
     total = sum(a.wall_s for a in attempts)
-    return {"seed": seed, "kills": len(landed),
-            "by_kind": {k: sum(a.kill["kind"] == k for a in landed)
+    return {"seed": seed, "kills": landed, "runs": runs,
+            "by_kind": {k: sum(a.kill["kind"] == k for a in hit)
                         for k in ("point", "term", "wall")},
-            "attempts": len(attempts), "missed": len(attempts) - len(landed) - 1,
+            "attempts": len(attempts), "missed": sum(bool(a.kill) for a in attempts) - landed,
             "wall_s": round(total, 1), **figures}  # fmt: skip
 
 
@@ -301,11 +314,14 @@ def main(argv=None) -> int:
             except CampaignFailure:
                 failed.append(seed)
                 continue
-            r["lost_per_kill_s"] = round((r["wall_s"] - flaky_s) / max(r["kills"], 1), 1)
+            r["lost_per_kill_s"] = round(
+                (r["wall_s"] - r["runs"] * flaky_s) / max(r["kills"], 1), 1
+            )
             results.append(r)
             print(json.dumps(r), flush=True)
     total = {k: sum(r[k] for r in results) for k in
-             ("kills", "attempts", "requests", "faults", "retries", "wall_s")}  # fmt: skip
+             ("kills", "runs", "attempts", "missed", "requests", "faults", "retries",
+              "wall_s")}  # fmt: skip
     total["by_kind"] = {k: sum(r["by_kind"][k] for r in results) for k in ("point", "term", "wall")}
     total["lost_per_kill_s"] = round(
         sum(r["wall_s"] - flaky_s for r in results) / max(total["kills"], 1), 1

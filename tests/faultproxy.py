@@ -230,7 +230,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if kind in _STATUS:
                 code, reason, message = _STATUS[kind]
                 errors = [{"reason": reason, "message": message}]
-                payload = json.dumps({"error": {"code": code, "message": message, "errors": errors}})
+                payload = json.dumps(
+                    {"error": {"code": code, "message": message, "errors": errors}}
+                )
                 self._reply(code, [("Content-Type", "application/json")], payload.encode())
                 return
             if kind == "stall":

@@ -98,6 +98,48 @@ def test_moving_a_checkpoint_aside_survives_a_delete_whose_reply_was_lost(emulat
     assert storage.gcs_fs().cat_file(f"{dest}/state/b") == b"state/b"
 
 
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """gcsfs's retries without their sleeps (1 + 2 + 4 + 8 + 16 s between six tries)."""
+    import asyncio
+    import types
+
+    import gcsfs.retry
+
+    async def sleep(_s):
+        await asyncio.sleep(0)
+
+    shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if k[0] != "_"})
+    shim.sleep = sleep
+    monkeypatch.setattr(gcsfs.retry, "asyncio", shim)
+
+
+@pytest.mark.parametrize("kind", ["503", "reset"])
+def test_a_fault_that_outlasts_the_retries_is_one_line_naming_the_object(
+    emulator, no_backoff, kind, capsys
+):
+    from magic_jax.jobs.cli import main
+    from magic_jax.run import rundir
+
+    run = emulator.uri("outlasted")
+    _put(run, [rundir.MARKER])
+    storage.path(f"{run}/metrics.jsonl").write_text('{"step": 0}\n')
+    with FaultProxy(emulator.url, seed=0) as proxy, proxy.in_env():
+        for _ in range(50):  # an outage of the object: more than any client's retries
+            proxy.once(kind, "GET", "metrics.jsonl")
+        rc = main(["status", run])
+        assert rc == storage.UNAVAILABLE_EXIT, (proxy.summary(), proxy.trace[-12:])
+        assert proxy.summary()[kind] >= 6
+    lines = capsys.readouterr().err.strip().splitlines()
+    want = f"magic-jax status: error: Cloud Storage failed on {run}/metrics.jsonl: "
+    assert len(lines) == 1 and lines[0].startswith(want), lines
+    assert ("503 We encountered an internal error" if kind == "503" else "Connection reset by peer") in lines[0]
+    assert lines[0].endswith("after the client's retries")
+    # the bucket answers again: the same command works, nothing was lost
+    with FaultProxy(emulator.url, seed=0) as proxy, proxy.in_env():
+        assert main(["status", run]) == 0
+
+
 @pytest.mark.slow  # one seed, three kills: ~3 min on 2 cores (`make campaign` runs 5 x 10)
 def test_one_seed_of_the_fault_campaign(tmp_path):
     got = subprocess.run(

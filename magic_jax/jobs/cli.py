@@ -294,7 +294,9 @@ def _add_train(sub: Any) -> None:
         description="Runs a training config; a run directory that has checkpoints resumes "
         "from the newest good one. SIGINT / SIGTERM stop at the next decode chunk or "
         "optimizer step, keeping the step's finished groups (exit status 130 / 143); "
-        "errors exit with status 2; a run whose lock another run took exits 75. On a "
+        "errors exit with status 2; a run whose lock another run took exits 75; a "
+        "Cloud Storage request that failed after its client's retries exits 69 (the "
+        "same command resumes once the bucket answers); a full local disk exits 74. On a "
         "multi-host job an error on one host ends every host (status 3 on the others; "
         "the traceback in OUTPUT_DIR/logs). With watchdog_s set, watchdog_s seconds "
         "without progress end the run with status 124 (every thread's stack in "
@@ -512,16 +514,26 @@ def _run(args: argparse.Namespace) -> int:
     except LockLost as e:  # another run holds the directory now: this one writes nothing more
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
         return hosts.failed(args.command, LOST_LOCK_EXIT)
-    except (CheckpointError, DataError, ValueError, OSError) as e:
-        # one line naming what is wrong; OSError covers unwritable or misplaced outputs
-        print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
-        return hosts.failed(args.command, 2)
     except KeyboardInterrupt:
         print(f"magic-jax {args.command}: interrupted", file=sys.stderr)
         return hosts.failed(args.command, 130)
-    except Exception:
-        from magic_jax import distributed
+    except Exception as e:
+        from magic_jax import distributed, storage
 
+        # a Cloud Storage request that failed after its client's retries: one line
+        # naming the object and the fault; the same command resumes later
+        cloud = storage.describe_failure(e)
+        if cloud is not None:
+            print(f"magic-jax {args.command}: error: {cloud}", file=sys.stderr)
+            return hosts.failed(args.command, storage.UNAVAILABLE_EXIT)
+        full = storage.describe_disk_full(e)
+        if full is not None:  # what was saved before is whole: the same command resumes
+            print(f"magic-jax {args.command}: error: {full}", file=sys.stderr)
+            return hosts.failed(args.command, storage.DISK_FULL_EXIT)
+        if isinstance(e, (CheckpointError, DataError, ValueError, OSError)):
+            # one line naming what is wrong; OSError covers unwritable or misplaced outputs
+            print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
+            return hosts.failed(args.command, 2)
         if not distributed.running():
             raise
         import traceback
