@@ -133,7 +133,8 @@ def test_a_fault_that_outlasts_the_retries_is_one_line_naming_the_object(
     lines = capsys.readouterr().err.strip().splitlines()
     want = f"magic-jax status: error: Cloud Storage failed on {run}/metrics.jsonl: "
     assert len(lines) == 1 and lines[0].startswith(want), lines
-    assert ("503 We encountered an internal error" if kind == "503" else "Connection reset by peer") in lines[0]
+    fault = "503 We encountered an internal error" if kind == "503" else "Connection reset by peer"
+    assert fault in lines[0]
     assert lines[0].endswith("after the client's retries")
     # the bucket answers again: the same command works, nothing was lost
     with FaultProxy(emulator.url, seed=0) as proxy, proxy.in_env():
