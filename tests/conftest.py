@@ -142,21 +142,12 @@ class GcsEmulator:
         and ``extra`` set (before gcsfs is first imported: it reads them then), gcsfs's
         cached clients of any other emulator dropped; the variables restored and the
         emulator stopped after it."""
-        import fsspec
+        from faultproxy import clients_pointed_at
 
-        saved = {k: os.environ.get(k) for k in (*self.env, *extra)}
-        os.environ.update({**self.env, **extra})
-        fs = fsspec.get_filesystem_class("gs")
-        fs.clear_instance_cache()
         try:
-            yield self
+            with clients_pointed_at({**self.env, **extra}):
+                yield self
         finally:
-            fs.clear_instance_cache()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
             self.stop()
 
 

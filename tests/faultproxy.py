@@ -61,6 +61,28 @@ class _Reset(Exception):
     """The connection is to be reset (RST) without a reply."""
 
 
+@contextlib.contextmanager
+def clients_pointed_at(env: dict[str, str]):
+    """This process (and those it starts) with ``env`` set for the block, gcsfs's cached
+    clients dropped before and after (gcsfs keeps one per endpoint); the variables
+    restored after it."""
+    import fsspec
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fs = fsspec.get_filesystem_class("gs")
+    fs.clear_instance_cache()
+    try:
+        yield
+    finally:
+        fs.clear_instance_cache()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class FaultProxy:
     """A seeded flaky proxy in front of ``upstream`` (the emulator's ``http://host:port``).
 
@@ -110,25 +132,9 @@ class FaultProxy:
         with self._lock:
             self._once.append((kind, method, contains))
 
-    @contextlib.contextmanager
     def in_env(self):
-        """This process's clients pointed at the proxy for the block (gcsfs's cached
-        clients dropped before and after); the variables restored after it."""
-        import fsspec
-
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        fs = fsspec.get_filesystem_class("gs")
-        fs.clear_instance_cache()
-        try:
-            yield self
-        finally:
-            fs.clear_instance_cache()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        """This process's clients pointed at the proxy for the block."""
+        return clients_pointed_at(self.env)
 
     def fate(self, method: str, target: str) -> str | None:
         """The fault this request meets (None: it passes), and the tallies."""
