@@ -6,6 +6,8 @@ corrupted object in the newest checkpoint falls back to the previous one; the
 run lock is a lease a second run cannot take and a dead run cannot keep; and
 a bucket that cannot be used is one line naming the path, with nothing written
 locally. The kill-and-resume and two-process runs on the bucket are slow tests.
+The bucket is flaky throughout (``faultproxy.FaultProxy``, ``FAULTS``): about 3% of
+requests meet a 429, a 503, a reset or a lost reply, which the clients must absorb.
 """
 
 import json
@@ -19,6 +21,7 @@ import time
 import numpy as np
 import pytest
 from conftest import GcsEmulator
+from faultproxy import FaultProxy
 from resume_test import OVERRIDES, _cfg, assert_same_run
 from resume_test import reference as reference  # a fixture, used by name
 from trainer_test import files as files  # a fixture, used by name
@@ -28,12 +31,19 @@ from magic_jax.run import rundir, runlock
 from magic_jax.run.checkpoint import latest_good_checkpoint, step_dirs
 
 
+# The bucket is flaky: every request through the proxy may meet a seeded fault (the
+# clients' retries must absorb them); the one-line-error tests point past it.
+FAULTS = {"429": 0.01, "503": 0.01, "reset": 0.005, "lost": 0.01}
+
+
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs")
     cache = {storage.CACHE_ENV: str(root / "cache")}  # gs:// models copied here
     with GcsEmulator(root / "emulator.log").in_env(**cache) as emulator:
-        yield emulator
+        with FaultProxy(emulator.url, seed=0, rates=FAULTS) as proxy, proxy.in_env():
+            emulator.proxy = proxy
+            yield emulator
 
 
 def _upload(local, uri):
