@@ -30,7 +30,6 @@ from magic_jax import interrupt, storage
 from magic_jax.run import rundir, runlock
 from magic_jax.run.checkpoint import latest_good_checkpoint, step_dirs
 
-
 # The bucket is flaky: every request through the proxy may meet a seeded fault (the
 # clients' retries must absorb them); the one-line-error tests point past it.
 FAULTS = {"429": 0.01, "503": 0.01, "reset": 0.005, "lost": 0.01}
