@@ -39,10 +39,13 @@ FAULTS = {"429": 0.01, "503": 0.01, "reset": 0.005, "lost": 0.01}
 def gcs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs")
     cache = {storage.CACHE_ENV: str(root / "cache")}  # gs:// models copied here
-    with GcsEmulator(root / "emulator.log").in_env(**cache) as emulator:
-        with FaultProxy(emulator.url, seed=0, rates=FAULTS) as proxy, proxy.in_env():
-            emulator.proxy = proxy
-            yield emulator
+    with (
+        GcsEmulator(root / "emulator.log").in_env(**cache) as emulator,
+        FaultProxy(emulator.url, seed=0, rates=FAULTS) as proxy,
+        proxy.in_env(),
+    ):
+        emulator.proxy = proxy
+        yield emulator
 
 
 def _upload(local, uri):
