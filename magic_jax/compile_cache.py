@@ -134,10 +134,14 @@ def enable() -> Path | str | None:
 
 _FAILED = {
     "Error writing persistent compilation cache entry": (
-        "cannot be written", "programs compile as usual and are not saved for the next run"),
+        "cannot be written",
+        "programs compile as usual and are not saved for the next run",
+    ),
     "Error reading persistent compilation cache entry": (
-        "holds an unreadable entry", "such entries are compiled again"),
-}  # fmt: skip
+        "holds an unreadable entry",
+        "such entries are compiled again",
+    ),
+}
 
 
 def _one_line_for_failed_writes(show):
@@ -154,8 +158,10 @@ def _one_line_for_failed_writes(show):
             told.add(kind)
             what, then = _FAILED[kind]
             error = text.split(": ", 1)[-1]
-            print(f"warning: the compilation cache {cache_dir()} {what} ({error}); {then}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: the compilation cache {cache_dir()} {what} ({error}); {then}",
+                file=sys.stderr,
+            )
         return None
 
     return showwarning

@@ -185,6 +185,16 @@ def _ask(c: Any, bucket: str, key: str) -> str | None:
     return None
 
 
+def failure_line(e: BaseException) -> tuple[str, int] | None:
+    """(one line, exit status) when ``e`` is Cloud Storage failing after its client's
+    retries (``UNAVAILABLE_EXIT``) or a full local disk (``DISK_FULL_EXIT``); else None."""
+    if (text := describe_failure(e)) is not None:
+        return text, UNAVAILABLE_EXIT
+    if (text := describe_disk_full(e)) is not None:
+        return text, DISK_FULL_EXIT
+    return None
+
+
 def describe_failure(e: BaseException) -> str | None:
     """One line naming the object and the fault, when ``e`` (or what caused it) is a
     Cloud Storage request that failed after its client's retries; else None.
@@ -212,9 +222,11 @@ def describe_failure(e: BaseException) -> str | None:
                 m = re.search(r"gs://[^\s\"']+", str(e))
                 what = m.group(0) if m else "a request"
             return f"Cloud Storage failed on {what}: {fault}, after the client's retries"
-        e = e.__cause__ if e.__cause__ is not None else (
-            None if e.__suppress_context__ else e.__context__
-        )  # fmt: skip
+        e = (
+            e.__cause__
+            if e.__cause__ is not None
+            else (None if e.__suppress_context__ else e.__context__)
+        )
     return None
 
 
@@ -231,9 +243,10 @@ def describe_disk_full(e: BaseException) -> str | None:
         seen.add(id(e))
         text = str(e)
         full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-            "No space left on device" in text or "Disk quota exceeded" in text
+            "No space left on device" in text
+            or "Disk quota exceeded" in text
             or ("RESOURCE_EXHAUSTED" in text and "local file" in text)
-        )  # fmt: skip
+        )
         if full:
             where = getattr(e, "filename", None) or _local_file(text) or _path_local(e)
             if where is None:
@@ -243,11 +256,15 @@ def describe_disk_full(e: BaseException) -> str | None:
             while not probe.exists() and probe != probe.parent:
                 probe = probe.parent
             free = shutil.disk_usage(probe).free
-            return (f"no space left on the disk holding {where} ({free / 2**20:.1f} MiB free); "
-                    "free some and run the same command to resume")  # fmt: skip
-        e = e.__cause__ if e.__cause__ is not None else (
-            None if e.__suppress_context__ else e.__context__
-        )  # fmt: skip
+            return (
+                f"no space left on the disk holding {where} ({free / 2**20:.1f} MiB free); "
+                "free some and run the same command to resume"
+            )
+        e = (
+            e.__cause__
+            if e.__cause__ is not None
+            else (None if e.__suppress_context__ else e.__context__)
+        )
     return None
 
 
@@ -441,14 +458,17 @@ def local_copy(
 
 
 @contextlib.contextmanager
-def staged(p: str | os.PathLike, *, upload: bool = True) -> Iterator[Path]:
+def staged(
+    p: str | os.PathLike, *, upload: bool = True, between: Callable[[], None] | None = None
+) -> Iterator[Path]:
     """A local directory to write what belongs at ``p``: ``p`` itself when local.
 
     For a ``gs://`` destination, files are written to a temporary directory and
     uploaded to ``p`` when the block ends without an error (only when
     ``upload``: the other processes of a multi-host job stage nothing), then the
     temporary copy is removed. Tools that write with plain ``open`` (safetensors,
-    tokenizers, plots) so write to the bucket.
+    tokenizers, plots) so write to the bucket. ``between`` is called between two
+    files' uploads (the export's kill point, for the fault campaign).
     """
     if not is_gcs(p):
         yield Path(p)
@@ -460,13 +480,11 @@ def staged(p: str | os.PathLike, *, upload: bool = True) -> Iterator[Path]:
     try:
         yield tmp
         if upload:
-            from magic_jax import interrupt
-
             fs = gcs_fs()
             dest = str(p).rstrip("/")
             for i, file in enumerate(f for f in sorted(tmp.rglob("*")) if f.is_file()):
-                if i:
-                    interrupt.kill_point("upload")  # some of the files on the bucket
+                if i and between is not None:
+                    between()  # some of the files are on the bucket
                 fs.put_file(str(file), f"{dest}/{file.relative_to(tmp).as_posix()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -142,45 +142,9 @@ def _plan(args: argparse.Namespace) -> int:
     # accelerator (if any) is not needed, and probing for one only prints warnings.
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from magic_jax.jobs.plan import format_plan, plan_run
-    from magic_jax.model.sharding import MeshConfig
-    from magic_jax.run.config import load_config
+    from magic_jax.jobs.plan import plan_command
 
-    price = args.price_per_chip_hour
-    if price is not None and not 0 < price < float("inf"):
-        raise ValueError(f"--price-per-chip-hour {price:g}: expected a positive number of USD")
-    config = load_config(args.config, args.set or ())
-    mesh = None
-    if args.mesh:
-        try:
-            kw = {k.strip(): int(v) for k, v in (p.split("=") for p in args.mesh.split(","))}
-            mesh = MeshConfig(**kw)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"--mesh {args.mesh!r}: {e}") from None
-    stages = None if args.stage is None else [args.stage]
-    if stages and not 0 <= args.stage < len(config.stages):
-        raise ValueError(f"--stage {args.stage}: the config has {len(config.stages)} stage(s)")
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.quiet else None
-    t0 = time.perf_counter()
-    result = plan_run(
-        config,
-        args.topology,
-        mesh_config=mesh,
-        preset=args.preset,
-        stages=stages,
-        search=not args.no_search,
-        log=log,
-    )
-    shown = [args.config, "--topology", args.topology]
-    shown += ["--mesh", args.mesh] if args.mesh else []
-    shown += ["--stage", str(args.stage)] if args.stage is not None else []
-    shown += [a for kv in args.set or () for a in ("--set", kv)]
-    shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
-    print("magic-jax plan " + " ".join(shown))
-    print(format_plan(result, price=price))
-    if log:
-        log(f"planned in {time.perf_counter() - t0:.0f}s")
-    return 0
+    return plan_command(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -520,20 +484,14 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:
         from magic_jax import distributed, storage
 
-        # a Cloud Storage request that failed after its client's retries: one line
-        # naming the object and the fault; the same command resumes later
-        cloud = storage.describe_failure(e)
-        if cloud is not None:
-            print(f"magic-jax {args.command}: error: {cloud}", file=sys.stderr)
-            return hosts.failed(args.command, storage.UNAVAILABLE_EXIT)
-        full = storage.describe_disk_full(e)
-        if full is not None:  # what was saved before is whole: the same command resumes
-            print(f"magic-jax {args.command}: error: {full}", file=sys.stderr)
-            return hosts.failed(args.command, storage.DISK_FULL_EXIT)
-        if isinstance(e, (CheckpointError, DataError, ValueError, OSError)):
-            # one line naming what is wrong; OSError covers unwritable or misplaced outputs
-            print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
-            return hosts.failed(args.command, 2)
+        # Cloud Storage failing after its retries (69), a full disk (74): one line, and
+        # the same command resumes; else one line naming what is wrong (2)
+        known = storage.failure_line(e)
+        if known is None and isinstance(e, (CheckpointError, DataError, ValueError, OSError)):
+            known = (str(e), 2)
+        if known is not None:
+            print(f"magic-jax {args.command}: error: {known[0]}", file=sys.stderr)
+            return hosts.failed(args.command, known[1])
         if not distributed.running():
             raise
         import traceback

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -426,3 +428,46 @@ def format_plan(plan: RunPlan, price: float | None = None) -> str:
     )
     lines += _time_lines(plan, bounds, at_rec, price)
     return "\n".join(lines + overlap_lines(overlap, plan.chips, plan.engine, label))
+
+
+def plan_command(args: Any) -> int:
+    """``magic-jax plan``: the plan of ``args.config`` on ``args.topology``, printed (the
+    progress on stderr unless ``--quiet``)."""
+    from magic_jax.model.sharding import MeshConfig
+    from magic_jax.run.config import load_config
+
+    price = args.price_per_chip_hour
+    if price is not None and not 0 < price < float("inf"):
+        raise ValueError(f"--price-per-chip-hour {price:g}: expected a positive number of USD")
+    config = load_config(args.config, args.set or ())
+    mesh = None
+    if args.mesh:
+        try:
+            kw = {k.strip(): int(v) for k, v in (p.split("=") for p in args.mesh.split(","))}
+            mesh = MeshConfig(**kw)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--mesh {args.mesh!r}: {e}") from None
+    stages = None if args.stage is None else [args.stage]
+    if stages and not 0 <= args.stage < len(config.stages):
+        raise ValueError(f"--stage {args.stage}: the config has {len(config.stages)} stage(s)")
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.quiet else None
+    t0 = time.perf_counter()
+    result = plan_run(
+        config,
+        args.topology,
+        mesh_config=mesh,
+        preset=args.preset,
+        stages=stages,
+        search=not args.no_search,
+        log=log,
+    )
+    shown = [args.config, "--topology", args.topology]
+    shown += ["--mesh", args.mesh] if args.mesh else []
+    shown += ["--stage", str(args.stage)] if args.stage is not None else []
+    shown += [a for kv in args.set or () for a in ("--set", kv)]
+    shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
+    print("magic-jax plan " + " ".join(shown))
+    print(format_plan(result, price=price))
+    if log:
+        log(f"planned in {time.perf_counter() - t0:.0f}s")
+    return 0

@@ -4,6 +4,7 @@ and exporting the trained policy as a Hugging Face checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -207,7 +208,8 @@ def export_policy(
     if primary:
         runlock.check_fence(out.name, server=True)  # before the old export goes
         storage.remove_tree(out)  # this run's own earlier export
-    with storage.staged(out, upload=primary) as local:
+    mid_upload = functools.partial(interrupt.kill_point, "upload")
+    with storage.staged(out, upload=primary, between=mid_upload) as local:
         save_hf(nnx.merge(graphdef, params), local, dtype=jnp.dtype(dtype))
         interrupt.kill_point("export")  # the weights written, the tokenizer not yet
         if primary:
