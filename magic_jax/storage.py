@@ -208,25 +208,18 @@ def describe_failure(e: BaseException) -> str | None:
 
     if type(e).__module__.startswith("magic_jax"):
         return None  # the library's own errors are one line already
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        fault = _fault(e)
+    for x in _chain(e):
+        fault = _fault(x)
         if fault is not None:
-            url = _request_url(e) or str(e)
+            url = _request_url(x) or str(x)
             m = re.search(r"(?:^|/)b/([^/?]+)/o(?:/([^?\s]+)|\?(?:[^\s]*&)?name=([^&\s]+))", url)
             if m:
                 key = urllib.parse.unquote(m.group(2) or m.group(3))
                 what = f"gs://{m.group(1)}/{key}"
             else:
-                m = re.search(r"gs://[^\s\"']+", str(e))
+                m = re.search(r"gs://[^\s\"']+", str(x))
                 what = m.group(0) if m else "a request"
             return f"Cloud Storage failed on {what}: {fault}, after the client's retries"
-        e = (
-            e.__cause__
-            if e.__cause__ is not None
-            else (None if e.__suppress_context__ else e.__context__)
-        )
     return None
 
 
@@ -238,17 +231,15 @@ def describe_disk_full(e: BaseException) -> str | None:
     import errno
     import shutil
 
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = str(e)
-        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+    for x in _chain(e):
+        text = str(x)
+        full = (isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)) or (
             "No space left on device" in text
             or "Disk quota exceeded" in text
             or ("RESOURCE_EXHAUSTED" in text and "local file" in text)
         )
         if full:
-            where = getattr(e, "filename", None) or _local_file(text) or _path_local(e)
+            where = getattr(x, "filename", None) or _local_file(text) or _path_local(x)
             if where is None:
                 return "no space left on a local disk; free some and run the same command to resume"
             where = Path(os.fspath(where))
@@ -260,12 +251,20 @@ def describe_disk_full(e: BaseException) -> str | None:
                 f"no space left on the disk holding {where} ({free / 2**20:.1f} MiB free); "
                 "free some and run the same command to resume"
             )
+    return None
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """``e`` and what caused it, as a traceback shows them (a suppressed context is not)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
         e = (
             e.__cause__
             if e.__cause__ is not None
             else (None if e.__suppress_context__ else e.__context__)
         )
-    return None
 
 
 def _local_file(text: str) -> str | None:
