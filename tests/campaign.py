@@ -67,28 +67,12 @@ class CampaignFailure(AssertionError):
 
 
 def tiny_run(root: Path) -> Path:
-    """The tiny sums model and the resume tests' run (``resume_test``), in ``root``."""
-    import yaml
-    from conftest import write_sums_run
+    """The tiny sums model and the resume tests' run (``conftest.TINY_RUN``, evaluated every
+    2 steps, exported in float32 for a bitwise comparison), in ``root``."""
+    from conftest import write_tiny_run
 
-    write_sums_run(root)
-    raw = {
-        "model": "model", "output_dir": "run",
-        "data": {"train": ["train.jsonl"], "max_prompt_length": 16},
-        "stages": [
-            {"steps": 2, "max_response_length": 3, "prompts_per_step": 4,
-             "mini_batch_groups": 2, "group_size": 8},
-            {"steps": 2, "max_response_length": 5, "prompts_per_step": 4,
-             "mini_batch_groups": 4, "group_size": 8, "name": "longer"},
-        ],
-        "rollout": {"max_concurrent_decodes": 8, "decode_steps": 8},
-        "optimizer": {"learning_rate": 1e-2}, "entropy": {"target": 5.0, "delta": 0.01},
-        "rewards": {"num_workers": 1}, "checkpoint_every": 1, "keep_checkpoints": 2,
-        "eval": {"data": ["train.jsonl"], "every": 2, "num_samples": 2},
-        "export_dtype": "float32",
-    }  # fmt: skip
-    (root / "run.yaml").write_text(yaml.safe_dump(raw))
-    return root
+    return write_tiny_run(root, eval={"data": ["train.jsonl"], "every": 2, "num_samples": 2},
+                          export_dtype="float32")  # fmt: skip
 
 
 STEPS = 4  # tiny_run's two stages of two steps

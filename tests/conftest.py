@@ -55,6 +55,37 @@ def our_tmp_dirs() -> set[str]:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("mj-")}
 
 
+# The tiny trainer run of the trainer, resume, Cloud Storage and fault tests: the sums
+# model, two stages of two steps (T 3 then 5), a checkpoint every step.
+TINY_RUN = {
+    "model": "model",
+    "data": {"train": ["train.jsonl"], "max_prompt_length": 16},
+    "stages": [
+        {"steps": 2, "max_response_length": 3, "prompts_per_step": 4,
+         "mini_batch_groups": 2, "group_size": 8},
+        {"steps": 2, "max_response_length": 5, "prompts_per_step": 4,
+         "mini_batch_groups": 4, "group_size": 8, "name": "longer"},
+    ],
+    "rollout": {"max_concurrent_decodes": 8, "decode_steps": 8},
+    "optimizer": {"learning_rate": 1e-2},
+    "entropy": {"target": 5.0, "delta": 0.01},
+    "rewards": {"num_workers": 1},
+    "checkpoint_every": 1,
+    "keep_checkpoints": 2,
+}  # fmt: skip
+
+
+def write_tiny_run(root, **more):
+    """``write_sums_run`` and ``root/run.yaml``: ``TINY_RUN`` with ``more`` (its
+    ``output_dir`` is ``root/run`` unless given)."""
+    import yaml
+
+    root = write_sums_run(root)
+    raw = {**TINY_RUN, "output_dir": str(root / "run"), **more}
+    (root / "run.yaml").write_text(yaml.safe_dump(raw))
+    return root
+
+
 def write_sums_run(root, *, rows: int = 12, seed: int = 0):
     """The tiny sums model (``root/model``) and ``rows`` training prompts
     (``root/train.jsonl``) of the trainer tests (``helpers.save_sums_model``)."""

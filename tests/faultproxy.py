@@ -253,10 +253,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if upload and status in (200, 201):
                     self.owner._completed[upload[0]] = (status, headers, data)
             self.owner.trace.append((self.command, self.path, "reply", status))
-            if status == 400 and os.environ.get("FAULTPROXY_DUMP"):
-                with open(os.environ["FAULTPROXY_DUMP"], "ab") as f:
-                    f.write(f"{self.command} {self.path}\n{dict(self.headers)}\n".encode())
-                    f.write(body[:600] + b"\n-----\n" + data[:300] + b"\n=====\n")
             if kind == "lost":
                 raise _Reset
             self._reply(status, headers, data)

@@ -17,39 +17,9 @@ from magic_jax.run.trainer import Trainer, load_inputs
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from conftest import write_sums_run
+    from conftest import write_tiny_run
 
-    root = write_sums_run(tmp_path_factory.mktemp("trainer"))
-    raw = {
-        "model": "model",
-        "output_dir": str(root / "run"),
-        "data": {"train": ["train.jsonl"], "max_prompt_length": 16},
-        "stages": [
-            {
-                "steps": 2,
-                "max_response_length": 3,
-                "prompts_per_step": 4,
-                "mini_batch_groups": 2,
-                "group_size": 8,
-            },
-            {
-                "steps": 2,
-                "max_response_length": 5,
-                "prompts_per_step": 4,
-                "mini_batch_groups": 4,
-                "group_size": 8,
-                "name": "longer",
-            },
-        ],
-        "rollout": {"max_concurrent_decodes": 8, "decode_steps": 8},
-        "optimizer": {"learning_rate": 1e-2},
-        "entropy": {"target": 5.0, "delta": 0.01},
-        "rewards": {"num_workers": 1},
-        "checkpoint_every": 1,
-        "keep_checkpoints": 2,
-    }
-    (root / "run.yaml").write_text(yaml.safe_dump(raw))
-    return root
+    return write_tiny_run(tmp_path_factory.mktemp("trainer"))
 
 
 def _config(files, out, *overrides):
