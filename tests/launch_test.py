@@ -46,7 +46,10 @@ SETUP_SCRIPT = ROOT / "tpu_scripts" / "worker_setup.sh"
 # is a directory $STUB_DIR/worker-W, made anew from $STUB_TEMPLATE by each create (a new
 # slice has empty disks), where `ssh --command C` runs C with bash, HOME there.
 STUB = r"""#!/usr/bin/env bash
-printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/calls"; printf '\x1e' >> "$STUB_DIR/calls"
+calls=calls; [ -z "${STUB_ON_WORKER:-}" ] || calls=worker-calls
+printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/$calls"; printf '\x1e' >> "$STUB_DIR/$calls"
+[ -n "${STUB_ON_WORKER:-}" ] || date +%s%3N >> "$STUB_DIR/times"
+here=$PWD
 cd "$STUB_DIR" || exit 1
 args="$*" argv=("$@")
 worker=""; command=""
@@ -67,20 +70,50 @@ no_capacity() {  # gcloud's words, the message on one line
     "$why" >&2
   exit 1
 }
-workers() { if [ "$worker" = all ]; then seq 0 $((n - 1)); else echo "$worker"; fi; }
+quota() {  # gcloud's words: the TPU API's HTTP 429, shown as a network error
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json&nodeId=magic-jax>: response: <{'status': 429}>, content <{" >&2
+  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' \
+    "Quota limit 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded. Limit: 0 in zone us-east5-a." >&2
+  echo "This may be due to network connectivity issues. Please check your network settings, and the status of the service you are trying to reach." >&2
+  exit 1
+}
+workers() {
+  case $worker in all) seq 0 $((n - 1)) ;; *-*) seq "${worker%-*}" "${worker#*-}" ;;
+    *) echo "${worker//,/ }" | tr ' ' '\n' ;; esac
+}
+# A worker's VM stops: every process whose HOME is its directory is killed.
+kill_worker() {
+  local h=$STUB_DIR/worker-$1 p
+  for p in /proc/[0-9]*; do
+    grep -qzx "HOME=$h" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+}
 # the VMs of a deleted (or recreated) slice stop, and a new slice has new disks
 stop_vms() {
-  local f p
-  for f in worker-*/magic-jax/logs/*.pid; do
-    [ -e "$f" ] || continue; p=$(cat "$f")
-    pkill -KILL -P "$p"; kill -KILL "$p"
-  done 2>/dev/null
+  local w
+  for w in worker-*; do [ -d "$w" ] && kill_worker "${w#worker-}"; done
+  return 0
+}
+# How worker W's command is while worker 0's runs: "running", or $STUB_EARLY_W when set
+# (it ended early: a status, or "gone"); once the job is stopped ($STUB_DIR/down), its
+# $STUB_EXIT_W; with $STUB_HANG_W it runs until stopped.
+worker_status() {
+  local v="STUB_EARLY_$1" h="STUB_HANG_$1" x="STUB_EXIT_$1"
+  if [ -n "${!v:-}" ]; then echo "${!v}"
+  elif [ -n "${!h:-}" ] && [ ! -e down ]; then echo running
+  elif [ -e down ]; then echo "${!x:-0}"
+  else echo running; fi
+}
+# gs://B/P is the file gcs/B/P; another path is the caller's
+gs() {
+  case $1 in gs://*) echo "$STUB_DIR/gcs/${1#gs://}" ;; /*|-) echo "$1" ;; *) echo "$here/$1" ;; esac
 }
 new_disks() {
   local w
   stop_vms; rm -rf worker-*
   for w in $(seq 0 $((n - 1))); do
     cp -a "$STUB_TEMPLATE" "worker-$w" && mkdir -p "worker-$w/metadata"
+    echo "boot-$w-$RANDOM" > "worker-$w/boot_id"
     echo "$w" > "worker-$w/metadata/agent-worker-number"
     printf "ACCELERATOR_TYPE: 'v5litepod-16'\nWORKER_ID: '%s'\nZONE: 'us-east5-a'\n" "$w" \
       > "worker-$w/metadata/tpu-env"
@@ -89,11 +122,44 @@ new_disks() {
 }
 on_worker() {
   local h=$STUB_DIR/worker-$1
-  cd "$h" && env -i HOME="$h" USER=tpu PATH="$h/bin:$STUB_SYSBIN" LANG=C.UTF-8 \
-    UV_PYTHON_DOWNLOADS=never LAUNCH_METADATA_URL="file://$h/metadata" "$BASH" -c "$command" \
+  cd "$h" && env -i HOME="$h" USER=tpu PATH="$h/bin:$STUB_SYSBIN:${0%/*}" LANG=C.UTF-8 \
+    UV_PYTHON_DOWNLOADS=never LAUNCH_METADATA_URL="file://$h/metadata" \
+    LAUNCH_BOOT_ID="$h/boot_id" STUB_DIR="$STUB_DIR" STUB_ON_WORKER="$1" \
+    "$BASH" -c "$command" \
     3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-  # only stdin, stdout and stderr cross ssh
 }
 run=$(cat runs 2>/dev/null | wc -l)
+case $args in
+  "storage ls "*) [ -e "$(gs "${argv[2]}")" ] && echo "${argv[2]}" && exit 0
+    echo "ERROR: (gcloud.storage.ls) One or more URLs matched no objects." >&2; exit 1 ;;
+  "storage cp "*)
+    src=$(gs "${argv[2]}") dst=$(gs "${argv[3]}"); mkdir -p "${dst%/*}"
+    if [ "$src" = - ]; then cat > "$dst.part" && mv "$dst.part" "$dst"; exit; fi
+    [ -e "$src" ] || { echo "ERROR: (gcloud.storage.cp) The following URLs matched no objects or files: ${argv[2]}" >&2; exit 1; }
+    cp "$src" "$dst"; exit ;;
+  "storage cat "*)
+    if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
+      k=$(cat polls 2>/dev/null | wc -l)
+      # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
+      if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] &&
+         [ ! -e "silent-$STUB_SILENT" ]; then
+        echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
+      fi
+      for w in $(seq 0 $((n - 1))); do
+        s=$(worker_status "$w"); [[ $s != [0-9]* ]] || s=exit-$s
+        [ -e "silent-$w" ] && echo "$w $(cat "silent-$w") $s boot-$w" || echo "$w $k $s boot-$w"
+      done
+      exit 0
+    fi
+    found=0
+    for f in $(gs "${argv[2]}"); do [ -e "$f" ] && found=1 && cat "$f"; done
+    [ "$found" = 1 ] && exit 0
+    echo "ERROR: (gcloud.storage.cat) One or more URLs matched no objects." >&2; exit 1 ;;
+  *"simulate-maintenance-event"*)  # every process gone, new boot ids, REPAIRING for a while
+    for a in "$@"; do case $a in --workers=*) worker=${a#--workers=} ;; esac; done
+    for w in $(workers); do kill_worker "$w"; echo "boot-$w-$RANDOM" > "worker-$w/boot_id"; done
+    echo REPAIRING > created; echo "${STUB_REPAIR_POLLS:-3}" > repair; exit 0 ;;
+esac
 case $args in
   *"tpu-vm ssh"*|*"tpu-vm scp"*)
     clock=$(cat clock 2>/dev/null || echo 0)
@@ -116,8 +182,16 @@ if [ -n "${STUB_FAITHFUL:-}" ]; then
   esac
 fi
 case $args in
-  *"tpu-vm describe"*"value(state)"*)
-    [ -e created ] || missing; [ -s created ] && cat created || echo READY ;;
+  *"tpu-vm describe"*"value(state"*)
+    [ -e created ] || missing
+    case $args in *health*) echo >> polls ;; esac
+    if [ "$(cat created)" = REPAIRING ]; then  # back READY after $STUB_REPAIR_POLLS
+      r=$(($(cat repair) - 1)); echo "$r" > repair; [ "$r" -gt 0 ] || : > created
+    fi
+    state=$(cat created); health=HEALTHY
+    [ "$state" != REPAIRING ] || health=UNHEALTHY_MAINTENANCE
+    case $args in *health*) printf '%s\t%s\n' "${state:-READY}" "$health" ;;
+      *) echo "${state:-READY}" ;; esac ;;
   *"tpu-vm describe"*"networkEndpoints"*)
     printf '%s\tv2-alpha-tpuv5\n' "$(seq -f '10.0.0.%g' -s ';' 1 "$n")" ;;
   *" create "*)
@@ -144,13 +218,13 @@ case $args in
           exit 255
         fi ;;
       *nohup*) echo >> runs ;;
-      *"echo running"*)
-        echo >> polls
-        v="STUB_EARLY_$worker"; h="STUB_HANG_$worker"; x="STUB_EXIT_$worker"
-        if [ -n "${!v:-}" ]; then echo "${!v}"
-        elif [ -n "${!h:-}" ] && [ ! -e down ]; then echo running
-        elif [ -e down ]; then echo "${!x:-0}"
-        else echo running; fi ;;
+      *"worker_run.sh --status"*)
+        for w in $(workers); do
+          [ -e "silent-$w" ] || echo "$w $(worker_status "$w") same"
+        done
+        # a VM that stopped answering: gcloud tries it 10 times, 5 s apart, each try
+        # waiting for the TCP connect to time out (127 s on Linux): this hangs
+        for w in $(workers); do [ ! -e "silent-$w" ] || exec sleep 1000; done ;;
       *pkill*) touch down ;;
       *"tail -n "*" -f"*)
         echo >> streams
@@ -169,6 +243,7 @@ case $args in
         echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log") echo "log of worker $worker" ;;
       "cat "*".exit 2>/dev/null || echo none")
+        [ ! -e "silent-$worker" ] || exit 255
         h="STUB_HANG_$worker"; [ -n "${!h:-}" ] && [ ! -e down ] && echo none && exit 0
         v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
     esac ;;
@@ -179,12 +254,13 @@ exit 0
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    """A small git repository holding this checkout's launch.sh, worker_setup.sh and
-    constraints.txt: the scripts under test, whose commit (git archive HEAD) is what
+    """A small git repository holding this checkout's launch.sh, worker_setup.sh,
+    worker_run.sh and constraints.txt: the scripts under test, whose commit (git archive HEAD) is what
     reaches the workers, a few kB instead of the whole checkout."""
     repo = tmp_path_factory.mktemp("repo")
     (repo / "tpu_scripts").mkdir()
-    for name in ("tpu_scripts/launch.sh", "tpu_scripts/worker_setup.sh", "constraints.txt"):
+    for name in ("tpu_scripts/launch.sh", "tpu_scripts/worker_setup.sh",
+                 "tpu_scripts/worker_run.sh", "constraints.txt"):
         shutil.copy(ROOT / name, repo / name)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "launch scripts"]):
@@ -222,29 +298,34 @@ def _calls(state):
 
 def _verbs(calls, polls=False):
     """Each call as 'create' / 'scp' / 'setup' / 'start' / 'stream' / 'collect' / 'stop' /
-    ...; the questions to the workers while the command runs ('poll', as many as time
-    allows) only with ``polls``."""
+    'upload' / ...; the status cycles while the command runs ('poll': the node's state,
+    'beat': the heartbeats, 'probe': every worker asked at once, as many as time allows)
+    only with ``polls``."""
     out = []
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
-        if "ssh" in c:
-            if "echo running" in cmd and not polls:
-                continue
-            out.append(
+        if c[1] == "storage":
+            verb = {"ls": "staged?", "cp": "upload", "cat": "beat"}[c[2]]
+        elif "ssh" in c:
+            verb = (
                 "setup"
                 if "worker_setup.sh" in cmd
                 else "start"
                 if "nohup" in cmd
                 else "stream"
                 if "tail" in cmd
-                else "poll"
-                if "echo running" in cmd
+                else ("probe" if "--worker=all" in c else "poll")
+                if "--status" in cmd
                 else "stop"
                 if "pkill" in cmd
                 else "collect"
             )
+        elif c[3] == "tpu-vm" and c[4] == "describe" and "health" in c[-1]:
+            verb = "poll"
         else:
-            out.append(c[4] if c[3] == "tpu-vm" else "qr-" + c[4])
+            verb = c[4] if c[3] == "tpu-vm" else "qr-" + c[4]
+        if polls or verb not in ("poll", "beat", "probe"):
+            out.append(verb)
     return out
 
 
@@ -256,6 +337,10 @@ def _launch_lines(stderr):
 GS = ["--set", "output_dir=gs://b/r"]
 # One attempt on a fresh slice, and the two collected workers (log, exit status each).
 UP = ["describe", "create", "describe", "describe", "scp", "setup", "start", "stream"]
+# ... with output_dir on gs://: the archive goes up to the stage once per commit
+UP_GS = ["describe", "create", "describe", "describe", "staged?", "upload", "setup", "start",
+         "stream"]  # fmt: skip
+AGAIN = [*UP_GS[:5], *UP_GS[6:]]  # a later attempt: the archive is staged already
 COLLECT = ["collect"] * 4
 DELETE = ["qr-describe", "delete"]  # is there a queued resource? no: delete the node
 
@@ -269,19 +354,22 @@ def test_create_setup_run_collect_delete(stub, tmp_path):
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     verbs = _verbs(calls)
-    assert verbs == UP + COLLECT + DELETE
+    assert verbs == UP_GS + COLLECT + DELETE
     create = calls[1]
     assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"] and "pod" in create
     assert "--accelerator-type=v5e-8" in create and "--version=v2-alpha-tpuv5-lite" in create
     assert create[5:8] == ["pod", "--zone", "z1"]
     # setup and start go to every worker; the command keeps its quoting
-    assert "--worker=all" in calls[5] and "--worker=all" in calls[6]
-    setup = calls[5][calls[5].index("--command") + 1]
+    assert calls[5][1:3] == ["storage", "cp"]
+    assert calls[5][4].startswith("gs://b/magic-jax-launch/archives/")  # the output_dir's bucket
+    assert "--worker=all" in calls[6] and "--worker=all" in calls[7]
+    setup = calls[6][calls[6].index("--command") + 1]
     assert "bash tpu_scripts/worker_setup.sh" in setup and "LAUNCH_INSTALL" not in setup
-    start = calls[6][calls[6].index("--command") + 1]
-    assert "magic-jax train my\\ config.yaml --set output_dir=gs://b/r" in start
+    assert f"gcloud storage cp {calls[5][4]} " in setup  # each worker fetches it
+    start = calls[7][calls[7].index("--command") + 1]
+    assert "exec magic-jax train my\\ config.yaml --set output_dir=gs://b/r" in start
     assert "export" not in start  # no --env
-    assert "--worker=0" in calls[7]  # worker 0's log is streamed
+    assert "--worker=0" in calls[8]  # worker 0's log is streamed
     assert "step 0 from worker 0" in out.stdout
     assert "[launch] pod: 2 worker(s), runtime version v2-alpha-tpuv5" in out.stderr
     assert "worker 1: ready (python /h/bin/python 3.11)" in out.stderr
@@ -320,11 +408,12 @@ def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_pa
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
     # run, preempted: delete, create again, setup, rerun (resume), finish, delete
-    assert _verbs(calls) == UP + COLLECT + DELETE + UP + COLLECT + DELETE
-    creates = [c for c in calls if c[4] == "create"]
+    assert _verbs(calls) == UP_GS + COLLECT + DELETE + AGAIN + COLLECT + DELETE
+    creates = [c for c in calls if c[4:5] == ["create"]]
     assert len(creates) == 2 and all("--spot" in c for c in creates)
     starts = [c[-1] for c in calls if "nohup" in c[-1]]
-    assert len(starts) == 2 and starts[0] == starts[1]  # the same command, same run id
+    assert len(starts) == 2 and "-1.sh" in starts[0]  # the same command and run, attempt 2
+    assert starts[1] == starts[0].replace("-1.", "-2.").replace("-1 ", "-2 ")
     assert (
         "launch.sh: preempted (worker 0 stopped with 143; attempt 1 of 2); recreating the slice"
         in out.stderr
@@ -349,7 +438,7 @@ def test_a_preempted_node_is_noticed_when_ssh_fails(stub, tmp_path):
     verbs = _verbs(_calls(state))
     # the stream fails, the node is PREEMPTED: worker 0's log is asked for once (a lost
     # slice answers no ssh, so the other workers are not tried), deleted and created again
-    assert verbs == [*UP, "describe", "collect", *DELETE, *UP, *COLLECT, *DELETE]
+    assert verbs == [*UP_GS, "describe", "collect", *DELETE, *AGAIN, *COLLECT, *DELETE]
     assert "[launch] logs of 0 of 2 worker(s) in " in out.stderr
     assert "preempted (magic-jax is PREEMPTED; attempt 1 of 2); recreating the slice" in out.stderr
     assert "launch.sh: resumed run finished" in out.stderr
@@ -368,9 +457,11 @@ def test_a_suspended_queued_resource_is_requested_again(stub, tmp_path):
                   str(tmp_path / "l"), "--", "magic-jax", "train", str(config))  # fmt: skip
     assert out.returncode == 0, out.stderr
     verbs = _verbs(_calls(state))
-    up = ["describe", "qr-create", "qr-describe", "describe", "describe", "scp", "setup", "start",
-          "stream"]  # fmt: skip
-    assert verbs == [*up, "qr-describe", "collect", "qr-delete", *up, *COLLECT]
+    # is there a request? no: request it; ACTIVE? (yes); the node READY, its workers
+    up = ["qr-describe", "qr-create", "qr-describe", "describe", "describe", "staged?"]
+    again = [*up, "setup", "start", "stream"]
+    assert verbs == [*up, "upload", *again[6:], "qr-describe", "collect", "qr-delete", *again,
+                     *COLLECT]  # fmt: skip
     assert "preempted (queued resource n-qr is SUSPENDED; attempt 1 of 3)" in out.stderr
     assert "launch.sh: resumed run finished" in out.stderr
     assert (state / "created").exists()  # no --delete-on-exit: the new slice stays
@@ -383,7 +474,7 @@ def test_retries_used_up_exit_with_143(stub, tmp_path):
                   "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 143
     verbs = _verbs(_calls(state))
-    assert verbs == UP + COLLECT + DELETE + UP + COLLECT + DELETE
+    assert verbs == UP_GS + COLLECT + DELETE + AGAIN + COLLECT + DELETE
     assert (
         "launch.sh: preempted (worker 0 stopped with 143; attempt 2 of 2); no retries left "
         "(--retry 1), exiting with 143"
@@ -397,7 +488,7 @@ def test_other_failures_are_not_retried(stub, tmp_path):
     out = _launch(script, env, "--retry", "2", "--delete-on-exit", "--logs", str(tmp_path / "l"),
                   "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 7
-    assert _verbs(_calls(state)) == UP + COLLECT + DELETE
+    assert _verbs(_calls(state)) == UP_GS + COLLECT + DELETE
     assert "preempted" not in out.stderr and "worker 0 exited with 7" in out.stderr
 
 
@@ -412,7 +503,7 @@ def test_another_worker_failing_while_worker_0_runs_stops_the_job(stub, tmp_path
     assert out.returncode == 9, out.stderr
     calls = _calls(state)
     verbs = _verbs(calls)
-    assert verbs == [*UP, "stop", *COLLECT, *DELETE]  # stopped, collected, no retry
+    assert verbs == [*UP_GS, "stop", *COLLECT, *DELETE]  # stopped, collected, no retry
     assert 1 <= _verbs(calls, polls=True).count("poll") < 50  # it noticed at once
     stop = next(c for c in calls if "pkill" in c[-1])
     assert "--worker=all" in stop and "pkill -TERM" in stop[-1] and "pkill -KILL" in stop[-1]
@@ -435,7 +526,7 @@ def test_another_worker_gone_without_a_status_fails_the_job(stub, tmp_path):
     env = dict(env, STUB_HOLD="50", STUB_EARLY_1="gone", STUB_EXIT_0="143")
     out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1, out.stderr
-    assert _verbs(_calls(state)) == [*UP, "stop", *COLLECT]
+    assert _verbs(_calls(state)) == [*UP_GS, "stop", *COLLECT]
     assert (
         "worker 1 ended with no exit status (its command is gone) while worker 0's command "
         "still ran" in out.stderr
@@ -459,7 +550,7 @@ def test_a_worker_still_running_after_worker_0_ended_is_stopped(stub, tmp_path):
     out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1, out.stderr
     verbs = _verbs(_calls(state))
-    assert verbs[: len(UP)] == UP and verbs.count("stop") == 1
+    assert verbs[: len(UP_GS)] == UP_GS and verbs.count("stop") == 1
     assert "worker 1's command still ran 1s after worker 0's ended: stopping it" in out.stderr
     assert "worker 1 exited with 137" in out.stderr
     assert "launch.sh: worker(s) 1 still ran 1s after worker 0 ended; stopped" in out.stderr
@@ -502,7 +593,7 @@ def test_ssh_down_for_15_minutes_on_a_live_slice_never_deletes_it(stub, tmp_path
     assert out.returncode == 0, out.stderr
     verbs = _verbs(_calls(state))
     # waits 30 60 120 240 300 300: back at 1050 s; one describe (still READY?) per failure
-    assert verbs == [*UP, *["describe", "stream"] * 6, *COLLECT, *DELETE]
+    assert verbs == [*UP_GS, *["describe", "stream"] * 6, *COLLECT, *DELETE]
     failures = [line for line in out.stderr.splitlines() if "ssh to worker 0 failed" in line]
     assert len(failures) == 6
     assert [line.split("reconnecting in ")[1].split()[0] for line in failures] == [
@@ -522,8 +613,8 @@ def test_no_capacity_on_recreate_is_retried_then_the_run_resumes(stub, tmp_path)
     assert out.returncode == 0, out.stderr
     verbs = _verbs(_calls(state))
     # each failed create: is a node left behind? (no)
-    assert verbs == [*UP, *COLLECT, *DELETE, "describe", "create", "describe", "create",
-                     "describe", *UP[1:], *COLLECT, *DELETE]  # fmt: skip
+    assert verbs == [*UP_GS, *COLLECT, *DELETE, "describe", "create", "describe", "create",
+                     "describe", *AGAIN[1:], *COLLECT, *DELETE]  # fmt: skip
     why = ('There is no more capacity in the zone "us-east5-a"; you can try in another zone '
            "where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions) "
            "[EID: 0x1bc8f9d790be9142]")  # fmt: skip
@@ -575,7 +666,7 @@ def test_env_and_compile_cache_reach_the_command_quoted(stub, tmp_path):
     script = start.split("<<'LAUNCH_SH'\n")[1].split("\nLAUNCH_SH\n")[0]
     assert script.splitlines()[0] == (
         "source .venv/bin/activate && export A=1 MSG=it\\'s\\ \\$HOME\\ \\\"x\\\" EMPTY='' "
-        "MAGIC_JAX_COMPILATION_CACHE=gs://b/jax\\ cache && magic-jax train "
+        "MAGIC_JAX_COMPILATION_CACHE=gs://b/jax\\ cache && exec magic-jax train "
     )
 
 
@@ -585,7 +676,8 @@ def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path):
                   "--", "magic-jax", "train", *GS)  # fmt: skip
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "launch.sh: worker 0's command ended without an exit status (magic-jax is READY)"
+        "launch.sh: worker 0's command ended without an exit status, its host not restarted "
+        "(magic-jax is READY): killed?"
     )
     assert _verbs(_calls(state)).count("create") == 1
 

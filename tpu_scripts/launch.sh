@@ -14,13 +14,25 @@
 #   --version V         runtime version [by generation: v4 tpu-ubuntu2204-base,
 #                       v5e v2-alpha-tpuv5-lite, v5p v2-alpha-tpuv5, v6e v2-alpha-tpuv6e]
 #   --spot              Spot capacity
-#   --queued            request the slice as a queued resource (NAME-qr) and wait for it
-#   --retry N           when the slice is preempted, delete it, recreate it (re-request
-#                       it with --queued), set it up and rerun the command, up to N
-#                       times; the run resumes from its output_dir [0]
+#   --reserved          capacity from the project's reservations
+#   --queued            request the slice as a queued resource (NAME-qr) and wait for it,
+#                       as long as it takes (or --timeout); a launch that finds NAME-qr
+#                       waiting or ACTIVE attaches to it; one FAILED or SUSPENDED is
+#                       deleted and requested again (counted in --create-tries)
+#   --reservation R     (--queued) this reservation, by name or full path
+#   --best-effort       (--queued) best-effort capacity
+#   --valid-until-duration D  (--queued) the request lapses after D, e.g. 6h
+#   --service-account SA  the VMs' service account (it needs roles on the bucket: docs/tpu.md)
+#   --network N, --subnetwork S  the VMs' VPC network and subnetwork
+#   --internal-ip       VMs without external IPs; ssh and scp over internal IPs
+#   --retry N           when the slice is preempted, lost or restarted by maintenance,
+#                       rerun the command, up to N times: on the same slice once it is
+#                       READY again (maintenance), else on a new one (re-requested with
+#                       --queued); the run resumes from its output_dir [0]
 #   --create-tries N    a create that finds no capacity is tried again, after 60 s, then
 #                       twice as long each time (at most --create-backoff-max), up to N
-#                       tries in all [$LAUNCH_CREATE_TRIES or 12]; other errors end at once
+#                       tries in all [$LAUNCH_CREATE_TRIES or 12]; quota and other errors
+#                       end at once
 #   --create-backoff-max S  the longest wait between creates [$LAUNCH_CREATE_BACKOFF_MAX_S or 1800]
 #   --env KEY=VALUE     set KEY for the command on every worker (repeatable)
 #   --compile-cache URL the command's persistent compilation cache on every worker, e.g.
@@ -29,7 +41,10 @@
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
 #   --delete            delete the slice (and its queued resource) and exit
-#   --timeout S         seconds to wait for the slice to be ready [3600]
+#   --stage URL         where the archive (once per commit) and the workers' heartbeats
+#                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
+#   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
+#                       a queued resource]
 #   --dry-run           print every gcloud command instead of running it (or DRY_RUN=1)
 #
 # Set-up (tpu_scripts/worker_setup.sh, from the archive, on every worker): uv (found, or
@@ -66,10 +81,11 @@ quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
 die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
-NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" SPOT=() QUEUED=0
-SETUP=1 LOGS="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT=3600 DRY="${DRY_RUN:-0}" RETRY=0
+NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
+SETUP=1 LOGS="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
+CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
-POLL_S="${LAUNCH_POLL_S:-30}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
+POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
 SSH_WAIT_S="${LAUNCH_SSH_BACKOFF_S:-30}" SSH_MAX_S="${LAUNCH_SSH_BACKOFF_MAX_S:-300}"
 CREATE_WAIT_S="${LAUNCH_CREATE_BACKOFF_S:-60}"
 need() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
@@ -80,8 +96,14 @@ while [ $# -gt 0 ]; do
     --project) need "$@"; PROJECT=(--project "$2"); shift 2 ;;
     --accelerator) need "$@"; ACCEL=$2; shift 2 ;;
     --version) need "$@"; VERSION=$2; shift 2 ;;
-    --spot) SPOT=(--spot); shift ;;
+    --spot|--reserved) CAPACITY+=("$1"); shift ;;
+    --best-effort) CAPACITY+=("$1"); QUEUED_ONLY+=("$1"); shift ;;
+    --reservation|--valid-until-duration) need "$@"; CAPACITY+=("$1=$2"); QUEUED_ONLY+=("$1"); shift 2 ;;
+    --service-account) need "$@"; VM+=("--service-account=$2"); QR_VM+=("--service-account=$2"); shift 2 ;;
+    --network|--subnetwork) need "$@"; VM+=("$1=$2"); QR_VM+=("$1=$2"); shift 2 ;;
+    --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
     --queued) QUEUED=1; shift ;;
+    --stage) need "$@"; STAGE=${2%/}; shift 2 ;;
     --retry) need "$@"; RETRY=$2; shift 2 ;;
     --create-tries) need "$@"; CREATE_TRIES=$2; shift 2 ;;
     --create-backoff-max) need "$@"; CREATE_MAX_S=$2; shift 2 ;;
@@ -102,7 +124,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ "$DELETE_ONLY" = 1 ] || [ $# -gt 0 ] || die "no command after -- (or --delete to tear down)"
-[[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout must be a number of seconds, got $TIMEOUT"
+[[ $TIMEOUT =~ ^[0-9]*$ ]] || die "--timeout must be a number of seconds, got $TIMEOUT"
+[ "$QUEUED" = 1 ] || [ "${#QUEUED_ONLY[@]}" = 0 ] || die "${QUEUED_ONLY[0]} needs --queued"
+kinds=0
+for c in "${CAPACITY[@]}"; do case $c in --spot|--reserved|--best-effort) kinds=$((kinds + 1)) ;; esac; done
+[ "$kinds" -le 1 ] || die "--spot, --reserved and --best-effort exclude each other: choose one"
 [[ $RETRY =~ ^[0-9]+$ ]] || die "--retry must be a number of retries, got $RETRY"
 [[ $CREATE_TRIES =~ ^[1-9][0-9]*$ ]] || die "--create-tries must be a number of tries (1 or more), got $CREATE_TRIES"
 [[ $CREATE_MAX_S =~ ^[0-9]+$ ]] || die "--create-backoff-max must be a number of seconds, got $CREATE_MAX_S"
@@ -137,15 +163,20 @@ output_dir() {
   echo "$v"
 }
 # A slice that may be deleted (or replaced) under the run needs its output_dir on gs://.
+out=""; [ "$DELETE_ONLY" = 1 ] || out=$(output_dir "$@")
 if [ "$DELETE_ONLY" = 0 ] && { [ "$DELETE_ON_EXIT" = 1 ] || [ "$RETRY" -gt 0 ]; }; then
   opt=--delete-on-exit why="the slice's disks are deleted with it"
   [ "$DELETE_ON_EXIT" = 1 ] || opt=--retry why="a recreated slice starts with empty disks"
-  out=$(output_dir "$@")
   [ -n "$out" ] || die "$opt needs output_dir on gs:// ($why); the command has none" \
     "(pass --set output_dir=gs://BUCKET/RUN)"
   [[ $out == gs://?* ]] || die "$opt needs output_dir on gs:// ($why); the command's output_dir is $out"
 fi
+if [ -z "$STAGE" ] && [[ $out == gs://?* ]]; then out=${out#gs://}; STAGE=gs://${out%%/*}/magic-jax-launch; fi
+[ -z "$STAGE" ] || [[ $STAGE == gs://?* ]] || die "--stage must be a gs:// URL, got $STAGE"
 [ "$DRY" = 1 ] || command -v gcloud >/dev/null || die "gcloud not found on PATH (install the Google Cloud CLI)"
+# Never a prompt (enabling an API, a new ssh key's passphrase): gcloud fails with its
+# message instead, which is shown.
+export CLOUDSDK_CORE_DISABLE_PROMPTS=1
 
 QR="$NAME-qr"
 WHERE=(--zone "$ZONE" "${PROJECT[@]}")
@@ -155,10 +186,16 @@ say() { echo "[launch] $*" >&2; }
 note() { echo "launch.sh: $*" >&2; }
 exec 3>&1  # a dry run prints to the real stdout, also from inside $(...)
 run() { if [ "$DRY" = 1 ]; then printf '%q ' "$@" >&3; echo >&3; else "$@"; fi; }
-# A query: in a dry run it is printed and answers nothing.
-ask() { if [ "$DRY" = 1 ]; then run "$@"; return 1; else "$@" 2>/dev/null; fi; }
-ssh_on() { local w=$1; shift; run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker="$w" --command "$*"; }
 tmpfile() { mktemp "${TMPDIR:-/tmp}/launch-XXXXXX"; }
+# A query: in a dry run it is printed and answers nothing. Its error output is kept in
+# $ASKED (asked_why: the line that says what went wrong).
+ASKED=${TMPDIR:-/tmp}/launch-asked-$$
+ask() { if [ "$DRY" = 1 ]; then run "$@"; return 1; else "$@" 2>"$ASKED"; fi; }
+asked_why() { error_line "$ASKED"; }
+ssh_on() {
+  local w=$1; shift
+  run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" "${SSH_VIA[@]}" --worker="$w" --command "$*"
+}
 # Waits S seconds. LAUNCH_CLOCK=FILE (tests) makes the waits between retries (ssh
 # reconnects, creates) advance a clock kept in FILE instead, and `now` read it.
 now() { if [ -n "${LAUNCH_CLOCK:-}" ]; then cat "$LAUNCH_CLOCK" 2>/dev/null || echo 0; else date +%s; fi; }
@@ -197,6 +234,7 @@ teardown() {
 
 if [ "$DELETE_ONLY" = 1 ]; then
   teardown
+  rm -f "$ASKED"
   exit 0
 fi
 
@@ -229,6 +267,7 @@ slice_lost() {
 # trap deletes it then with --delete-on-exit.
 HAVE_SLICE=0
 on_exit() {
+  rm -f "$ASKED"
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
 }
 trap on_exit EXIT
@@ -236,6 +275,8 @@ trap on_exit EXIT
 # code 8; a reservation's code 9; Compute Engine's stockouts).
 NO_CAPACITY='no more capacity|RESOURCE_EXHAUSTED|ZONE_RESOURCE_POOL_EXHAUSTED'
 NO_CAPACITY+='|[Ii]nsufficient (reserved )?capacity|[Ss]tockout|"code": *8,'
+# ... and for a quota (RESOURCE_EXHAUSTED too, code 8: checked first).
+QUOTA='[Qq]uota|QUOTA_EXCEEDED'
 # Creates the node (or requests the queued resource); a create that finds no capacity is
 # tried again with exponential backoff, up to CREATE_TRIES tries; any other error ends it.
 create() {
@@ -245,18 +286,25 @@ create() {
     HAVE_SLICE=1 rc=0
     if [ "$QUEUED" = 1 ]; then
       { run "${QRS[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
-          --runtime-version="$VERSION" "${SPOT[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+          --runtime-version="$VERSION" "${CAPACITY[@]}" "${QR_VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     else
       { run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
-          "${SPOT[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+          "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     fi
     [ "$rc" != 0 ] || break
     line=$(error_line "$err")
+    # a request already there (an earlier launch's, still queued): attach to it
+    if [ "$QUEUED" = 1 ] && grep -q ALREADY_EXISTS "$err"; then
+      say "queued resource $QR exists already: waiting for it"; rm -f "$err"; return 0
+    fi
     # a failed create may leave the node (or the queued resource) behind
     if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
       teardown >/dev/null 2>&1 || true
     fi
     HAVE_SLICE=0
+    if grep -qE "$QUOTA" "$err"; then
+      rm -f "$err"; quit 1 "creating $NAME failed: out of quota, which no retry can fix: $line"
+    fi
     if ! grep -qE "$NO_CAPACITY" "$err"; then rm -f "$err"; quit 1 "creating $NAME failed: $line"; fi
     if [ "$try" -ge "$CREATE_TRIES" ]; then
       rm -f "$err"
@@ -268,31 +316,62 @@ create() {
   done
   rm -f "$err"
 }
+# Waits for the queued resource to be ACTIVE, as long as it takes (or --timeout): one
+# that ends FAILED, SUSPENDED or gone is requested again, up to CREATE_TRIES times.
+await_queued() {
+  local s started said="" polls=0 ended=0
+  started=$(now)
+  while [ "$DRY" = 0 ]; do
+    s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
+    case $s in
+      ACTIVE) return 0 ;;
+      FAILED|SUSPENDED|GONE)
+        ended=$((ended + 1))
+        [ "$ended" -lt "$CREATE_TRIES" ] ||
+          quit 1 "queued resource $QR ended $s $ended times (--create-tries $CREATE_TRIES)"
+        say "queued resource $QR is $s; requesting it again ($ended of $CREATE_TRIES)"
+        [ "$s" = GONE ] || teardown >/dev/null 2>&1 || true
+        create; said=""; continue ;;
+    esac
+    if [ -n "$TIMEOUT" ] && [ $(($(now) - started)) -ge "$TIMEOUT" ]; then
+      die "queued resource $QR not ACTIVE after ${TIMEOUT}s ($s)"
+    fi
+    if [ "$s" != "$said" ] || [ $((polls % 60)) = 0 ]; then
+      say "queued resource $QR: $s (waited $(span $(($(now) - started))))"
+    fi
+    said=$s polls=$((polls + 1))
+    nap "$POLL_S"
+  done
+}
+# The slice READY: reused, attached to (its queued resource), or created, then waited for.
 bring_up() {
   local state s deadline info runtime
-  state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
-  case $state in
-    PREEMPTED|TERMINATED) say "$NAME is $state; deleting it"; teardown; state="" ;;
-  esac
-  if [ -n "$state" ]; then
-    say "reusing $NAME ($state)"
-    HAVE_SLICE=1
-  else
-    create
-  fi
-  deadline=$(( $(date +%s) + TIMEOUT ))
   if [ "$QUEUED" = 1 ]; then
-    until s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') && [ "$s" = ACTIVE ]; do
-      [ "$DRY" = 1 ] && break
-      case ${s:-} in FAILED|SUSPENDED) die "queued resource $QR is $s" ;; esac
-      [ "$(date +%s)" -lt "$deadline" ] || die "queued resource $QR not ACTIVE after ${TIMEOUT}s (${s:-unknown})"
-      say "queued resource $QR: ${s:-unknown}"; sleep "$POLL_S"
-    done
+    s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') || s=""
+    case $s in
+      "") create ;;
+      FAILED|SUSPENDED) say "queued resource $QR is $s; deleting it to request it again"
+        teardown; create ;;
+      *) say "attaching to queued resource $QR ($s)"; HAVE_SLICE=1 ;;
+    esac
+    await_queued
+  else
+    state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
+    case $state in
+      PREEMPTED|TERMINATED) say "$NAME is $state; deleting it"; teardown; state="" ;;
+    esac
+    if [ -n "$state" ]; then
+      say "reusing $NAME ($state)"
+      HAVE_SLICE=1
+    else
+      create
+    fi
   fi
+  deadline=$(($(now) + ${TIMEOUT:-3600}))
   until s=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') && [ "$s" = READY ]; do
     [ "$DRY" = 1 ] && break
-    [ "$(date +%s)" -lt "$deadline" ] || die "$NAME not READY after ${TIMEOUT}s (${s:-unknown})"
-    say "$NAME: ${s:-not yet}"; sleep "$POLL_S"
+    [ "$(now)" -lt "$deadline" ] || die "$NAME not READY after ${TIMEOUT:-3600}s (${s:-$(asked_why)})"
+    say "$NAME: ${s:-not yet}"; nap "$POLL_S"
   done
   info=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
     --format='value(networkEndpoints[].ipAddress,runtimeVersion)') || info=$'10.0.0.1\t'"$VERSION"
@@ -310,20 +389,30 @@ DIR="magic-jax/$COMMIT"
 # Copies this commit to every worker and runs tpu_scripts/worker_setup.sh there (its
 # lines pass through to stderr). On failure SETUP_ERR says which worker and why.
 setup() {
-  local archive out rc=0 knobs="" failed first n more="" ready w missing=()
+  local archive out rc=0 knobs="" failed first n more="" ready w missing=() url fetch=""
   SETUP_ERR="setting up $NAME failed"
   archive=$(tmpfile) && out=$(tmpfile) || return 1
   git -C "$REPO" archive --format=tar.gz -o "$archive" HEAD || { rm -f "$archive" "$out"; return 1; }
   [ -z "${LAUNCH_PYTHON:-}" ] || knobs+="LAUNCH_PYTHON=$(printf %q "$LAUNCH_PYTHON") "
   [ -z "${LAUNCH_INSTALL:-}" ] || knobs+="LAUNCH_INSTALL=$(printf %q "$LAUNCH_INSTALL") "
-  if ! run "${TPU[@]}" scp "$archive" "$NAME:magic-jax-$COMMIT.tar.gz" "${WHERE[@]}" --worker=all; then
+  # The archive goes up once per commit: to the stage (the workers fetch it from there),
+  # else to every worker by scp.
+  if [ -n "$STAGE" ]; then
+    url="$STAGE/archives/$COMMIT.tar.gz"
+    fetch="gcloud storage cp $url magic-jax-$COMMIT.tar.gz >/dev/null &&"
+    if ! ask gcloud storage ls "$url" >/dev/null && ! run gcloud storage cp "$archive" "$url" 2>"$out"; then
+      SETUP_ERR="uploading commit $COMMIT to $url failed: $(error_line "$out")"
+      rm -f "$archive" "$out"; return 1
+    fi
+  elif ! run "${TPU[@]}" scp "$archive" "$NAME:magic-jax-$COMMIT.tar.gz" "${WHERE[@]}" "${SSH_VIA[@]}" \
+      --worker=all; then
     rm -f "$archive" "$out"
     SETUP_ERR="copying commit $COMMIT to $NAME failed"
     return 1
   fi
   rm -f "$archive"
-  { ssh_on all "mkdir -p $DIR && { [ -e $DIR/.installed ] || tar -xzf magic-jax-$COMMIT.tar.gz -C $DIR; } \
-    && cd $DIR && ${knobs}bash tpu_scripts/worker_setup.sh $COMMIT" 2>&1 | tee "$out" >&2; } || rc=$?
+  { ssh_on all "mkdir -p $DIR && { [ -e $DIR/.installed ] || { $fetch tar -xzf magic-jax-$COMMIT.tar.gz \
+    -C $DIR; }; } && cd $DIR && ${knobs}bash tpu_scripts/worker_setup.sh $COMMIT" 2>&1 | tee "$out" >&2; } || rc=$?
   [ "$DRY" = 0 ] || { rm -f "$out"; return 0; }
   failed=$(grep -oE 'worker [^ :]+: set-up failed: .*' "$out" | sort -k2,2n || true)
   ready=$(grep -cE 'worker [^ :]+: ready' "$out" || true)
@@ -348,32 +437,56 @@ setup() {
 RUN_ID="run-$(date -u +%Y%m%d-%H%M%S)"
 LOGS=${LOGS:-$REPO/runs/launch/$NAME-$RUN_ID}
 printf -v CMD '%q ' "$@"
+L="" BEATS=""
 EXPORTS=""  # --env and --compile-cache, quoted for the command's shell
 if [ "${#ENVS[@]}" -gt 0 ]; then
   EXPORTS="export"
   for kv in "${ENVS[@]}"; do EXPORTS+=" ${kv%%=*}=$(printf %q "${kv#*=}")"; done
   EXPORTS+=" && "
 fi
-L="\$HOME/magic-jax/logs/$RUN_ID"  # each worker's log, .sh, .pid and .exit
 # Worker-side waits of the log stream: 5 s (0.2 s when LAUNCH_POLL_S is under 5, in tests).
-TICK=5 FLUSH=2; [ "$POLL_S" -ge 5 ] || TICK=0.2 FLUSH=0.5
-# Every worker runs the command detached (an ssh drop does not kill it) from a script
-# (the command, quoted once), writing its log, its pid and then its exit status under
-# ~/magic-jax/logs; only where this commit is set up.
+TICK=5 FLUSH=2; [ "${POLL_S%.*}" -ge 5 ] || TICK=0.2 FLUSH=0.5
+BEAT_S=${LAUNCH_HEARTBEAT_S:-10}  # each worker's heartbeat (with a stage)
+ms() { date +%s%3N; }
+to_ms() { awk -v s="$1" 'BEGIN { printf "%d", s * 1000 }'; }
+POLL_MS=$(to_ms "$POLL_S") LOST_MS=$(to_ms "${LAUNCH_LOST_S:-20}") PROBE_MS=$(to_ms "${LAUNCH_PROBE_S:-15}")
+# Attempt K's files on every worker: $L.sh (the command), .log, .pid, .boot and .exit;
+# its heartbeats (with a stage) under $BEATS.
+attempt_files() {
+  L="\$HOME/magic-jax/logs/$RUN_ID-$attempt"
+  BEATS=""; [ -z "$STAGE" ] || BEATS="$STAGE/beats/$NAME-$RUN_ID-$attempt"
+}
+# Every worker runs the command detached (an ssh drop does not kill it) under
+# tpu_scripts/worker_run.sh, which records its boot id, its exit status (also when the
+# host's shutdown signals it) and writes its heartbeat; only where this commit is set up
+# and no earlier launch's command still runs (the TPU would be in use).
 start() {
   ssh_on all "mkdir -p magic-jax/logs && cd $DIR && [ -e .installed ] || \
 { echo \"magic-jax $COMMIT is not set up in ~/$DIR\" >&2; exit 1; }
+bash tpu_scripts/worker_run.sh --busy >&2 && exit 5
 cat > $L.sh <<'LAUNCH_SH'
-source .venv/bin/activate && $EXPORTS$CMD
-echo \$? > \"\${0%.sh}.exit\"
+source .venv/bin/activate && ${EXPORTS}exec $CMD
 LAUNCH_SH
-nohup bash $L.sh > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
+nohup bash tpu_scripts/worker_run.sh $L $BEATS $BEAT_S > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
-# Worker W's command: its exit status, "running", or "gone" (no status and no process);
-# nothing when the worker does not answer.
+# Worker W's command: its exit status, "running", "gone" (no status and no process) or
+# "restarted" (gone, its host booted since); nothing when the worker does not answer.
 status_of() {
-  ssh_on "$1" "if [ -e $L.exit ]; then cat $L.exit; elif kill -0 \$(cat $L.pid 2>/dev/null) \
-    2>/dev/null; then echo running; else echo gone; fi" 2>/dev/null | tr -dc 'a-z0-9' || true
+  local id s b
+  read -r id s b < <(ssh_on "$1" "bash $DIR/tpu_scripts/worker_run.sh --status $L" 2>/dev/null) || true
+  [ "${b:-}" != restarted ] || [ "$s" != gone ] || s=restarted
+  echo "${s:-}" | tr -dc 'a-z0-9'
+}
+# Every worker's "N STATUS BOOT" (worker_run.sh --status) in one ssh, given PROBE_MS to
+# answer (gcloud's own ssh retries a host that does not answer for minutes).
+probe() {
+  local f pid end
+  f=$(tmpfile)
+  ssh_on all "bash $DIR/tpu_scripts/worker_run.sh --status $L" > "$f" 2>/dev/null &
+  pid=$! end=$(($(ms) + PROBE_MS))
+  while kill -0 "$pid" 2>/dev/null && [ "$(ms)" -lt "$end" ]; do sleep 0.1; done
+  kill_tree "$pid"; wait "$pid" 2>/dev/null
+  cat "$f"; rm -f "$f"
 }
 # Stops the command on every worker: SIGTERM, then SIGKILL to what is left KILL_S later.
 # Each worker still records its command's exit status.
@@ -383,62 +496,143 @@ bring_down() {
     for i in \$(seq $KILL_S); do pgrep -P \$p >/dev/null || exit 0; sleep 1; done; \
     pkill -KILL -P \$p; exit 0" || true
 }
-# Follows worker 0's log (the ssh in the background, pid $1) and asks the other workers
-# how their command is every POLL_S; one that ended with a failure while worker 0's runs
-# brings the job down: FAILED says which worker, FAILED_STATUS its status. 130 and 143
-# are stops that every process of a run agrees on: worker 0 stops as well.
-watch_workers() {
-  local spid=$1 w i s next=$((SECONDS + POLL_S)) tick=1
-  [ "$POLL_S" -ge 1 ] || tick=0.2
-  [ "$DRY" = 0 ] && [ "$WORKERS" -gt 1 ] || return 0
-  while kill -0 "$spid" 2>/dev/null; do
+# One status cycle: one query of the node (its state and health) and one of every
+# worker's heartbeat (or, with no stage, one ssh to all workers), whatever the number of
+# hosts. Sets VERDICT: "" (all well, or waiting for a node under repair), lost (LOST
+# says why), failed (FAILED: a worker other than 0 ended with a failure, FAILED_STATUS)
+# or restarted (RESTARTED: the workers whose host was restarted under the command).
+# A worker is silent when its heartbeat (or answer) has not changed for LOST_MS; then
+# the workers are asked once: a host restarted is maintenance, a host that does not
+# answer on a READY node is lost, a command gone from a live host is a failure.
+cycle() {
+  local node state health out w seq st boot t silent=() answers id ok
+  VERDICT=""
+  node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
+  read -r state health <<< "$node"
+  case $state in
+    PREEMPTED|TERMINATED|GONE) slice_lost || LOST="$NAME is $state"; VERDICT=lost; return ;;
+  esac
+  if [ "$state" != READY ] || [[ ${health:-} == UNHEALTHY* ]]; then
+    [ "$SAID" = "$node" ] || say "$NAME is $state${health:+ ($health)}: waiting for it"
+    SAID=$node
+  fi
+  t=$(ms)
+  if [ -n "$BEATS" ]; then out=$(gcloud storage cat "$BEATS/worker-*" 2>/dev/null) || out=""
+  else out=$(probe); fi
+  while read -r w seq st boot; do
+    [[ ${w:-} =~ ^[0-9]+$ ]] && [ "$w" -lt "$WORKERS" ] || continue
+    # a heartbeat is "N SEQ STATUS BOOT"; an answer "N STATUS BOOT", itself a sign of life
+    [ -n "$BEATS" ] || { boot=$st st=$seq seq=$t; }
+    if [ "${SEQ_OF[$w]:-}" != "$seq" ]; then SEQ_OF[w]=$seq; SEEN_AT[w]=$t; fi
+    st=${st#exit-}
+    [ "$st" != gone ] || [ "${boot:-}" != restarted ] || st=restarted
+    case $st in
+      running|0|130|143) ;;
+      restarted) RESTARTED+=" $w" ;;
+      *) [ "$w" = 0 ] || { FAILED=$w FAILED_STATUS=$st; } ;;
+    esac
+  done <<< "$out"
+  [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
+  [ -z "$FAILED" ] || { VERDICT=failed; return; }
+  for ((w = 0; w < WORKERS; w++)); do
+    [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || silent+=("$w")
+  done
+  [ "${#silent[@]}" -gt 0 ] && [ "$state" = READY ] || return 0
+  # ask every worker once: what became of the silent ones?
+  answers=$(probe)
+  for w in "${silent[@]}"; do
+    ok=0
+    while read -r id st boot; do
+      [ "${id:-}" = "$w" ] || continue
+      ok=1
+      case $st/$boot in
+        gone/restarted) RESTARTED+=" $w" ;;
+        gone/*) [ "$w" = 0 ] || { FAILED=$w FAILED_STATUS=gone; } ;;
+        *) SEEN_AT[w]=$t  # alive: its heartbeat does not reach the bucket
+           say "worker $w answers, but its heartbeat is $(($((t - ${SEEN_AT[$w]})) / 1000))s old" ;;
+      esac
+    done <<< "$answers"
+    if [ "$ok" = 0 ]; then
+      LOST="worker $w stopped answering (no heartbeat for $(((t - ${SEEN_AT[$w]}) / 1000))s, no"
+      LOST+=" answer in $((PROBE_MS / 1000))s; $NAME is $state)"
+      VERDICT=lost; return
+    fi
+  done
+  [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
+  [ -z "$FAILED" ] || VERDICT=failed
+}
+# Runs a status cycle every POLL_S while the stream $1 runs (or, with no stream, until
+# the time $2, in ms), until a cycle gives a verdict: a lost slice ends the stream, a
+# failure stops the job first.
+watch() {
+  local spid=$1 until=${2:-} next tick=1 i
+  VERDICT=""
+  [ "$DRY" = 0 ] || return 0
+  [ "$POLL_MS" -ge 1000 ] || tick=0.2
+  next=$(($(ms) + POLL_MS))
+  while :; do
+    if [ -n "$spid" ]; then kill -0 "$spid" 2>/dev/null || return 0; fi
+    if [ -n "$until" ] && [ "$(ms)" -ge "$until" ]; then return 0; fi
     sleep "$tick"
-    [ "$SECONDS" -ge "$next" ] && kill -0 "$spid" 2>/dev/null || continue
-    next=$((SECONDS + POLL_S))
-    for ((w = 1; w < WORKERS; w++)); do
-      s=$(status_of "$w")
-      case $s in ""|running|0|130|143) continue ;; esac
-      FAILED=$w FAILED_STATUS=$s
-      [ "$s" != gone ] || FAILED_STATUS=1
-      if [ "$s" = gone ]; then s="no exit status (its command is gone)"; fi
-      note "worker $w ended with $s while worker 0's command still ran: the job failed"
-      bring_down >/dev/null
-      for ((i = 0; i < KILL_S + 30; i++)); do kill -0 "$spid" 2>/dev/null || return 0; sleep 1; done
-      kill_tree "$spid"
-      return 0
-    done
+    [ "$(ms)" -ge "$next" ] || continue
+    if [ -n "$spid" ]; then kill -0 "$spid" 2>/dev/null || return 0; fi
+    cycle
+    next=$(($(ms) + POLL_MS))
+    case $VERDICT in
+      lost|restarted) [ -z "$spid" ] || kill_tree "$spid"; return 0 ;;
+      failed)
+        local s=$FAILED_STATUS
+        if [ "$s" = gone ]; then s="no exit status (its command is gone)" FAILED_STATUS=1; fi
+        note "worker $FAILED ended with $s while worker 0's command still ran: the job failed"
+        bring_down >/dev/null
+        [ -n "$spid" ] || return 0
+        for ((i = 0; i < KILL_S + 30; i++)); do kill -0 "$spid" 2>/dev/null || return 0; sleep 1; done
+        kill_tree "$spid"; return 0 ;;
+    esac
   done
 }
-# Streams worker 0's log until its command ends. 0: it ended; 1: the slice is lost (LOST
-# says why); 2: another worker's command failed first (FAILED; the job is stopped).
-# An ssh that fails on a slice that is not lost is retried, after SSH_WAIT_S, twice as long
-# each time up to SSH_MAX_S, with no limit: the command goes on without us. Quits only
-# when worker 0's command vanished without an exit status.
+# Waits S seconds between reconnects: status cycles meanwhile (a fake clock in tests).
+pause() {
+  if [ -n "${LAUNCH_CLOCK:-}" ]; then nap "$1"; else watch "" $(($(ms) + $1 * 1000)); fi
+}
+# Streams worker 0's log until its command ends, with status cycles meanwhile. 0: it
+# ended; 1: the slice is lost (LOST says why); 2: another worker's command failed first
+# (FAILED; the job is stopped); 4: maintenance restarted hosts under the command
+# (RESTARTED). An ssh that fails on a slice that is not lost is retried, after
+# SSH_WAIT_S, twice as long each time up to SSH_MAX_S, with no limit: the command goes on
+# without us. Quits when worker 0's command vanished from a host that was not restarted.
 await() {
-  local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream
-  FAILED="" FAILED_STATUS=""
+  local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream w
+  FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=()
+  for ((w = 0; w < WORKERS; w++)); do SEEN_AT[w]=$(ms); done
   while :; do
     rc=0 t0=$(now)
-    stream=("${TPU[@]}" ssh "$NAME" "${WHERE[@]}" --worker=0 --ssh-flag=-oServerAliveInterval=30
-      --ssh-flag=-oServerAliveCountMax=6 --command "tail -n $from -f $L.log & t=\$!; \
+    stream=("${TPU[@]}" ssh "$NAME" "${WHERE[@]}" "${SSH_VIA[@]}" --worker=0
+      --ssh-flag=-oServerAliveInterval=30 --ssh-flag=-oServerAliveCountMax=6
+      --command "tail -n $from -f $L.log & t=\$!; \
       while [ ! -e $L.exit ] && kill -0 \$(cat $L.pid) 2>/dev/null; do sleep $TICK; done; \
       sleep $FLUSH; kill \$t; [ -e $L.exit ] || exit 3")
     # not through run: $! is gcloud's own pid, so that kill_tree reaches its ssh
     if [ "$DRY" = 1 ]; then run "${stream[@]}" & else "${stream[@]}" & fi
     STREAM_PID=$!
-    watch_workers "$STREAM_PID"
+    watch "$STREAM_PID"
     wait "$STREAM_PID" || rc=$?
     STREAM_PID=""
-    [ -z "$FAILED" ] || return 2
+    case $VERDICT in lost) return 1 ;; failed) return 2 ;; restarted) return 4 ;; esac
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
-    [ "$rc" != 3 ] || quit 1 "worker 0's command ended without an exit status ($NAME is $STATE)"
+    if [ "$rc" = 3 ]; then  # gone without an exit status: was its host restarted?
+      [ "$(status_of 0)" != restarted ] || { RESTARTED=" 0"; return 4; }
+      quit 1 "worker 0's command ended without an exit status, its host not restarted" \
+        "($NAME is $STATE): killed?"
+    fi
     # a stream that was up for a while dropped: a new outage, not the same one
     if [ $(($(now) - t0)) -ge "$SSH_MAX_S" ]; then fails=0 wait=$SSH_WAIT_S down=""; fi
     fails=$((fails + 1)); [ -n "$down" ] || down=$(now)
     say "ssh to worker 0 failed ($rc; $NAME is ${STATE:-UNKNOWN}); reconnecting in $(span "$wait")" \
       "(failure $fails; unreachable for $(span $(($(now) - down))); the command goes on)"
-    nap "$wait"
+    pause "$wait"
+    case $VERDICT in lost) return 1 ;; failed) return 2 ;; restarted) return 4 ;; esac
     wait=$(twice "$wait" "$SSH_MAX_S") from=0
   done
 }
@@ -539,23 +733,41 @@ trap 'on_signal 143' TERM
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
-  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED=""
+  attempt_files
+  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED=""
   if [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
   if [ -z "$LOST" ]; then
     RUNNING=1
-    if ! start && ! slice_lost; then
+    started=$(tmpfile)
+    if ! { start 2>&1 | tee "$started" >&2; } && ! slice_lost; then
+      RUNNING=0
+      if grep -q "the TPU is in use" "$started"; then
+        quit 1 "an earlier launch's command still runs on $NAME, so the TPU is in use: wait for it," \
+          "or stop it (--delete stops it with the slice)"
+      fi
       bring_down >/dev/null 2>&1 || true  # where it did start
       quit 1 "starting the command on $NAME failed"
     fi
+    rm -f "$started"
   fi
   if [ -z "$LOST" ]; then
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows"
     rc=0; await || rc=$?
-    if [ "$rc" = 1 ]; then salvage_logs; else collect || salvage_logs; fi
+    if [ "$rc" = 1 ]; then salvage_logs
+    elif [ "$rc" = 4 ]; then bring_down >/dev/null 2>&1; salvage_logs
+    else collect || salvage_logs; fi
   fi
   RUNNING=0
+  if [ -n "$RESTARTED" ]; then  # maintenance: the same slice, once READY again
+    why="maintenance restarted the host of worker(s)$RESTARTED under the command (its boot id changed)"
+    [ "$attempt" -lt "$ATTEMPTS" ] ||
+      quit 143 "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY), exiting with 143"
+    note "$why; rerunning it on $NAME once READY (attempt $attempt of $ATTEMPTS)"
+    attempt=$((attempt + 1))
+    continue
+  fi
   if [ -n "$FAILED" ]; then  # a failure, not a preemption: no retry
     quit "$FAILED_STATUS" "worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still" \
       "ran; the command was stopped on every worker (logs: $LOGS)"
