@@ -156,7 +156,7 @@ case $args in
     [ "$found" = 1 ] && exit 0
     echo "ERROR: (gcloud.storage.cat) One or more URLs matched no objects." >&2; exit 1 ;;
   *"simulate-maintenance-event"*)  # every process gone, new boot ids, REPAIRING for a while
-    for a in "$@"; do case $a in --workers=*) worker=${a#--workers=} ;; esac; done
+    for a in "${argv[@]}"; do case $a in --workers=*) worker=${a#--workers=} ;; esac; done
     for w in $(workers); do kill_worker "$w"; echo "boot-$w-$RANDOM" > "worker-$w/boot_id"; done
     echo REPAIRING > created; echo "${STUB_REPAIR_POLLS:-3}" > repair; exit 0 ;;
 esac
@@ -195,15 +195,32 @@ case $args in
   *"tpu-vm describe"*"networkEndpoints"*)
     printf '%s\tv2-alpha-tpuv5\n' "$(seq -f '10.0.0.%g' -s ';' 1 "$n")" ;;
   *" create "*)
+    if [ -e qr ] && [[ $args == *queued-resources* ]]; then  # a request by that name exists
+      echo "ERROR: (gcloud.compute.tpus.queued-resources.create) ALREADY_EXISTS: Resource" \
+        "'projects/p/locations/us-east5-a/queuedResources/${argv[4]}' already exists" >&2
+      exit 1
+    fi
     echo >> creates; k=$(wc -l < creates)
+    [ -z "${STUB_QUOTA:-}" ] || quota
     case " ${STUB_NO_CAPACITY:-} " in *" $k "*|*" all "*) no_capacity ;; esac
     if [ -n "${STUB_CREATE_ERROR:-}" ]; then
       echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) $STUB_CREATE_ERROR" >&2; exit 1
     fi
+    case $args in
+      *queued-resources*) # waits $STUB_QR_WAIT polls for capacity, or gets it at once
+        if [ -n "${STUB_QR_WAIT:-}" ]; then echo WAITING_FOR_RESOURCES > qr; exit 0; fi
+        echo ACTIVE > qr ;;
+    esac
     touch created
-    case $args in *queued-resources*) echo ACTIVE > qr ;; esac
     [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
-  *"queued-resources describe"*"state.state"*) [ -e qr ] && cat qr || missing ;;
+  *"queued-resources describe"*"state.state"*)
+    [ -e qr ] || missing
+    if [ "$(cat qr)" = WAITING_FOR_RESOURCES ]; then
+      echo >> qr-polls; k=$(wc -l < qr-polls)
+      if [ "$k" = "${STUB_QR_HANG_AT:-}" ]; then touch qr-hang; exec sleep 60; fi
+      if [ "$k" -ge "$STUB_QR_WAIT" ]; then echo ACTIVE > qr; touch created; fi
+    fi
+    cat qr ;;
   *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
   *" delete "*) stop_vms; rm -f created qr ;;
   *"tpu-vm ssh"*)
@@ -229,7 +246,7 @@ case $args in
       *"tail -n "*" -f"*)
         echo >> streams
         if [ -n "${STUB_HOLD:-}" ]; then
-          for _ in $(seq 200); do
+          for _ in $(seq 600); do
             [ -e down ] || [ "$(cat polls 2>/dev/null | wc -l)" -ge "$STUB_HOLD" ] && break
             sleep 0.1
           done
@@ -259,8 +276,12 @@ def repo(tmp_path_factory):
     reaches the workers, a few kB instead of the whole checkout."""
     repo = tmp_path_factory.mktemp("repo")
     (repo / "tpu_scripts").mkdir()
-    for name in ("tpu_scripts/launch.sh", "tpu_scripts/worker_setup.sh",
-                 "tpu_scripts/worker_run.sh", "constraints.txt"):
+    for name in (
+        "tpu_scripts/launch.sh",
+        "tpu_scripts/worker_setup.sh",
+        "tpu_scripts/worker_run.sh",
+        "constraints.txt",
+    ):
         shutil.copy(ROOT / name, repo / name)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "launch scripts"]):
@@ -682,6 +703,141 @@ def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path):
     assert _verbs(_calls(state)).count("create") == 1
 
 
+def test_a_quota_error_stops_at_once_with_gclouds_message(stub, tmp_path):
+    """Quota is RESOURCE_EXHAUSTED too (HTTP 429, shown by gcloud as a network error), but
+    no retry can fix it: one line with gcloud's message, no backoff, nothing left."""
+    env, state, script = stub
+    out = _launch(script, dict(env, STUB_QUOTA="1"), "--spot", "--delete-on-exit", "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 1
+    assert _launch_lines(out.stderr) == [
+        "launch.sh: creating magic-jax failed: out of quota, which no retry can fix: Quota limit "
+        "'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded. Limit: 0 in zone "
+        "us-east5-a."
+    ]
+    assert _verbs(_calls(state)) == ["describe", "create", "describe"]
+    assert not (state / "clock").exists()  # no wait
+
+
+def test_a_queued_request_outlives_the_supervisor_and_is_attached_to(stub, tmp_path):
+    """A queued resource waits 40 polls for capacity. The supervisor is killed (SIGKILL:
+    no trap runs) at poll 20 and launched again: it attaches to the waiting request
+    instead of deleting it (its place in the queue is kept), waits out the other 20 polls
+    with no time limit, and the run starts and finishes."""
+    env, state, script = stub
+    env = dict(env, STUB_QR_WAIT="40")
+    args = ["bash", str(script), "--queued", "--spot", "--retry", "1", "--logs",
+            str(tmp_path / "l"), "--", "magic-jax", "train", *GS]  # fmt: skip
+    first = subprocess.Popen(args, env=dict(env, STUB_QR_HANG_AT="20"), start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (state / "qr-hang").exists():
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.communicate()
+    assert (state / "qr").read_text() == "WAITING_FOR_RESOURCES\n"
+
+    out = _launch(script, env, *args[2:])
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs.count("qr-create") == 1 and "qr-delete" not in verbs and "delete" not in verbs
+    assert (
+        "[launch] attaching to queued resource magic-jax-qr (WAITING_FOR_RESOURCES)" in out.stderr
+    )
+    assert len((state / "qr-polls").read_text().splitlines()) == 40
+    assert "worker 0's log follows" in out.stderr and not _launch_lines(out.stderr)
+
+
+def test_a_failed_queued_request_is_requested_again(stub, tmp_path):
+    env, state, script = stub
+    (state / "qr").write_text("FAILED\n")  # an earlier launch's request, failed since
+    out = _launch(script, env, "--queued", "--logs", str(tmp_path / "l"), "--", "true")
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state))[:3] == ["qr-describe", "qr-delete", "qr-create"]
+    assert "queued resource magic-jax-qr is FAILED; deleting it to request it again" in out.stderr
+
+
+@pytest.mark.parametrize("hosts", [2, 64])
+def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stub, tmp_path, hosts):
+    """The last worker's VM stops answering mid-run: its heartbeat stops, and gcloud's
+    ssh to it hangs (its own 10 tries, 5 s apart, each waiting for the TCP connect to time
+    out). Time is scaled by 1/10 (status cycle 1 s, silence 2 s, probe 1.5 s): it must be
+    declared lost within 6 s (60 s unscaled), and each status cycle makes the same two
+    gcloud calls (the node's state, every heartbeat), 2 hosts or 64."""
+    env, state, script = stub
+    silent = hosts - 1
+    env = dict(env, STUB_WORKERS=str(hosts), STUB_HOLD="100000", STUB_SILENT=str(silent),
+               STUB_SILENT_AT="2", LAUNCH_POLL_S="1", LAUNCH_LOST_S="2",
+               LAUNCH_PROBE_S="1.5")  # fmt: skip
+    out = _launch(script, env, "--spot", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 143, out.stderr
+    assert _launch_lines(out.stderr)[-1].startswith(
+        f"launch.sh: a host lost (worker {silent} stopped answering (no heartbeat for "
+    )
+    calls = _calls(state)
+    times = [int(t) for t in (state / "times").read_text().split()]
+    verbs = _verbs(calls, polls=True)
+    reacted = times[verbs.index("collect")]  # the logs salvaged: the verdict is in
+    went_silent = int((state / "silent-at").read_text())
+    assert reacted - went_silent <= 6000, (reacted - went_silent, out.stderr)
+    cycles = verbs[verbs.index("stream") + 1 : verbs.index("collect")]
+    assert cycles.count("poll") == cycles.count("beat") >= 2
+    assert cycles.count("probe") == 1 and len(cycles) == 2 * cycles.count("poll") + 1
+    print(f"{hosts} hosts: lost after {reacted - went_silent} ms; {len(cycles)} calls in "
+          f"{cycles.count('poll')} cycles")  # fmt: skip
+
+
+def test_credentials_networks_and_capacity_reach_gcloud(stub, tmp_path):
+    env, state, script = stub
+    out = _launch(script, env, "--reserved", "--service-account", "run@p.iam.gserviceaccount.com",
+                  "--network", "vpc", "--subnetwork", "tpus", "--internal-ip", "--logs",
+                  str(tmp_path / "l"), "--", "true")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    calls = _calls(state)
+    create = next(c for c in calls if "create" in c)
+    for flag in ("--reserved", "--service-account=run@p.iam.gserviceaccount.com",
+                 "--network=vpc", "--subnetwork=tpus", "--internal-ips"):  # fmt: skip
+        assert flag in create
+    assert all("--internal-ip" in c for c in calls if "ssh" in c or "scp" in c)
+
+    (state / "calls").unlink()
+    out = _launch(
+        script,
+        env,
+        "--queued",
+        "--name",
+        "n",
+        "--reservation",
+        "r1",
+        "--valid-until-duration",
+        "6h",
+        "--logs",
+        str(tmp_path / "l"),
+        "--",
+        "true",
+    )
+    assert out.returncode == 0, out.stderr
+    create = next(c for c in _calls(state) if "create" in c)
+    assert create[1:6] == ["alpha", "compute", "tpus", "queued-resources", "create"]  # alpha only
+    assert "--reservation=r1" in create and "--valid-until-duration=6h" in create
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--best-effort"], "--best-effort needs --queued"),
+        (["--queued", "--spot", "--reserved"], "--spot, --reserved and --best-effort exclude each"),
+        (["--stage", "/tmp/x"], "--stage must be a gs:// URL, got /tmp/x"),
+    ],
+)
+def test_capacity_options_are_checked(stub, args, message):
+    env, state, script = stub
+    out = _launch(script, env, *args, "--", "true")
+    assert out.returncode == 2 and message in out.stderr and not _calls(state)
+
+
 def test_queued_spot_resource_and_delete(stub, tmp_path):
     env, state, script = stub
     out = _launch(script, env, "--queued", "--spot", "--name", "n", "--logs", str(tmp_path / "l"),
@@ -1070,7 +1226,8 @@ def test_ctrl_c_with_delete_on_exit_stops_collects_and_deletes(faithful, tmp_pat
 
 def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_path):
     """Without --delete-on-exit, Ctrl-C leaves the slice and the detached command running
-    (exit 130); --delete stops both."""
+    (exit 130); another launch on the slice is refused (the TPU is in use), in one line;
+    --delete stops both."""
     env, state, script = faithful
     code, stderr = _interrupt_a_running_command(script, env, state, "--logs", str(tmp_path))
     assert code == 130, stderr
@@ -1081,5 +1238,74 @@ def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_
     ]
     assert (state / "created").exists() and not list(state.glob("worker-*/magic-jax/logs/*.exit"))
     assert len(_leftovers(state, tries=1)) >= 2  # each worker's command
+    again = _launch(script, env, "--no-setup", "--", "true")  # the TPU is still in use
+    assert again.returncode == 1
+    assert _launch_lines(again.stderr) == [
+        "launch.sh: an earlier launch's command still runs on magic-jax, so the TPU is in use: "
+        "wait for it, or stop it (--delete stops it with the slice)"
+    ]
     assert _launch(script, env, "--delete").returncode == 0
     assert not (state / "created").exists() and not _leftovers(tmp_path)
+
+
+# Runs until stopped the first time on each worker (its disk keeps a mark), finishes the
+# second: a run that resumes.
+RESUMES = """
+import os, time
+who = os.path.basename(os.environ["HOME"])
+mark = os.path.join(os.environ["HOME"], "started")
+if not os.path.exists(mark):
+    open(mark, "w").close()
+    print(who, "running", flush=True)
+    while True:
+        time.sleep(0.1)
+print(who, "resumed and finished", flush=True)
+"""
+
+
+def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path):
+    """gcloud's simulate-maintenance-event on worker 0 mid-run: its host restarts (every
+    process killed, no SIGTERM, no exit status; a new boot id) and the node goes READY ->
+    REPAIRING -> READY. With --retry the supervisor tells this from a killed command by
+    the boot id, stops the other workers' command, and reruns it on the same slice (no
+    new slice: the disks are kept), where it resumes and finishes."""
+    env, state, script = faithful
+    env = dict(env, STUB_REPAIR_POLLS="4")
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(["bash", str(script), "--retry", "1", "--logs", str(logs), "--",
+                             "python", "-c", RESUMES, *GS], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        worker_logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
+        if len(worker_logs) == 2 and all("running" in p.read_text() for p in worker_logs):
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    boot = (state / "worker-0" / "boot_id").read_text()
+    event = subprocess.run(["gcloud", "alpha", "compute", "tpus", "tpu-vm",
+                            "simulate-maintenance-event", "magic-jax", "--zone=us-east5-a",
+                            "--workers=0"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert event.returncode == 0 and (state / "worker-0" / "boot_id").read_text() != boot
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "magic-jax is REPAIRING" in err  # seen by a status cycle or after an ssh failure
+    assert _launch_lines(err) == [
+        "launch.sh: maintenance restarted the host of worker(s) 0 under the command (its boot id "
+        "changed); rerunning it on magic-jax once READY (attempt 1 of 2)",
+        "launch.sh: resumed run finished",
+    ]
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and "delete" not in verbs  # the same slice
+    for w in range(2):
+        assert (
+            f"worker-{w} resumed and finished" in (logs / f"worker-{w}.attempt-2.log").read_text()
+        )
+    # worker 1's command was stopped (SIGTERM: it recorded 143); worker 0's left nothing
+    (stopped,) = (state / "worker-1/magic-jax/logs").glob("*-1.exit")
+    assert stopped.read_text() == "143\n"
+    assert not list((state / "worker-0/magic-jax/logs").glob("*-1.exit"))
+    beats = list((state / "gcs/b/magic-jax-launch/beats").glob("*-2/worker-*"))
+    assert sorted(b.read_text().split()[:3] for b in beats) == [["0", "end", "exit-0"],
+                                                                 ["1", "end", "exit-0"]]  # fmt: skip
+    assert not _leftovers(tmp_path)

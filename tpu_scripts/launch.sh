@@ -182,6 +182,9 @@ QR="$NAME-qr"
 WHERE=(--zone "$ZONE" "${PROJECT[@]}")
 TPU=(gcloud compute tpus tpu-vm)
 QRS=(gcloud compute tpus queued-resources)
+QRS_CREATE=("${QRS[@]}")  # --reservation and --best-effort are gcloud alpha's only
+case " ${CAPACITY[*]} " in *" --best-effort "*|*" --reservation="*)
+  QRS_CREATE=(gcloud alpha compute tpus queued-resources) ;; esac
 say() { echo "[launch] $*" >&2; }
 note() { echo "launch.sh: $*" >&2; }
 exec 3>&1  # a dry run prints to the real stdout, also from inside $(...)
@@ -285,7 +288,7 @@ create() {
   while :; do
     HAVE_SLICE=1 rc=0
     if [ "$QUEUED" = 1 ]; then
-      { run "${QRS[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
+      { run "${QRS_CREATE[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
           --runtime-version="$VERSION" "${CAPACITY[@]}" "${QR_VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     else
       { run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
@@ -553,6 +556,7 @@ cycle() {
       esac
     done <<< "$answers"
     if [ "$ok" = 0 ]; then
+      KIND="a host lost"
       LOST="worker $w stopped answering (no heartbeat for $(((t - ${SEEN_AT[$w]}) / 1000))s, no"
       LOST+=" answer in $((PROBE_MS / 1000))s; $NAME is $state)"
       VERDICT=lost; return
@@ -734,7 +738,7 @@ ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
   attempt_files
-  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED=""
+  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted
   if [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
@@ -779,9 +783,9 @@ while :; do
   [ -n "$LOST" ] || break
   STATUS=143
   if [ "$attempt" -ge "$ATTEMPTS" ]; then
-    quit 143 "preempted ($LOST; attempt $attempt of $ATTEMPTS); no retries left (--retry $RETRY), exiting with 143"
+    quit 143 "$KIND ($LOST; attempt $attempt of $ATTEMPTS); no retries left (--retry $RETRY), exiting with 143"
   fi
-  note "preempted ($LOST; attempt $attempt of $ATTEMPTS); recreating the slice"
+  note "$KIND ($LOST; attempt $attempt of $ATTEMPTS); recreating the slice"
   teardown || say "deleting $NAME failed; creating it anyway"
   HAVE_SLICE=0
   attempt=$((attempt + 1))
