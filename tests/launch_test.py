@@ -71,10 +71,15 @@ no_capacity() {  # gcloud's words, the message on one line
   exit 1
 }
 quota() {  # gcloud's words: the TPU API's HTTP 429, shown as a network error
-  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json&nodeId=magic-jax>: response: <{'status': 429}>, content <{" >&2
-  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' \
-    "Quota limit 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded. Limit: 0 in zone us-east5-a." >&2
-  echo "This may be due to network connectivity issues. Please check your network settings, and the status of the service you are trying to reach." >&2
+  local url='https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json'
+  local why="Quota limit 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded."
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <$url&nodeId=magic-jax>:" \
+    "response: <{'status': 429}>, content <{" >&2
+  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n' \
+    "$why Limit: 0 in zone us-east5-a." >&2
+  printf '    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' >&2
+  echo "This may be due to network connectivity issues. Please check your network settings," \
+    "and the status of the service you are trying to reach." >&2
   exit 1
 }
 workers() {
@@ -106,7 +111,9 @@ worker_status() {
 }
 # gs://B/P is the file gcs/B/P; another path is the caller's
 gs() {
-  case $1 in gs://*) echo "$STUB_DIR/gcs/${1#gs://}" ;; /*|-) echo "$1" ;; *) echo "$here/$1" ;; esac
+  case $1 in
+    gs://*) echo "$STUB_DIR/gcs/${1#gs://}" ;; /*|-) echo "$1" ;; *) echo "$here/$1" ;;
+  esac
 }
 new_disks() {
   local w
@@ -135,7 +142,11 @@ case $args in
   "storage cp "*)
     src=$(gs "${argv[2]}") dst=$(gs "${argv[3]}"); mkdir -p "${dst%/*}"
     if [ "$src" = - ]; then cat > "$dst.part" && mv "$dst.part" "$dst"; exit; fi
-    [ -e "$src" ] || { echo "ERROR: (gcloud.storage.cp) The following URLs matched no objects or files: ${argv[2]}" >&2; exit 1; }
+    if [ ! -e "$src" ]; then
+      echo "ERROR: (gcloud.storage.cp) The following URLs matched no objects or files:" \
+        "${argv[2]}" >&2
+      exit 1
+    fi
     cp "$src" "$dst"; exit ;;
   "storage cat "*)
     if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
@@ -272,8 +283,8 @@ exit 0
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """A small git repository holding this checkout's launch.sh, worker_setup.sh,
-    worker_run.sh and constraints.txt: the scripts under test, whose commit (git archive HEAD) is what
-    reaches the workers, a few kB instead of the whole checkout."""
+    worker_run.sh and constraints.txt: the scripts under test, whose commit (git archive
+    HEAD) is what reaches the workers, a few kB instead of the whole checkout."""
     repo = tmp_path_factory.mktemp("repo")
     (repo / "tpu_scripts").mkdir()
     for name in (
@@ -1287,7 +1298,7 @@ def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path
                             "simulate-maintenance-event", "magic-jax", "--zone=us-east5-a",
                             "--workers=0"], env=env, capture_output=True, text=True)  # fmt: skip
     assert event.returncode == 0 and (state / "worker-0" / "boot_id").read_text() != boot
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "magic-jax is REPAIRING" in err  # seen by a status cycle or after an ssh failure
     assert _launch_lines(err) == [
@@ -1306,6 +1317,6 @@ def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path
     assert stopped.read_text() == "143\n"
     assert not list((state / "worker-0/magic-jax/logs").glob("*-1.exit"))
     beats = list((state / "gcs/b/magic-jax-launch/beats").glob("*-2/worker-*"))
-    assert sorted(b.read_text().split()[:3] for b in beats) == [["0", "end", "exit-0"],
-                                                                 ["1", "end", "exit-0"]]  # fmt: skip
+    ends = sorted(b.read_text().split()[:3] for b in beats)
+    assert ends == [["0", "end", "exit-0"], ["1", "end", "exit-0"]]
     assert not _leftovers(tmp_path)
