@@ -278,3 +278,20 @@ def test_eval_of_a_run_directory_matches_the_trainers_evaluation(files, tmp_path
     assert [e.step for e in events.Scalars("train/reward")] == [0]
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 1]
     shutil.rmtree(tmp_path / "run")
+
+
+def test_eval_on_a_multi_host_job_without_a_mesh_is_refused_in_one_line(files, tmp_path, capsys,
+                                                                         monkeypatch):  # fmt: skip
+    # process 1 of 2 (as launch.sh starts it on a 2-host slice) with no --mesh: every host
+    # would evaluate everything on one chip and write the same --out
+    monkeypatch.setenv("MAGIC_JAX_COORDINATOR", "10.0.0.2:8476")
+    monkeypatch.setenv("MAGIC_JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("MAGIC_JAX_PROCESS_ID", "1")
+    code = main(["eval", str(files / "model"), str(files / "sums.jsonl"), "--out",
+                 str(tmp_path / "out")])  # fmt: skip
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err.strip() == (
+        "magic-jax eval: error: this is one process of a multi-host job (MAGIC_JAX_COORDINATOR): "
+        "pass --mesh over all its devices (e.g. --mesh fsdp=-1) so that the hosts score "
+        "together and process 0 alone writes --out"
+    )

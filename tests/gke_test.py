@@ -69,7 +69,7 @@ def test_restart_policy_command_and_environment(capsys):
     f = flags(xpk)
     assert f["cluster"] == "tpu-cluster" and f["workload"] == "or1-7b"
     assert f["docker-image"] == ARGS[-1] and shlex.split(f["command"]) == RUN
-    assert f["max-restarts"] == "25" and f["restart-on-exit-codes"] == "124"
+    assert f["max-restarts"] == "25" and f["restart-on-exit-codes"] == "69,86,124"
     assert f["termination-grace-period-seconds"] == "300"
     envs = [a.split("=", 1)[1] for a in xpk if a.startswith("--env=")]
     cache = "MAGIC_JAX_COMPILATION_CACHE=gs://b/magic-jax/compile-cache"
@@ -88,10 +88,13 @@ def test_restart_policy_command_and_environment(capsys):
     (rule,) = job["podFailurePolicy"]["rules"]
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn"
     restart = set(rule["onExitCodes"]["values"])
-    # restarted: a stop on SIGTERM (preemption), a kill, a hang; xpk's 42 and 127-255
-    assert {143, 137, 124, 42} <= restart and set(range(127, 256)) <= restart
-    # not restarted: a bad config, a Python error, a peer's failure, a lost run lock
-    assert not {0, 1, 2, 3, 75} & restart
+    # restarted: a stop on SIGTERM (preemption), a kill, a hang, a device fault, Cloud
+    # Storage down after its retries; xpk's 42 and 127-255
+    assert {143, 137, 124, 86, 69, 42} <= restart and set(range(127, 256)) <= restart
+    # not restarted: a bad config, a Python error (out of memory too), a peer's failure, a
+    # lost run lock, a full disk
+    assert not {0, 1, 2, 3, 74, 75} & restart
+    assert "serviceAccountName" not in job["template"]["spec"]
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == 300
     (container,) = pod["containers"]
@@ -139,6 +142,14 @@ def test_bad_input_is_one_line_and_prints_nothing(capsys, options, command, expe
     assert err.startswith("gke.sh: ") and expected in err, err
 
 
+def test_a_service_account_reaches_the_pods_through_kubectl(capsys):
+    _, doc = dry_run(capsys, "--via", "kubectl", "--service-account", "magic-jax-ksa")
+    pod = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "magic-jax-ksa"
+    assert gke.main([*ARGS, "--service-account", "ksa", "--dry-run", "--", *RUN]) == 2
+    assert "submit it with --via kubectl" in capsys.readouterr().err
+
+
 def test_an_image_is_required(capsys):
     assert gke.main(["--cluster", "c", "--dry-run", "--", *RUN]) == 2
     assert "--image is required" in capsys.readouterr().err
@@ -167,7 +178,8 @@ def test_the_script_submits_through_xpk_or_kubectl(tmp_path):
     proc = _script([*base, "--build", "--", *RUN], env)
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0] == f"docker build -f tpu_scripts/Dockerfile -t {ARGS[-1]} -"
+    build = f"docker build --platform linux/amd64 -f tpu_scripts/Dockerfile -t {ARGS[-1]} -"
+    assert calls[0] == build
     assert calls[1] == f"docker push {ARGS[-1]}"
     assert calls[2].startswith("xpk workload create --cluster=tpu-cluster") and len(calls) == 3
     doc = yaml.safe_load(manifest.read_text())
@@ -204,3 +216,32 @@ def test_the_documented_command_runs_dry(capsys):
     assert gke.main(words[1:]) == 0
     out = capsys.readouterr().out
     assert "docker push" in out and "--tpu-type=v5p-128" in out and "kind: JobSet" in out
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        ("INTERNAL: Core halted unexpectedly: TPU chip 3 (ICI link down)", 86),
+        ("UNAVAILABLE: the TPU runtime is not answering", 86),
+        ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB", 1),
+    ],
+)
+def test_device_faults_exit_with_a_code_that_restarts(capsys, monkeypatch, error, code):
+    """A TPU or ICI fault (XLA's runtime error) exits 86, which the JobSet restarts; out of
+    memory will fail again on new hosts, and is a plain error (1, traceback kept)."""
+    import jax
+
+    from magic_jax.jobs import cli
+
+    def fault(args):
+        raise jax.errors.JaxRuntimeError(error)
+
+    monkeypatch.setattr(cli, "_status", fault)  # the command's body, as the parser finds it
+    if code == 1:
+        with pytest.raises(jax.errors.JaxRuntimeError):
+            cli.main(["status", "runs/x"])
+        return
+    assert cli.main(["status", "runs/x"]) == code
+    assert capsys.readouterr().err.strip() == (
+        f"magic-jax status: error: a device or runtime fault: {error}"
+    )

@@ -10,10 +10,13 @@ environment's uv (the test extra's, the same pin) into ~/.local/bin instead of f
 it. Minutes of backoff (ssh reconnects, creates without capacity) are simulated:
 LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file, which the stub reads."""
 
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1320,3 +1323,50 @@ def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path
     ends = sorted(b.read_text().split()[:3] for b in beats)
     assert ends == [["0", "end", "exit-0"], ["1", "end", "exit-0"]]
     assert not _leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(faithful, tmp_path):
+    """`magic-jax eval --mesh fsdp=-1` on 2 workers x 4 CPU devices under launch.sh (the
+    process id from each worker's metadata, as JAX's Cloud TPU detection reads it): the
+    hosts score together, worker 0 alone writes --out, and the results equal one process
+    over 8 devices."""
+    from helpers import save_sums_model, sums_rows
+
+    env, state, script = faithful
+    save_sums_model(tmp_path / "model", seed=0)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in sums_rows(6, seed=0)))
+    opts = ["--n", "2", "--max-response-length", "4", "--chunk", "2", "--workers", "1",
+            "--mesh", "fsdp=-1", "--set", "rollout.max_concurrent_decodes=8",
+            "--set", "rollout.decode_steps=4"]  # fmt: skip
+    job = [sys.executable, "-m", "magic_jax.jobs.cli", "eval", str(tmp_path / "model"), str(data)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    knobs = ["JAX_PLATFORMS=cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo",
+             f"MAGIC_JAX_COMPILATION_CACHE={tmp_path / 'jax-cache'}"]  # fmt: skip
+    both = [*knobs, "XLA_FLAGS=--xla_force_host_platform_device_count=4",
+            f"MAGIC_JAX_COORDINATOR=127.0.0.1:{port}", "MAGIC_JAX_NUM_PROCESSES=2"]  # fmt: skip
+    command = ('MAGIC_JAX_PROCESS_ID=$(cat "$HOME/metadata/agent-worker-number") exec '
+               + shlex.join([*job, "--out", "eval-out", *opts]))  # fmt: skip
+    envs = [a for kv in both for a in ("--env", kv)]
+    out = subprocess.run(["bash", str(script), *envs, "--logs", str(tmp_path / "logs"), "--",
+                          "bash", "-c", command], env=env, capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (written,) = state.glob("worker-0/magic-jax/*/eval-out")
+    assert not list(state.glob("worker-1/magic-jax/*/eval-out"))  # process 1 wrote nothing
+    for w in range(2):
+        assert f"process {w} of 2" in (tmp_path / "logs" / f"worker-{w}.log").read_text()
+
+    one = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    one.update(kv.split("=", 1) for kv in knobs)
+    ref = subprocess.run([*job, "--out", str(tmp_path / "one"), *opts], env=one,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got = [json.loads(line) for line in (written / "sums.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (tmp_path / "one/sums.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in got) == list(range(6))  # each problem written once
+    assert got == want
+    assert (written / "summary.json").read_text() == (tmp_path / "one/summary.json").read_text()

@@ -474,6 +474,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.command in MULTI_HOST and getattr(args, "mesh", None):
             hosts.start()
+        elif args.command in ("eval", "estimate-difficulty"):
+            from magic_jax.model.sharding import multi_host_job
+
+            if via := multi_host_job():  # every host would run the whole job on one chip
+                print(
+                    f"magic-jax {args.command}: error: this is one process of a multi-host "
+                    f"job ({via}): pass --mesh over all its devices (e.g. --mesh fsdp=-1) "
+                    "so that the hosts score together and process 0 alone writes --out",
+                    file=sys.stderr,
+                )
+                return 2
         return args.func(args)
     except LockLost as e:  # another run holds the directory now: this one writes nothing more
         print(f"magic-jax {args.command}: error: {e}", file=sys.stderr)
@@ -489,6 +500,8 @@ def _run(args: argparse.Namespace) -> int:
         known = storage.failure_line(e)
         if known is None and isinstance(e, (CheckpointError, DataError, ValueError, OSError)):
             known = (str(e), 2)
+        if known is None:
+            known = _device_fault(e)
         if known is not None:
             print(f"magic-jax {args.command}: error: {known[0]}", file=sys.stderr)
             return hosts.failed(args.command, known[1])
@@ -498,6 +511,23 @@ def _run(args: argparse.Namespace) -> int:
 
         traceback.print_exc()
         return hosts.failed(args.command, 1)
+
+
+# A device or runtime fault (a TPU or ICI error surfacing in XLA): the same command on
+# new hosts may well succeed, so schedulers restart on it (jobs/gke.py); running out of
+# memory or a bad argument will fail again, and exits 1.
+DEVICE_FAULT_EXIT = 86  # not a sysexits code: 75 is a lost run lock (runlock.py)
+
+
+def _device_fault(e: BaseException) -> tuple[str, int] | None:
+    import jax
+
+    if not isinstance(e, jax.errors.JaxRuntimeError):
+        return None
+    text = str(e).strip()
+    if text.startswith(("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")):
+        return None
+    return f"a device or runtime fault: {text.splitlines()[0][:300]}", DEVICE_FAULT_EXIT
 
 
 if __name__ == "__main__":

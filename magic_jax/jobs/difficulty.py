@@ -31,7 +31,7 @@ from typing import Any
 
 from magic_jax.data.rows import DataError, PromptRow, offline_filter, tokenize_rows
 from magic_jax.data.sources import read_rows
-from magic_jax.jobs.scoring_job import Chunk, ChunkLog, Scorer, ScoringJob
+from magic_jax.jobs.scoring_job import Chunk, LogCopy, Scorer, ScoringJob, open_logs
 from magic_jax.rollout.evaluate import ProblemResult, eval_seed
 
 # The report's N per ability.
@@ -219,7 +219,7 @@ def estimate_difficulty(
     if len(kept) < len(items):
         skipped = len(items) - len(kept)
         log(f"[difficulty] {skipped} prompts longer than --max-prompt-length get no entry")
-    records = ChunkLog(out / "records.jsonl")
+    (records,) = open_logs([out / "records.jsonl"])
     done = {r["key"] for r in records.records}
     if done:
         log(f"[difficulty] resuming: {len(done)} of {len(kept)} prompts already in {out}")
@@ -236,6 +236,8 @@ def estimate_difficulty(
 
     chunks = _chunks(items, encoded, kept, done, options)
     job.score(chunks, record, total=len(kept), done=len(done), desc="difficulty", unit="prompt")
+    if isinstance(records, LogCopy):  # process 0 alone writes the outputs
+        return histogram(sorted(records.records, key=lambda r: _key_order(r["key"])))
     return _write_outputs(out, files, name, records.records, options.samples, log)
 
 

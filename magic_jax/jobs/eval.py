@@ -23,7 +23,7 @@ from typing import Any
 from magic_jax import storage
 from magic_jax.data.rows import DataError, PromptRow, tokenize_rows
 from magic_jax.data.sources import read_rows
-from magic_jax.jobs.scoring_job import Chunk, ChunkLog, Scorer, ScoringJob
+from magic_jax.jobs.scoring_job import Chunk, ChunkLog, LogCopy, Scorer, ScoringJob, open_logs
 from magic_jax.rollout.evaluate import ProblemResult, eval_seed, format_summary, summarize
 
 # The report's n: AIME avg@32, LiveCodeBench avg@4.
@@ -99,7 +99,7 @@ class _Set:
     n: int
     encoded: list[PromptRow] = dataclasses.field(default_factory=list)
     kept: list[int] = dataclasses.field(default_factory=list)
-    log: ChunkLog | None = None
+    log: ChunkLog | LogCopy | None = None  # LogCopy: not process 0 (it writes nothing)
 
 
 def _read_sets(data: Sequence[str], options: EvalOptions) -> list[_Set]:
@@ -175,7 +175,8 @@ def run_eval(
         )
         if not s.kept:
             raise DataError(f"{s.name}: no prompt fits --max-prompt-length")
-        s.log = ChunkLog(out / f"{s.name}.jsonl")
+    for s, log_ in zip(sets, open_logs([out / f"{s.name}.jsonl" for s in sets])):
+        s.log = log_
     total = sum(len(s.kept) for s in sets)
     done = sum(len({r["index"] for r in s.log.records}) for s in sets)
     if done:
@@ -214,8 +215,9 @@ def _write_summary(
             (ProblemResult.from_json(r) for r in s.log.records), key=lambda p: p.index
         )
         tables[s.name] = {**summarize(problems), "skipped_long_prompts": len(s.rows) - len(s.kept)}
-    (out / "summary.json").write_text(json.dumps(tables, indent=2))
-    (out / "summary.md").write_text(summary_markdown(tables, protocol))
+    if not isinstance(sets[0].log, LogCopy):  # process 0 alone writes
+        (out / "summary.json").write_text(json.dumps(tables, indent=2))
+        (out / "summary.md").write_text(summary_markdown(tables, protocol))
     for name, table in tables.items():
         log(format_summary(name, table))
     return tables

@@ -4,8 +4,9 @@ equivalent JobSet manifest, from the arguments of a ``tpu_scripts/launch.sh`` ru
 JobSet (jobset.x-k8s.io/v1alpha2) runs one Job of one pod per TPU host and recreates
 all of them when one fails, up to ``failurePolicy.maxRestarts`` times; the run resumes
 from its ``output_dir`` on ``gs://``. Only stops that a restart can mend restart it (exit
-codes ``RESTART_EXIT_CODES``: xpk's own set plus the watchdog's 124); any other failure
-(a bad config, a Python error, a run that lost its lock) fails the JobSet at once.
+codes ``RESTART_EXIT_CODES``: xpk's own set, a device or runtime fault's 86, Cloud
+Storage's 69 and the watchdog's 124); any other failure (a bad config, a Python error,
+out of memory, a run that lost its lock) fails the JobSet at once.
 
 ``tpu_scripts/gke.sh`` calls ``main``; ``--dry-run`` prints both and runs nothing.
 """
@@ -29,8 +30,10 @@ EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 # xpk restarts a workload on exit codes 42 and 127-255 (xpk's get_restart_exit_codes); the
 # run's 143 (stopped on SIGTERM: preemption, maintenance) and 137 (killed) are among them.
 # 124 is a step that hung (magic_jax.watchdog): often a flaky host, which new pods replace.
+# 69: Cloud Storage still failing after its retries; 86: a device or runtime fault
+# (magic_jax.jobs.cli: a JaxRuntimeError other than out-of-memory or a bad argument).
 XPK_RESTART_EXIT_CODES = (42, *range(127, 256))
-EXTRA_RESTART_EXIT_CODES = (124,)
+EXTRA_RESTART_EXIT_CODES = (69, 86, 124)
 RESTART_EXIT_CODES = tuple(sorted({*XPK_RESTART_EXIT_CODES, *EXTRA_RESTART_EXIT_CODES}))
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload names (at most 40)
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -137,6 +140,10 @@ def check(args: argparse.Namespace) -> tuple[Slice, dict[str, str]]:
     """
     if not args.command:
         raise GkeError("no command after -- (e.g. -- magic-jax train CONFIG --set ...)")
+    if args.service_account and args.via == "xpk":
+        raise GkeError(
+            "--service-account is set in the JobSet manifest: submit it with --via kubectl"
+        )
     for opt, name in (("--name", args.name), ("--cluster", args.cluster)):
         if not _NAME.fullmatch(name) or len(name) > 40:
             raise GkeError(
@@ -203,7 +210,9 @@ def _pod_spec(args: argparse.Namespace, tpu: Slice, env: dict[str, str]) -> dict
         "ports": [{"containerPort": p} for p in (8471, 8431, 8482)],
         "resources": {"limits": {"google.com/tpu": tpu.chips_per_host}},
     }
+    account = {"serviceAccountName": args.service_account} if args.service_account else {}
     return {
+        **account,
         "restartPolicy": "Never",
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
@@ -271,7 +280,9 @@ def dump(doc: dict[str, Any]) -> str:
 def build_commands(image: str) -> list[list[str]]:
     """Builds ``image`` from this checkout's HEAD (tpu_scripts/Dockerfile) and pushes it."""
     archive = f"git -C {shlex.quote(str(REPO))} archive --format=tar HEAD"
-    build = f"docker build -f tpu_scripts/Dockerfile -t {shlex.quote(image)} -"
+    # TPU VMs are x86-64 (an arm64 laptop would build an image they cannot run)
+    build = "docker build --platform linux/amd64 -f tpu_scripts/Dockerfile"
+    build += f" -t {shlex.quote(image)} -"
     return [["bash", "-c", f"set -o pipefail; {archive} | {build}"], ["docker", "push", image]]
 
 
@@ -298,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--max-restarts", type=int, default=10, help="JobSet restarts after a stop [10]")
     a("--grace", type=int, default=120, help="seconds a pod has to stop after SIGTERM [120]")
+    a(
+        "--service-account",
+        help="the pods' Kubernetes service account (Workload Identity: bound to a Google "
+        "service account with roles on the bucket); --via kubectl",
+    )
     a("--queue", help="Kueue LocalQueue of the manifest (xpk's clusters: multislice-queue)")
     a("--via", choices=("xpk", "kubectl"), default="xpk", help="how to submit [xpk]")
     a("--manifest", help="where the manifest is written [runs/gke/NAME.yaml]")

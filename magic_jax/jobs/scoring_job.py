@@ -151,6 +151,31 @@ class ChunkLog:
         self.records.extend(records)
 
 
+class LogCopy:
+    """Another process's view of process 0's ``ChunkLog`` in a multi-host job: the
+    records it held at the start, then those appended, kept in memory and never
+    written (only process 0 writes a job's outputs)."""
+
+    def __init__(self, records: Sequence[dict[str, Any]]):
+        self.records = list(records)
+
+    def append(self, records: Sequence[Mapping[str, Any]]) -> None:
+        self.records.extend(dict(r) for r in records)
+
+
+def open_logs(paths: Sequence[str | os.PathLike]) -> list[ChunkLog | LogCopy]:
+    """A ``ChunkLog`` per path on process 0; on the others a ``LogCopy`` of what it
+    holds, so that every process of a multi-host job resumes at the same chunk
+    (a collective there: every process calls it)."""
+    from magic_jax import distributed
+
+    if distributed.process_count() == 1:
+        return [ChunkLog(p) for p in paths]
+    logs = [ChunkLog(p) for p in paths] if distributed.is_primary() else []
+    held = distributed.allgather_strings([json.dumps(log.records) for log in logs])
+    return logs or [LogCopy(json.loads(text)) for text in held[: len(paths)]]
+
+
 def check_protocol(path: Path, protocol: Mapping[str, Any]) -> None:
     """Writes ``protocol`` to ``path``, or checks it equals the one already there.
 
@@ -222,9 +247,12 @@ class Scorer:
 
     def check(self, path: Path, protocol: Mapping[str, Any]) -> dict[str, Any]:
         """The job's whole protocol (``protocol`` and the options'), written to ``path``
-        or checked against the one there (``check_protocol``)."""
+        or checked against the one there (``check_protocol``; by process 0 alone)."""
+        from magic_jax import distributed
+
         full = {**protocol, **self.options.protocol()}
-        check_protocol(path, full)
+        if distributed.is_primary():  # the one process that writes the outputs
+            check_protocol(path, full)
         return full
 
     @property

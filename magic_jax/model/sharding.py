@@ -196,6 +196,15 @@ def detected_cluster() -> str | None:
     return None
 
 
+def multi_host_job() -> str | None:
+    """How this process is one of several (``MAGIC_JAX_COORDINATOR`` or the cluster
+    JAX detects), before anything starts; None for a one-process job."""
+    kwargs = explicit_distributed_args()
+    if kwargs is not None:
+        return COORDINATOR_ENV if kwargs["num_processes"] > 1 else None
+    return detected_cluster()
+
+
 def maybe_initialize_distributed() -> bool:
     """Starts ``jax.distributed`` on a multi-process job; returns whether this call did.
 

@@ -154,15 +154,23 @@ def score_problems(
     Returns:
       One ``ProblemResult`` per row, in order.
     """
+    import jax
+
     from magic_jax.rollout.scoring import Scoring, score_groups
 
     if indices is None:
         indices = range(len(rows))
+    # A multi-host job: every process holds all ``rows``, passes its contiguous share,
+    # and gets every row's group back (``Scoring.per_host``), in order.
+    hosts, host = jax.process_count(), jax.process_index()
+    if hosts > 1 and keep_responses:
+        raise ValueError("keeping the responses is not supported on a multi-host job yet")
+    share = rows[len(rows) * host // hosts : len(rows) * (host + 1) // hosts]
     groups, _, _ = score_groups(
         driver,
         params,
-        rows,
-        Scoring(tokenizer, pool, keep_texts=keep_responses),
+        share,
+        Scoring(tokenizer, pool, keep_texts=keep_responses, per_host=hosts > 1),
         num_samples=num_samples,
         seed=seed,
         step=step,
