@@ -1,15 +1,20 @@
 """Where ``maybe_initialize_distributed`` starts ``jax.distributed``, and with what.
 
 Each environment is faked the way JAX's own cluster detection reads it: the
-variables of SLURM, Open MPI and GKE, the VM metadata server of a Cloud TPU VM
-(``cloud_tpu_cluster.get_metadata``), and whether this is a TPU VM at all.
-``jax.distributed.initialize`` is replaced by a recorder that checks its
-arguments against the real signature and then lets JAX's detection resolve
-them (coordinator, process count, id, local devices) as the real call would.
-No metadata server, socket or second process is involved.
+variables of SLURM, Open MPI and GKE; the VM metadata server of a Cloud TPU VM,
+a real HTTP server on 127.0.0.1 that answers as GCE's does (JAX's own client
+reaches it through ``GCE_METADATA_IP``; no ``Metadata-Flavor: Google`` header is a
+403, a missing key a 404); and whether this is a TPU VM at all (decided by JAX at
+import from the PCI bus). ``jax.distributed.initialize`` is replaced by a
+recorder that checks its arguments against the real signature and then lets
+JAX's detection resolve them (coordinator, process count, id, local devices) as
+the real call would. No second process is involved.
 """
 
+import http.server
 import inspect
+import threading
+import time
 
 import jax
 import pytest
@@ -57,7 +62,7 @@ class Recorder:
 
 
 @pytest.fixture
-def dist(monkeypatch):
+def dist(monkeypatch, metadata_server):
     """A plain machine: none of the clusters' variables, no TPU, a metadata server
     that fails the test if asked."""
     for name in VARIABLES:
@@ -66,8 +71,13 @@ def dist(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", rec.initialize)
     monkeypatch.setattr(jax.distributed, "is_initialized", rec.is_initialized)
     on_tpu_vm(monkeypatch, False)
+    # JAX's client waits 0.5 s between its 6 tries of a key that is not 200: not slept
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    SERVER[:] = [metadata_server]
+    metadata_server.asked.clear()
     metadata(monkeypatch, None)
-    return rec
+    yield rec
+    assert not metadata_server.asked, f"the metadata server was asked for {metadata_server.asked}"
 
 
 def on_tpu_vm(monkeypatch, yes: bool) -> None:
@@ -76,16 +86,61 @@ def on_tpu_vm(monkeypatch, yes: bool) -> None:
     monkeypatch.setattr(clusters.cluster, "running_in_cloud_tpu_vm", yes)
 
 
+class MetadataServer(http.server.ThreadingHTTPServer):
+    """GCE's metadata server for one VM: ``/computeMetadata/v1/instance/attributes/KEY``
+    answers its instance attributes (``attributes``; None: a server that must not be
+    asked, and each request is recorded in ``asked``)."""
+
+    PREFIX = "/computeMetadata/v1/instance/attributes/"
+
+    def __init__(self):
+        self.attributes: dict[str, str] | None = None
+        self.asked: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(h):
+                key = h.path.removeprefix(self.PREFIX)
+                if h.headers.get("Metadata-Flavor") != "Google":
+                    h._answer(403, "Missing required header: Metadata-Flavor")
+                elif self.attributes is None:
+                    self.asked.append(key)
+                    h._answer(500, "this test's metadata server must not be asked")
+                elif h.path.startswith(self.PREFIX) and key in self.attributes:
+                    h._answer(200, self.attributes[key])
+                else:
+                    h._answer(404, "not found")
+
+            def _answer(h, code, text):
+                body = text.encode()
+                h.send_response(code)
+                h.send_header("Content-Type", "application/text")
+                h.send_header("Content-Length", str(len(body)))
+                h.end_headers()
+                h.wfile.write(body)
+
+            def log_message(h, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def metadata_server():
+    server = MetadataServer()
+    yield server
+    server.shutdown()
+
+
 def metadata(monkeypatch, attributes: dict[str, str] | None) -> None:
     """The VM metadata server's instance attributes (a missing key answers 404);
     None: a server that must not be asked."""
+    server = SERVER[0]
+    server.attributes = attributes
+    monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{server.server_address[1]}")
 
-    def get(key):
-        if attributes is None:
-            raise AssertionError(f"the metadata server was asked for {key!r}")
-        return (attributes[key], 200) if key in attributes else ("not found", 404)
 
-    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", get)
+SERVER: list[MetadataServer] = []  # the module's server, set by the ``dist`` fixture
 
 
 def test_cloud_tpu_vm_slice_starts_from_the_metadata(dist, monkeypatch, capsys):

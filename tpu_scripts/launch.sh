@@ -53,16 +53,30 @@
 # on the worker or downloads one) and runs `uv pip install $LAUNCH_INSTALL`
 # [-c constraints.txt -e .[tpu]]; once per commit. A worker that fails ends the launch
 # with one line naming it and its last error line; no command is started.
-# The command runs in ~/magic-jax/<commit> inside its venv on every worker; magic_jax
-# starts jax.distributed itself on a multi-host slice. The exit status is worker 0's,
-# unless another worker's command ends with a failure while worker 0's still runs (any
-# status but 0, 130 or 143, or gone without one): then every worker's command is
-# stopped (SIGTERM, SIGKILL $LAUNCH_KILL_S [30] s later) and the status is that worker's
-# (1 when it left none). Commands still running $LAUNCH_GRACE_S [120] s after worker 0's
-# ended are stopped too (status 1 if worker 0's was 0).
-# A preemption is worker 0 exiting with 143 (stopped at a checkpoint on SIGTERM or a
-# preemption notice) or the slice lost while the command runs (PREEMPTED, TERMINATED,
-# gone; a queued resource SUSPENDED or FAILED); with no retries left the status is 143.
+# The command runs in ~/magic-jax/<commit> inside its venv on every worker, detached,
+# under tpu_scripts/worker_run.sh (which records its exit status even when a shutdown
+# signals it, the host's boot id, and with a stage a heartbeat every
+# $LAUNCH_HEARTBEAT_S [10] s); magic_jax starts jax.distributed itself on a multi-host
+# slice. gcloud runs without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1).
+# While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two gcloud calls at any
+# host count: the node's state and health, and every worker's heartbeat (without a
+# stage: one ssh to all workers). A worker silent for $LAUNCH_LOST_S [20] s is asked
+# once, with $LAUNCH_PROBE_S [15] s to answer. The exit status is worker 0's, unless
+# another worker's command ends with a failure while worker 0's still runs (any status
+# but 0, 130 or 143, or gone without one): then every worker's command is stopped
+# (SIGTERM, SIGKILL $LAUNCH_KILL_S [30] s later) and the status is that worker's (1 when
+# it left none). Commands still running $LAUNCH_GRACE_S [120] s after worker 0's ended
+# are stopped too (status 1 if worker 0's was 0). A create that fails for quota ends at
+# once (no retry can fix it). A command already running on the slice (an earlier
+# launch's, detached) ends the launch before anything starts: the TPU is in use.
+# A preemption is worker 0 exiting with 143 (stopped at a checkpoint on SIGTERM) or the
+# slice lost while the command runs (PREEMPTED, TERMINATED, gone; a queued resource
+# SUSPENDED or FAILED; a worker that neither writes its heartbeat nor answers on a READY
+# node: "a host lost"); --retry reruns on a new slice; with no retries left the status
+# is 143. Maintenance is a command gone without an exit status from a host that booted
+# since it started (the node REPAIRING, or UNHEALTHY_MAINTENANCE, meanwhile): --retry
+# reruns it on the same slice once READY. A command gone from a host that did not
+# restart (killed) ends the launch with 1.
 # Every worker's log is collected into --logs when the command ends and at each
 # preemption (from the workers that still answer), worker-N.log, worker-N.attempt-K.log.
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
