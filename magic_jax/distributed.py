@@ -82,11 +82,13 @@ def max_int(value: int) -> int:
 def preemption_notice(step: int) -> bool:
     """True on every process when JAX's preemption service says to stop at ``step``.
 
-    On Cloud TPU, ``jax.distributed`` relays a maintenance or spot preemption
-    notice to all hosts; ``reached_preemption_sync_point`` answers True on all of
-    them at the same step, which is where the loop saves and stops. Without the
-    service (one process, CPU, no distributed client) it is always False: there a
-    SIGTERM is the notice.
+    ``reached_preemption_sync_point`` answers True on all hosts at the same step
+    once a notifier has fired. Open-source TSL registers one notifier only, on
+    SIGTERM, and the trainer's own SIGTERM handler (``interrupt``) replaces it:
+    in practice a preemption or maintenance stop arrives as that SIGTERM and
+    ``agreed_stop`` stops every host. This answers True only under a runtime that
+    registers another notifier; without the service (one process, CPU) it is
+    always False.
     """
     from jax._src import distributed as jax_distributed
 
