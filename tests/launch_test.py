@@ -7,7 +7,11 @@ python3.11 (this test's version), which uv finds for `uv venv --python 3.11`; on
 worker uv would download a managed CPython, which these workers may not do
 (UV_PYTHON_DOWNLOADS=never). Their `python3 -m pip install --user uv==PIN` links this
 environment's uv (the test extra's, the same pin) into ~/.local/bin instead of fetching
-it. Minutes of backoff (ssh reconnects, creates without capacity) are simulated:
+it; `uv pip install` then fetches the install over HTTP from a package index on
+127.0.0.1, as from PyPI. The fake also speaks gcloud's words for quota, stockout and
+queued resources, answers `gcloud storage` from a directory (the stage, heartbeats),
+and runs `simulate-maintenance-event` (every process of a worker killed, a new boot id,
+the node REPAIRING for a while). Minutes of backoff (ssh reconnects, creates without capacity) are simulated:
 LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file, which the stub reads."""
 
 import json
@@ -1066,10 +1070,36 @@ def image(tmp_path_factory):
     return dict(sysbin=sysbin, template=template, version=version, wheel=_wheel(root))
 
 
+@pytest.fixture(scope="module")
+def index(image, tmp_path_factory):
+    """A package index (PEP 503, over HTTP on 127.0.0.1) holding the wheel: the workers'
+    `uv pip install` fetches from it as it would from PyPI."""
+    import functools
+    import hashlib
+    import http.server
+    import threading
+
+    root = tmp_path_factory.mktemp("index")
+    wheel = image["wheel"]
+    (root / "files").mkdir()
+    shutil.copy(wheel, root / "files" / wheel.name)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    (root / "simple" / "launchprobe").mkdir(parents=True)
+    (root / "simple" / "launchprobe" / "index.html").write_text(
+        f'<a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a>\n'
+    )
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    server.shutdown()
+
+
 @pytest.fixture
-def faithful(stub, image):
+def faithful(stub, image, index):
     env, state, script = stub
-    install = f"-c constraints.txt --offline --no-deps {image['wheel']}"
+    install = f"-c constraints.txt --index-url {index} --no-deps launchprobe"
     env = dict(env, STUB_FAITHFUL="1", STUB_TEMPLATE=str(image["template"]),
                STUB_SYSBIN=str(image["sysbin"]), LAUNCH_PYTHON=image["version"],
                LAUNCH_INSTALL=install)  # fmt: skip

@@ -522,7 +522,7 @@ bring_down() {
 # the workers are asked once: a host restarted is maintenance, a host that does not
 # answer on a READY node is lost, a command gone from a live host is a failure.
 cycle() {
-  local node state health out w seq st boot t silent=() answers id ok
+  local node state health out w seq st boot t silent=() answers id ok alive=""
   VERDICT=""
   node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
   read -r state health <<< "$node"
@@ -565,8 +565,7 @@ cycle() {
       case $st/$boot in
         gone/restarted) RESTARTED+=" $w" ;;
         gone/*) [ "$w" = 0 ] || { FAILED=$w FAILED_STATUS=gone; } ;;
-        *) SEEN_AT[w]=$t  # alive: its heartbeat does not reach the bucket
-           say "worker $w answers, but its heartbeat is $(($((t - ${SEEN_AT[$w]})) / 1000))s old" ;;
+        *) alive+=" $w"; SEEN_AT[w]=$t ;;  # its heartbeat does not reach the bucket
       esac
     done <<< "$answers"
     if [ "$ok" = 0 ]; then
@@ -576,6 +575,8 @@ cycle() {
       VERDICT=lost; return
     fi
   done
+  [ -z "$alive" ] || say "worker(s)$alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
+    "old or more: are they reaching $BEATS?"
   [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
   [ -z "$FAILED" ] || VERDICT=failed
 }
