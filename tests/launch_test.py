@@ -11,8 +11,9 @@ it; `uv pip install` then fetches the install over HTTP from a package index on
 127.0.0.1, as from PyPI. The fake also speaks gcloud's words for quota, stockout and
 queued resources, answers `gcloud storage` from a directory (the stage, heartbeats),
 and runs `simulate-maintenance-event` (every process of a worker killed, a new boot id,
-the node REPAIRING for a while). Minutes of backoff (ssh reconnects, creates without capacity) are simulated:
-LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file, which the stub reads."""
+the node REPAIRING for a while). Minutes of backoff (ssh reconnects, creates without
+capacity) are simulated: LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file,
+which the stub reads."""
 
 import json
 import os
