@@ -3,6 +3,7 @@ a run on GKE, from a dry run; the submission through stub ``xpk`` and ``kubectl`
 one-line refusals. Neither xpk nor a cluster is needed."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -203,6 +204,19 @@ def test_the_image_has_python_3_11_and_the_tpu_extra():
     assert base.startswith("python:3.11")
     assert 'pip install -c constraints.txt ".[tpu]"' in text
     assert sys.version_info >= (3, 11)  # what setup.py's python_requires asks too
+
+
+def test_the_workers_python_is_one_the_pinned_jax_supports():
+    """jax 0.10 needs Python 3.11 or later, 0.11 and later 3.12: bumping the pin in
+    constraints.txt must bump the worker set-up's and the image's Python with it."""
+    pin = re.search(r"^jax==(\d+)\.(\d+)", (REPO / "constraints.txt").read_text(), re.M)
+    needs = (3, 11) if (int(pin[1]), int(pin[2])) < (0, 11) else (3, 12)
+    setup = (REPO / "tpu_scripts" / "worker_setup.sh").read_text()
+    worker = re.search(r"^PYTHON=\$\{LAUNCH_PYTHON:-(\d+)\.(\d+)\}", setup, re.M)
+    image = re.search(r"^FROM python:(\d+)\.(\d+)", (REPO / "tpu_scripts" / "Dockerfile")
+                      .read_text(), re.M)  # fmt: skip
+    for found in (worker, image):
+        assert (int(found[1]), int(found[2])) >= needs, (found[0], pin[0])
 
 
 def test_the_documented_command_runs_dry(capsys):
