@@ -127,6 +127,7 @@ def _two_processes(tmp_path, uri: str, tag: str) -> dict[int, tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow  # about 20 s: the slow target
 def test_on_two_processes_only_process_zero_writes(gcs, tmp_path):
     """Process 1 writes nothing, also when the bucket lacks its programs. On CPU a
     program's key differs between the processes (JAX hashes each process's CPU topology

@@ -1089,8 +1089,11 @@ def index(image, tmp_path_factory):
     (root / "simple" / "launchprobe" / "index.html").write_text(
         f'<a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a>\n'
     )
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *args: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/simple/"

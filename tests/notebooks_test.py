@@ -313,6 +313,7 @@ def _in_progress(pre):
     return any(done) and not all(done)
 
 
+@pytest.mark.slow  # about 20 s: the slow target
 def test_the_notebooks_readme_holds_the_table_of_the_committed_runs(tmp_path, monkeypatch):
     readme = (ROOT / "notebooks" / "README.md").read_text()
     # a claim whose runs are in progress joins the tables once they are all done (its
