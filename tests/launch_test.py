@@ -1089,6 +1089,7 @@ def index(image, tmp_path_factory):
     (root / "simple" / "launchprobe" / "index.html").write_text(
         f'<a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a>\n'
     )
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -1404,3 +1405,38 @@ def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(fait
     assert sorted(r["index"] for r in got) == list(range(6))  # each problem written once
     assert got == want
     assert (written / "summary.json").read_text() == (tmp_path / "one/summary.json").read_text()
+
+
+@pytest.mark.slow
+def test_a_maintenance_event_in_real_time_is_rerun_within_a_minute_scaled(faithful, tmp_path):
+    """The maintenance event above with real waits at 1/10 scale (status cycle 1 s,
+    silence 2 s, probe 1.5 s, heartbeat 1 s, ssh backoff from 3 s): the status cycles
+    see the node REPAIRING, then the restarted host, and the rerun starts within 10 s
+    (100 s unscaled) of the event; printed (docs/tpu.md's table)."""
+    env, state, script = faithful
+    env = {k: v for k, v in env.items() if k != "LAUNCH_CLOCK"}
+    env.update(STUB_REPAIR_POLLS="4", LAUNCH_POLL_S="1", LAUNCH_LOST_S="2", LAUNCH_PROBE_S="1.5",
+               LAUNCH_HEARTBEAT_S="1", LAUNCH_SSH_BACKOFF_S="3")  # fmt: skip
+    proc = subprocess.Popen(["bash", str(script), "--retry", "1", "--logs", str(tmp_path / "l"),
+                             "--", "python", "-c", RESUMES, *GS], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        worker_logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
+        if len(worker_logs) == 2 and all("running" in p.read_text() for p in worker_logs):
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    event = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "simulate-maintenance-event",
+             "magic-jax", "--zone=us-east5-a", "--workers=0"]  # fmt: skip
+    subprocess.run(event, env=env, check=True)
+    while not list(state.glob("worker-*/magic-jax/logs/*-2.log")):
+        assert time.monotonic() < deadline + 120 and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    rerun = time.monotonic() - t0
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "magic-jax is REPAIRING (UNHEALTHY_MAINTENANCE): waiting for it" in err
+    print(f"maintenance: the rerun started {rerun:.2f} s after the event (1/10 scale)")
+    assert rerun < 10
