@@ -1276,7 +1276,8 @@ def test_ctrl_c_with_delete_on_exit_stops_collects_and_deletes(faithful, tmp_pat
 def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_path):
     """Without --delete-on-exit, Ctrl-C leaves the slice and the detached command running
     (exit 130); another launch on the slice is refused (the TPU is in use), in one line;
-    --delete stops both."""
+    a SIGTERM to every process of a worker (a shutdown) still leaves the command's exit
+    status; --delete stops both."""
     env, state, script = faithful
     code, stderr = _interrupt_a_running_command(script, env, state, "--logs", str(tmp_path))
     assert code == 130, stderr
@@ -1293,6 +1294,21 @@ def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_
         "launch.sh: an earlier launch's command still runs on magic-jax, so the TPU is in use: "
         "wait for it, or stop it (--delete stops it with the slice)"
     ]
+    # a host shutting down signals every process of the session, the wrapper too: the
+    # command stops (143) and its status is still recorded
+    home = state / "worker-1"
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"HOME={home}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGTERM)
+        except (OSError, ProcessLookupError):
+            pass
+    deadline = time.monotonic() + 30
+    while not list(state.glob("worker-1/magic-jax/logs/*.exit")):
+        assert time.monotonic() < deadline, "no exit status after a SIGTERM to the whole session"
+        time.sleep(0.1)
+    (status,) = state.glob("worker-1/magic-jax/logs/*.exit")
+    assert status.read_text() == "143\n"
     assert _launch(script, env, "--delete").returncode == 0
     assert not (state / "created").exists() and not _leftovers(tmp_path)
 
