@@ -1328,6 +1328,25 @@ print(who, "resumed and finished", flush=True)
 """
 
 
+def _run_resumable(script, env, state, logs):
+    """launch.sh --retry 1 running RESUMES, returned once both workers' commands run."""
+    proc = subprocess.Popen(["bash", str(script), "--retry", "1", "--logs", str(logs), "--",
+                             "python", "-c", RESUMES, *GS], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        worker_logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
+        if len(worker_logs) == 2 and all("running" in p.read_text() for p in worker_logs):
+            return proc
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
+# gcloud's command for a maintenance event on worker 0 (answered by the fake)
+MAINTENANCE = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "simulate-maintenance-event",
+               "magic-jax", "--zone=us-east5-a", "--workers=0"]  # fmt: skip
+
+
 def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path):
     """gcloud's simulate-maintenance-event on worker 0 mid-run: its host restarts (every
     process killed, no SIGTERM, no exit status; a new boot id) and the node goes READY ->
@@ -1337,20 +1356,9 @@ def test_a_maintenance_event_mid_run_reruns_on_the_same_slice(faithful, tmp_path
     env, state, script = faithful
     env = dict(env, STUB_REPAIR_POLLS="4")
     logs = tmp_path / "logs"
-    proc = subprocess.Popen(["bash", str(script), "--retry", "1", "--logs", str(logs), "--",
-                             "python", "-c", RESUMES, *GS], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while True:
-        worker_logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
-        if len(worker_logs) == 2 and all("running" in p.read_text() for p in worker_logs):
-            break
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
+    proc = _run_resumable(script, env, state, logs)
     boot = (state / "worker-0" / "boot_id").read_text()
-    event = subprocess.run(["gcloud", "alpha", "compute", "tpus", "tpu-vm",
-                            "simulate-maintenance-event", "magic-jax", "--zone=us-east5-a",
-                            "--workers=0"], env=env, capture_output=True, text=True)  # fmt: skip
+    event = subprocess.run(MAINTENANCE, env=env, capture_output=True, text=True)
     assert event.returncode == 0 and (state / "worker-0" / "boot_id").read_text() != boot
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -1433,22 +1441,12 @@ def test_a_maintenance_event_in_real_time_is_rerun_within_a_minute_scaled(faithf
     env = {k: v for k, v in env.items() if k != "LAUNCH_CLOCK"}
     env.update(STUB_REPAIR_POLLS="4", LAUNCH_POLL_S="1", LAUNCH_LOST_S="2", LAUNCH_PROBE_S="1.5",
                LAUNCH_HEARTBEAT_S="1", LAUNCH_SSH_BACKOFF_S="3")  # fmt: skip
-    proc = subprocess.Popen(["bash", str(script), "--retry", "1", "--logs", str(tmp_path / "l"),
-                             "--", "python", "-c", RESUMES, *GS], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = _run_resumable(script, env, state, tmp_path / "l")
     deadline = time.monotonic() + 120
-    while True:
-        worker_logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
-        if len(worker_logs) == 2 and all("running" in p.read_text() for p in worker_logs):
-            break
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
     t0 = time.monotonic()
-    event = ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "simulate-maintenance-event",
-             "magic-jax", "--zone=us-east5-a", "--workers=0"]  # fmt: skip
-    subprocess.run(event, env=env, check=True)
+    subprocess.run(MAINTENANCE, env=env, check=True)
     while not list(state.glob("worker-*/magic-jax/logs/*-2.log")):
-        assert time.monotonic() < deadline + 120 and proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     rerun = time.monotonic() - t0
     _, err = proc.communicate(timeout=120)

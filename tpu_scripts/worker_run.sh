@@ -72,7 +72,7 @@ if [ -n "$beats" ]; then
     while kill -0 "$child" 2>/dev/null; do
       seq=$((seq + 1))
       beat "$seq" running
-      sleep "$every"
+      sleep "$every" || break  # never a busy loop
     done
   ) &
   beater=$!
@@ -81,7 +81,9 @@ status=0
 while :; do
   wait "$child"
   status=$?
-  kill -0 "$child" 2>/dev/null || break  # a signal to this script ended the wait, not the command
+  # a signal to this script ends the wait early (over 128) while the command runs on;
+  # anything else is the command's status (127 too: never spin on a pid reused since)
+  [ "$status" -gt 128 ] && kill -0 "$child" 2>/dev/null || break
 done
 echo "$status" > "$log.exit"
 [ -z "$beater" ] || kill "$beater" 2>/dev/null
