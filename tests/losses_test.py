@@ -150,6 +150,77 @@ def test_truncated_importance_weights_match_numpy(cap):
         _run(cfg, logp, old, adv, mask, ent, ref, 0.0)
 
 
+def test_masking_rule_drops_tokens_past_the_cap_and_keeps_the_others_weight():
+    """``tis_rule: mask`` (AReaL's): w = pi_old / pi_behaviour where w <= cap, 0 above."""
+    logp, old, adv, mask, ent, ref = _inputs(5)
+    rng = np.random.default_rng(5)
+    behaviour = old - rng.uniform(-1.5, 1.5, old.shape)
+    cap = 2.0
+    cfg = LossConfig(eps_high=0.28, tis_cap=cap, tis_rule="mask")
+    loss, m, (g_logp, _) = _run(cfg, logp, old, adv, mask, ent, ref, 0.0, behaviour=behaviour)
+    term, dlogp, _ = _ref_terms(logp, old, adv, mask, ent, ref, 0.0, LossConfig(eps_high=0.28))
+    raw = np.exp(old - behaviour)
+    w_mask = np.where(raw > cap, 0.0, raw)
+    w = _ref_weights(mask, "token-mean")
+    np.testing.assert_allclose(loss, (term * w_mask * w).sum(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g_logp, dlogp * w_mask * w, rtol=1e-5, atol=1e-8)
+    on = mask > 0
+    assert 0 < (raw > cap)[on].mean() < 1  # some dropped, some kept
+    np.testing.assert_allclose(float(m["tis_capped"]), (raw > cap)[on].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["tis_weight_mean"]), w_mask[on].mean(), rtol=1e-5)
+
+
+def test_behaviour_clip_is_a_trust_region_at_one_optimizer_step():
+    """At N_SGD 1 the proximal policy is the current one (old == logp): decoupled PPO's
+    clip never binds and every token has gradient w * A. ``behaviour_clip`` keeps naive
+    PPO's clip against the sampler: tokens whose pi_theta / pi_behaviour is past the
+    range in their advantage's direction get none; the others keep decoupled's."""
+    logp, _, adv, mask, ent, _ = _inputs(6)
+    rng = np.random.default_rng(6)
+    behaviour = logp - rng.uniform(-0.6, 0.6, logp.shape)  # a stale sampler
+    old = logp.copy()  # the proximal policy: the weights being updated, at their first step
+    staleness = rng.integers(0, 6, logp.shape)
+    base = dict(eps_low=0.2, eps_high=0.28, tis_cap=2.0)
+
+    def run(cfg):
+        def f(lp):
+            return policy_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32),
+                               jnp.asarray(mask, jnp.float32), jnp.asarray(ent, jnp.float32),
+                               alpha=0.0, config=cfg, num_tokens=mask.sum(),
+                               behaviour_logp_BT=jnp.asarray(behaviour, jnp.float32),
+                               staleness_BT=jnp.asarray(staleness))  # fmt: skip
+
+        (loss, m), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logp, jnp.float32))
+        return float(loss), m, np.asarray(g, np.float64)
+
+    loss0, m0, g0 = run(LossConfig(**base))
+    loss1, m1, g1 = run(LossConfig(**base, behaviour_clip=True))
+    on = mask > 0
+    a = np.broadcast_to(adv[:, None], logp.shape)
+    s = np.exp(logp - behaviour)
+    past = on & (((a > 0) & (s > 1.28)) | ((a < 0) & (s < 0.8)))
+    assert 0 < past.sum() < on.sum()
+    w_tis = np.minimum(np.exp(old - behaviour), 2.0)
+    np.testing.assert_allclose(g0[on], (-a * w_tis / mask.sum())[on], rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(g1[past], 0.0, atol=1e-12)  # no gradient past the sampler's clip
+    np.testing.assert_allclose(g1[on & ~past], g0[on & ~past], rtol=1e-6, atol=1e-10)
+    assert loss1 == pytest.approx(loss0)  # the value is decoupled's; only gradients differ
+    assert float(m0["clipfrac_high"]) == float(m0["clipfrac_low"]) == 0.0  # never binds
+    np.testing.assert_allclose(float(m1["behaviour_clipfrac"]), past.sum() / on.sum(), rtol=1e-6)
+    # by staleness: the clip that binds, the behaviour weight, the share past the cap
+    bucket = np.minimum(staleness, 4)
+    for k in range(5):
+        sel = on & (bucket == k)
+        n = float(m1["stale_tokens"][k]) * mask.sum()
+        assert n == pytest.approx(sel.sum())
+        clipped = float(m1["stale_clipped"][k]) * mask.sum()
+        assert clipped == pytest.approx(past[sel].sum()) and float(m0["stale_clipped"][k]) == 0
+        weight = float(m1["stale_weight"][k]) * mask.sum()
+        assert weight == pytest.approx(w_tis[sel].sum(), rel=1e-5)
+        capped = float(m1["stale_capped"][k]) * mask.sum()
+        assert capped == pytest.approx((np.exp(old - behaviour) > 2.0)[sel].sum())
+
+
 def test_dual_clip_bounds_negative_advantage_loss():
     logp, old, adv, mask, ent, ref = _inputs(1)
     old[:] = logp - np.log(5.0)  # ratio 5 everywhere
@@ -254,6 +325,10 @@ def test_config_validation_names_the_field():
         LossConfig(dual_clip=0.5)
     with pytest.raises(ValueError):
         LossConfig(aggregation="per-token")
+    with pytest.raises(ValueError, match="tis_rule"):
+        LossConfig(tis_cap=2.0, tis_rule="drop")
+    with pytest.raises(ValueError, match="behaviour_clip needs tis_cap"):
+        LossConfig(behaviour_clip=True)
     with pytest.raises(ValueError, match="ref_logp_BT"):
         z = jnp.zeros((1, 2))
         policy_loss(

@@ -177,3 +177,22 @@ def test_an_overlap_run_directory_loads_as_a_policy(stale1):
     embed = _weights(stale1)["model.embed_tokens.weight"]
     leaves = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     assert any(x.shape == embed.shape and np.array_equal(x, embed) for x in leaves)
+
+
+@pytest.mark.slow
+def test_decoupled_ppo_with_the_behaviour_clip_records_its_metrics_by_staleness(files):
+    """Decoupled PPO at staleness 1 with ``loss.behaviour_clip`` (and AReaL's masking rule):
+    each step past the first records the behaviour weight and the share past the cap by
+    staleness, the behaviour clip's fraction, and a clip fraction by staleness that counts
+    the behaviour clip (the proximal one cannot bind at N_SGD 1)."""
+    more = ("loss.tis_cap=5", "loss.tis_rule=mask", "loss.behaviour_clip=true")
+    out = _run(files, "ov_s1_trust", *_overlap(1), *more)
+    rows = [
+        r for r in rundir.read_records(out / "metrics.jsonl")[1:] if "clipfrac_by_staleness" in r
+    ]
+    assert rows
+    for r in rows:
+        assert set(r["behaviour_weight_by_staleness"]) == set(r["capped_by_staleness"]) == {"1"}
+        assert r["behaviour_weight_by_staleness"]["1"] > 0
+        assert 0 <= r["capped_by_staleness"]["1"] <= 1 and 0 <= r["behaviour_clipfrac"] <= 1
+        assert r["clipfrac_by_staleness"]["1"] == pytest.approx(r["behaviour_clipfrac"], abs=1e-6)

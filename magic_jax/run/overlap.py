@@ -324,18 +324,22 @@ class OverlapRollouts:
         rollout: RolloutConfig,
         tis_cap: float | None = None,
         *,
+        behaviour_clip: bool = False,
         log: Callable[[str], None] = print,
     ) -> OverlapRollouts | None:
         """The overlap of a run's ``rollout`` options; None in sync mode. With ``tis_cap``
-        (decoupled PPO) and a staleness, logs what the staleness ablation measured."""
+        (decoupled PPO), a staleness and no ``behaviour_clip``, logs what the staleness
+        ablation measured."""
         if rollout.mode != "overlap":
             return None
-        if tis_cap is not None and rollout.max_staleness > 0:
+        if tis_cap is not None and rollout.max_staleness > 0 and not behaviour_clip:
             log(
                 f"[overlap] decoupled PPO (loss.tis_cap {tis_cap}) at staleness "
                 f"{rollout.max_staleness}: in the carry world, at one optimizer step per batch "
                 "and staleness 4, it ended far below naive PPO (tis_cap: null): held-out "
-                "accuracy 0.19 against 0.59, 5 seeds each (notebooks/README.md, section 11)"
+                "accuracy 0.19 against 0.59, 5 seeds each (notebooks/README.md, section 11); "
+                "loss.behaviour_clip: true keeps naive PPO's clip against the sampler, the "
+                "only trust region at one optimizer step per batch (not yet ablated)"
             )
         reprefill = rollout.publish_cache == "reprefill"
         return cls(rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log)
@@ -489,10 +493,21 @@ def with_staleness(buffer: Any, groups: Any, step: int) -> Any:
 
 def clip_by_staleness(metrics: Any) -> dict[str, Any]:
     """The update's clip fraction per token staleness (``losses.STALENESS_BUCKETS``; the
-    last bucket counts that many or more), over its optimizer steps; {} without them."""
+    last bucket counts that many or more), over its optimizer steps, and with
+    ``loss.tis_cap`` the mean behaviour weight and the share of tokens past the cap per
+    staleness; {} without them."""
     if "stale_tokens" not in metrics or not np.size(metrics["stale_tokens"]):
         return {}
-    tokens = np.asarray(metrics["stale_tokens"], np.float64).reshape(-1, STALENESS_BUCKETS)
-    clipped = np.asarray(metrics["stale_clipped"], np.float64).reshape(-1, STALENESS_BUCKETS)
-    t, c = tokens.sum(0), clipped.sum(0)
-    return {"clipfrac_by_staleness": {str(s): float(c[s] / t[s]) for s in np.flatnonzero(t)}}
+
+    def summed(key):
+        return np.asarray(metrics[key], np.float64).reshape(-1, STALENESS_BUCKETS).sum(0)
+
+    t = summed("stale_tokens")
+    out = {}
+    for key, name in (("stale_clipped", "clipfrac_by_staleness"),
+                      ("stale_weight", "behaviour_weight_by_staleness"),
+                      ("stale_capped", "capped_by_staleness")):  # fmt: skip
+        if key in metrics:
+            c = summed(key)
+            out[name] = {str(s): float(c[s] / t[s]) for s in np.flatnonzero(t)}
+    return out

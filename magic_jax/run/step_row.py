@@ -82,6 +82,7 @@ def step_row(
             if cfg.loss.tis_cap is not None
             else {}
         ),
+        **({"behaviour_clipfrac": mean("behaviour_clipfrac")} if cfg.loss.behaviour_clip else {}),
         "grad_norm": mean("grad_norm"),
         "skipped_updates": skipped,
         "reward_status": counts,

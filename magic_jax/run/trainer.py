@@ -245,7 +245,9 @@ class Trainer:
             self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
         state = init_train_state(params, update_config(cfg, 0), mesh=self.inputs.mesh)
         del params  # the train state owns the weights now
-        overlap = OverlapRollouts.of(cfg.rollout, cfg.loss.tis_cap, log=self.log)
+        overlap = OverlapRollouts.of(
+            cfg.rollout, cfg.loss.tis_cap, behaviour_clip=cfg.loss.behaviour_clip, log=self.log
+        )
         self.rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
         self.ckpts: TrainCheckpoints = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         found = newest_good_checkpoint(self.out, log=self.log)

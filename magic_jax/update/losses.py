@@ -49,11 +49,21 @@ class LossConfig:
         the temperature-scaled full distribution (what the trainer recomputes;
         default), or ``"sampled"``, the top-k / top-p truncated distribution the
         tokens were actually drawn from.
-      tis_cap: truncated importance sampling (TIS) for a sampler whose numerics
-        or truncation differ from the trainer's: the clip ratio is taken against
-        the trainer's own log-probs before the update, and each token's
-        surrogate is weighted by ``min(pi_trainer / pi_behaviour, tis_cap)``.
-        None = off (the ratio is against the behaviour log-probs directly).
+      tis_cap: decoupled PPO, for a sampler that is stale (overlap) or whose
+        numerics or truncation differ from the trainer's: the clip ratio is taken
+        against the proximal policy (the trainer's own log-probs before the
+        update), and each token's surrogate is weighted by the behaviour weight
+        ``w = pi_proximal / pi_behaviour`` under ``tis_rule``. None = off (naive
+        PPO: the ratio is against the behaviour log-probs directly).
+      tis_rule: what ``tis_cap`` does to the behaviour weight: ``"truncate"``,
+        ``min(w, tis_cap)`` (truncated importance sampling's convention, usually
+        with cap 2); ``"mask"``, tokens with ``w > tis_cap`` are dropped (weight
+        0) and the others keep ``w`` (AReaL's rule, whose cap is 5).
+      behaviour_clip: with ``tis_cap``, also keep naive PPO's clip against the
+        behaviour policy: a token whose ``pi_theta / pi_behaviour`` is past the
+        clip range in its advantage's direction gets no gradient. At one
+        optimizer step per batch the proximal policy is the current one, so
+        the proximal clip never binds and this is the only trust region.
       aggregation: see ``Aggregation``.
       temperature: sampling temperature; training logits are divided by it too.
       logit_chunk: sequence positions per chunk of the log-prob/entropy projection.
@@ -67,6 +77,8 @@ class LossConfig:
     kl_reference: str | None = None
     behaviour_logprobs: Literal["full", "sampled"] = "full"
     tis_cap: float | None = None
+    tis_rule: Literal["truncate", "mask"] = "truncate"
+    behaviour_clip: bool = False
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     temperature: float = 1.0
     logit_chunk: int = 1024
@@ -95,6 +107,15 @@ class LossConfig:
             )
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ValueError(f"LossConfig.tis_cap must be >= 1 or None, got {self.tis_cap}")
+        if self.tis_rule not in ("truncate", "mask"):
+            raise ValueError(
+                f"LossConfig.tis_rule must be 'truncate' or 'mask', got {self.tis_rule!r}"
+            )
+        if self.behaviour_clip and self.tis_cap is None:
+            raise ValueError(
+                "LossConfig.behaviour_clip needs tis_cap (naive PPO already clips against "
+                "the behaviour policy)"
+            )
         if self.temperature <= 0:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
         if self.logit_chunk <= 0:
@@ -211,7 +232,9 @@ def policy_loss(
       staleness_BT: [B, T] int versions each token's sampler lags the policy being
         updated (overlap mode): adds ``stale_tokens`` and ``stale_clipped``, [K]
         token fractions per staleness 0 .. K-2 and K-1 or more
-        (K = ``STALENESS_BUCKETS``), whose ratio is the clip fraction per staleness.
+        (K = ``STALENESS_BUCKETS``), whose ratio is the clip fraction per staleness
+        (every clip that binds); with ``tis_cap`` also ``stale_weight`` and
+        ``stale_capped`` (``_weight_by_staleness``).
 
     Returns:
       (loss, metrics). Metrics other than those in ``MAX_METRICS`` are token sums
@@ -222,7 +245,8 @@ def policy_loss(
       ``sampler_ratio_mean`` and ``sampler_kl`` (pi_theta / pi_behaviour and its
       k3, the rollout/trainer mismatch at the first step of a buffer),
       ``sampler_abs_log_ratio_mean`` (mean |log pi_theta - log pi_behaviour|),
-      ``tis_weight_mean`` and ``tis_capped`` (with TIS); ``ratio_max``,
+      ``tis_weight_mean`` and ``tis_capped`` (with ``tis_cap``), ``behaviour_clipfrac``
+      (with ``behaviour_clip``); ``ratio_max``,
       ``sampler_ratio_max``, ``sampler_abs_log_ratio_max``.
     """
     _check_inputs(config, ref_logp_BT, behaviour_logp_BT)
@@ -245,6 +269,11 @@ def policy_loss(
     weight_BT, log_w_BT = _tis_weight(config, on_BT, old_logp_BT, behaviour_logp_BT)
     if weight_BT is not None:
         surr_BT = surr_BT * weight_BT
+    behaviour_clipped_BT = None
+    if config.behaviour_clip:  # naive PPO's clip against the sampler: no gradient past it
+        s_BT = jnp.exp(log_s_BT)
+        behaviour_clipped_BT = ((a_BT < 0) & (s_BT < lo)) | ((a_BT > 0) & (s_BT > hi))
+        surr_BT = jnp.where(behaviour_clipped_BT, jax.lax.stop_gradient(surr_BT), surr_BT)
     bonus_BT = entropy_BT if entropy_mask_BT is None else entropy_BT * entropy_mask_BT
     term_BT = -surr_BT - alpha * bonus_BT
     ref_kl_BT = None
@@ -286,21 +315,34 @@ def policy_loss(
     if weight_BT is not None:
         metrics["tis_weight_mean"] = tmean(weight_BT)
         metrics["tis_capped"] = tmean(jnp.exp(log_w_BT) > config.tis_cap)
+    if behaviour_clipped_BT is not None:
+        metrics["behaviour_clipfrac"] = tmean(behaviour_clipped_BT)
     if ref_kl_BT is not None:
         metrics["ref_kl"] = tmean(ref_kl_BT)
     if staleness_BT is not None:
         w_BT = jnp.where(on_BT, m_BT, 0.0) / jnp.maximum(num_tokens, 1.0)
-        metrics.update(_by_staleness(staleness_BT, w_BT, a_BT, ratio_BT, lo, hi))
+        # every clip that binds: the ratio's (to the sampler in naive PPO, to the proximal
+        # policy in decoupled) and, with behaviour_clip, the sampler's too
+        clipped_BT = ((a_BT < 0) & (ratio_BT < lo)) | ((a_BT > 0) & (ratio_BT > hi))
+        if behaviour_clipped_BT is not None:
+            clipped_BT = clipped_BT | behaviour_clipped_BT
+        metrics.update(_by_staleness(staleness_BT, w_BT, clipped_BT))
+        if weight_BT is not None:
+            metrics.update(_weight_by_staleness(config, staleness_BT, w_BT, weight_BT, log_w_BT))
     return loss, metrics
 
 
 def _tis_weight(config: LossConfig, on_BT, old_logp_BT, behaviour_logp_BT) -> tuple[Any, Any]:
-    """TIS's constant weights min(pi_old / pi_behaviour, cap) and their log ratio; (None,
-    None) without ``tis_cap``."""
+    """The behaviour weights (constants): min(pi_old / pi_behaviour, cap), or with
+    ``tis_rule: mask`` the ratio itself where it is at most the cap and 0 above it; and
+    their log ratio. (None, None) without ``tis_cap``."""
     if config.tis_cap is None:
         return None, None
     log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
-    return jnp.minimum(jnp.exp(log_w_BT), config.tis_cap), log_w_BT
+    w_BT = jnp.exp(log_w_BT)
+    if config.tis_rule == "mask":
+        return jnp.where(w_BT > config.tis_cap, 0.0, w_BT), log_w_BT
+    return jnp.minimum(w_BT, config.tis_cap), log_w_BT
 
 
 def _check_inputs(config: LossConfig, ref_logp: Any, behaviour_logp: Any) -> None:
@@ -310,16 +352,27 @@ def _check_inputs(config: LossConfig, ref_logp: Any, behaviour_logp: Any) -> Non
         raise ValueError("LossConfig.tis_cap needs behaviour_logp_BT")
 
 
-def _by_staleness(
-    staleness_BT: jax.Array, w_BT: jax.Array, a_BT: jax.Array, ratio_BT: jax.Array, lo, hi
-) -> dict:
+def _by_staleness(staleness_BT: jax.Array, w_BT: jax.Array, clipped_BT: jax.Array) -> dict:
     """``stale_tokens`` and ``stale_clipped``: [K] token fractions (weights ``w_BT``) per
-    staleness bucket, of all tokens and of those the clip range cut."""
-    clipped_BT = ((a_BT < 0) & (ratio_BT < lo)) | ((a_BT > 0) & (ratio_BT > hi))
+    staleness bucket, of all tokens and of those a clip cut (``clipped_BT``)."""
     k = STALENESS_BUCKETS
     b_BTK = jax.lax.stop_gradient(jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k))
     w_BT = jax.lax.stop_gradient(w_BT)
     return {
         "stale_tokens": jnp.einsum("bt,btk->k", w_BT, b_BTK),
         "stale_clipped": jnp.einsum("bt,btk->k", w_BT * clipped_BT, b_BTK),
+    }
+
+
+def _weight_by_staleness(config: LossConfig, staleness_BT, w_BT, weight_BT, log_w_BT) -> dict:
+    """``stale_weight`` and ``stale_capped``: [K] sums per staleness bucket (token weights
+    ``w_BT``) of the behaviour weight as applied and of the tokens past the cap (truncated,
+    or dropped under ``tis_rule: mask``); divided by ``stale_tokens``, their means."""
+    k = STALENESS_BUCKETS
+    b_BTK = jax.lax.stop_gradient(jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k))
+    w_BT = jax.lax.stop_gradient(w_BT)
+    capped_BT = jax.lax.stop_gradient(jnp.exp(log_w_BT) > config.tis_cap)
+    return {
+        "stale_weight": jnp.einsum("bt,btk->k", w_BT * jax.lax.stop_gradient(weight_BT), b_BTK),
+        "stale_capped": jnp.einsum("bt,btk->k", w_BT * capped_BT, b_BTK),
     }
