@@ -275,6 +275,38 @@ def _staleness_arms() -> tuple[Arm, ...]:
     return tuple(arms)
 
 
+# The staleness ablation redone with the step size as a factor (notebooks/prereg/
+# staleness-lr.yaml): naive, decoupled (tis_cap 2, truncated: the arms above) and decoupled
+# with naive's clip against the sampler kept (loss.behaviour_clip: "trust") x staleness 1, 4
+# x learning rate 3e-4 (shipped), 1e-4; seeds no carry run has used.
+STALENESS_LR = (1, 4)
+LEARNING_RATES = {"3e-4": 3.0e-4, "1e-4": 1.0e-4}
+SEEDS_STALENESS_LR = (10, 11, 12, 13, 14)
+
+
+def _staleness_lr_arms() -> tuple[Arm, ...]:
+    tis = f"loss.tis_cap={STALENESS_TIS_CAP}"
+    kinds = {"naive": (), "decoupled": (tis,), "trust": (tis, "loss.behaviour_clip=true")}
+    arms = []
+    for tag, lr in LEARNING_RATES.items():
+        for s in STALENESS_LR:
+            for kind, loss in kinds.items():
+                overlap = ("rollout.mode=overlap", f"rollout.max_staleness={s}")
+                arms.append(
+                    Arm(
+                        f"carry-slr-{kind}-s{s}-lr{tag}",
+                        f"staleness {s}, {kind} PPO, lr {tag}",
+                        (
+                            *overlap,
+                            "rollout.publish_chunks=null",
+                            *loss,
+                            f"optimizer.learning_rate={lr}",
+                        ),
+                    )
+                )
+    return tuple(arms)
+
+
 ABLATIONS: dict[str, Ablation] = {
     a.key: a
     for a in (
@@ -494,5 +526,15 @@ ABLATIONS: dict[str, Ablation] = {
             world="carry",
         ),
         LOCKOUT_CONTROL,
+        Ablation(
+            "staleness_lr",
+            "Staleness 1, 4 x learning rate 3e-4, 1e-4 with naive, decoupled and decoupled "
+            "PPO with the behaviour clip, carry world",
+            "Decoupled PPO at one optimizer step per batch needs a trust region against the "
+            "sampler: with naive PPO's clip kept it is no worse than naive PPO at staleness 4.",
+            _staleness_lr_arms(),
+            seeds=SEEDS_STALENESS_LR,
+            world="carry",
+        ),
     )
 }

@@ -223,6 +223,12 @@ def mean_alpha(run: Run) -> float:
     return float(sum(v) / len(v)) if v else math.nan
 
 
+def mean_sampler_kl(run: Run) -> float:
+    """``sampler_kl`` (k3, the sampler to the weights at each update's start) averaged."""
+    v = [m["sampler_kl"] for m in run.metrics if "sampler_kl" in m]
+    return float(sum(v) / len(v)) if v else math.nan
+
+
 def alpha_off_bounds(run: Run) -> float:
     """Share of steps whose entropy coefficient is strictly inside its bounds (0, max_coef]."""
     cap = (run.config.get("entropy") or {}).get("max_coef")
@@ -255,6 +261,7 @@ OUTCOMES: dict[str, Callable[[Run], float]] = {
     "final check rate (carry columns)": final_check_rate,
     "final check rate (other columns)": final_check_rate_other,
     "mean alpha": mean_alpha,
+    "mean sampler KL": mean_sampler_kl,
     "alpha off its bounds": alpha_off_bounds,
 }
 
@@ -375,6 +382,16 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("final accuracy", "carry-stale-sync", "carry-stale0-decoupled", 0, tolerance=0.05),
         Check("mean entropy", "carry-stale-sync", "carry-stale4-naive", +1),
         Check("mean alpha", "carry-stale-sync", "carry-stale4-naive", -1),
+    ),
+    "staleness_lr": tuple(
+        Check(outcome, f"carry-slr-{ref}-s4-lr{lr0}", f"carry-slr-{arm}-s4-lr{lr}", sign, tol)
+        for outcome, ref, lr0, arm, lr, sign, tol in (
+            ("final accuracy", "decoupled", "3e-4", "trust", "3e-4", +1, 0.0),
+            ("final accuracy", "naive", "3e-4", "trust", "3e-4", 0, 0.05),
+            ("final accuracy", "decoupled", "3e-4", "naive", "3e-4", +1, 0.0),
+            ("final accuracy", "decoupled", "3e-4", "decoupled", "1e-4", +1, 0.0),
+            ("mean sampler KL", "decoupled", "3e-4", "trust", "3e-4", -1, 0.0),
+        )
     ),
 }
 
