@@ -16,7 +16,8 @@ wait for the producer) is the step. It prints per world and mode the median step
 its parts, the CPU seconds per wall second of its steps (``t_cpu_s``: cores busy; 2
 cores cannot give more than 2, so sync's figure bounds what overlap can gain from idle
 cores), the ideal overlap ``max(rollout, update) + other`` from the sync
-parts, and the ratio sync / overlap with a bootstrap 95% interval over steps.
+parts, and the ratio sync / overlap with a 95% interval from a block bootstrap (blocks
+of 5 consecutive steps, within runs; "no measured gain" when it includes 1).
 Last, the planner's TPU prediction for the 7B recipe (``[overlap]`` lines of
 ``magic-jax plan``: the committed output, or with ``--plan`` the command run now,
 which needs ``jax[tpu]``, libtpu, to compile for the slice).
@@ -100,11 +101,28 @@ def steps_of(out: Path, steps: int) -> dict[str, np.ndarray]:
     return cols
 
 
-def ratio_ci(a: np.ndarray, b: np.ndarray, n: int = 2000) -> tuple[float, float, float]:
-    """Median(a) / median(b) and a bootstrap 95% interval (steps resampled)."""
+BLOCK = 5  # consecutive steps resampled together: a step's time follows its neighbours'
+
+
+def blocks(runs: list[np.ndarray], size: int = BLOCK) -> list[np.ndarray]:
+    """Each run's step times cut into consecutive blocks of ``size`` (the last may be
+    shorter); blocks never span two runs."""
+    return [r[i : i + size] for r in runs for i in range(0, len(r), size)]
+
+
+def ratio_ci(a: list[np.ndarray], b: list[np.ndarray], n: int = 2000) -> tuple[float, float, float]:
+    """Median(a) / median(b) over all steps of the runs ``a`` and ``b``, and a 95%
+    block-bootstrap interval: blocks of ``BLOCK`` consecutive steps resampled (steps are
+    autocorrelated: resampling single steps would give too narrow an interval)."""
     rng = np.random.default_rng(0)
-    boots = [np.median(rng.choice(a, len(a))) / np.median(rng.choice(b, len(b))) for _ in range(n)]
-    return float(np.median(a) / np.median(b)), *np.percentile(boots, [2.5, 97.5])
+    ba, bb = blocks(a), blocks(b)
+
+    def resample(bs):
+        return np.concatenate([bs[i] for i in rng.integers(0, len(bs), len(bs))])
+
+    boots = [np.median(resample(ba)) / np.median(resample(bb)) for _ in range(n)]
+    point = np.median(np.concatenate(a)) / np.median(np.concatenate(b))
+    return float(point), *np.percentile(boots, [2.5, 97.5])
 
 
 def planner_lines(live: bool) -> list[str]:
@@ -195,8 +213,12 @@ def report(world: str, config: str, got: dict, cores: dict) -> None:
     )
     for mode in cat:
         if mode != "sync":
-            r, lo, hi = ratio_ci(s["step"], cat[mode]["step"])
-            print(f"  sync / {mode}: {r:.2f}x (95% interval {lo:.2f}-{hi:.2f})")
+            r, lo, hi = ratio_ci([g["step"] for g in got["sync"]], [g["step"] for g in got[mode]])
+            verdict = "no measured gain" if lo <= 1 <= hi else ("gain" if lo > 1 else "loss")
+            print(
+                f"  sync / {mode}: {r:.2f}x (95% interval {lo:.2f}-{hi:.2f}, blocks of {BLOCK} "
+                f"steps): {verdict}"
+            )
 
 
 if __name__ == "__main__":
