@@ -165,8 +165,10 @@ case $args in
         echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
       fi
       for w in $(seq 0 $((n - 1))); do
-        s=$(worker_status "$w"); [[ $s != [0-9]* ]] || s=exit-$s
-        [ -e "silent-$w" ] && echo "$w $(cat "silent-$w") $s boot-$w" || echo "$w $k $s boot-$w"
+        s=$(worker_status "$w"); seq=$k
+        [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
+        [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
+        echo "$w $seq $s boot-$w"
       done
       exit 0
     fi
@@ -806,6 +808,19 @@ def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stu
     assert cycles.count("probe") == 1 and len(cycles) == 2 * cycles.count("poll") + 1
     print(f"{hosts} hosts: lost after {reacted - went_silent} ms; {len(cycles)} calls in "
           f"{cycles.count('poll')} cycles")  # fmt: skip
+
+
+def test_a_worker_whose_command_ended_early_is_not_taken_for_a_lost_one(stub, tmp_path):
+    """Worker 1's command ends with 0 while worker 0's runs on: its last heartbeat stays
+    as it is, which is no silence (scaled 1/10 as above)."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="8", STUB_EARLY_1="0", LAUNCH_POLL_S="0.5", LAUNCH_LOST_S="1",
+               LAUNCH_PROBE_S="0.5")  # fmt: skip
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 0, out.stderr
+    assert "heartbeats are" not in out.stderr and "lost" not in out.stderr
+    verbs = _verbs(_calls(state), polls=True)
+    assert verbs.count("poll") >= 4 and "probe" not in verbs
 
 
 def test_credentials_networks_and_capacity_reach_gcloud(stub, tmp_path):

@@ -543,6 +543,7 @@ cycle() {
     if [ "${SEQ_OF[$w]:-}" != "$seq" ]; then SEQ_OF[w]=$seq; SEEN_AT[w]=$t; fi
     st=${st#exit-}
     [ "$st" != gone ] || [ "${boot:-}" != restarted ] || st=restarted
+    [[ $st != [0-9]* ]] || ENDED[w]=1  # its last heartbeat: silent from now on
     case $st in
       running|0|130|143) ;;
       restarted) RESTARTED+=" $w" ;;
@@ -552,7 +553,7 @@ cycle() {
   [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
   [ -z "$FAILED" ] || { VERDICT=failed; return; }
   for ((w = 0; w < WORKERS; w++)); do
-    [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || silent+=("$w")
+    [ -n "${ENDED[$w]:-}" ] || [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || silent+=("$w")
   done
   [ "${#silent[@]}" -gt 0 ] && [ "$state" = READY ] || return 0
   # ask every worker once: what became of the silent ones?
@@ -622,7 +623,7 @@ pause() {
 # without us. Quits when worker 0's command vanished from a host that was not restarted.
 await() {
   local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream w
-  FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=()
+  FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=() ENDED=()
   for ((w = 0; w < WORKERS; w++)); do SEEN_AT[w]=$(ms); done
   while :; do
     rc=0 t0=$(now)
