@@ -504,9 +504,12 @@ def clip_by_staleness(metrics: Any) -> dict[str, Any]:
 
     t = summed("stale_tokens")
     out = {}
-    for key, name in (("stale_clipped", "clipfrac_by_staleness"),
-                      ("stale_weight", "behaviour_weight_by_staleness"),
-                      ("stale_capped", "capped_by_staleness")):  # fmt: skip
+    names = {
+        "stale_clipped": "clipfrac_by_staleness",
+        "stale_weight": "behaviour_weight_by_staleness",
+        "stale_capped": "capped_by_staleness",
+    }
+    for key, name in names.items():
         if key in metrics:
             c = summed(key)
             out[name] = {str(s): float(c[s] / t[s]) for s in np.flatnonzero(t)}

@@ -269,11 +269,7 @@ def policy_loss(
     weight_BT, log_w_BT = _tis_weight(config, on_BT, old_logp_BT, behaviour_logp_BT)
     if weight_BT is not None:
         surr_BT = surr_BT * weight_BT
-    behaviour_clipped_BT = None
-    if config.behaviour_clip:  # naive PPO's clip against the sampler: no gradient past it
-        s_BT = jnp.exp(log_s_BT)
-        behaviour_clipped_BT = ((a_BT < 0) & (s_BT < lo)) | ((a_BT > 0) & (s_BT > hi))
-        surr_BT = jnp.where(behaviour_clipped_BT, jax.lax.stop_gradient(surr_BT), surr_BT)
+    surr_BT, behaviour_clipped_BT = _behaviour_clip(config, surr_BT, log_s_BT, a_BT, lo, hi)
     bonus_BT = entropy_BT if entropy_mask_BT is None else entropy_BT * entropy_mask_BT
     term_BT = -surr_BT - alpha * bonus_BT
     ref_kl_BT = None
@@ -293,7 +289,8 @@ def policy_loss(
         x_BT = jax.lax.stop_gradient(jnp.asarray(x_BT, jnp.float32))
         return jnp.sum(jnp.where(on_BT, x_BT, 0.0) * m_BT) / jnp.maximum(num_tokens, 1.0)
 
-    metrics = {
+    metrics = _sampler_metrics(tmean, on_BT, log_s_BT)
+    metrics |= {
         "pg_loss": tmean(-surr_BT),
         "clipfrac_low": tmean((a_BT < 0) & (ratio_BT < lo)),
         "clipfrac_high": tmean((a_BT > 0) & (ratio_BT > hi)),
@@ -302,15 +299,6 @@ def policy_loss(
         "entropy": tmean(entropy_BT),
         "approx_kl": tmean(ratio_BT - 1.0 - log_ratio_BT),
         "ratio_max": jax.lax.stop_gradient(jnp.max(jnp.where(on_BT, ratio_BT, 0.0))),
-        "sampler_ratio_mean": tmean(jnp.exp(log_s_BT)),
-        "sampler_ratio_max": jax.lax.stop_gradient(
-            jnp.max(jnp.where(on_BT, jnp.exp(log_s_BT), 0.0))
-        ),
-        "sampler_kl": tmean(jnp.exp(log_s_BT) - 1.0 - log_s_BT),
-        "sampler_abs_log_ratio_mean": tmean(jnp.abs(log_s_BT)),
-        "sampler_abs_log_ratio_max": jax.lax.stop_gradient(
-            jnp.max(jnp.where(on_BT, jnp.abs(log_s_BT), 0.0))
-        ),
     }
     if weight_BT is not None:
         metrics["tis_weight_mean"] = tmean(weight_BT)
@@ -330,6 +318,33 @@ def policy_loss(
         if weight_BT is not None:
             metrics.update(_weight_by_staleness(config, staleness_BT, w_BT, weight_BT, log_w_BT))
     return loss, metrics
+
+
+def _behaviour_clip(config: LossConfig, surr_BT, log_s_BT, a_BT, lo, hi) -> tuple[Any, Any]:
+    """With ``config.behaviour_clip``, naive PPO's clip against the sampler kept: no
+    gradient for a token whose pi_theta / pi_behaviour is past [lo, hi] in its advantage's
+    direction; (the surrogate, those tokens). Else (the surrogate, None)."""
+    if not config.behaviour_clip:
+        return surr_BT, None
+    s_BT = jnp.exp(log_s_BT)
+    clipped_BT = ((a_BT < 0) & (s_BT < lo)) | ((a_BT > 0) & (s_BT > hi))
+    return jnp.where(clipped_BT, jax.lax.stop_gradient(surr_BT), surr_BT), clipped_BT
+
+
+def _sampler_metrics(tmean, on_BT, log_s_BT) -> dict:
+    """The rollout/trainer mismatch pi_theta / pi_behaviour (``log_s_BT``): its mean,
+    max, k3 KL and |log| mean and max."""
+
+    def tmax(x_BT):
+        return jax.lax.stop_gradient(jnp.max(jnp.where(on_BT, x_BT, 0.0)))
+
+    return {
+        "sampler_ratio_mean": tmean(jnp.exp(log_s_BT)),
+        "sampler_ratio_max": tmax(jnp.exp(log_s_BT)),
+        "sampler_kl": tmean(jnp.exp(log_s_BT) - 1.0 - log_s_BT),
+        "sampler_abs_log_ratio_mean": tmean(jnp.abs(log_s_BT)),
+        "sampler_abs_log_ratio_max": tmax(jnp.abs(log_s_BT)),
+    }
 
 
 def _tis_weight(config: LossConfig, on_BT, old_logp_BT, behaviour_logp_BT) -> tuple[Any, Any]:
