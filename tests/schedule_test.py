@@ -1,0 +1,51 @@
+"""The rollout schedule model (``magic_jax.rollout.schedule``) on cases worked by hand;
+``benchmarks/rollout_schedule.py`` checks it against the engine."""
+
+import pytest
+
+from magic_jax.rollout.schedule import Costs, simulate
+
+COSTS = Costs(step_s={1: 1.0, 2: 1.5, 4: 2.0}, prefill_s=10.0, insert_s=0.5, chunk_s=0.25)
+
+
+def test_equal_lengths_are_one_chunk_with_the_whole_rollout_its_drain():
+    s = simulate([[5, 5], [5, 5]], slots=4, decode_steps=64, costs=COSTS)
+    # 5 tokens: the prefill gives the first, 4 decode steps the rest
+    assert (s.steps, s.chunks, s.slot_steps, s.tokens) == (4, 1, 16, 16)
+    # two prompts prefilled once each, one whole-group insert each, 4 steps at 4 rows
+    assert s.total_s == pytest.approx(2 * 10 + 2 * 0.5 + 4 * 2.0 + 0.25)
+    assert s.drain_s == pytest.approx(4 * 2.0 + 0.25) and s.idle_share == 0
+
+
+def test_a_long_tail_keeps_every_slot_running_unless_the_batch_is_compacted():
+    lengths = [[2, 2, 2, 8]]
+    plain = simulate(lengths, slots=4, decode_steps=100, costs=COSTS)
+    assert (plain.steps, plain.slot_steps, plain.tokens) == (7, 28, 10)
+    assert plain.idle_share == pytest.approx(1 - 10 / 28)
+    assert plain.decode_s == pytest.approx(7 * 2.0)
+    # compacted: the chunk stops once 1 row is live (it fits size 2), then runs at size 1
+    packed = simulate(lengths, slots=4, decode_steps=100, costs=COSTS, sizes=(1, 2), compact=True)
+    assert (packed.steps, packed.chunks, packed.slot_steps, packed.tokens) == (7, 2, 10, 10)
+    assert packed.decode_s == pytest.approx(1 * 2.0 + 6 * 1.0)
+
+
+def test_freed_slots_are_refilled_between_chunks_and_the_drain_starts_at_the_last_insert():
+    # 2, 0 and 1 decode steps; the one-token response frees its slot at once
+    s = simulate([[3], [1], [2]], slots=2, decode_steps=1, costs=COSTS)
+    assert (s.steps, s.chunks, s.slot_steps, s.tokens) == (2, 2, 4, 3)
+    assert s.prefill_s == pytest.approx(30.0) and s.insert_s == pytest.approx(1.5)
+    assert s.drain_s == pytest.approx(1.5 + 0.25)  # the chunk after prompt 2 went in
+
+
+def test_whole_groups_wait_for_enough_free_slots():
+    # 3 slots, groups of 2: the second group waits for the first to end
+    s = simulate([[2, 2], [2, 2]], slots=3, decode_steps=1, costs=COSTS, whole_groups=True)
+    assert (s.steps, s.slot_steps, s.tokens) == (2, 6, 4)
+
+
+def test_step_costs_between_and_beyond_the_measured_sizes():
+    c = Costs(step_s={2: 1.0, 4: 2.0, 8: 3.0})
+    assert c.step(3) == pytest.approx(1.5) and c.step(6) == pytest.approx(2.5)
+    assert c.step(1) == pytest.approx(0.5) and c.step(16) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="slots"):
+        simulate([[1]], slots=0, decode_steps=1, costs=c)
