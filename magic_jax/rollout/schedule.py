@@ -18,6 +18,8 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
@@ -146,20 +148,13 @@ def simulate(
         if compact and not queue:
             rows = min(x for x in sizes if x >= len(live))
             min_live = max([x for x in sizes if x < rows], default=0)
-        n = 0
-        while n < decode_steps:
-            n += 1
-            alive = 0
-            for s in live:
-                if left[s] is not None and left[s] > 0:
-                    left[s] -= 1
-                    tokens += 1
-                    alive += left[s] > 0
-            if alive <= min_live:
-                break
-        for s in live:
-            if left[s] is not None and left[s] <= 0:
-                left[s] = None
+        # the chunk ends after decode_steps, or once at most min_live rows have tokens left
+        rem = np.asarray([left[s] for s in live], np.int64)
+        done_by = np.sort(rem)[len(rem) - min_live - 1]
+        n = int(min(decode_steps, done_by))
+        tokens += int(np.minimum(rem, n).sum())
+        for s, r in zip(live, rem - n):
+            left[s] = int(r) if r > 0 else None
         steps, chunks, slot_steps = steps + n, chunks + 1, slot_steps + n * rows
         dec += n * costs.step(rows)
         host += costs.chunk_s
