@@ -1410,7 +1410,8 @@ def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(fait
     env, state, script = faithful
     save_sums_model(tmp_path / "model", seed=0)
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in sums_rows(6, seed=0)))
+    # 5 problems in chunks of 2: the last chunk's one problem leaves process 0 no share
+    data.write_text("".join(json.dumps(r) + "\n" for r in sums_rows(5, seed=0)))
     opts = ["--n", "2", "--max-response-length", "4", "--chunk", "2", "--workers", "1",
             "--mesh", "fsdp=-1", "--set", "rollout.max_concurrent_decodes=8",
             "--set", "rollout.decode_steps=4"]  # fmt: skip
@@ -1441,7 +1442,7 @@ def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(fait
     assert ref.returncode == 0, ref.stderr[-3000:]
     got = [json.loads(line) for line in (written / "sums.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (tmp_path / "one/sums.jsonl").read_text().splitlines()]
-    assert sorted(r["index"] for r in got) == list(range(6))  # each problem written once
+    assert sorted(r["index"] for r in got) == list(range(5))  # each problem written once
     assert got == want
     assert (written / "summary.json").read_text() == (tmp_path / "one/summary.json").read_text()
 

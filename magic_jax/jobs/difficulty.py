@@ -29,9 +29,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from magic_jax import distributed
 from magic_jax.data.rows import DataError, PromptRow, offline_filter, tokenize_rows
 from magic_jax.data.sources import read_rows
-from magic_jax.jobs.scoring_job import Chunk, LogCopy, Scorer, ScoringJob, open_logs
+from magic_jax.jobs.scoring_job import Chunk, Scorer, ScoringJob, open_logs
 from magic_jax.rollout.evaluate import ProblemResult, eval_seed
 
 # The report's N per ability.
@@ -236,7 +237,7 @@ def estimate_difficulty(
 
     chunks = _chunks(items, encoded, kept, done, options)
     job.score(chunks, record, total=len(kept), done=len(done), desc="difficulty", unit="prompt")
-    if isinstance(records, LogCopy):  # process 0 alone writes the outputs
+    if not distributed.is_primary():  # process 0 alone writes the outputs
         return histogram(sorted(records.records, key=lambda r: _key_order(r["key"])))
     return _write_outputs(out, files, name, records.records, options.samples, log)
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from magic_jax import storage
+from magic_jax import distributed, storage
 from magic_jax.data.rows import DataError, PromptRow, tokenize_rows
 from magic_jax.data.sources import read_rows
 from magic_jax.jobs.scoring_job import Chunk, ChunkLog, LogCopy, Scorer, ScoringJob, open_logs
@@ -215,7 +215,7 @@ def _write_summary(
             (ProblemResult.from_json(r) for r in s.log.records), key=lambda p: p.index
         )
         tables[s.name] = {**summarize(problems), "skipped_long_prompts": len(s.rows) - len(s.kept)}
-    if not isinstance(sets[0].log, LogCopy):  # process 0 alone writes
+    if distributed.is_primary():  # process 0 alone writes
         (out / "summary.json").write_text(json.dumps(tables, indent=2))
         (out / "summary.md").write_text(summary_markdown(tables, protocol))
     for name, table in tables.items():

@@ -118,7 +118,7 @@ def simulate(
     queue = collections.deque((p, j) for p in range(len(lengths)) for j in range(g))
     left: list[int | None] = [None] * slots
     prefilled: set[int] = set()
-    t = dec = pre = ins = host = 0.0
+    dec = pre = ins = host = 0.0
     steps = chunks = slot_steps = tokens = 0
     last_insert = None  # (t, slot_steps, tokens) when the queue emptied
     sizes = sorted(set(sizes) | {slots})
