@@ -105,7 +105,7 @@ def _plan(engine: RolloutConfig) -> RunPlan:
 
 
 def test_the_formatted_plan_has_the_overlap_lines():
-    out = format_plan(_plan(RolloutConfig(max_concurrent_decodes=256)))
+    out = format_plan(_plan(RolloutConfig(max_concurrent_decodes=256)), shapes=())
     lines = [line for line in out.splitlines() if "overlap" in line]
     assert lines and all(line.startswith("[overlap]") for line in lines), lines
     assert "a roofline model" in lines[0]
@@ -119,7 +119,7 @@ def test_the_formatted_plan_has_the_overlap_lines():
     assert "[overlap] run, overlap at the best splits: >= " in out
     assert "rollout.devices 32:" not in out
     engine = RolloutConfig(max_concurrent_decodes=256, mode="overlap", devices=32)
-    out = format_plan(_plan(engine))
+    out = format_plan(_plan(engine), shapes=())
     assert "[overlap]   stage 16k: rollout.devices 32: 32 generate / 32 update: step >= " in out
     assert "update: step >= max(rollout " in out and "-bound), update " in out
     assert "[overlap] run, overlap at rollout.devices 32: >= " in out

@@ -3,7 +3,7 @@
 
 import pytest
 
-from magic_jax.rollout.schedule import Costs, simulate
+from magic_jax.rollout.schedule import Costs, Publish, carried, simulate
 
 COSTS = Costs(step_s={1: 1.0, 2: 1.5, 4: 2.0}, prefill_s=10.0, insert_s=0.5, chunk_s=0.25)
 
@@ -49,3 +49,39 @@ def test_step_costs_between_and_beyond_the_measured_sizes():
     assert c.step(1) == pytest.approx(0.5) and c.step(16) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="slots"):
         simulate([[1]], slots=0, decode_steps=1, costs=c)
+
+
+def test_by_live_rows_charges_a_chunk_its_mean_live_rows_exact_for_an_affine_step():
+    # a roofline step is affine in the rows read: 0.5 + 0.5 x live rows
+    affine = Costs(step_s={1: 1.0, 5: 3.0}, by_live=True)
+    s = simulate([[2, 2, 2, 8]], slots=4, decode_steps=100, costs=affine)
+    # step by step: one step at 4 live rows, then 6 at 1
+    assert s.decode_s == pytest.approx((0.5 + 0.5 * 4) + 6 * (0.5 + 0.5 * 1))
+    assert s.slot_steps == 28  # rows computed are unchanged
+
+
+def test_partial_rollouts_prefill_the_context_in_flight_again_at_each_publish():
+    costs = Costs(step_s={2: 1.0}, reprefill_token_s=1.0)
+    pub = Publish(every=1, times=2, reprefill=True, prompt_length=3)
+    s = simulate([[5, 9]], slots=2, decode_steps=2, costs=costs, publish=pub)
+    # after chunk 1: both in flight with 3 tokens each -> (3 + 3) x 2; after chunk 2: the
+    # second with 5 -> 3 + 5; then no version is left to move to
+    assert (s.publishes, s.reprefill_s) == (2, 12 + 8)
+    assert s.total_s == pytest.approx(s.decode_s + 20)
+    kept = simulate([[5, 9]], slots=2, decode_steps=2, costs=costs, publish=Publish(1, 2))
+    assert (kept.publishes, kept.reprefill_s) == (2, 0.0)
+
+
+def test_a_carried_rollout_has_no_drain_and_needs_lengths_that_outlast_its_steps():
+    costs = Costs(step_s={2: 1.0})
+    equal = [[3]] * 8  # two decode steps each: a batch of 2 every 2 s
+    assert carried(equal, batch=2, steps=2, slots=2, decode_steps=1, costs=costs) == 2.0
+    with pytest.raises(ValueError, match="too few"):
+        carried(equal, batch=2, steps=4, slots=2, decode_steps=1, costs=costs)
+    # one long response in each batch of 4: plain rollouts wait for it, a carried one
+    # refills the three slots the short ones free
+    tail = [[2], [2], [2], [12]] * 12
+    kw = dict(slots=4, decode_steps=1, costs=Costs(step_s={4: 1.0}))
+    plain = simulate(tail[:4], **kw).total_s
+    assert plain == 11.0
+    assert carried(tail, batch=4, steps=6, warmup=2, **kw) < 0.5 * plain

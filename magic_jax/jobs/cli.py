@@ -313,6 +313,8 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
     p.add_argument("--no-search", action="store_true", help="do not look for a slice that fits")
     p.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="print a cost too")
+    shapes = "tail, early, full, lognormal:MEAN,CLIP or run:DIR (repeatable; default the first 3)"
+    p.add_argument("--lengths", action="append", metavar="SHAPE", help="[schedule]: " + shapes)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_plan)
 

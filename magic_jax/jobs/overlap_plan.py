@@ -234,18 +234,12 @@ def predict_overlap(
     return OverlapPrediction(*fields, conf, max_staleness)
 
 
-def stage_overlap(
-    p: StagePlan,
-    update_s: float,
-    slots: int,
-    chip: tuple[float, float, float],
-    devices: int,
-    engine: Any,
-) -> OverlapPrediction:
-    """``predict_overlap`` for a planned stage: ``update_s`` its update bound on all
-    devices, ``slots`` the decode slots the rollout runs, ``chip`` (HBM bytes, bandwidth
-    bytes/s, peak flop/s) per device, ``engine`` the run's ``rollout`` section (its
-    ``devices`` and ``max_staleness`` when it has them)."""
+def stage_inputs(
+    p: StagePlan, slots: int, chip: tuple[float, float, float], devices: int
+) -> tuple[RolloutCost, SplitMemory]:
+    """A planned stage's decode on the roofline and its memory for the split rule, with
+    ``slots`` decode slots and ``chip`` (HBM bytes, bandwidth bytes/s, peak flop/s) per
+    device."""
     hbm, bandwidth, peak = chip
     over = "decode" in p.over_hbm  # its temporaries are XLA's ask, not a fitting step's
     kv = p.kv_cache * slots / p.slots if p.slots else 0.0
@@ -267,6 +261,22 @@ def stage_overlap(
         bandwidth=bandwidth,
         peak=peak,
     )
+    return cost, memory
+
+
+def stage_overlap(
+    p: StagePlan,
+    update_s: float,
+    slots: int,
+    chip: tuple[float, float, float],
+    devices: int,
+    engine: Any,
+) -> OverlapPrediction:
+    """``predict_overlap`` for a planned stage: ``update_s`` its update bound on all
+    devices, ``slots`` the decode slots the rollout runs, ``chip`` (HBM bytes, bandwidth
+    bytes/s, peak flop/s) per device, ``engine`` the run's ``rollout`` section (its
+    ``devices`` and ``max_staleness`` when it has them)."""
+    cost, memory = stage_inputs(p, slots, chip, devices)
     return predict_overlap(
         p.stage,
         p.steps,

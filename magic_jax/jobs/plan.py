@@ -38,6 +38,13 @@ from magic_jax.jobs.roofline import (
     recommend_slots,
     update_bound,
 )
+from magic_jax.jobs.schedule_plan import (
+    DEFAULT_SHAPES,
+    LengthShape,
+    parse_shape,
+    schedule_lines,
+    stage_schedule,
+)
 from magic_jax.jobs.stage_plan import StagePlan, plan_stage, resolve_model
 from magic_jax.jobs.topology import Chip, GiB, PlanError, resolve_topology, topology_devices
 from magic_jax.model.sharding import make_mesh
@@ -387,9 +394,14 @@ def _time_lines(
     return lines
 
 
-def format_plan(plan: RunPlan, price: float | None = None) -> str:
+def format_plan(
+    plan: RunPlan, price: float | None = None, shapes: Sequence[LengthShape] | None = None
+) -> str:
     """The plan as printed by ``magic-jax plan``; ``price``: US dollars per chip-hour, for
-    a cost line."""
+    a cost line; ``shapes``: the response lengths of the ``[schedule]`` lines (None: the
+    default shapes)."""
+    if shapes is None:
+        shapes = [parse_shape(x) for x in DEFAULT_SHAPES]
     c, mc = plan.chip, plan.model
     per_chip = plan.devices // plan.chips
     bw = c.hbm_gbps * 1e9 / per_chip
@@ -403,7 +415,8 @@ def format_plan(plan: RunPlan, price: float | None = None) -> str:
         f"chip: TPU {c.name}: {c.hbm_gib:g} GiB HBM, {c.hbm_gbps:g} GB/s, "
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
     ]
-    bounds, at_rec, overlap = [], [], []
+    bounds, at_rec, overlap, sched = [], [], [], []
+    n_params = mc.num_params()
     for p in plan.stages:
         lines += _stage_header(p, plan.hbm_bytes)
         head_dim = mc.head_dim or mc.hidden_size // mc.num_heads
@@ -423,11 +436,15 @@ def format_plan(plan: RunPlan, price: float | None = None) -> str:
             )
         chip = (plan.hbm_bytes, bw, peak)
         overlap.append(stage_overlap(p, upd, rec or p.slots, chip, plan.devices, plan.engine))
+        if p.peak() <= plan.hbm_bytes:
+            args = (upd, rec or p.slots, chip, plan.devices, plan.engine, n_params)
+            sched.append([stage_schedule(p, x, *args) for x in shapes])
     label = {len(bounds): "the recommended slots", 0: "the slots as configured"}.get(
         len(at_rec), "the recommended slots, as configured where none fits"
     )
     lines += _time_lines(plan, bounds, at_rec, price)
-    return "\n".join(lines + overlap_lines(overlap, plan.chips, plan.engine, label))
+    lines += overlap_lines(overlap, plan.chips, plan.engine, label)
+    return "\n".join(lines + schedule_lines(sched, plan.chips, plan.engine, label))
 
 
 def plan_command(args: Any) -> int:
@@ -440,6 +457,7 @@ def plan_command(args: Any) -> int:
     if price is not None and not 0 < price < float("inf"):
         raise ValueError(f"--price-per-chip-hour {price:g}: expected a positive number of USD")
     config = load_config(args.config, args.set or ())
+    shapes = [parse_shape(x) for x in args.lengths or DEFAULT_SHAPES]
     mesh = None
     if args.mesh:
         try:
@@ -466,8 +484,9 @@ def plan_command(args: Any) -> int:
     shown += ["--stage", str(args.stage)] if args.stage is not None else []
     shown += [a for kv in args.set or () for a in ("--set", kv)]
     shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
+    shown += [a for x in args.lengths or () for a in ("--lengths", x)]
     print("magic-jax plan " + " ".join(shown))
-    print(format_plan(result, price=price))
+    print(format_plan(result, price=price, shapes=shapes))
     if log:
         log(f"planned in {time.perf_counter() - t0:.0f}s")
     return 0

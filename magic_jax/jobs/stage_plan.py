@@ -105,11 +105,12 @@ class StagePlan:
     weights and cache, each read once; XLA counts the layer loop's body once);
     ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
     step (a relayout XLA inserts, each a read and write of that much); ``slots`` decode
-    slots, ``samples`` = D_R x G responses per training step, ``steps`` the stage's
-    training steps. ``over_hbm`` names the programs XLA refused to compile for the chip
-    (too large): their temporaries are the sizes XLA's error stated, their costs unknown
-    (0). ``int8`` is the decode step compiled again with ``rollout.kv_dtype: int8`` and
-    bfloat16 weights (None: not compiled, e.g. the run's own cache is int8).
+    slots, ``samples`` = D_R x G responses per training step (G ``group_size``),
+    ``steps`` the stage's training steps. ``over_hbm`` names the programs XLA refused to
+    compile for the chip (too large): their temporaries are the sizes XLA's error stated,
+    their costs unknown (0). ``int8`` is the decode step compiled again with
+    ``rollout.kv_dtype: int8`` and bfloat16 weights (None: not compiled, e.g. the run's
+    own cache is int8).
     """
 
     stage: str
@@ -139,6 +140,7 @@ class StagePlan:
     ragged: bool = False
     steps: int = 0
     int8: Int8Decode | None = None
+    group_size: int = 1
 
     @property
     def update_total(self) -> int:
@@ -378,6 +380,7 @@ def _sharded_terms(
         decode_temps=0,
         slots=e["engine"].config.max_concurrent_decodes,
         samples=st.prompts_per_step * st.group_size,
+        group_size=st.group_size,
         steps=st.steps,
         compiled=True,
     )

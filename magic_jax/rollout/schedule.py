@@ -9,12 +9,18 @@ slot, or, with compaction once the queue is empty, over the smallest batch size 
 the live rows, stopping early once they fit the next size down. A response that ends
 inside a chunk leaves its slot idle until the chunk ends. Each step costs what a step at
 its batch size measured; the end of the rollout, from the last insert on, is its drain:
-slots idle while the longest responses finish, the time partial rollouts recover.
+slots idle while the longest responses finish.
+
+Two variants of a rollout are replayed beside it: partial rollouts (``publish_chunks``),
+whose responses in flight move to a new version every n chunks, at the cost of
+prefilling their context again with ``publish_cache: reprefill``; and a carried
+rollout (``carried``), which ends a step at its batch of finished samples and carries
+the unfinished ones into the next step, so that slots never drain (not what the
+engine does: the drain it would recover).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -31,12 +37,17 @@ class Costs:
       prefill_s: one prompt's prefill.
       insert_s: one insert (a group, or one sample).
       chunk_s: the host's work around each decode chunk that the device's does not hide.
+      reprefill_token_s: one token of context prefilled again at a publish.
+      by_live: a step costs what its live rows cost (the ragged kernel reads only their
+        caches; a chunk is charged at its mean live rows), not its computed rows.
     """
 
     step_s: Mapping[int, float]
     prefill_s: float = 0.0
     insert_s: float = 0.0
     chunk_s: float = 0.0
+    reprefill_token_s: float = 0.0
+    by_live: bool = False
 
     def step(self, rows: int) -> float:
         """Seconds of one decode step over ``rows`` rows."""
@@ -54,16 +65,31 @@ class Costs:
 
 
 @dataclasses.dataclass(frozen=True)
+class Publish:
+    """Partial rollouts: every ``every`` chunks the responses in flight move to the next
+    version, at most ``times`` times a rollout (its staleness); with ``reprefill`` their
+    context (``prompt_length`` + tokens so far) is prefilled again each time."""
+
+    every: int
+    times: int
+    reprefill: bool = False
+    prompt_length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
     """A replayed rollout.
 
     Attributes:
-      total_s: its time; ``decode_s``, ``prefill_s``, ``insert_s``, ``host_s`` its parts.
-      steps / chunks: decode steps and chunks.
+      total_s: its time; ``decode_s``, ``prefill_s``, ``insert_s``, ``host_s`` and
+        ``reprefill_s`` its parts.
+      steps / chunks: decode steps and chunks; ``publishes`` the versions moved to.
       slot_steps: rows computed (steps x batch size); ``tokens`` the useful ones (decode
         steps' tokens: a response's first comes from its prefill).
       drain_s: time from the last insert to the end; ``drain_slot_steps`` the rows
         computed then and ``drain_tokens`` the useful ones.
+      marks: with ``batch``, the time at which the finished responses first reached each
+        multiple of it.
     """
 
     total_s: float
@@ -78,6 +104,9 @@ class Schedule:
     drain_s: float
     drain_slot_steps: int
     drain_tokens: int
+    reprefill_s: float = 0.0
+    publishes: int = 0
+    marks: tuple[float, ...] = ()
 
     @property
     def drain_share(self) -> float:
@@ -91,7 +120,7 @@ class Schedule:
 
 
 def simulate(
-    lengths: Sequence[Sequence[int]],
+    lengths: Sequence[Sequence[int]] | np.ndarray,
     *,
     slots: int,
     decode_steps: int,
@@ -99,6 +128,8 @@ def simulate(
     sizes: Sequence[int] = (),
     compact: bool = False,
     whole_groups: bool = False,
+    publish: Publish | None = None,
+    batch: int | None = None,
 ) -> Schedule:
     """Replays one lane decoding ``lengths[p][j]`` tokens for sample j of prompt p.
 
@@ -111,54 +142,81 @@ def simulate(
       sizes: the batch sizes compaction computes (``Engine.compact_sizes``).
       compact: compaction on (``rollout.compact_batch``).
       whole_groups: inserts take whole groups only (``RolloutDriver``'s light steps).
+      publish: partial rollouts (None: off).
+      batch: record ``marks`` every this many finished responses.
     """
     if slots < 1 or decode_steps < 1:
         raise ValueError(f"slots and decode_steps must be >= 1, got {slots}, {decode_steps}")
-    g = len(lengths[0]) if lengths else 0
-    queue = collections.deque((p, j) for p in range(len(lengths)) for j in range(g))
-    left: list[int | None] = [None] * slots
-    prefilled: set[int] = set()
-    dec = pre = ins = host = 0.0
-    steps = chunks = slot_steps = tokens = 0
+    flat = np.asarray(lengths, np.int64)
+    g = flat.shape[1] if flat.ndim == 2 else 0
+    flat = flat.reshape(-1)
+    qi, nq = 0, flat.size  # the queue: samples in prompt order from qi on
+    left = np.full(slots, -1, np.int64)  # decode steps left; -1: an empty slot
+    length = np.zeros(slots, np.int64)
+    dec = pre = ins = host = rep = 0.0
+    steps = chunks = slot_steps = tokens = done = published = 0
+    marks: list[float] = []
     last_insert = None  # (t, slot_steps, tokens) when the queue emptied
     sizes = sorted(set(sizes) | {slots})
-    while queue or any(x is not None for x in left):
-        free = [s for s in range(slots) if left[s] is None]
-        while free and queue:
-            p, j = queue[0]
-            n = g if (whole_groups or (j == 0 and len(free) >= g)) else 1
-            if n > len(free):
+
+    def mark() -> None:
+        while batch and done >= (len(marks) + 1) * batch:
+            marks.append(pre + ins + dec + host + rep)
+
+    while qi < nq or (left > 0).any():
+        free, k = np.flatnonzero(left < 0), 0
+        while qi < nq:
+            n = g if (whole_groups or (qi % g == 0 and free.size - k >= g)) else 1
+            if n > free.size - k:
                 break
-            entries = [queue.popleft() for _ in range(n)]
-            if p not in prefilled:
-                prefilled.add(p)
+            if qi % g == 0:  # the prompt's first sample: its prefill
                 pre += costs.prefill_s
             ins += costs.insert_s
-            for q, k in entries:  # the prefill gave each its first token
-                left[free.pop(0)] = max(int(lengths[q][k]) - 1, 0)
-        for s in range(slots):  # one token, from the prefill: done at once
-            if left[s] == 0:
-                left[s] = None
-        if not queue and last_insert is None:
-            last_insert = (pre + ins + dec + host, slot_steps, tokens)
-        live = [s for s in range(slots) if left[s] is not None]
-        if not live:
+            into = free[k : k + n]
+            length[into] = flat[qi : qi + n]
+            left[into] = np.maximum(flat[qi : qi + n] - 1, 0)  # the prefill gave one token
+            k, qi = k + n, qi + n
+        ended = left == 0  # one token, from the prefill: done at once
+        done += int(ended.sum())
+        left[ended] = -1
+        mark()
+        if qi >= nq and last_insert is None:
+            last_insert = (pre + ins + dec + host + rep, slot_steps, tokens)
+        live = np.flatnonzero(left > 0)
+        if not live.size:
+            if k == 0 and qi < nq:
+                raise ValueError(f"a group of {g} samples does not fit {slots} slots")
             continue
         rows, min_live = slots, 0
-        if compact and not queue:
-            rows = min(x for x in sizes if x >= len(live))
+        if compact and qi >= nq:
+            rows = min(x for x in sizes if x >= live.size)
             min_live = max([x for x in sizes if x < rows], default=0)
         # the chunk ends after decode_steps, or once at most min_live rows have tokens left
-        rem = np.asarray([left[s] for s in live], np.int64)
-        done_by = np.sort(rem)[len(rem) - min_live - 1]
+        rem = left[live]
+        done_by = np.partition(rem, rem.size - min_live - 1)[rem.size - min_live - 1]
         n = int(min(decode_steps, done_by))
-        tokens += int(np.minimum(rem, n).sum())
-        for s, r in zip(live, rem - n):
-            left[s] = int(r) if r > 0 else None
-        steps, chunks, slot_steps = steps + n, chunks + 1, slot_steps + n * rows
-        dec += n * costs.step(rows)
-        host += costs.chunk_s
-    t = pre + ins + dec + host
+        # whole chunks in which no response ends and nothing waits for a free slot change
+        # nothing but the clock: run them at once (up to the next publish)
+        k = 1
+        if n == decode_steps and (qi >= nq or live.size == slots):
+            k = max((int(rem.min()) - 1) // n, 1)
+        if publish and published < publish.times:
+            k = min(k, publish.every - chunks % publish.every)
+        got = int(np.minimum(rem, n * k).sum())
+        tokens += got
+        left[live] = np.where(rem > n * k, rem - n * k, -1)
+        done += int((rem <= n * k).sum())
+        steps, chunks, slot_steps = steps + n * k, chunks + k, slot_steps + n * k * rows
+        dec += n * k * costs.step(got / (n * k) if costs.by_live else rows)
+        host += k * costs.chunk_s
+        if publish and chunks % publish.every == 0 and published < publish.times:
+            published += 1
+            if publish.reprefill:  # the context of every response still in flight
+                held = left > 0
+                context = publish.prompt_length * int(held.sum())
+                rep += (context + int((length - left)[held].sum())) * costs.reprefill_token_s
+        mark()
+    t = pre + ins + dec + host + rep
     t0, s0, k0 = last_insert if last_insert is not None else (t, slot_steps, tokens)
     return Schedule(
         total_s=t,
@@ -173,4 +231,27 @@ def simulate(
         drain_s=t - t0,
         drain_slot_steps=slot_steps - s0,
         drain_tokens=tokens - k0,
+        reprefill_s=rep,
+        publishes=published,
+        marks=tuple(marks),
     )
+
+
+def carried(
+    lengths: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    batch: int,
+    steps: int,
+    warmup: int = 1,
+    **kw: object,
+) -> float:
+    """Seconds per step of a carried rollout: each step ends at ``batch`` finished
+    responses and the unfinished ones go on into the next, so the slots never drain. The
+    mean time between the marks of steps ``warmup`` and ``warmup + steps`` of a replay of
+    ``lengths`` (``simulate``'s other arguments in ``kw``), which must outlast them with
+    the queue not yet empty."""
+    s = simulate(lengths, batch=batch, **kw)  # type: ignore[arg-type]
+    end = warmup + steps
+    if len(s.marks) < end or s.marks[end - 1] > s.total_s - s.drain_s:
+        raise ValueError(f"lengths too few for {steps} carried steps of {batch} after {warmup}")
+    return (s.marks[end - 1] - s.marks[warmup - 1]) / steps
