@@ -1,6 +1,8 @@
 """The rollout schedule model (``magic_jax.rollout.schedule``) on cases worked by hand;
 ``benchmarks/rollout_schedule.py`` checks it against the engine."""
 
+import dataclasses
+
 import pytest
 
 from magic_jax.rollout.schedule import Costs, Publish, carried, simulate
@@ -85,3 +87,15 @@ def test_a_carried_rollout_has_no_drain_and_needs_lengths_that_outlast_its_steps
     plain = simulate(tail[:4], **kw).total_s
     assert plain == 11.0
     assert carried(tail, batch=4, steps=6, warmup=2, **kw) < 0.5 * plain
+
+
+def test_chunks_in_which_nothing_ends_are_counted_one_by_one():
+    # 199 decode steps in chunks of 8: 24 whole chunks run at once, then one of 7
+    s = simulate([[200] * 4], slots=4, decode_steps=8, costs=COSTS)
+    assert (s.steps, s.chunks, s.slot_steps, s.tokens) == (199, 25, 796, 796)
+    assert s.host_s == pytest.approx(25 * 0.25) and s.decode_s == pytest.approx(199 * 2.0)
+    # a publish every 5 chunks stops the run of chunks at each one
+    pub = Publish(every=5, times=3, reprefill=True, prompt_length=0)
+    p = simulate([[200] * 4], slots=4, decode_steps=8,
+                 costs=dataclasses.replace(COSTS, reprefill_token_s=1.0), publish=pub)  # fmt: skip
+    assert p.publishes == 3 and p.reprefill_s == 4 * (41 + 81 + 121)

@@ -119,6 +119,124 @@ class Schedule:
         return 1.0 - self.tokens / self.slot_steps if self.slot_steps else 0.0
 
 
+class _Lane:
+    """The state of one replayed lane (``simulate``'s arguments)."""
+
+    def __init__(
+        self, lengths, slots, decode_steps, costs, sizes, compact, whole_groups, publish, batch
+    ):
+        if slots < 1 or decode_steps < 1:
+            raise ValueError(f"slots and decode_steps must be >= 1, got {slots}, {decode_steps}")
+        flat = np.asarray(lengths, np.int64)
+        self.g = flat.shape[1] if flat.ndim == 2 else 0
+        self.flat = flat.reshape(-1)
+        self.qi = 0  # the queue: samples in prompt order from qi on
+        self.left = np.full(slots, -1, np.int64)  # decode steps left; -1: an empty slot
+        self.length = np.zeros(slots, np.int64)
+        self.slots, self.decode_steps, self.costs = slots, decode_steps, costs
+        self.sizes = sorted(set(sizes) | {slots})
+        self.compact, self.whole_groups, self.publish, self.batch = (
+            compact,
+            whole_groups,
+            publish,
+            batch,
+        )
+        self.dec = self.pre = self.ins = self.host = self.rep = 0.0
+        self.steps = self.chunks = self.slot_steps = self.tokens = 0
+        self.done = self.published = 0
+        self.marks: list[float] = []
+        self.last_insert: tuple[float, int, int] | None = None  # when the queue emptied
+
+    @property
+    def t(self) -> float:
+        return self.pre + self.ins + self.dec + self.host + self.rep
+
+    @property
+    def queued(self) -> bool:
+        return self.qi < self.flat.size
+
+    def mark(self) -> None:
+        while self.batch and self.done >= (len(self.marks) + 1) * self.batch:
+            self.marks.append(self.t)
+
+    def fill(self) -> int:
+        """Inserts from the queue into the free slots; returns how many went in."""
+        free, k, g, c = np.flatnonzero(self.left < 0), 0, self.g, self.costs
+        while self.queued:
+            n = g if (self.whole_groups or (self.qi % g == 0 and free.size - k >= g)) else 1
+            if n > free.size - k:
+                break
+            if self.qi % g == 0:  # the prompt's first sample: its prefill
+                self.pre += c.prefill_s
+            self.ins += c.insert_s
+            into, got = free[k : k + n], self.flat[self.qi : self.qi + n]
+            self.length[into] = got
+            self.left[into] = np.maximum(got - 1, 0)  # the prefill gave one token
+            k, self.qi = k + n, self.qi + n
+        ended = self.left == 0  # one token, from the prefill: done at once
+        self.done += int(ended.sum())
+        self.left[ended] = -1
+        self.mark()
+        if not self.queued and self.last_insert is None:
+            self.last_insert = (self.t, self.slot_steps, self.tokens)
+        return k
+
+    def chunk(self, live: np.ndarray) -> None:
+        """Decodes one chunk over the ``live`` slots (or several in which nothing ends)."""
+        rows, min_live, pub = self.slots, 0, self.publish
+        if self.compact and not self.queued:
+            rows = min(x for x in self.sizes if x >= live.size)
+            min_live = max([x for x in self.sizes if x < rows], default=0)
+        # the chunk ends after decode_steps, or once at most min_live rows have tokens left
+        rem = self.left[live]
+        done_by = np.partition(rem, rem.size - min_live - 1)[rem.size - min_live - 1]
+        n = int(min(self.decode_steps, done_by))
+        # whole chunks in which no response ends and nothing waits for a free slot change
+        # nothing but the clock: run them at once (up to the next publish)
+        k = 1
+        if n == self.decode_steps and (not self.queued or live.size == self.slots):
+            k = max((int(rem.min()) - 1) // n, 1)
+        if pub and self.published < pub.times:
+            k = min(k, pub.every - self.chunks % pub.every)
+        got = int(np.minimum(rem, n * k).sum())
+        self.tokens += got
+        self.left[live] = np.where(rem > n * k, rem - n * k, -1)
+        self.done += int((rem <= n * k).sum())
+        self.steps, self.chunks = self.steps + n * k, self.chunks + k
+        self.slot_steps += n * k * rows
+        self.dec += n * k * self.costs.step(got / (n * k) if self.costs.by_live else rows)
+        self.host += k * self.costs.chunk_s
+        if pub and self.chunks % pub.every == 0 and self.published < pub.times:
+            self.published += 1
+            if pub.reprefill:  # the context of every response still in flight
+                held = self.left > 0
+                context = pub.prompt_length * int(held.sum())
+                context += int((self.length - self.left)[held].sum())
+                self.rep += context * self.costs.reprefill_token_s
+        self.mark()
+
+    def schedule(self) -> Schedule:
+        t = self.t
+        t0, s0, k0 = self.last_insert or (t, self.slot_steps, self.tokens)
+        return Schedule(
+            total_s=t,
+            decode_s=self.dec,
+            prefill_s=self.pre,
+            insert_s=self.ins,
+            host_s=self.host,
+            steps=self.steps,
+            chunks=self.chunks,
+            slot_steps=self.slot_steps,
+            tokens=self.tokens,
+            drain_s=t - t0,
+            drain_slot_steps=self.slot_steps - s0,
+            drain_tokens=self.tokens - k0,
+            reprefill_s=self.rep,
+            publishes=self.published,
+            marks=tuple(self.marks),
+        )
+
+
 def simulate(
     lengths: Sequence[Sequence[int]] | np.ndarray,
     *,
@@ -145,96 +263,15 @@ def simulate(
       publish: partial rollouts (None: off).
       batch: record ``marks`` every this many finished responses.
     """
-    if slots < 1 or decode_steps < 1:
-        raise ValueError(f"slots and decode_steps must be >= 1, got {slots}, {decode_steps}")
-    flat = np.asarray(lengths, np.int64)
-    g = flat.shape[1] if flat.ndim == 2 else 0
-    flat = flat.reshape(-1)
-    qi, nq = 0, flat.size  # the queue: samples in prompt order from qi on
-    left = np.full(slots, -1, np.int64)  # decode steps left; -1: an empty slot
-    length = np.zeros(slots, np.int64)
-    dec = pre = ins = host = rep = 0.0
-    steps = chunks = slot_steps = tokens = done = published = 0
-    marks: list[float] = []
-    last_insert = None  # (t, slot_steps, tokens) when the queue emptied
-    sizes = sorted(set(sizes) | {slots})
-
-    def mark() -> None:
-        while batch and done >= (len(marks) + 1) * batch:
-            marks.append(pre + ins + dec + host + rep)
-
-    while qi < nq or (left > 0).any():
-        free, k = np.flatnonzero(left < 0), 0
-        while qi < nq:
-            n = g if (whole_groups or (qi % g == 0 and free.size - k >= g)) else 1
-            if n > free.size - k:
-                break
-            if qi % g == 0:  # the prompt's first sample: its prefill
-                pre += costs.prefill_s
-            ins += costs.insert_s
-            into = free[k : k + n]
-            length[into] = flat[qi : qi + n]
-            left[into] = np.maximum(flat[qi : qi + n] - 1, 0)  # the prefill gave one token
-            k, qi = k + n, qi + n
-        ended = left == 0  # one token, from the prefill: done at once
-        done += int(ended.sum())
-        left[ended] = -1
-        mark()
-        if qi >= nq and last_insert is None:
-            last_insert = (pre + ins + dec + host + rep, slot_steps, tokens)
-        live = np.flatnonzero(left > 0)
-        if not live.size:
-            if k == 0 and qi < nq:
-                raise ValueError(f"a group of {g} samples does not fit {slots} slots")
-            continue
-        rows, min_live = slots, 0
-        if compact and qi >= nq:
-            rows = min(x for x in sizes if x >= live.size)
-            min_live = max([x for x in sizes if x < rows], default=0)
-        # the chunk ends after decode_steps, or once at most min_live rows have tokens left
-        rem = left[live]
-        done_by = np.partition(rem, rem.size - min_live - 1)[rem.size - min_live - 1]
-        n = int(min(decode_steps, done_by))
-        # whole chunks in which no response ends and nothing waits for a free slot change
-        # nothing but the clock: run them at once (up to the next publish)
-        k = 1
-        if n == decode_steps and (qi >= nq or live.size == slots):
-            k = max((int(rem.min()) - 1) // n, 1)
-        if publish and published < publish.times:
-            k = min(k, publish.every - chunks % publish.every)
-        got = int(np.minimum(rem, n * k).sum())
-        tokens += got
-        left[live] = np.where(rem > n * k, rem - n * k, -1)
-        done += int((rem <= n * k).sum())
-        steps, chunks, slot_steps = steps + n * k, chunks + k, slot_steps + n * k * rows
-        dec += n * k * costs.step(got / (n * k) if costs.by_live else rows)
-        host += k * costs.chunk_s
-        if publish and chunks % publish.every == 0 and published < publish.times:
-            published += 1
-            if publish.reprefill:  # the context of every response still in flight
-                held = left > 0
-                context = publish.prompt_length * int(held.sum())
-                rep += (context + int((length - left)[held].sum())) * costs.reprefill_token_s
-        mark()
-    t = pre + ins + dec + host + rep
-    t0, s0, k0 = last_insert if last_insert is not None else (t, slot_steps, tokens)
-    return Schedule(
-        total_s=t,
-        decode_s=dec,
-        prefill_s=pre,
-        insert_s=ins,
-        host_s=host,
-        steps=steps,
-        chunks=chunks,
-        slot_steps=slot_steps,
-        tokens=tokens,
-        drain_s=t - t0,
-        drain_slot_steps=slot_steps - s0,
-        drain_tokens=tokens - k0,
-        reprefill_s=rep,
-        publishes=published,
-        marks=tuple(marks),
-    )
+    lane = _Lane(lengths, slots, decode_steps, costs, sizes, compact, whole_groups, publish, batch)
+    while lane.queued or (lane.left > 0).any():
+        inserted = lane.fill()
+        live = np.flatnonzero(lane.left > 0)
+        if live.size:
+            lane.chunk(live)
+        elif not inserted and lane.queued:
+            raise ValueError(f"a group of {lane.g} samples does not fit {slots} slots")
+    return lane.schedule()
 
 
 def carried(
