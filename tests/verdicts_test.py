@@ -433,3 +433,12 @@ def test_the_readme_table_quotes_only_the_notes_of_predictions_that_held():
         r for rs in rows.values() for r in rs if r.prediction.note and r.verdict != "reproduced"
     )
     assert r.prediction.note not in corrected.label([r])
+
+
+def test_mean_sampler_kl_leaves_out_steps_that_did_not_update():
+    # a step whose groups were all filtered out trains nothing and records null
+    rows = [{"step": 0, "sampler_kl": 0.0}, {"step": 1, "sampler_kl": None},
+            {"step": 2, "sampler_kl": 0.3}, {"step": 3}]  # fmt: skip
+    run = Run("r", Path("."), rows, [], {})
+    assert OUTCOMES["mean sampler KL"](run) == pytest.approx(0.15)
+    assert math.isnan(OUTCOMES["mean sampler KL"](Run("r", Path("."), [{"step": 0}], [], {})))

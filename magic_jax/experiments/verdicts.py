@@ -224,8 +224,9 @@ def mean_alpha(run: Run) -> float:
 
 
 def mean_sampler_kl(run: Run) -> float:
-    """``sampler_kl`` (k3, the sampler to the weights at each update's start) averaged."""
-    v = [m["sampler_kl"] for m in run.metrics if "sampler_kl" in m]
+    """``sampler_kl`` (k3, the sampler to the weights at each update's start) averaged over
+    the steps that updated (a step with no group to train records null)."""
+    v = [m["sampler_kl"] for m in run.metrics if m.get("sampler_kl") is not None]
     return float(sum(v) / len(v)) if v else math.nan
 
 
