@@ -336,6 +336,6 @@ def schedule_lines(
             modes = [getattr(st[j], pick) for st in stages]
             if all(m is not None for m in modes):
                 h = sum(st[j].steps * m.step_s for st, m in zip(stages, modes, strict=True))
-                parts.append(f"{label} {h / 3600:.1f} h ({sync * 3600 / h:.2f}x)")
+                parts.append(f"{label} {h / 3600:.1f} h ({sync * 3600 / h if h else 0:.2f}x)")
         lines.append(f"[schedule] run, {shape.name}: " + "; ".join(parts))
     return lines
