@@ -187,15 +187,6 @@ fig  # noqa: B018 (the cell shows it)
 OVERLAP = [arm_key(s, kind) for kind in KINDS for s in STALENESS]
 
 
-def per_staleness(run, key):
-    """``{staleness: mean over the steps}`` of a per-staleness record ``key``."""
-    acc = {}
-    for m in run.metrics:
-        for s, v in (m.get(key) or {}).items():
-            acc.setdefault(int(s), []).append(float(v))
-    return {s: float(np.mean(v)) for s, v in sorted(acc.items())}
-
-
 def overlap_figure():
     fig = Figure(figsize=(13.5, 4.2), dpi=90)
     axes = fig.subplots(1, 3)
@@ -204,7 +195,7 @@ def overlap_figure():
         rs = runs.get(arm, [])
         style = "-o" if arm.endswith("naive") else "--s"
         for ax, key in zip(axes[:2], ("entropy_by_staleness", "clipfrac_by_staleness")):
-            per = [per_staleness(r, key) for r in rs]
+            per = [ablation_report.per_staleness(r, key) for r in rs]
             xs = sorted(set().union(*per)) if per else []
             ys = [np.mean([p[x] for p in per if x in p]) for x in xs]
             if xs:
@@ -340,23 +331,7 @@ print(ablation_report.world_table(ABLATION, runs))
 
 
 # %%
-def check_status():
-    for c in ablation_report.CHECKS[ABLATION]:
-        n_ref, n_arm = len(runs.get(c.reference, [])), len(runs.get(c.arm, []))
-        full = len(AB.seeds)
-        if min(n_ref, n_arm) < 2:
-            state = "pending (not enough seeds)"
-        elif min(n_ref, n_arm) < full:
-            state = "provisional (seeds missing)"
-        else:
-            state = "complete"
-        print(
-            f"{c.outcome}: {LABELS[c.arm]} ({n_arm}/{full} seeds) vs {LABELS[c.reference]} "
-            f"({n_ref}/{full} seeds): {state}"
-        )
-
-
-check_status()
+print("\n".join(ablation_report.seed_status(ABLATION, runs)))
 print()
 print(ablation_report.describe(ABLATION, runs))
 missing = sum(len(AB.seeds) - len(v) for v in done.values())

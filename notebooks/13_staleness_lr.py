@@ -76,16 +76,6 @@ fig  # noqa: B018 (the cell shows it)
 
 
 # %%
-def per_staleness(run, key):
-    """``{staleness: mean over the steps}`` of a per-staleness record ``key``."""
-    acc = {}
-    for m in run.metrics:
-        for s, v in (m.get(key) or {}).items():
-            if v is not None:
-                acc.setdefault(int(s), []).append(float(v))
-    return {s: float(np.mean(v)) for s, v in sorted(acc.items())}
-
-
 def behaviour_table():
     rows = []
     for arm in AB.arms:
@@ -100,7 +90,7 @@ def behaviour_table():
         ]
         cells = [arm.label, str(len(rs)), f"{kl:.4f}", f"{np.mean(clip):.4f}" if clip else "-"]
         for key in ("behaviour_weight_by_staleness", "capped_by_staleness"):
-            per = [per_staleness(r, key) for r in rs]
+            per = [ablation_report.per_staleness(r, key) for r in rs]
             keys = sorted(set().union(*per))
             means = [np.mean([p[k] for p in per if k in p]) for k in keys]
             cells.append(", ".join(f"{k}: {v:.3f}" for k, v in zip(keys, means)) or "-")
@@ -119,23 +109,7 @@ behaviour_table()
 
 
 # %%
-def check_status():
-    for c in ablation_report.CHECKS[ABLATION]:
-        n_ref, n_arm = len(runs.get(c.reference, [])), len(runs.get(c.arm, []))
-        full = len(AB.seeds)
-        if min(n_ref, n_arm) < 2:
-            state = "pending (not enough seeds)"
-        elif min(n_ref, n_arm) < full:
-            state = "provisional (seeds missing)"
-        else:
-            state = "complete"
-        print(
-            f"{c.outcome}: {LABELS[c.arm]} ({n_arm}/{full} seeds) vs {LABELS[c.reference]} "
-            f"({n_ref}/{full} seeds): {state}"
-        )
-
-
-check_status()
+print("\n".join(ablation_report.seed_status(ABLATION, runs)))
 print()
 print(ablation_report.describe(ABLATION, runs))
 missing = sum(len(AB.seeds) - len(v) for v in done.values())

@@ -411,3 +411,33 @@ def describe(
         *(f"  {rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),
     ]
     return "\n".join(lines)
+
+
+def seed_status(ablation: str, runs: Mapping[str, Sequence[Run]]) -> list[str]:
+    """One line per check of ``ablation``: its arms' seeds so far, and whether it is pending
+    (fewer than 2 seeds a side), provisional (seeds missing) or complete."""
+    ab = ABLATIONS[ablation]
+    labels, full, lines = {a.key: a.label for a in ab.arms}, len(ab.seeds), []
+    for c in CHECKS[ablation]:
+        n_ref, n_arm = len(runs.get(c.reference, [])), len(runs.get(c.arm, []))
+        if min(n_ref, n_arm) < 2:
+            state = "pending (not enough seeds)"
+        elif min(n_ref, n_arm) < full:
+            state = "provisional (seeds missing)"
+        else:
+            state = "complete"
+        lines.append(
+            f"{c.outcome}: {labels[c.arm]} ({n_arm}/{full} seeds) vs {labels[c.reference]} "
+            f"({n_ref}/{full} seeds): {state}"
+        )
+    return lines
+
+
+def per_staleness(run: Run, key: str) -> dict[int, float]:
+    """``{staleness: mean over the steps}`` of a per-staleness record ``key`` of a run."""
+    acc: dict[int, list[float]] = {}
+    for m in run.metrics:
+        for s, v in (m.get(key) or {}).items():
+            if v is not None:
+                acc.setdefault(int(s), []).append(float(v))
+    return {s: sum(v) / len(v) for s, v in sorted(acc.items())}

@@ -224,8 +224,7 @@ def mean_alpha(run: Run) -> float:
 
 
 def mean_sampler_kl(run: Run) -> float:
-    """``sampler_kl`` (k3, the sampler to the weights at each update's start) averaged over
-    the steps that updated (a step with no group to train records null)."""
+    """``sampler_kl`` (k3, sampler to weights at each update's start), mean over updates."""
     v = [m["sampler_kl"] for m in run.metrics if m.get("sampler_kl") is not None]
     return float(sum(v) / len(v)) if v else math.nan
 
