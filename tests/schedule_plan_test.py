@@ -2,6 +2,7 @@
 (no TPU)."""
 
 import dataclasses
+import gzip
 import json
 import subprocess
 import sys
@@ -48,6 +49,16 @@ def test_a_run_shape_is_fitted_to_its_last_steps(tmp_path):
     shape = parse_shape(f"run:{tmp_path}")
     assert (shape.mean, shape.clipped) == pytest.approx((0.4, 0.1))
     assert "its last 20 steps" in shape.describe()
+    # a committed ablation run's records are compressed; none truncated is taken as 0.1%
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    rows = [dict(r, truncated_fraction=0.0) for r in rows]
+    (packed / "metrics.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    )
+    shape = parse_shape(f"run:{packed}")
+    assert (shape.mean, shape.clipped) == pytest.approx((0.4, 0.001))
+    assert "0.1% reach T" in shape.describe() and "0.00% at T taken as 0.1%" in shape.describe()
 
 
 def test_the_drain_costs_what_a_carried_rollout_saves_and_nothing_when_all_end_together():

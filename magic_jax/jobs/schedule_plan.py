@@ -43,6 +43,7 @@ Per stage and shape, U the update on all N devices:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -113,9 +114,9 @@ class LengthShape:
     def describe(self) -> str:
         if self.clipped >= 1.0:
             return f"{self.name}: every response T"
-        return f"{self.name}: lognormal, mean {self.mean:.2f} T, {self.clipped:.0%} reach T" + (
-            f" ({self.about})" if self.about else ""
-        )
+        about = f" ({self.about})" if self.about else ""
+        share = f"{self.clipped * 100:.2g}%"
+        return f"{self.name}: lognormal, mean {self.mean:.2f} T, {share} reach T{about}"
 
 
 def from_records(run_dir: str) -> LengthShape:
@@ -123,10 +124,15 @@ def from_records(run_dir: str) -> LengthShape:
     from magic_jax import storage
 
     where = storage.path(run_dir) / "metrics.jsonl"
-    if not where.is_file():
+    packed = where.with_name("metrics.jsonl.gz")  # a committed ablation run's records
+    if not where.is_file() and not packed.is_file():
         raise ValueError(f"--lengths run:{run_dir}: no {where}")
+    if where.is_file():
+        text = where.read_text()
+    else:
+        where, text = packed, gzip.decompress(packed.read_bytes()).decode()
     rows = []
-    for i, line in enumerate(where.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
@@ -139,7 +145,9 @@ def from_records(run_dir: str) -> LengthShape:
     mean = float(np.mean([r["response_length_mean"] / r["max_response_length"] for r in rows]))
     clipped = float(np.mean([r.get("truncated_fraction", 0.0) for r in rows]))
     about = f"{run_dir}, its last {len(rows)} steps"
-    return LengthShape(f"run:{run_dir}", mean, min(max(clipped, 1e-3), mean / 2), about)
+    if clipped < 1e-3:  # a lognormal needs some share at T
+        about, clipped = about + f"; {clipped:.2%} at T taken as 0.1%", 1e-3
+    return LengthShape(f"run:{run_dir}", mean, min(clipped, mean / 2), about)
 
 
 def parse_shape(spec: str) -> LengthShape:
