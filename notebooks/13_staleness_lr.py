@@ -122,8 +122,8 @@ if missing:
 # 20 of the 60 runs: the arms every prediction compares (naive, decoupled and trust at s4 and
 # lr 3e-4; decoupled at s4 and lr 1e-4), 5 seeds each, seed-major; the 8 descriptive arms
 # (s1, and naive and trust at lr 1e-4) are not run yet, so the claim is not in the claims'
-# table. Training code as at 3b8d801 (runs at 1be4a38 with an uncommitted change outside
-# training, then at 378c84a). One outcome was fixed before judging: `mean sampler KL` failed
+# table. Training code as at 3b8d801: the runs span 7 commits after it, 12 with uncommitted
+# changes, none in code training uses (planner, schedule model, analysis). One outcome was fixed before judging: `mean sampler KL` failed
 # on the null `sampler_kl` of steps that trained nothing; it now averages the steps that
 # updated (the declared measure).
 #
