@@ -40,7 +40,9 @@ def _cfg(root, out, *more):
 
 def _clean(row):
     """A record without its wall-clock fields (they differ between any two runs)."""
-    return {k: v for k, v in row.items() if not k.startswith("t_") and k != "rollout_tokens_per_s"}
+    # publish_bytes (rollout.hosts): a resumed rollout pulls again the version it starts under
+    skip = ("rollout_tokens_per_s", "publish_bytes")
+    return {k: v for k, v in row.items() if not k.startswith("t_") and k not in skip}
 
 
 def _records(out):

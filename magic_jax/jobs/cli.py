@@ -120,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.config or _default_config(), args.set or ())
         hosts.RUN_DIR[0] = config.output_dir
-        if config.mesh is not None:
+        if config.mesh is not None and config.rollout.hosts is None:
             hosts.start()
         summary = Trainer(config).run(stop_after=args.stop_after)
     stopped = summary.get("stopped_by")

@@ -173,6 +173,9 @@ class RolloutConfig(EngineOptions):
       devices: with ``overlap`` and a ``mesh``, the first this many devices generate
         (their own mesh, weights resharded to it when published) and the others
         update (``mesh`` over them); null: both share every device.
+      hosts: with ``overlap``, the job's first this many processes generate and the
+        others update, as two JAX runtimes with the weights pulled across at each
+        version (``run/remote.py``); 1 for now, in a job of 2 processes.
     """
 
     truncation: Literal["no_eos", "length"] = "no_eos"
@@ -183,6 +186,7 @@ class RolloutConfig(EngineOptions):
     publish_chunks: int | None = None
     publish_cache: Literal["keep", "reprefill"] = "keep"
     devices: int | None = None
+    hosts: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -192,14 +196,21 @@ class RolloutConfig(EngineOptions):
             raise ValueError(f"refill_max_rounds: must be >= 1, got {self.refill_max_rounds}")
         if self.mode not in ("sync", "overlap"):
             raise ValueError(f"mode: must be 'sync' or 'overlap', got {self.mode!r}")
-        for name, low in (("max_staleness", 0), ("publish_chunks", 1), ("devices", 1)):
+        for name, low in (
+            ("max_staleness", 0),
+            ("publish_chunks", 1),
+            ("devices", 1),
+            ("hosts", 1),
+        ):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
         if self.max_staleness is None:
             raise ValueError("max_staleness: must be an integer >= 0, got None")
-        if self.mode == "sync" and (self.publish_chunks is not None or self.devices is not None):
-            raise ValueError("publish_chunks and devices: need mode: overlap")
+        if self.mode == "sync" and (self.publish_chunks, self.devices, self.hosts) != (None,) * 3:
+            raise ValueError("publish_chunks, devices and hosts: need mode: overlap")
+        if self.hosts is not None and self.devices is not None:
+            raise ValueError("hosts and devices: split by processes or by devices, not both")
         if self.publish_cache not in ("keep", "reprefill"):
             raise ValueError(
                 f"publish_cache: must be 'keep' or 'reprefill', got {self.publish_cache!r}"

@@ -291,6 +291,17 @@ def staleness_metrics(groups: Any, step: int) -> dict[str, Any]:
     }
 
 
+def overlap_metrics(
+    got: Collected, step: int, wait_s: float, start_wait_s: float, seconds: float
+) -> dict[str, Any]:
+    """Step ``step``'s overlap metrics: ``staleness_metrics`` and the waits (the trainer's
+    for the rollout, the rollout's for its versions) and the rollout's own time."""
+    out = staleness_metrics(got.groups, step)
+    version_wait = start_wait_s + sum(st.version_wait_s for st in got.stats)
+    out.update(t_wait_rollout_s=wait_s, t_wait_version_s=version_wait, t_produce_s=seconds)
+    return out
+
+
 class OverlapRollouts:
     """Overlap mode's ``step_rollouts.StepRollouts``: the published versions, one
     producer per stage, the checkpoint item and each step's overlap metrics.
@@ -326,6 +337,7 @@ class OverlapRollouts:
         *,
         behaviour_clip: bool = False,
         log: Callable[[str], None] = print,
+        **kw: Any,
     ) -> OverlapRollouts | None:
         """The overlap of a run's ``rollout`` options; None in sync mode. With ``tis_cap``
         (decoupled PPO), a staleness and no ``behaviour_clip``, logs what the staleness
@@ -342,7 +354,9 @@ class OverlapRollouts:
                 "only trust region at one optimizer step per batch (not yet ablated)"
             )
         reprefill = rollout.publish_cache == "reprefill"
-        return cls(rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log)
+        return cls(
+            rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log, **kw
+        )
 
     def checkpoint_template(self, state: TrainState) -> Any:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
@@ -423,13 +437,10 @@ class OverlapRollouts:
                 reprefill=self.reprefill,
             )
         out, wait = self.pipeline.take(step)
-        got = out.got
-        extra = staleness_metrics(got.groups, step)
-        version_wait = out.start_wait_s + sum(st.version_wait_s for st in got.stats)
-        extra.update(t_wait_rollout_s=wait, t_wait_version_s=version_wait, t_produce_s=out.seconds)
+        extra = overlap_metrics(out.got, step, wait, out.start_wait_s, out.seconds)
         if self.reprefill:
-            extra["reprefills"] = sum(st.reprefills for st in got.stats)
-        return got, extra
+            extra["reprefills"] = sum(st.reprefills for st in out.got.stats)
+        return out.got, extra
 
     def close(self) -> list[int]:
         """Stops the producer; returns the steps it generated that were not taken."""
@@ -457,8 +468,9 @@ def split_meshes(
 
     if jax.process_count() > 1 and (rollout_devices is not None or overlap):
         raise ConfigError(
-            "rollout.mode: overlap runs in one process for now (its two threads' "
-            "collectives would have to run in the same order on every host)"
+            "rollout.mode: overlap runs its two threads in one process (their collectives "
+            "would have to run in the same order on every host); across hosts, "
+            "rollout.hosts gives each side its own process"
         )
     if mesh is None:
         return None, None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.collect import Collected
-    from magic_jax.rollout.protocols import Driver, Tokenizer
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Driver, Tokenizer, Verifiers
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.config import UpdateConfig
     from magic_jax.update.token_classes import TokenMask
@@ -177,6 +178,37 @@ def build_stage(
     )
     updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
+
+
+def collect_step(
+    config: TrainConfig,
+    stage: Stage,
+    step: int,
+    k: int,
+    driver: Driver,
+    params: Any,
+    tokenizer: Tokenizer,
+    pool: Verifiers,
+    store: StepStore | None,
+) -> Collected:
+    """Global step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its
+    rounds (the step's own prompts, then its refill rounds' with ``rollout.refill``),
+    sampled by ``driver`` with ``params`` and scored by ``pool``."""
+    import jax
+
+    from magic_jax.rollout.collect import CollectSpec, collect_groups
+    from magic_jax.rollout.scoring import Scoring
+
+    st, ro = stage.config, config.rollout
+    rounds = [stage.batches[k]]
+    if ro.refill:
+        first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
+        rounds += [stage.refill_batches[first + r] for r in range(n)]
+    scoring = Scoring(tokenizer, pool, ro.truncation, per_host=jax.process_count() > 1)
+    spec = CollectSpec(
+        scoring, st.group_size, st.prompts_per_step, config.advantage, config.seed, ro.refill
+    )
+    return collect_groups(driver, params, rounds, spec, step=step, saved=store)
 
 
 def planned_stage(config: TrainConfig, step: int) -> StageConfig:

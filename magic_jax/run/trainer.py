@@ -48,7 +48,14 @@ from magic_jax.run.config_dict import to_dict
 from magic_jax.run.evaluation import Evaluator, tokenize_logged
 from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
-from magic_jax.run.stages import LoopState, Stage, build_stage, pack_step, update_config
+from magic_jax.run.stages import (
+    LoopState,
+    Stage,
+    build_stage,
+    collect_step,
+    pack_step,
+    update_config,
+)
 from magic_jax.run.step_rollouts import StepRollouts, SyncRollouts
 from magic_jax.run.step_row import format_eval, format_row, step_row
 
@@ -92,9 +99,10 @@ class RunInputs:
 
 
 def load_inputs(
-    cfg: TrainConfig, *, log: Callable[[str], None] = print
+    cfg: TrainConfig, *, log: Callable[[str], None] = print, meshes: tuple[Any, Any] | None = None
 ) -> tuple[RunInputs, Params]:
     """The run's policy, tokenizer, meshes and training prompts, and the initial weights.
+    ``meshes``: (the update's, the rollout's) where not ``overlap.split_meshes``'.
 
     Raises:
       ConfigError: no prompt fits ``data.max_prompt_length``.
@@ -105,7 +113,9 @@ def load_inputs(
 
     ro = cfg.rollout
     ov = ro.mode == "overlap"
-    mesh, rollout_mesh = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=log)
+    if meshes is None:
+        meshes = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=log)
+    mesh, rollout_mesh = meshes
     model = load_policy(cfg.model, cfg.param_dtype, mesh)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -208,7 +218,14 @@ class Trainer:
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
             raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
-        if cfg.mesh is not None:
+        self.remote = None
+        if cfg.rollout.hosts is not None:  # two runtimes: process 0 generates, 1 updates
+            from magic_jax.run import remote, rollout_worker
+
+            self.remote = remote.side_of(cfg)
+            if self.remote.generates:
+                return rollout_worker.serve(cfg, self.remote, log=self.log)
+        elif cfg.mesh is not None:
             # before anything asks jax for devices or the process index
             maybe_initialize_distributed()
         raw = to_dict(cfg)
@@ -245,8 +262,17 @@ class Trainer:
             self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
         state = init_train_state(params, update_config(cfg, 0), mesh=self.inputs.mesh)
         del params  # the train state owns the weights now
-        overlap = OverlapRollouts.of(
-            cfg.rollout, cfg.loss.tis_cap, behaviour_clip=cfg.loss.behaviour_clip, log=self.log
+        source, kw = OverlapRollouts, {}
+        if self.remote is not None:  # another process generates
+            from magic_jax.run.remote import RemoteRollouts
+
+            source, kw = RemoteRollouts, {"side": self.remote, "config": to_dict(cfg)}
+        overlap = source.of(
+            cfg.rollout,
+            cfg.loss.tis_cap,
+            behaviour_clip=cfg.loss.behaviour_clip,
+            log=self.log,
+            **kw,
         )
         self.rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
         self.ckpts: TrainCheckpoints = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
@@ -478,24 +504,9 @@ class Trainer:
         pool: Verifiers,
         store: StepStore | None,
     ) -> Collected:
-        """Step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its rounds."""
-        import jax
-
-        from magic_jax.rollout.collect import CollectSpec, collect_groups
-        from magic_jax.rollout.scoring import Scoring
-
-        cfg, st, ro = self.config, stage.config, self.config.rollout
-        rounds = [stage.batches[k]]
-        if ro.refill:
-            first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
-            rounds += [stage.refill_batches[first + r] for r in range(n)]
-        scoring = Scoring(
-            self.inputs.tokenizer, pool, ro.truncation, per_host=jax.process_count() > 1
-        )
-        spec = CollectSpec(
-            scoring, st.group_size, st.prompts_per_step, cfg.advantage, cfg.seed, ro.refill
-        )
-        return collect_groups(driver, params, rounds, spec, step=step, saved=store)
+        """Step ``step``'s (stage step ``k``'s) groups (``stages.collect_step``)."""
+        tok = self.inputs.tokenizer
+        return collect_step(self.config, stage, step, k, driver, params, tok, pool, store)
 
 
 def _counts(state: Any) -> dict[str, Any]:

@@ -1,0 +1,184 @@
+"""Overlap across processes (``rollout.hosts: 1``): ``magic-jax train`` as typed on two
+processes of 4 CPU devices each, process 0 generating and process 1 updating, each its
+own JAX runtime, the weights pulled across by ``jax.experimental.transfer``.
+
+At staleness 0 the run equals the same device split in one process of 8 devices
+(``rollout.devices: 4``); at staleness 1 it repeats exactly; a SIGTERM to either process
+mid-rollout ends both in seconds, and the same command resumes to the uninterrupted run.
+Records are compared without their wall-clock fields."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from resume_test import _records, _weights, assert_same_run
+from trainer_test import files as files  # a fixture, used by name
+
+from magic_jax import interrupt
+from magic_jax.run import rundir
+
+# The run: the tiny two-stage sums run, fsdp over each side's 4 devices, fp32 export.
+SETS = (
+    "rollout.mode=overlap",
+    "mesh={data: 1, fsdp: -1, tensor: 1}",
+    "export_dtype=float32",
+    # a resumed step decodes its unfinished groups in a smaller batch: without compaction,
+    # bit for bit (stop_resume_test.py's reason)
+    "rollout.compact_batch=false",
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cmd(out, *more):
+    sets = [x for o in (*SETS, f"output_dir={out}", *more) for x in ("--set", o)]
+    return [sys.executable, "-m", "magic_jax.jobs.cli", "train", "run.yaml", *sets]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("remote_cache")
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                MAGIC_JAX_COMPILATION_CACHE=str(cache))  # fmt: skip
+
+
+def _two(files, out, env, *more, stop_at=None, timeout=300):
+    """Both processes of ``magic-jax train ... rollout.hosts=1``; ``stop_at`` (process id,
+    ``MAGIC_JAX_STOP_AT``) makes that process SIGTERM itself there. Returns (exit codes,
+    logs, seconds from that SIGTERM to the last exit or None)."""
+    port = _port()
+    procs, logs = [], [files / f"{out}.{i}.{time.time_ns()}.log" for i in range(2)]
+    for i in range(2):
+        e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                 MAGIC_JAX_COORDINATOR=f"localhost:{port}", MAGIC_JAX_NUM_PROCESSES="2",
+                 MAGIC_JAX_PROCESS_ID=str(i))  # fmt: skip
+        if stop_at is not None and stop_at[0] == i:
+            e[interrupt.STOP_AT_ENV] = stop_at[1]
+        with open(logs[i], "w") as f:
+            cmd = _cmd(files / out, "rollout.hosts=1", *more)
+            procs.append(
+                subprocess.Popen(cmd, cwd=files, env=e, stdout=f, stderr=subprocess.STDOUT)
+            )
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+        ended = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [log.read_text() for log in logs]
+    sent = re.search(r"\[test\] SIGTERM at ([\d.]+)", "".join(texts))
+    return codes, texts, None if sent is None else ended - float(sent.group(1))
+
+
+def _ok(files, out, env, *more):
+    codes, texts, _ = _two(files, out, env, *more)
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def stale1(files, env):
+    texts = _ok(files, "rm_s1", env, "rollout.max_staleness=1")
+    return files / "rm_s1", texts
+
+
+@pytest.mark.slow
+def test_staleness_0_on_two_processes_equals_the_same_split_in_one(files, env):
+    texts = _ok(files, "rm_s0", env, "rollout.max_staleness=0")
+    one = subprocess.run(
+        _cmd(files / "rm_one", "rollout.max_staleness=0", "rollout.devices=4"),
+        cwd=files,
+        env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "4 device(s) generate, 4 update" in one.stdout
+    got = _records(files / "rm_s0")
+    # each step's rollout pulled its version: bytes recorded, the time printed per version
+    raw = rundir.read_records(files / "rm_s0" / "metrics.jsonl")
+    assert all(r["publish_bytes"] > 0 and r["t_publish_s"] >= 0 for r in raw)
+    pulled = re.findall(r"\[rollout\] version (\d+): ([\d.]+) MiB pulled in ([\d.]+) s", texts[0])
+    assert [int(v) for v, _, _ in pulled] == [0, 1, 2, 3]
+    assert got == _records(files / "rm_one")
+    w1, w2 = _weights(files / "rm_one"), _weights(files / "rm_s0")
+    assert sorted(w1) == sorted(w2) and all((w1[k] == w2[k]).all() for k in w1)
+
+
+@pytest.mark.slow
+def test_staleness_1_on_two_processes_twice_is_the_same_run(files, env, stale1):
+    out, _ = stale1
+    _ok(files, "rm_s1_again", env, "rollout.max_staleness=1")
+    assert_same_run(out, files / "rm_s1_again")
+    hist = [r["staleness_tokens"] for r in rundir.read_records(out / "metrics.jsonl")]
+    assert set(hist[0]) == {"0"} and all(set(h) == {"1"} for h in hist[1:]), hist
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", [0, 1], ids=["rollout_process", "trainer_process"])
+def test_sigterm_mid_rollout_ends_both_then_the_same_command_resumes(files, env, stale1, who):
+    """SIGTERM to the rollout process at step 1's first decode chunk, or to the trainer's
+    while it waits for step 0's rollout: both exit 143 within seconds, then resume."""
+    out = f"rm_stop{who}"
+    at = "rollout:1:1" if who == 0 else "rollout:0:5"
+    codes, texts, secs = _two(files, out, env, "rollout.max_staleness=1", stop_at=(who, at))
+    assert codes == [143, 143], "\n".join(t[-3000:] for t in texts)
+    assert secs is not None and secs < 30, secs
+    print(f"[{out}] both processes ended {secs:.1f} s after the SIGTERM")
+    assert "[stop] SIGTERM: stopped at step" in texts[1]
+    _ok(files, out, env, "rollout.max_staleness=1")
+    assert_same_run(stale1[0], files / out)
+
+
+def test_hosts_needs_the_job_variables_and_one_process_a_side(files, monkeypatch):
+    from trainer_test import _config
+
+    from magic_jax.run.config import ConfigError
+    from magic_jax.run.remote import side_of
+
+    cfg = _config(files, "x", *SETS, "rollout.hosts=1")
+    for name in ("MAGIC_JAX_COORDINATOR", "MAGIC_JAX_NUM_PROCESSES", "MAGIC_JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="MAGIC_JAX_COORDINATOR"):
+        side_of(cfg)
+    monkeypatch.setenv("MAGIC_JAX_COORDINATOR", "10.0.0.2:8476")
+    monkeypatch.setenv("MAGIC_JAX_NUM_PROCESSES", "3")
+    monkeypatch.setenv("MAGIC_JAX_PROCESS_ID", "1")
+    with pytest.raises(ConfigError, match="one generating and one updating process"):
+        side_of(cfg)
+    monkeypatch.setenv("MAGIC_JAX_NUM_PROCESSES", "2")
+    assert side_of(cfg) == type(side_of(cfg))(False, "10.0.0.2", 8476)
+    monkeypatch.setenv("MAGIC_JAX_PROCESS_ID", "0")
+    assert side_of(cfg).generates
+    with pytest.raises(ValueError, match="hosts and devices"):
+        _config(files, "x", *SETS, "rollout.hosts=1", "rollout.devices=4")
+    with pytest.raises(ValueError, match="need mode: overlap"):
+        _config(files, "x", "rollout.hosts=1")
+
+
+def test_a_message_crosses_the_channel_and_a_closed_peer_is_said():
+    import numpy as np
+
+    from magic_jax.run.remote import Channel
+
+    a, b = socket.socketpair()
+    ca, cb = Channel(a, "a"), Channel(b, "b")
+    ca.send("rollout", step=3, got=np.arange(5))
+    kind, body = cb.get(5)
+    assert kind == "rollout" and body["step"] == 3 and list(body["got"]) == [0, 1, 2, 3, 4]
+    assert cb.get(0.05) is None
+    ca.close()
+    assert cb.get(5) == ("closed", {})
+    # the peer is gone: a send fails (the first may still fill the socket's buffer)
+    assert not all(cb.try_send("x", pad=b"0" * 65536) for _ in range(50))
+    cb.close()
