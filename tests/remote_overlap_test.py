@@ -95,8 +95,22 @@ def stale1(files, env):
 @pytest.mark.slow
 def test_staleness_0_on_two_processes_equals_the_same_split_in_one(files, env):
     texts = _ok(files, "rm_s0", env, "rollout.max_staleness=0")
+    one = _one(files, "rm_one", env, "rollout.max_staleness=0")
+    got = _records(files / "rm_s0")
+    # each step's rollout pulled its version: bytes recorded, the time printed per version
+    raw = rundir.read_records(files / "rm_s0" / "metrics.jsonl")
+    assert all(r["publish_bytes"] > 0 and r["t_publish_s"] >= 0 for r in raw)
+    pulled = re.findall(r"\[rollout\] version (\d+): ([\d.]+) MiB pulled in ([\d.]+) s", texts[0])
+    assert [int(v) for v, _, _ in pulled] == [0, 1, 2, 3]
+    assert got == _records(one)
+    w1, w2 = _weights(one), _weights(files / "rm_s0")
+    assert sorted(w1) == sorted(w2) and all((w1[k] == w2[k]).all() for k in w1)
+
+
+def _one(files, out, env, *more):
+    """The same run in one process of 8 devices, split 4 generating / 4 updating."""
     one = subprocess.run(
-        _cmd(files / "rm_one", "rollout.max_staleness=0", "rollout.devices=4"),
+        _cmd(files / out, "rollout.devices=4", *more),
         cwd=files,
         env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
         capture_output=True,
@@ -104,15 +118,24 @@ def test_staleness_0_on_two_processes_equals_the_same_split_in_one(files, env):
     )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "4 device(s) generate, 4 update" in one.stdout
-    got = _records(files / "rm_s0")
-    # each step's rollout pulled its version: bytes recorded, the time printed per version
-    raw = rundir.read_records(files / "rm_s0" / "metrics.jsonl")
-    assert all(r["publish_bytes"] > 0 and r["t_publish_s"] >= 0 for r in raw)
-    pulled = re.findall(r"\[rollout\] version (\d+): ([\d.]+) MiB pulled in ([\d.]+) s", texts[0])
-    assert [int(v) for v, _, _ in pulled] == [0, 1, 2, 3]
-    assert got == _records(files / "rm_one")
-    w1, w2 = _weights(files / "rm_one"), _weights(files / "rm_s0")
-    assert sorted(w1) == sorted(w2) and all((w1[k] == w2[k]).all() for k in w1)
+    return files / out
+
+
+@pytest.mark.slow
+def test_partial_rollouts_with_reprefill_on_two_processes_equal_the_split_in_one(files, env):
+    """Staleness 2, the responses in flight moved to each new version every decode chunk
+    and prefilled again under it: which version samples which token follows the chunk
+    counts alone, so the pulls across processes change nothing."""
+    more = ("rollout.max_staleness=2", "rollout.publish_chunks=1", "rollout.decode_steps=1",
+            "rollout.publish_cache=reprefill")  # fmt: skip
+    _ok(files, "rm_s2r", env, *more)
+    one = _one(files, "rm_s2r_one", env, *more)
+    rows = rundir.read_records(files / "rm_s2r" / "metrics.jsonl")
+    assert sum(r["reprefills"] for r in rows) > 0
+    assert any(len(r["staleness_tokens"]) > 1 for r in rows)  # versions moved mid-rollout
+    assert _records(files / "rm_s2r") == _records(one)
+    w1, w2 = _weights(one), _weights(files / "rm_s2r")
+    assert all((w1[k] == w2[k]).all() for k in w1)
 
 
 @pytest.mark.slow
