@@ -163,6 +163,7 @@ def test_engine_options_are_the_rollout_sections(tmp_path):
         "publish_chunks",
         "publish_cache",
         "devices",
+        "hosts",
     }
     sets = ["rollout.cache_bucket=32", "rollout.layer_unroll=2", "rollout.decode_steps=8"]
     cfg = load_config(CONFIGS / "default.yaml", sets)

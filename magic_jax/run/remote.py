@@ -155,7 +155,7 @@ class Channel:
         self.sock.close()
 
 
-def _transfer_server(local_ip: str) -> Any:
+def transfer_server(local_ip: str) -> Any:
     from jax.experimental import transfer
 
     return transfer.start_transfer_server(
@@ -212,7 +212,7 @@ class RemoteRollouts(OverlapRollouts):
                     ) from None
                 time.sleep(0.5)
         sock.settimeout(None)
-        self.server = _transfer_server(sock.getsockname()[0])
+        self.server = transfer_server(sock.getsockname()[0])
         self.chan = Channel(sock, "trainer")
         leaves, mesh = layout(params)
         self.chan.send(

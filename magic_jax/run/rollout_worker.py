@@ -29,8 +29,8 @@ from magic_jax.run.remote import (
     Channel,
     PulledVersions,
     Side,
-    _transfer_server,
     pull_specs,
+    transfer_server,
     worker_meshes,
 )
 
@@ -40,9 +40,16 @@ if TYPE_CHECKING:
     from magic_jax.run.trainer import RunInputs
 
 
-def serve(config: TrainConfig, side: Side, *, log: Callable[[str], None] = print) -> dict:
+def serve(
+    config: TrainConfig,
+    side: Side,
+    load_inputs: Callable[..., tuple[RunInputs, Any]],
+    *,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Generates for the trainer's process until it says stop; returns the summary this
     process's exit status is read from (``stopped_by``: the stop's signal).
+    ``load_inputs``: ``trainer.load_inputs`` (the run's policy, tokenizer and prompts).
 
     Raises:
       ConfigError: the trainer runs another config, or its weights another layout.
@@ -50,7 +57,6 @@ def serve(config: TrainConfig, side: Side, *, log: Callable[[str], None] = print
     """
     from magic_jax.rewards import VerifierPool
     from magic_jax.run import rundir
-    from magic_jax.run.trainer import load_inputs
 
     listener = socket.create_server(("", side.port))
     log(f"[rollout] this process generates; the trainer's process connects to port {side.port}")
@@ -72,7 +78,7 @@ def serve(config: TrainConfig, side: Side, *, log: Callable[[str], None] = print
         raise RuntimeError(f"[rollout] the trainer's process did not say hello (got {got})")
     hello = got[1]
     _check_hello(config, hello, treedef.num_leaves, inputs.mesh)
-    conn = _transfer_server(sock.getsockname()[0]).connect(hello["transfer"])
+    conn = transfer_server(sock.getsockname()[0]).connect(hello["transfer"])
     specs = pull_specs(hello["leaves"], inputs.mesh)
     versions = PulledVersions(chan, conn, treedef, specs, log)
     with rundir.StopSignals(), VerifierPool(config.rewards) as pool:

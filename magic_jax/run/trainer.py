@@ -224,7 +224,7 @@ class Trainer:
 
             self.remote = remote.side_of(cfg)
             if self.remote.generates:
-                return rollout_worker.serve(cfg, self.remote, log=self.log)
+                return rollout_worker.serve(cfg, self.remote, load_inputs, log=self.log)
         elif cfg.mesh is not None:
             # before anything asks jax for devices or the process index
             maybe_initialize_distributed()
