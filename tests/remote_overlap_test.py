@@ -50,26 +50,37 @@ def env(tmp_path_factory):
                 MAGIC_JAX_COMPILATION_CACHE=str(cache))  # fmt: skip
 
 
-def _two(files, out, env, *more, stop_at=None, timeout=300):
+def _two(files, out, env, *more, stop_at=None, kill_at=None, timeout=300):
     """Both processes of ``magic-jax train ... rollout.hosts=1``; ``stop_at`` (process id,
-    ``MAGIC_JAX_STOP_AT``) makes that process SIGTERM itself there. Returns (exit codes,
-    logs, seconds from that SIGTERM to the last exit or None)."""
+    ``MAGIC_JAX_STOP_AT``) makes that process SIGTERM itself there, ``kill_at`` (process id,
+    ``MAGIC_JAX_KILL_AT``) SIGKILL itself. Returns (exit codes, logs, seconds from that
+    SIGTERM, or from the first exit, to the last exit)."""
     port = _port()
     procs, logs = [], [files / f"{out}.{i}.{time.time_ns()}.log" for i in range(2)]
     for i in range(2):
         e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                  MAGIC_JAX_COORDINATOR=f"localhost:{port}", MAGIC_JAX_NUM_PROCESSES="2",
                  MAGIC_JAX_PROCESS_ID=str(i))  # fmt: skip
-        if stop_at is not None and stop_at[0] == i:
-            e[interrupt.STOP_AT_ENV] = stop_at[1]
+        for key, at in ((interrupt.STOP_AT_ENV, stop_at), (interrupt.KILL_AT_ENV, kill_at)):
+            if at is not None and at[0] == i:
+                e[key] = at[1]
         with open(logs[i], "w") as f:
             cmd = _cmd(files / out, "rollout.hosts=1", *more)
             procs.append(
                 subprocess.Popen(cmd, cwd=files, env=e, stdout=f, stderr=subprocess.STDOUT)
             )
+    ended, deadline = {}, time.monotonic() + timeout
     try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-        ended = time.time()
+        while len(ended) < 2 and time.monotonic() < deadline:
+            ended.update(
+                {
+                    i: time.time()
+                    for i, p in enumerate(procs)
+                    if p.poll() is not None and i not in ended
+                }
+            )
+            time.sleep(0.05)
+        codes = [p.wait(timeout=1) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -77,7 +88,8 @@ def _two(files, out, env, *more, stop_at=None, timeout=300):
                 p.wait()
     texts = [log.read_text() for log in logs]
     sent = re.search(r"\[test\] SIGTERM at ([\d.]+)", "".join(texts))
-    return codes, texts, None if sent is None else ended - float(sent.group(1))
+    start = float(sent.group(1)) if sent else min(ended.values())
+    return codes, texts, max(ended.values()) - start
 
 
 def _ok(files, out, env, *more):
@@ -159,6 +171,30 @@ def test_sigterm_mid_rollout_ends_both_then_the_same_command_resumes(files, env,
     assert secs is not None and secs < 30, secs
     print(f"[{out}] both processes ended {secs:.1f} s after the SIGTERM")
     assert "[stop] SIGTERM: stopped at step" in texts[1]
+    _ok(files, out, env, "rollout.max_staleness=1")
+    assert_same_run(stale1[0], files / out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", [0, 1], ids=["rollout_process", "trainer_process"])
+def test_kill_9_of_either_process_ends_the_other_then_the_same_command_resumes(
+    files, env, stale1, who
+):
+    """SIGKILL of the rollout process at step 2's first finished sample, or of the trainer's
+    once step 1's update is dispatched: the other ends in one line (exit 1), and the same
+    command resumes to the uninterrupted run."""
+    out = f"rm_kill{who}"
+    at = "rollout:2" if who == 0 else "update:1"
+    codes, texts, secs = _two(files, out, env, "rollout.max_staleness=1", kill_at=(who, at))
+    assert codes[who] == -9 and codes[1 - who] == 1, "\n".join(t[-3000:] for t in texts)
+    said = (
+        "the rollout process closed the connection"
+        if who == 0
+        else "closed the connection without a stop"
+    )
+    assert said in texts[1 - who], texts[1 - who][-3000:]
+    assert secs < 30, secs
+    print(f"[{out}] the other process ended {secs:.1f} s after the kill")
     _ok(files, out, env, "rollout.max_staleness=1")
     assert_same_run(stale1[0], files / out)
 
