@@ -199,6 +199,22 @@ def test_kill_9_of_either_process_ends_the_other_then_the_same_command_resumes(
     assert_same_run(stale1[0], files / out)
 
 
+@pytest.mark.slow
+def test_a_finished_run_or_a_refused_directory_ends_both_at_once(files, env, stale1):
+    """The trainer's process tells the rollout process when it ends before its hello: the
+    run had finished (both exit 0), or its directory was refused (it exits 2, the rollout
+    process 1 with its message), in seconds, not at the rollout's wait limit."""
+    t0 = time.monotonic()
+    codes, texts, _ = _two(files, "rm_s1", env, "rollout.max_staleness=1")
+    assert codes == [0, 0] and "[rollout] the run has finished" in texts[0], texts
+    (files / "rm_stray").mkdir()
+    (files / "rm_stray" / "notes.txt").write_text("not a run")
+    codes, texts, secs = _two(files, "rm_stray", env, "rollout.max_staleness=1")
+    assert codes == [1, 2], texts
+    assert "the trainer's process failed: RunDirError" in texts[0], texts[0][-2000:]
+    assert time.monotonic() - t0 < 120 and secs < 30
+
+
 def test_hosts_needs_the_job_variables_and_one_process_a_side(files, monkeypatch):
     from trainer_test import _config
 
@@ -241,3 +257,26 @@ def test_a_message_crosses_the_channel_and_a_closed_peer_is_said():
     # the peer is gone: a send fails (the first may still fill the socket's buffer)
     assert not all(cb.try_send("x", pad=b"0" * 65536) for _ in range(50))
     cb.close()
+
+
+def test_the_trainer_says_stop_or_its_error_when_it_closes():
+    """``RemoteRollouts.close`` runs in the trainer's ``finally``: ``stop`` (with the stop's
+    signal, 0: none) after a run or a stop, its error while one propagates."""
+    from magic_jax.run.remote import Channel, RemoteRollouts, Side
+
+    def pair():
+        rr = RemoteRollouts(1, None, side=Side(False, "localhost", 1), config={}, log=print)
+        a, b = socket.socketpair()
+        rr.chan = Channel(a, "trainer")
+        return rr, Channel(b, "rollout")
+
+    rr, peer = pair()
+    rr.close()
+    assert peer.get(5) == ("stop", {"signum": 0})
+    rr, peer = pair()
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("boom")
+        finally:
+            rr.close()
+    assert peer.get(5) == ("error", {"text": "ValueError: boom"})

@@ -98,6 +98,33 @@ def side_of(config: TrainConfig) -> Side:
     return Side(args["process_id"] < hosts, host, int(port))
 
 
+def frame(kind: str, **body: Any) -> bytes:
+    """One message as ``Channel`` sends it."""
+    data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack("!Q", len(data)) + data
+
+
+def farewell(side: Side, error: BaseException | None) -> None:
+    """Tells a rollout process this trainer never said hello to that the job ends: ``stop``
+    (the run had finished) or ``error`` (the trainer failed first). Best effort, 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            sock = socket.create_connection((side.host, side.port), timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.5)
+    msg = frame("stop", signum=0) if error is None else frame("error", text=_said(error))
+    with contextlib.suppress(OSError), sock:
+        sock.sendall(msg)
+
+
+def _said(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 class Channel:
     """Pickled messages ``(kind, body)`` over one TCP connection, length-prefixed; sent from
     any thread, read by a thread of its own into ``inbox`` (``("closed", {})`` at the end).
@@ -111,9 +138,8 @@ class Channel:
         self._reader.start()
 
     def send(self, kind: str, **body: Any) -> None:
-        data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            self.sock.sendall(struct.pack("!Q", len(data)) + data)
+            self.sock.sendall(frame(kind, **body))
 
     def try_send(self, kind: str, **body: Any) -> bool:
         """``send``, False where the peer is gone."""
@@ -192,6 +218,7 @@ class RemoteRollouts(OverlapRollouts):
         self._wanted: queue.Queue[int | None] = queue.Queue()
         self._cancel = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.connected = False  # the hello was sent
 
     def resume(self, restored: Any, step: int) -> Any:
         state = super().resume(restored, step)
@@ -218,6 +245,7 @@ class RemoteRollouts(OverlapRollouts):
         self.chan.send(
             "hello", config=self.config, transfer=self.server.address(), leaves=leaves, mesh=mesh
         )
+        self.connected = True
         self.log(f"[overlap] the rollout process at {self.side.host}:{self.side.port} generates")
         for target, name in ((self._dispatch, "dispatch"), (self._offer, "offer")):
             t = threading.Thread(target=target, name=f"overlap-{name}", daemon=True)
@@ -320,10 +348,17 @@ class RemoteRollouts(OverlapRollouts):
             return self._results.pop(key)
 
     def close(self) -> list[int]:
-        """Tells the rollout process to stop (with this process's stop signal, if any)."""
+        """Tells the rollout process to stop, with this process's stop signal (0: none), or
+        that this process failed (when called as an error propagates)."""
+        import sys
+
         self._stage = None
         if self.chan is not None:
-            self.chan.try_send("stop", signum=interrupt.requested())
+            error = sys.exc_info()[1]
+            if error is None or isinstance(error, interrupt.Interrupted):
+                self.chan.try_send("stop", signum=interrupt.requested())
+            else:
+                self.chan.try_send("error", text=_said(error))
             self._cancel.set()
             self.versions.wake()
             self._wanted.put(None)

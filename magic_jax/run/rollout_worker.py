@@ -73,6 +73,12 @@ def serve(
     sock.settimeout(None)
     chan = Channel(sock, "rollout")
     got = chan.get(CONNECT_S)
+    if got is not None and got[0] in ("stop", "error"):
+        chan.close()  # the trainer's ended before it began: a finished run, or a failure
+        if got[0] == "stop":
+            log("[rollout] the run has finished: nothing to generate")
+            return {}
+        raise RuntimeError(f"[rollout] the trainer's process failed: {got[1]['text']}")
     if got is None or got[0] != "hello":
         chan.close()
         raise RuntimeError(f"[rollout] the trainer's process did not say hello (got {got})")
@@ -144,6 +150,8 @@ class _Worker:
                     self.versions.offered(body)
                 elif kind == "stop":
                     stop = body["signum"]
+                elif kind == "error":
+                    raise RuntimeError(f"[rollout] the trainer's process failed: {body['text']}")
                 elif kind == "closed":
                     stop = -1
         finally:

@@ -225,9 +225,20 @@ class Trainer:
             self.remote = remote.side_of(cfg)
             if self.remote.generates:
                 return rollout_worker.serve(cfg, self.remote, load_inputs, log=self.log)
-        elif cfg.mesh is not None:
+            try:
+                return self._in_run_dir(stop_after)
+            except BaseException as e:  # an end before the hello: the other side is told
+                if not getattr(getattr(self, "rollouts", None), "connected", False):
+                    remote.farewell(self.remote, e)
+                raise
+        if cfg.mesh is not None:
             # before anything asks jax for devices or the process index
             maybe_initialize_distributed()
+        return self._in_run_dir(stop_after)
+
+    def _in_run_dir(self, stop_after: int | None) -> dict[str, Any]:
+        """``run`` once this process's runtime is up: claims the directory and trains."""
+        cfg = self.config
         raw = to_dict(cfg)
         with contextlib.ExitStack() as stack:
             # Process 0 claims, locks and checks the directory; the others start once it
@@ -238,6 +249,10 @@ class Trainer:
                 )
             )
             if finished:
+                if self.remote is not None:
+                    from magic_jax.run.remote import farewell
+
+                    farewell(self.remote, None)
                 return rundir.finished_summary(self.out, cfg.total_steps) or {}
             signals = stack.enter_context(rundir.StopSignals())
             end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
