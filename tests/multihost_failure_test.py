@@ -20,9 +20,9 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "multihost_worker.py"
 
 
-def run_two(argv_of, env_of, logs_dir: Path, timeout: float):
-    """Starts processes 0 and 1 (argv_of(i), env_of(i)) with 4 CPU devices each; returns
-    their exit statuses, the times they ended (time.time()) and their logs."""
+def run_two(argv_of, env_of, logs_dir: Path, timeout: float, cwd: Path = HERE.parent):
+    """Starts processes 0 and 1 (argv_of(i), env_of(i)) with 4 CPU devices each, in
+    ``cwd``; returns their exit statuses, the times they ended (time.time()) and their logs."""
     base = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                 JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")  # fmt: skip
     logs = [logs_dir / f"process-{i}.log" for i in range(2)]
@@ -32,7 +32,7 @@ def run_two(argv_of, env_of, logs_dir: Path, timeout: float):
             with open(log, "w") as f:
                 env = dict(base, **env_of(i))
                 p = subprocess.Popen(argv_of(i), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                     cwd=HERE.parent)  # fmt: skip
+                                     cwd=cwd)  # fmt: skip
                 procs.append(p)
         ended = [None, None]
         deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from multihost_failure_test import run_two
 from resume_test import _records, _weights, assert_same_run
 from trainer_test import files as files  # a fixture, used by name
 
@@ -46,8 +47,10 @@ def _cmd(out, *more):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("remote_cache")
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                MAGIC_JAX_COMPILATION_CACHE=str(cache))  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               MAGIC_JAX_COMPILATION_CACHE=str(cache))  # fmt: skip
+    env.pop("XLA_FLAGS", None)  # this session's 8 devices: each command says its own count
+    return env
 
 
 def _two(files, out, env, *more, stop_at=None, kill_at=None, timeout=300):
@@ -56,40 +59,22 @@ def _two(files, out, env, *more, stop_at=None, kill_at=None, timeout=300):
     ``MAGIC_JAX_KILL_AT``) SIGKILL itself. Returns (exit codes, logs, seconds from that
     SIGTERM, or from the first exit, to the last exit)."""
     port = _port()
-    procs, logs = [], [files / f"{out}.{i}.{time.time_ns()}.log" for i in range(2)]
-    for i in range(2):
-        e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                 MAGIC_JAX_COORDINATOR=f"localhost:{port}", MAGIC_JAX_NUM_PROCESSES="2",
+
+    def env_of(i):
+        e = dict(env, MAGIC_JAX_COORDINATOR=f"localhost:{port}", MAGIC_JAX_NUM_PROCESSES="2",
                  MAGIC_JAX_PROCESS_ID=str(i))  # fmt: skip
         for key, at in ((interrupt.STOP_AT_ENV, stop_at), (interrupt.KILL_AT_ENV, kill_at)):
             if at is not None and at[0] == i:
                 e[key] = at[1]
-        with open(logs[i], "w") as f:
-            cmd = _cmd(files / out, "rollout.hosts=1", *more)
-            procs.append(
-                subprocess.Popen(cmd, cwd=files, env=e, stdout=f, stderr=subprocess.STDOUT)
-            )
-    ended, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(ended) < 2 and time.monotonic() < deadline:
-            ended.update(
-                {
-                    i: time.time()
-                    for i, p in enumerate(procs)
-                    if p.poll() is not None and i not in ended
-                }
-            )
-            time.sleep(0.05)
-        codes = [p.wait(timeout=1) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    texts = [log.read_text() for log in logs]
+        return e
+
+    logs = files / "logs" / f"{out}-{time.time_ns()}"
+    logs.mkdir(parents=True)
+    cmd = _cmd(files / out, "rollout.hosts=1", *more)
+    codes, ended, texts = run_two(lambda i: cmd, env_of, logs, timeout, cwd=files)
     sent = re.search(r"\[test\] SIGTERM at ([\d.]+)", "".join(texts))
-    start = float(sent.group(1)) if sent else min(ended.values())
-    return codes, texts, max(ended.values()) - start
+    start = float(sent.group(1)) if sent else min(ended)
+    return codes, texts, max(ended) - start
 
 
 def _ok(files, out, env, *more):
