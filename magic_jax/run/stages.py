@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Tokenizer, Verifiers
+    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.config import UpdateConfig
     from magic_jax.update.token_classes import TokenMask
@@ -186,7 +186,7 @@ def collect_step(
     step: int,
     k: int,
     driver: Driver,
-    params: Any,
+    params: Params,
     tokenizer: Tokenizer,
     pool: Verifiers,
     store: StepStore | None,
