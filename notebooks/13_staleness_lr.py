@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 13. Decoupled PPO's trust region at N_SGD 1 (pre-registered; 20 of 60 runs; KL reproduced)
+# # 13. Decoupled PPO's trust region at N_SGD 1 (pre-registered; inconclusive, KL reproduced)
 #
 # The claim: with naive PPO's clip against the behaviour policy kept beside the proximal one
 # (`loss.behaviour_clip`), decoupled PPO at staleness 4 and the shipped learning rate ends
@@ -119,13 +119,12 @@ if missing:
 # %% [markdown]
 # ## What the committed runs show
 #
-# 20 of the 60 runs: the arms every prediction compares (naive, decoupled and trust at s4 and
-# lr 3e-4; decoupled at s4 and lr 1e-4), 5 seeds each, seed-major; the 8 descriptive arms
-# (s1, and naive and trust at lr 1e-4) are not run yet, so the claim is not in the claims'
-# table. Training code as at 3b8d801: the runs span 7 commits after it, 12 with uncommitted
-# changes, none in code training uses (planner, schedule model, analysis). One outcome was fixed before judging: `mean sampler KL` failed
-# on the null `sampler_kl` of steps that trained nothing; it now averages the steps that
-# updated (the declared measure).
+# All 60 runs. Training code: the trainer was refactored during the runs without changing
+# what it computes (a run of 9c4d16b made again at 48dfeea gave the same 300 records,
+# evaluations and world statistics); nothing in the model, rollout or update code changed.
+# One outcome was fixed before judging: `mean sampler KL` failed on the null `sampler_kl`
+# of steps that trained nothing; it now averages the steps that updated (the declared
+# measure).
 #
 # **Primary, trust above decoupled: inconclusive.** Final held-out accuracy 0.494 against
 # 0.206 (+0.288, 95% CI +0.004 to +0.573; exact Mann-Whitney p = 0.095, 0.29 after Holm).
@@ -137,10 +136,12 @@ if missing:
 # **Trust's sampler KL below decoupled's: reproduced** (0.011 against 0.058, every seed
 # apart, p = 0.0079, 0.032 after Holm); naive's is 0.010.
 #
-# Descriptive: the behaviour clip zeroes 0.96% of tokens; the behaviour weight
-# pi_prox / pi_behaviour stays near 1 (0.988 for decoupled's 4-step-stale tokens, capped on
-# 0.3%), so truncated importance sampling changes little and the clip is what keeps the
-# policy near the sampler. Read with the other 40 runs still to come: with naive's clip (the
-# default's objective, or decoupled's with `loss.behaviour_clip`) the sampler KL stays at
-# 0.01 and accuracy at naive's; decoupled PPO alone at N_SGD 1 drifts 5-6 times further and
-# collapses on most seeds, less so with a smaller step.
+# Descriptive (the 8 arms no prediction compares): decoupled PPO alone ends lowest and
+# furthest from the sampler in all four cells of staleness x learning rate (staleness 1, lr
+# 3e-4: 0.437 against naive's 0.599 and trust's 0.554, KL 0.005 against 0.001), far apart
+# only at staleness 4 and lr 3e-4; at lr 1e-4 the three objectives end within 0.07 of each
+# other, KL at most 0.003. The behaviour clip zeroes 0.96% of tokens and the behaviour
+# weight pi_prox / pi_behaviour stays near 1 (0.988 for decoupled's 4-step-stale tokens,
+# capped on 0.3%), so truncated importance sampling changes little and the clip is what keeps
+# the policy near the sampler. With naive's clip (the default's objective, or decoupled's
+# with `loss.behaviour_clip`) the sampler KL and the accuracy stay at naive's.
