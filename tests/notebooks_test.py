@@ -328,7 +328,10 @@ def test_the_notebooks_readme_holds_the_table_of_the_committed_runs(tmp_path, mo
     assert tables["summary"].read_text().strip() in readme
     for key in ("effects", "runs", "self_noise"):  # the longer tables, committed beside it
         committed = ROOT / "notebooks" / "figures" / f"{key}.md"
-        assert committed.read_text() == tables[key].read_text(), f"regenerate {committed}"
+        assert committed.read_text() == tables[key].read_text(), (
+            f"regenerate {committed} after committing the runs: its last column names the "
+            "commit that added each run.json"
+        )
         assert f"](figures/{key}.md)" in readme
     for key, ab in ablations.ABLATIONS.items():
         if not any(ablations.is_done(COMMITTED, a, s) for a in ab.arms for s in ab.seeds):
