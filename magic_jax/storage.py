@@ -24,7 +24,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -275,16 +275,28 @@ def _local_file(text: str) -> str | None:
 
 
 def _path_local(e: BaseException) -> str | None:
-    """The innermost local path among the variables of the frames ``e`` passed through."""
+    """The innermost local path among the frames ``e`` passed through: a file the frame
+    had open (a buffered write's ENOSPC comes at ``close`` and names no file), else a
+    variable holding an absolute path."""
     found, tb = None, e.__traceback__
     while tb is not None:
-        for name in ("tmp", "path", "p", "file", "filename", "dest", "target", "local"):
-            v = tb.tb_frame.f_locals.get(name)
-            if isinstance(v, (str, os.PathLike)) and os.path.isabs(os.fspath(v)):
-                found = os.fspath(v)
-                break
+        found = _frame_path(tb.tb_frame.f_locals) or found
         tb = tb.tb_next
     return found
+
+
+def _frame_path(names: Mapping[str, Any]) -> str | None:
+    import io
+
+    for v in names.values():
+        name = getattr(v, "name", None) if isinstance(v, io.IOBase) else None
+        if isinstance(name, str) and not name.startswith("<"):  # not <stderr>
+            return os.path.abspath(name)
+    for name in ("tmp", "path", "p", "file", "filename", "dest", "target", "local"):
+        v = names.get(name)
+        if isinstance(v, (str, os.PathLike)) and os.path.isabs(os.fspath(v)):
+            return os.fspath(v)
+    return None
 
 
 def _fault(e: BaseException) -> str | None:

@@ -7,6 +7,8 @@ there is space, to the same result as a run that never ran out. A compilation ca
 that fills costs one warning line, not one per program, and the run goes on.
 """
 
+import errno
+import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +34,7 @@ def _namespace_mounts() -> bool:
     return probe.stdout.strip() == "ok"
 
 
-pytestmark = pytest.mark.skipif(
+needs_mounts = pytest.mark.skipif(
     not _namespace_mounts(), reason="needs unshare and a tmpfs mount in a user namespace"
 )
 
@@ -43,6 +45,58 @@ def _in_namespace(script: str, cwd) -> subprocess.CompletedProcess:
                           text=True, timeout=900)  # fmt: skip
 
 
+@needs_mounts
+def _raised(f, *args) -> BaseException:
+    try:
+        f(*args)
+    except BaseException as e:  # what the CLI would catch
+        return e
+    raise AssertionError(f"{f.__name__} raised nothing")
+
+
+def _append(to: str, line: str) -> None:  # as the metrics file is appended to
+    with open(to, "a") as f:
+        f.write(line)
+
+
+def _enospc(name: str | None) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_buffered_write_that_finds_no_space_at_close_names_its_file():
+    # the OSError that a buffered write's close raises names no file: the open file does
+    e = _raised(_append, "/dev/full", "{}\n")
+    assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename is None
+    line, code = storage.failure_line(e)
+    assert code == storage.DISK_FULL_EXIT
+    assert line.startswith("no space left on the disk holding /dev/full ("), line
+    assert line.endswith(" MiB free); free some and run the same command to resume"), line
+
+
+def test_a_full_disk_is_named_by_the_error_or_the_write_it_stopped(tmp_path):
+    named = storage.describe_disk_full(_raised(_enospc, str(tmp_path / "run" / "a.json")))
+    assert named.startswith(f"no space left on the disk holding {tmp_path}/run/a.json ("), named
+    # TensorStore (orbax's arrays) says it in text, naming the local file
+    ts = ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{tmp_path}/d/0": [OS error]')
+    assert f"holding {tmp_path}/d/0 (" in storage.describe_disk_full(ts)
+    # wrapped by what called it (orbax's async commit), still found
+    try:
+        try:
+            _enospc(str(tmp_path / "ckpt"))
+        except OSError as inner:
+            raise RuntimeError("commit failed") from inner
+    except RuntimeError as outer:
+        assert f"holding {tmp_path}/ckpt (" in storage.describe_disk_full(outer)
+    # nothing names a path: the line says so rather than guess
+    anywhere = storage.describe_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert anywhere.startswith("no space left on a local disk;"), anywhere
+    # other faults are not a full disk
+    assert storage.describe_disk_full(OSError(errno.EACCES, "Permission denied", "/x")) is None
+    assert storage.failure_line(ValueError("RESOURCE_EXHAUSTED: out of memory")) is None
+
+
+@needs_mounts
 def test_a_full_compilation_cache_is_one_warning_and_the_run_goes_on(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -71,6 +125,7 @@ def test_a_full_compilation_cache_is_one_warning_and_the_run_goes_on(tmp_path):
     assert "No space left on device" in told[0]
 
 
+@needs_mounts
 @pytest.mark.slow  # three runs of the tiny config (~1.5 min on 2 cores)
 def test_a_full_run_directory_stops_in_one_line_and_resumes_to_the_same_run(
     files, reference, tmp_path
@@ -103,7 +158,9 @@ def test_a_full_run_directory_stops_in_one_line_and_resumes_to_the_same_run(
     said = [x for x in err1.splitlines() if x.startswith("magic-jax train: error:")]
     assert len(said) == 1, err1[-3000:]
     last = said[0]
-    assert last.startswith(f"magic-jax train: error: no space left on the disk holding {mnt}"), last
+    assert last.startswith(f"magic-jax train: error: no space left on the disk holding {mnt}"), (
+        err1[-3000:]
+    )
     assert last.endswith("free some and run the same command to resume"), last
     # what was saved before the disk filled was whole: the resume used it
     from magic_jax.run.checkpoint import latest_good_checkpoint
