@@ -288,10 +288,11 @@ def _path_local(e: BaseException) -> str | None:
 def _frame_path(names: Mapping[str, Any]) -> str | None:
     import io
 
-    for v in names.values():
-        name = getattr(v, "name", None) if isinstance(v, io.IOBase) else None
-        if isinstance(name, str) and not name.startswith("<"):  # not <stderr>
-            return os.path.abspath(name)
+    for v in names.values():  # a file open for writing (a read's file is not the full one)
+        if isinstance(v, io.IOBase) and set(getattr(v, "mode", "")) & set("wax+"):
+            name = getattr(v, "name", None)
+            if isinstance(name, str) and not name.startswith("<"):  # not <stderr>
+                return os.path.abspath(name)
     for name in ("tmp", "path", "p", "file", "filename", "dest", "target", "local"):
         v = names.get(name)
         if isinstance(v, (str, os.PathLike)) and os.path.isabs(os.fspath(v)):

@@ -59,12 +59,17 @@ def _append(to: str, line: str) -> None:  # as the metrics file is appended to
         f.write(line)
 
 
+def _copy(src: str, to: str) -> None:  # a file read and a file written in one frame
+    with open(src) as r, open(to, "w") as w:
+        w.write(r.read())
+
+
 def _enospc(name: str | None) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_buffered_write_that_finds_no_space_at_close_names_its_file():
+def test_a_buffered_write_that_finds_no_space_at_close_names_its_file(tmp_path):
     # the OSError that a buffered write's close raises names no file: the open file does
     e = _raised(_append, "/dev/full", "{}\n")
     assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename is None
@@ -72,6 +77,11 @@ def test_a_buffered_write_that_finds_no_space_at_close_names_its_file():
     assert code == storage.DISK_FULL_EXIT
     assert line.startswith("no space left on the disk holding /dev/full ("), line
     assert line.endswith(" MiB free); free some and run the same command to resume"), line
+    # the file the frame was writing, not the one it read
+    src = tmp_path / "src.txt"
+    src.write_text("x" * 100_000)
+    copied = storage.describe_disk_full(_raised(_copy, str(src), "/dev/full"))
+    assert copied.startswith("no space left on the disk holding /dev/full ("), copied
 
 
 def test_a_full_disk_is_named_by_the_error_or_the_write_it_stopped(tmp_path):
