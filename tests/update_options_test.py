@@ -278,6 +278,8 @@ def test_every_update_option_reaches_each_stages_update_config():
     values = {
         "mini_batch_split": "fixed-size",
         "micro_batch_size": 4,
+        "packing": True,
+        "micro_batch_tokens": 512,
         "num_reuse": 2,
         "remat": "full",
         "compute_dtype": "bfloat16",

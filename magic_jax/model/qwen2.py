@@ -110,11 +110,25 @@ def apply_rope(x_BTxH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
     return out.astype(x_BTxH.dtype)
 
 
-def _attend(q_BTKGH, q_slot_BT, positions_BT, *, k_BSKH, v_BSKH, key_pos_BS, window):
-    """Masked softmax attention of queries at cache slots ``q_slot_BT`` (fp32 softmax)."""
+def _attend(
+    q_BTKGH,
+    q_slot_BT,
+    positions_BT,
+    q_seg_BT=None,
+    *,
+    k_BSKH,
+    v_BSKH,
+    key_pos_BS,
+    key_seg_BS,
+    window,
+):
+    """Masked softmax attention of queries at cache slots ``q_slot_BT`` (fp32 softmax);
+    with segment ids (packed rows), a query sees only the keys of its own segment."""
     s = k_BSKH.shape[1]
     slot_S = jnp.arange(s, dtype=jnp.int32)
     allowed_BTS = (key_pos_BS[:, None, :] >= 0) & (slot_S[None, None, :] <= q_slot_BT[:, :, None])
+    if key_seg_BS is not None:
+        allowed_BTS &= q_seg_BT[:, :, None] == key_seg_BS[:, None, :]
     if window is not None:
         allowed_BTS &= positions_BT[:, :, None] - key_pos_BS[:, None, :] < window
     # A padding query may have no visible key; letting it see its own slot keeps
@@ -135,6 +149,7 @@ def sequence_attention(
     write_at_B,
     window,
     chunk,
+    segments_BT=None,
 ):
     """The model's attention over a sequence: the T new keys and values are written
     into the cache (when there is one) and every query attends to what it holds.
@@ -143,7 +158,8 @@ def sequence_attention(
     traced () int32 when the window is per-layer data under the scan. ``chunk``
     (``ModelConfig.attention_chunk``): longer sequences attend one query chunk at
     a time, rematerialised in the backward pass, so the scores take [B, N, c, S]
-    memory rather than [B, N, T, S].
+    memory rather than [B, N, T, S]. ``segments_BT`` (no cache): each row holds
+    several sequences, packed; a query attends only within its own segment.
 
     Returns:
       (out [B, T, K, G, H], the layer's updated (k, v) cache, or the new keys and
@@ -155,11 +171,19 @@ def sequence_attention(
         k_BSKH = write_rows(cache_kv[0], k_BTKH, write_at_B)
         v_BSKH = write_rows(cache_kv[1], v_BTKH, write_at_B)
     attend = functools.partial(
-        _attend, k_BSKH=k_BSKH, v_BSKH=v_BSKH, key_pos_BS=key_pos_BS, window=window
+        _attend,
+        k_BSKH=k_BSKH,
+        v_BSKH=v_BSKH,
+        key_pos_BS=key_pos_BS,
+        key_seg_BS=segments_BT,
+        window=window,
     )
     b, t = q_BTKGH.shape[:2]
+    q_args = (q_BTKGH, q_slot_BT, positions_BT)
+    if segments_BT is not None:
+        q_args += (segments_BT,)
     if not chunk or t <= chunk:
-        return attend(q_BTKGH, q_slot_BT, positions_BT), (k_BSKH, v_BSKH)
+        return attend(*q_args), (k_BSKH, v_BSKH)
     n = -(-t // chunk)
     pad = n * chunk - t
 
@@ -167,10 +191,7 @@ def sequence_attention(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
         return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-    out = jax.lax.map(
-        jax.checkpoint(lambda a: attend(*a)),
-        (chunks(q_BTKGH), chunks(q_slot_BT), chunks(positions_BT)),
-    )
+    out = jax.lax.map(jax.checkpoint(lambda a: attend(*a)), tuple(chunks(x) for x in q_args))
     out_BTKGH = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *q_BTKGH.shape[2:])[:, :t]
     return out_BTKGH, (k_BSKH, v_BSKH)
 
@@ -363,6 +384,7 @@ class Qwen2(nnx.Module):
         cache: KVCache | None = None,
         return_hidden: bool = False,
         row_sharding: jax.sharding.NamedSharding | None = None,
+        segment_ids: jax.Array | None = None,
     ):
         """Forward pass.
 
@@ -380,12 +402,17 @@ class Qwen2(nnx.Module):
             along the embed axis. Without it XLA may contract over the weights'
             ``fsdp``-sharded embed axis instead, every device holding every row's
             activations (docs/benchmarks.md, ``update_activations.py``).
+          segment_ids: [B, T] int32, rows that hold several sequences packed
+            (``update.packing``): a token attends only to earlier tokens of the same
+            id (0 = padding); ``positions`` should restart at 0 for each. No cache.
         """
         if cache is not None and cache.quantized:
             raise ValueError(
                 "Qwen2.__call__ takes a float KV cache; an int8 cache is the decode "
                 "engine's (rollout.kv_dtype), which quantizes when it inserts a prefix"
             )
+        if cache is not None and segment_ids is not None:
+            raise ValueError("Qwen2.__call__: segment_ids (packed rows) take no KV cache")
         b, t = input_ids.shape
         mask_BT = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:
@@ -426,6 +453,7 @@ class Qwen2(nnx.Module):
                 write_at_B=write_at_B,
                 window=window,
                 chunk=self.config.attention_chunk,
+                segments_BT=segment_ids,
             )
             x_BTD, new_kv = layer(x_BTD, positions, attend)
             x_BTD = rows(x_BTD, between_layers=True)

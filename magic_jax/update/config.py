@@ -30,6 +30,16 @@ class UpdateOptions:
         groups, the last one smaller); see ``buffer.split_mini_batches``.
       micro_batch_size: sequences per micro-batch (gradient accumulation inside jit);
         None = the whole mini-batch at once. Must divide D_T * G.
+      packing: run the update on packed rows (``update.packing``): a mini-batch's
+        rows laid end to end, without their padding, in bins of the step's row length
+        with segment ids, so that the update pays for real tokens rather than for
+        every row at the step's longest prompt and response. Same loss, gradients and
+        metrics up to rounding (``micro-token-mean`` excepted: its value depends on
+        which rows share a micro-batch). False: every row padded, as before.
+      micro_batch_tokens: with ``packing``, the token slots of one micro-batch (bins
+        x row length, rounded down to whole bins per data shard; verl's
+        ``ppo_max_token_len_per_gpu`` times the data shards); None = as many bins as
+        the padded micro-batch has rows, the same activation memory.
       num_reuse: N_reuse, passes over each rollout buffer.
       remat: what the backward pass keeps of each decoder layer's forward
         (``ModelConfig.remat``): ``none`` (every activation: fastest, the most
@@ -60,6 +70,8 @@ class UpdateOptions:
 
     mini_batch_split: MiniBatchSplit = "even"
     micro_batch_size: int | None = None
+    packing: bool = False
+    micro_batch_tokens: int | None = None
     num_reuse: int = 1
     remat: RematPolicy | None = "none"
     compute_dtype: Literal["float32", "bfloat16"] | None = None
@@ -75,7 +87,9 @@ class UpdateOptions:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("micro_batch_size", "attention_chunk"):
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"packing: must be true or false, got {self.packing!r}")
+        for name in ("micro_batch_size", "micro_batch_tokens", "attention_chunk"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise ValueError(f"{name}: must be a positive integer or null, got {value!r}")

@@ -20,6 +20,7 @@ from magic_jax.update.buffer import RolloutBuffer
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import MAX_METRICS, LossConfig, policy_loss
 from magic_jax.update.optim import make_optimizer
+from magic_jax.update.packing import PackedRows, rows_of
 from magic_jax.update.state import TrainState
 
 
@@ -127,6 +128,46 @@ def compute_logprobs(
     )
 
 
+def packed_logprobs(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    packed: PackedRows,
+    micro: jax.Array | int,
+    response_len: int,
+    config: LossConfig,
+    row_sharding: NamedSharding | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``compute_logprobs`` of the rows one micro-batch of ``packed`` holds: the model runs
+    over its K bins (attention within each row's segment), and the log-probs and
+    entropies come back in the mini-batch's [M, R] layout (rows of other micro-batches
+    hold values to mask)."""
+    model = nnx.merge(graphdef, params)
+    bins = jax.tree.map(lambda x: x[micro], (packed.tokens, packed.positions, packed.segments))
+    if row_sharding is not None:
+        bins = jax.lax.with_sharding_constraint(bins, row_sharding)
+    tokens_KS, positions_KS, segments_KS = bins
+    hidden_KSD = model(
+        tokens_KS,
+        positions=positions_KS,
+        attention_mask=segments_KS > 0,
+        segment_ids=segments_KS,
+        return_hidden=True,
+        row_sharding=row_sharding,
+    )
+    # the slot after each one holds the token it predicts (within a segment; the last
+    # slot of a segment predicts nothing the rows read)
+    targets_KS = jnp.pad(tokens_KS[:, 1:], ((0, 0), (0, 1)))
+    logp_KS, ent_KS = token_logprobs_and_entropy(
+        hidden_KSD,
+        model.unembedding(),
+        targets_KS,
+        temperature=config.temperature,
+        chunk_size=config.logit_chunk,
+        compute_dtype=model.config.dtype,
+    )
+    return tuple(rows_of(x, packed.row_start, response_len) for x in (logp_KS, ent_KS))
+
+
 def micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):
     """[M, ...] -> [M / size, size, ...]; micro-batch i takes rows i, i + n, i + 2n, ...
 
@@ -184,6 +225,7 @@ def loss_and_grads(
     *,
     ref_params: Any = None,
     live_micro: jax.Array | None = None,
+    packed: PackedRows | None = None,
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mini-batch loss, gradients and metrics, accumulated over micro-batches.
 
@@ -200,6 +242,9 @@ def loss_and_grads(
       live_micro: () int32, only the first this many micro-batches hold counted
         rows (see ``live_first``): the loop runs over those alone, so the cost
         follows the kept rows, not the batch's shape. None runs every one.
+      packed: the batch's rows packed (``packing.pack_rows``): the micro-batches are
+        its bins, and ``live_micro`` the number that hold rows (None: all of them).
+        The rows' per-token values are those of the padded rows up to rounding.
 
     Returns:
       (loss, grads, metrics); grads have the structure of ``params``.
@@ -214,12 +259,20 @@ def loss_and_grads(
     num_seqs = (mask_BR.sum(-1) > 0).sum().astype(jnp.float32)
     nominal = float(spec.nominal_rows or batch.num_rows)
 
-    def micro_loss(p, mb):
-        logp_BR, ent_BR = compute_logprobs(graphdef, p, mb, lcfg, batch_sharding)
+    def forward(p, mb, i):
+        if packed is None:
+            return compute_logprobs(graphdef, p, mb, lcfg, batch_sharding)
+        r = batch.response_len
+        return packed_logprobs(graphdef, p, packed, i, r, lcfg, batch_sharding)
+
+    def micro_loss(p, mb, i=None):
+        if packed is not None:  # the whole mini-batch's rows; this micro-batch's count
+            mb = dataclasses.replace(mb, keep=mb.keep & (packed.row_micro == i))
+        logp_BR, ent_BR = forward(p, mb, i)
         old_BR = jax.lax.stop_gradient(logp_BR) if spec.old_from_current else mb.old_logprobs
         ref_logp_BR = None
         if lcfg.kl_beta > 0:
-            ref_logp_BR, _ = compute_logprobs(graphdef, ref_params, mb, lcfg, batch_sharding)
+            ref_logp_BR, _ = forward(ref_params, mb, i)
             ref_logp_BR = jax.lax.stop_gradient(ref_logp_BR)
         return policy_loss(
             logp_BR,
@@ -240,15 +293,25 @@ def loss_and_grads(
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     size = spec.micro_rows or config.micro_batch_size or batch.num_rows
-    if size >= batch.num_rows and live_micro is None:
-        (loss, metrics), grads = grad_fn(params, batch)
-        return loss, grads, metrics
-    micro = micro_batches(batch, min(size, batch.num_rows), batch_sharding)
-    n_micro = micro.tokens.shape[0]
+    if packed is not None:
+        n_micro = packed.tokens.shape[0]
+
+        def micro_at(i):
+            return batch, i
+
+    else:
+        if size >= batch.num_rows and live_micro is None:
+            (loss, metrics), grads = grad_fn(params, batch)
+            return loss, grads, metrics
+        micro = micro_batches(batch, min(size, batch.num_rows), batch_sharding)
+        n_micro = micro.tokens.shape[0]
+
+        def micro_at(i):
+            take = functools.partial(jax.lax.dynamic_index_in_dim, index=i, keepdims=False)
+            return jax.tree.map(take, micro), None
 
     def body(i, acc):
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
-        (loss, m), g = grad_fn(params, mb)
+        (loss, m), g = grad_fn(params, *micro_at(i))
         acc_g, acc_loss, acc_m = acc
         # ratio maxima combine by max (>= 0, so 0 starts them); token sums by sum
         acc_m = {
@@ -256,7 +319,7 @@ def loss_and_grads(
         }
         return jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_m
 
-    _, m_shapes = jax.eval_shape(micro_loss, params, jax.tree.map(lambda x: x[0], micro))
+    _, m_shapes = jax.eval_shape(micro_loss, params, *micro_at(jnp.int32(0)))
     init = (
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.float32),
@@ -291,6 +354,7 @@ def train_step(
     *,
     ref_params: Any = None,
     live_micro: jax.Array | None = None,
+    packed: PackedRows | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over one mini-batch (pure; jit it with ``state`` donated).
 
@@ -303,7 +367,7 @@ def train_step(
       alpha: entropy-bonus coefficient alpha_k of this training step.
       spec: what the step is traced for (``StepSpec``).
       ref_params: the frozen reference policy, needed iff ``config.loss.kl_beta > 0``.
-      live_micro: see ``loss_and_grads``.
+      live_micro, packed: see ``loss_and_grads``.
 
     Returns:
       (new state, metrics): loss, pg_loss, clipfrac_low/high/dual, ratio_mean/max,
@@ -311,7 +375,13 @@ def train_step(
       grad_norm (before clipping), num_tokens, num_seqs, applied, skipped, step.
     """
     loss, grads, metrics = loss_and_grads(
-        state.params, batch, alpha, spec, ref_params=ref_params, live_micro=live_micro
+        state.params,
+        batch,
+        alpha,
+        spec,
+        ref_params=ref_params,
+        live_micro=live_micro,
+        packed=packed,
     )
     num_tokens = count_loss_tokens(batch.response_mask, batch.keep & batch.valid)
     finite = jnp.isfinite(loss) & jnp.all(

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from magic_jax import interrupt, watchdog
 from magic_jax.model.sharding import batch_sharding, data_shards
@@ -22,6 +22,7 @@ from magic_jax.update.entropy_control import (
     measure_entropy,
     update_entropy_control,
 )
+from magic_jax.update.packing import PackedRows, pack_rows
 from magic_jax.update.state import TrainState, init_train_state, shardings_on_mesh
 from magic_jax.update.step import (
     StepSpec,
@@ -99,10 +100,22 @@ class PolicyUpdater:
             return None
         return rows
 
+    def packed_bins(self, group_size: int, length: int) -> int:
+        """K, bins of ``length`` slots per packed micro-batch (``update.packing``):
+        ``micro_batch_tokens // length`` when set, else as many bins as the padded
+        update's micro-batch has rows (the same activation memory); a multiple of the
+        mesh's data shards, at least one bin per shard."""
+        cfg, shards = self.config, data_shards(self.mesh)
+        if cfg.micro_batch_tokens is not None:
+            return max(shards, cfg.micro_batch_tokens // length // shards * shards)
+        rows = self.live_micro_rows(group_size) or cfg.micro_batch_size
+        rows = min(rows or cfg.mini_batch_groups * group_size, cfg.mini_batch_groups * group_size)
+        return max(shards, rows // shards * shards)
+
     def _compile(self, state: TrainState, old_from_current: bool, micro_rows: int | None):
         shardings = None if self.mesh is None else shardings_on_mesh(state, self.mesh)
 
-        def step(state, batch, alpha, ref_params, live_micro):
+        def step(state, batch, alpha, ref_params, live_micro, packed):
             spec = StepSpec(
                 self.graphdef,
                 self.config,
@@ -113,7 +126,13 @@ class PolicyUpdater:
                 micro_rows=micro_rows,
             )
             new_state, metrics = train_step(
-                state, batch, alpha, spec, ref_params=ref_params, live_micro=live_micro
+                state,
+                batch,
+                alpha,
+                spec,
+                ref_params=ref_params,
+                live_micro=live_micro,
+                packed=packed,
             )
             if shardings is not None:
                 # Donation aliases buffers only when the output keeps the input's layout.
@@ -132,20 +151,30 @@ class PolicyUpdater:
         old_from_current: bool = False,
         micro_rows: int | None = None,
         live_micro: int | None = None,
+        packed: PackedRows | None = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One jitted optimizer step (``state`` is donated: do not reuse it; the
         reference ``ref_params`` is only read). ``old_from_current``,
-        ``micro_rows``, ``live_micro``: see ``loss_and_grads`` (``live_micro``
-        needs ``micro_rows``)."""
+        ``micro_rows``, ``live_micro``, ``packed``: see ``loss_and_grads``
+        (``live_micro`` needs ``micro_rows`` or ``packed``)."""
         if self.config.loss.kl_beta == 0:
             ref_params = None  # no reference forward, nothing to transfer
-        key = (old_from_current, micro_rows if live_micro is not None else None)
+        key = (old_from_current, micro_rows if live_micro is not None and packed is None else None)
         if key not in self._jitted:
             self._jitted[key] = self._compile(state, *key)
         if self.batch_sharding is not None:
             batch = jax.device_put(batch, self.batch_sharding)
-        live = None if key[1] is None else jnp.int32(live_micro)
-        return self._jitted[key](state, batch, jnp.float32(alpha), ref_params, live)
+            if packed is not None:
+                packed = jax.device_put(packed, self._packed_sharding(packed))
+        live = None if live_micro is None else jnp.int32(live_micro)
+        return self._jitted[key](state, batch, jnp.float32(alpha), ref_params, live, packed)
+
+    def _packed_sharding(self, packed: PackedRows) -> PackedRows:
+        """The packed micro-batches' bins split over the data shards (as the rows are);
+        the per-row indices follow the rows."""
+        spec = self.batch_sharding.spec
+        bins = NamedSharding(self.mesh, PartitionSpec(None, *spec))
+        return PackedRows(bins, bins, bins, self.batch_sharding, self.batch_sharding)
 
     def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
         """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
@@ -262,8 +291,11 @@ class PolicyUpdater:
             live = np.arange(d_t) < len(groups)
             groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
             batch = buffer.take_groups(groups, live)
-            n_live = None
-            if micro is not None:  # kept rows into the first micro-batches; skip the rest
+            n_live, packed = None, None
+            if cfg.packing:  # the counted rows packed; the micro-batches that hold them
+                bins = self.packed_bins(batch.group_size, batch.tokens.shape[1])
+                packed, n_live = pack_rows(batch, bins)
+            elif micro is not None:  # kept rows into the first micro-batches; skip the rest
                 rows = int(live.sum()) * batch.group_size
                 order, n_live = live_first(batch.num_rows, micro, rows)
                 batch = jax.tree.map(lambda x, o=order: x[o], batch)
@@ -275,6 +307,7 @@ class PolicyUpdater:
                 old_from_current=from_current,
                 micro_rows=micro,
                 live_micro=n_live,
+                packed=packed,
             )
             steps.append(m)
             if len(steps) > 1:  # one optimizer step in flight: a stop waits for at most two
