@@ -183,11 +183,11 @@ def test_segment_attention_equals_each_sequence_alone():
     assert np.abs(np.asarray(mixed[:, 7:12] - model(b))).max() > 1e-3
 
 
-def _updater_run(packing, micro_batch_tokens=None):
+def _updater_run(packing, micro_batch_tokens=None, tis=False):
     graphdef, params = _policy()
     cfg = UpdateConfig(
         mini_batch_groups=2,
-        loss=LossConfig(logit_chunk=8, eps_high=0.28),
+        loss=LossConfig(logit_chunk=8, eps_high=0.28, tis_cap=2.0 if tis else None),
         micro_batch_size=4,
         packing=packing,
         micro_batch_tokens=micro_batch_tokens,
@@ -210,6 +210,26 @@ def test_updater_with_packing_takes_the_same_optimizer_steps():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         for k in ("loss", "pg_loss", "entropy", "clipfrac_high", "clipfrac_low", "grad_norm"):
             np.testing.assert_allclose(m0[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_recomputed_logprobs_and_tis_update_packed_equal_padded():
+    """With TIS over two mini-batches the trainer recomputes pi_old of the whole buffer
+    (``PolicyUpdater.logprobs``): packed, every valid row's log-probs (kept or not) equal
+    the padded ones, and so do the update's steps."""
+    graphdef, params = _policy()
+    buf = dataclasses.replace(_buffer(), staleness=None)
+    on = buf.response_mask > 0
+    got = {}
+    for packing in (False, True):
+        cfg = UpdateConfig(mini_batch_groups=2, micro_batch_size=4, packing=packing)
+        got[packing] = PolicyUpdater(graphdef, cfg).logprobs(params, buf)
+    assert not buf.keep.all()  # rows of groups that are not kept are computed too
+    np.testing.assert_allclose(got[True][on], got[False][on], rtol=1e-5, atol=1e-5)
+    (s0, m0), (s1, m1) = _updater_run(False, tis=True), _updater_run(True, tis=True)
+    for k in ("loss", "tis_weight_mean", "ratio_mean", "grad_norm"):
+        np.testing.assert_allclose(m0[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_packed_bins_per_micro_batch():
@@ -281,3 +301,43 @@ def test_train_gives_the_same_records_and_weights_packed_and_padded(tiny):
     # up to the learning rate (1e-2) whatever its rounding; a thousandth of it is allowed
     for k in w0:
         np.testing.assert_allclose(w0[k], w1[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.heavy
+def test_packed_update_on_a_mesh_equals_the_padded_one_on_one_device():
+    """``update.packing`` on a (data 2, fsdp 2, tensor 2) CPU mesh: the bins split over the
+    four data shards, the parameters sharded; the AdamW step and its metrics equal the
+    padded update's on one device."""
+    from conftest import shard
+
+    from magic_jax.model.sharding import TRAIN_RULES, MeshConfig, make_mesh
+    from magic_jax.update.optim import OptimizerConfig
+
+    assert jax.device_count() == 8
+    buf = dataclasses.replace(_buffer(), staleness=None)
+    results = []
+    for mesh, packing in ((None, False), (make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), True)):
+        cfg = UpdateConfig(
+            mini_batch_groups=4,
+            micro_batch_size=4,
+            packing=packing,
+            loss=LossConfig(eps_high=0.28, logit_chunk=8),
+            # Adam's eps = 1: the step is close to linear in the gradient (train_step_test)
+            optimizer=OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0),
+        )
+        m = Qwen2(CFG, rngs=nnx.Rngs(0))
+        if mesh is not None:
+            m = shard(m, mesh, TRAIN_RULES)
+        graphdef, params = nnx.split(m, nnx.Param)
+        p_init = jax.device_get(params)
+        updater = PolicyUpdater(graphdef, cfg, mesh=mesh)
+        if packing:
+            assert updater.packed_bins(G, buf.tokens.shape[1]) == 4  # a bin per data shard
+        state, metrics = updater.update(updater.init_state(params), buf, jax.random.key(1))
+        delta = jax.tree.map(lambda a, b: a - b, jax.device_get(state.params), p_init)
+        results.append((delta, jax.device_get(metrics)))
+    (d0, m0), (d1, m1) = results
+    for k in ("loss", "grad_norm", "entropy", "num_tokens", "ratio_max", "clipfrac_high"):
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(d0), jax.tree.leaves(d1)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

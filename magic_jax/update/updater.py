@@ -29,6 +29,7 @@ from magic_jax.update.step import (
     compute_logprobs,
     live_first,
     micro_batches,
+    packed_logprobs,
     train_step,
     update_graphdef,
 )
@@ -180,9 +181,12 @@ class PolicyUpdater:
         """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
 
         Computed D_T groups at a time (the training mini-batch shape), and within
-        that ``micro_batch_size`` rows at a time as the update runs them, so memory
+        that ``micro_batch_size`` rows at a time as the update runs them (with
+        ``packing``, the valid rows packed into the update's bins), so memory
         stays that of one micro-batch's forward pass; no gradients.
         """
+        if self.config.packing:
+            return self._packed_logprobs(params, buffer)
         if self._logprobs is None:
             cfg, lcfg = self.config, self.config.loss
             rows = self.batch_sharding
@@ -210,6 +214,39 @@ class PolicyUpdater:
             logp = np.asarray(self._logprobs(params, batch))
             take = min(d_t, n - start) * buffer.group_size
             out[start * buffer.group_size : start * buffer.group_size + take] = logp[:take]
+        return out
+
+    def _packed_logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
+        """``logprobs`` over packed rows (``update.packing``): padding rows get 0."""
+        if self._logprobs is None:
+            cfg, lcfg = self.config, self.config.loss
+
+            def logprobs(p, b, packed, n):
+                graphdef = update_graphdef(self.graphdef, p, cfg)
+
+                def body(i, out_BR):
+                    r = b.response_len
+                    logp_BR, _ = packed_logprobs(
+                        graphdef, p, packed, i, r, lcfg, self.batch_sharding
+                    )
+                    return jnp.where((packed.row_micro == i)[:, None], logp_BR, out_BR)
+
+                return jax.lax.fori_loop(0, n, body, jnp.zeros(b.response_mask.shape, jnp.float32))
+
+            self._logprobs = jax.jit(logprobs)
+        d_t, n, g = self.config.mini_batch_groups, buffer.num_groups, buffer.group_size
+        out = np.zeros(buffer.response_mask.shape, np.float32)
+        for start in range(0, n, d_t):
+            groups = np.minimum(np.arange(start, start + d_t), n - 1)
+            batch = buffer.take_groups(groups)
+            batch = dataclasses.replace(batch, keep=batch.valid)  # every row, kept or not
+            packed, n_live = pack_rows(batch, self.packed_bins(g, batch.tokens.shape[1]))
+            if self.batch_sharding is not None:
+                batch = jax.device_put(batch, self.batch_sharding)
+                packed = jax.device_put(packed, self._packed_sharding(packed))
+            logp = np.asarray(self._logprobs(params, batch, packed, jnp.int32(n_live)))
+            take = min(d_t, n - start) * g
+            out[start * g : start * g + take] = logp[:take]
         return out
 
     def _prepare(
