@@ -52,8 +52,43 @@ if TYPE_CHECKING:
     from magic_jax.update.state import TrainState
 
 
+POLL_S = 0.2  # how often a wait that can end otherwise (a stop, a lost peer) looks
+
+
 class Cancelled(Exception):
     """The pipeline was closed while the producer waited or decoded."""
+
+
+def wait_for(
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    *,
+    cancel: threading.Event | None = None,
+    what: str = "",
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Waits on ``cond`` (held by the caller) until ``ready()``: every wait for a version or
+    a rollout, in one process and across two. ``check`` runs each ``POLL_S`` and raises
+    to end the wait (a stop, a lost peer, a version no longer kept).
+
+    Raises:
+      Cancelled: ``cancel`` was set first (``what`` names the wait).
+    """
+    while not ready():
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(what)
+        if check is not None:
+            check()
+        cond.wait(POLL_S)
+
+
+def step_store(out: Any, step: int, limit: int, log: Callable[[str], None]) -> StepStore:
+    """Step ``step``'s groups kept as they finish (``rollout.partial``), behind the run
+    directory's fence: the one store of every step, in either process of a job."""
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.run.fence import check_fence
+
+    return StepStore(out, step, limit=limit, log=log, fence=check_fence)
 
 
 @jax.tree_util.register_dataclass
@@ -105,13 +140,15 @@ class Versions:
 
     def get(self, version: int, cancel: threading.Event | None = None) -> Any:
         """Version ``version``'s weights, waiting until it is published (or ``cancel``)."""
+
+        def kept() -> None:
+            if self._params and version < min(self._params):
+                raise KeyError(f"policy version {version} is no longer kept")
+
         with self._cond:
-            while version not in self._params:
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled(f"version {version} was not published")
-                if self._params and version < min(self._params):
-                    raise KeyError(f"policy version {version} is no longer kept")
-                self._cond.wait()
+            what = f"version {version} was not published"
+            wait_for(self._cond, lambda: version in self._params, cancel=cancel, what=what,
+                     check=kept)  # fmt: skip
             return self._params[version]
 
     def lagged(self, step: int) -> tuple[Any, ...]:
@@ -249,8 +286,7 @@ class RolloutPipeline:
             raise ValueError(f"step {step} is outside this pipeline's [{self.first}, {self.end})")
         t0 = time.perf_counter()
         with self._cond:
-            while step not in self._done:
-                self._cond.wait()
+            wait_for(self._cond, lambda: step in self._done)
             out = self._done.pop(step)
         if out.error is not None:
             raise out.error
@@ -408,45 +444,79 @@ class OverlapRollouts:
         """Step ``step``'s groups, generated during the last updates, and its overlap
         metrics. Groups are kept as they finish unless ``publish_chunks`` is set (a
         partial rollout is redone whole: its tokens' versions follow its chunk counts)."""
+        if self._stage is not stage:
+            self.start(stage, step, k, min(step - k + stage.config.steps, end), collect, store_at)
+        got, metrics = self._take(step)
+        # t_rollout_s is the wait for the producer
+        return StepRollout(got, metrics, 0.0, False)
+
+    def start(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        end: int,
+        collect: CollectFn,
+        store_at: Callable[[int], StepStore],
+    ) -> None:
+        """The stage change, at the stage's first step taken (stage step ``k``): the old
+        stage's rollouts not taken are dropped, and steps ``step`` to ``end - 1`` are
+        generated from now on. The same in one process and across two: the rollout
+        process calls it with the steps the trainer's ``_begin`` names."""
+        dropped = self._end_stage()
+        if dropped:  # a stage that ended on an ``until`` rule: sampled for the old one
+            self.log(f"[overlap] the stage changed: rollouts of steps {dropped} discarded")
+        self._stage = stage
+        self._begin(stage, step, k, end, collect, store_at)
+
+    def _begin(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        end: int,
+        collect: CollectFn,
+        store_at: Callable[[int], StepStore],
+    ) -> None:
+        """Starts this stage's producer."""
 
         def one(j: int, driver: Driver, params: Params) -> Collected:
             saved = store_at(j) if self.every is None else None
             return collect(j, j - step + k, driver, params, saved)
 
-        got, metrics = self.take(stage, step, min(step - k + stage.config.steps, end), one)
-        # t_rollout_s is the wait for the producer
-        return StepRollout(got, metrics, 0.0, False)
+        self.pipeline = RolloutPipeline(
+            one,
+            stage.driver,
+            self.versions,
+            first=step,
+            end=end,
+            max_staleness=self.s,
+            publish_chunks=self.every,
+            reprefill=self.reprefill,
+        )
 
-    def take(
-        self, stage: Stage, step: int, end: int, rollout: Callable[[int, Driver, Params], Collected]
-    ) -> tuple[Collected, dict[str, Any]]:
-        """Step ``step``'s rollout (its producer started at this stage's first step
-        taken, generating up to ``end``) and its overlap metrics."""
-        if self.pipeline is None or self._stage is not stage:
-            dropped = self.close()
-            if dropped:  # a stage that ended on an ``until`` rule: sampled for the old one
-                self.log(f"[overlap] the stage changed: rollouts of steps {dropped} discarded")
-            self._stage = stage
-            self.pipeline = RolloutPipeline(
-                rollout,
-                stage.driver,
-                self.versions,
-                first=step,
-                end=end,
-                max_staleness=self.s,
-                publish_chunks=self.every,
-                reprefill=self.reprefill,
-            )
+    def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
+        """Step ``step``'s rollout from this stage's producer, and its overlap metrics."""
         out, wait = self.pipeline.take(step)
-        extra = overlap_metrics(out.got, step, wait, out.start_wait_s, out.seconds)
+        return out.got, self._metrics(out.got, step, wait, out.start_wait_s, out.seconds)
+
+    def _metrics(
+        self, got: Collected, step: int, wait: float, start_wait_s: float, seconds: float
+    ) -> dict[str, Any]:
+        extra = overlap_metrics(got, step, wait, start_wait_s, seconds)
         if self.reprefill:
-            extra["reprefills"] = sum(st.reprefills for st in out.got.stats)
-        return out.got, extra
+            extra["reprefills"] = sum(st.reprefills for st in got.stats)
+        return extra
+
+    def _end_stage(self) -> list[int]:
+        """Stops this stage's producer; returns the steps it generated that were not taken."""
+        pipeline, self.pipeline = self.pipeline, None
+        return [] if pipeline is None else pipeline.close()
 
     def close(self) -> list[int]:
         """Stops the producer; returns the steps it generated that were not taken."""
-        pipeline, self.pipeline, self._stage = self.pipeline, None, None
-        return [] if pipeline is None else pipeline.close()
+        self._stage = None
+        return self._end_stage()
 
 
 def split_meshes(

@@ -9,15 +9,19 @@ the two sides, so no launch order of either side's programs can wait on the othe
 What crosses is
 
   control   one TCP connection (the rollout process listens at the coordinator's
-            address): the trainer's ``hello`` (the config, its transfer address, the
-            weights' layout), ``stage`` (which steps to generate), ``offer`` (a version
-            ready to pull) and ``stop``; the rollout's ``want`` (a version), ``rollout``
-            (a step's groups, pickled) and ``stopped`` / ``error``;
+            address), authenticated by the run's key (``channel``: a challenge-response,
+            then a MAC on every message; a stranger is refused before anything it sent is
+            parsed): the trainer's ``hello`` (the config, its transfer address, the
+            weights' layout, its run lock's lease), ``stage`` (which steps to generate),
+            ``offer`` (a version ready to pull), ``lease`` and ``stop``; the rollout's
+            ``want`` (a version), ``rollout`` (a step's groups), ``lease?`` and
+            ``stopped`` / ``error``; a beat each way, so a wait ends on a silent peer;
   weights   ``jax.experimental.transfer``: the trainer offers a version's copy
-            (``TransferServer.await_pull``) when the rollout asks for it; the rollout
-            pulls it in the trainer's layout onto its own devices, and its driver lays it
-            out for the engine (``load_params``), as in a split within one process.
-            Measured on CPU it is 3.2x faster than sending host bytes
+            (``TransferServer.await_pull``) when the rollout asks for it, under an id
+            both sides derive from the session (never sent; the server serves it once);
+            the rollout pulls it in the trainer's layout onto its own devices, and its
+            driver lays it out for the engine (``load_params``), as in a split within one
+            process. Measured on CPU it is 3.2x faster than sending host bytes
             (``benchmarks/weight_publish.py``) and a dead peer fails a pull at once;
   groups    the run directory: the rollout keeps each finished group there
             (``rollout.partial``) as in one process, so a resume decodes only the rest.
@@ -28,21 +32,18 @@ step k still starts under version ``max(0, k - s)`` and, with ``publish_chunks``
 on by its chunk counts. A stop on either side stops both: a signal to the rollout
 process is sent on as ``stopped`` (the trainer stops at its next step's rollout with a
 checkpoint, as if signalled itself); the trainer's stop ends the rollout's current step
-at its next decode chunk. A side that dies closes the connection and the other ends in
-one line. The trainer's checkpoint keeps the lagged versions, so the same command resumes
+at its next decode chunk; a stop while either waits for the other ends it at once. A side
+that dies closes the connection and the other ends in one line. The rollout process
+writes into the run directory only while the trainer's process holds its lock
+(``TrainerLease``). The trainer's checkpoint keeps the lagged versions, so the same command resumes
 both. One process per side for now.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
-import os
-import pickle
+import math
 import queue
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -51,15 +52,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from magic_jax import interrupt
-from magic_jax.run.overlap import Cancelled, OverlapRollouts, overlap_metrics
-from magic_jax.run.step_rollouts import StepRollout
+from magic_jax.run.channel import BEAT_S, SILENT_S, Channel
+from magic_jax.run.overlap import Cancelled, OverlapRollouts, wait_for
 
 if TYPE_CHECKING:
+    from magic_jax.rollout.collect import Collected
     from magic_jax.run.config import TrainConfig
     from magic_jax.run.stages import Stage
 
 CONNECT_S = 600.0  # how long either side waits for the other to appear
-POLL_S = 0.2  # how often a wait looks for a stop or a lost peer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,87 +99,41 @@ def side_of(config: TrainConfig) -> Side:
     return Side(args["process_id"] < hosts, host, int(port))
 
 
-def frame(kind: str, **body: Any) -> bytes:
-    """One message as ``Channel`` sends it."""
-    data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
-    return struct.pack("!Q", len(data)) + data
-
-
-def farewell(side: Side, error: BaseException | None) -> None:
+def farewell(side: Side, key: bytes | None, error: BaseException | None, signum: int = 0) -> None:
     """Tells a rollout process this trainer never said hello to that the job ends: ``stop``
-    (the run had finished) or ``error`` (the trainer failed first). Best effort, 10 s."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            sock = socket.create_connection((side.host, side.port), timeout=2)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.5)
-    msg = frame("stop", signum=0) if error is None else frame("error", text=_said(error))
-    with contextlib.suppress(OSError), sock:
-        sock.sendall(msg)
+    (the run had finished, or ``signum`` stopped this process while it waited) or ``error``
+    (the trainer failed first), over an authenticated channel. Best effort, a few seconds;
+    nothing without the run's key (the trainer failed before writing it)."""
+    from magic_jax.run import channel
+
+    if key is None:
+        return
+    try:
+        chan = channel.dial(side.host, side.port, key, deadline_s=3, stopped=lambda: False,
+                            log=lambda _: None)  # fmt: skip
+    except (OSError, TimeoutError):
+        return
+    if chan is None:
+        return
+    if error is None:
+        chan.try_send("stop", signum=signum)
+    else:
+        chan.try_send("error", text=_said(error))
+    time.sleep(0.1)  # let the frame leave before the close
+    chan.close()
 
 
 def _said(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class Channel:
-    """Pickled messages ``(kind, body)`` over one TCP connection, length-prefixed; sent from
-    any thread, read by a thread of its own into ``inbox`` (``("closed", {})`` at the end).
-    Both ends are this project's processes of one job."""
-
-    def __init__(self, sock: socket.socket, name: str):
-        self.sock = sock
-        self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
-        self._reader.start()
-
-    def send(self, kind: str, **body: Any) -> None:
-        with self._lock:
-            self.sock.sendall(frame(kind, **body))
-
-    def try_send(self, kind: str, **body: Any) -> bool:
-        """``send``, False where the peer is gone."""
-        try:
-            self.send(kind, **body)
-            return True
-        except OSError:
-            return False
-
-    def get(self, timeout: float) -> tuple[str, dict[str, Any]] | None:
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def _exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if not k:
-                raise ConnectionError("closed")
-            got += k
-        return bytes(buf)
-
-    def _read(self) -> None:
-        try:
-            while True:
-                size = struct.unpack("!Q", self._exact(8))[0]
-                self.inbox.put(pickle.loads(self._exact(size)))
-        except (OSError, ConnectionError, EOFError):
-            pass
-        finally:
-            self.inbox.put(("closed", {}))
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+def silence(chan: Channel, who: str, what: str) -> None:
+    """Raises when ``chan``'s peer (``who``) has said nothing for ``channel.SILENT_S``:
+    the deadline of every wait between the processes, naming what it waited for."""
+    if chan.silent_s() > SILENT_S:
+        raise RuntimeError(
+            f"[overlap] no word from {who} for {SILENT_S:.0f} s while waiting for {what}"
+        )
 
 
 def transfer_server(local_ip: str) -> Any:
@@ -205,11 +160,14 @@ def layout(params: Any) -> tuple[list[tuple[Any, str, Any]], dict[str, int] | No
 
 class RemoteRollouts(OverlapRollouts):
     """The trainer's ``StepRollouts`` when another process generates: ``OverlapRollouts``'
-    versions and checkpoint item, its rollouts received from the rollout process."""
+    versions, checkpoint item and stage change, its rollouts received from the rollout
+    process. ``key``: the run's key (``channel.write_key``)."""
 
-    def __init__(self, *args: Any, side: Side, config: dict[str, Any], **kw: Any):
+    def __init__(
+        self, *args: Any, side: Side, config: dict[str, Any], key: bytes | None = None, **kw: Any
+    ):
         super().__init__(*args, **kw)
-        self.side, self.config = side, config
+        self.side, self.config, self.key = side, config, key
         self.chan: Channel | None = None
         self._results: dict[tuple[int, int], dict[str, Any]] = {}
         self._cond = threading.Condition()
@@ -226,27 +184,25 @@ class RemoteRollouts(OverlapRollouts):
         return state
 
     def _connect(self, params: Any) -> None:
-        deadline = time.monotonic() + CONNECT_S
-        while True:
-            try:
-                sock = socket.create_connection((self.side.host, self.side.port), timeout=10)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"[overlap] no rollout process at {self.side.host}:{self.side.port} "
-                        f"after {CONNECT_S:.0f} s ({e})"
-                    ) from None
-                time.sleep(0.5)
-        sock.settimeout(None)
-        self.server = transfer_server(sock.getsockname()[0])
-        self.chan = Channel(sock, "trainer")
+        """Connects to the rollout process and says hello.
+
+        Raises:
+          interrupt.Interrupted: a stop came while it waited for the rollout process.
+        """
+        from magic_jax.run import channel, runlock
+
+        host, port = self.side.host, self.side.port
+        chan = channel.dial(host, port, self.key or b"", deadline_s=CONNECT_S,
+                            stopped=interrupt.requested, log=self.log)  # fmt: skip
+        if chan is None:
+            raise interrupt.Interrupted(interrupt.requested(), "the wait for the rollout process")
+        self.chan = chan
+        self.server = transfer_server(chan.sock.getsockname()[0])
         leaves, mesh = layout(params)
-        self.chan.send(
-            "hello", config=self.config, transfer=self.server.address(), leaves=leaves, mesh=mesh
-        )
+        self.chan.send("hello", config=self.config, transfer=self.server.address(),
+                       leaves=leaves, mesh=mesh, lease=runlock.lease_left())  # fmt: skip
         self.connected = True
-        self.log(f"[overlap] the rollout process at {self.side.host}:{self.side.port} generates")
+        self.log(f"[overlap] the rollout process at {host}:{port} generates")
         for target, name in ((self._dispatch, "dispatch"), (self._offer, "offer")):
             t = threading.Thread(target=target, name=f"overlap-{name}", daemon=True)
             t.start()
@@ -254,10 +210,14 @@ class RemoteRollouts(OverlapRollouts):
 
     def _dispatch(self) -> None:
         """Reads the rollout process's messages (never blocks on anything else)."""
+        from magic_jax.run import runlock
+
         while True:
             kind, body = self.chan.inbox.get()
             if kind == "want":
                 self._wanted.put(body["version"])
+            elif kind == "lease?":  # how long this process's run lock holds, from now
+                self.chan.try_send("lease", n=body["n"], left=runlock.lease_left())
             elif kind == "rollout":
                 with self._cond:
                     self._results[body["epoch"], body["step"]] = body
@@ -273,78 +233,60 @@ class RemoteRollouts(OverlapRollouts):
                     return
 
     def _offer(self) -> None:
-        """Offers each version asked for once the update has published it."""
-        uuids = itertools.count(int.from_bytes(os.urandom(3), "big") << 20)
+        """Offers each version asked for once the update has published it, under the id
+        both sides derive from the session (``Channel.pull_id``): the offer names only
+        the version, and the transfer server serves an id once."""
         while (version := self._wanted.get()) is not None:
             try:
                 params = self.versions.get(version, self._cancel)
             except (Cancelled, KeyError) as e:
-                self.chan.try_send("offer", version=version, uuid=None, error=str(e))
+                self.chan.try_send("offer", version=version, error=str(e))
                 continue
-            uuid = next(uuids)
-            self.server.await_pull(uuid, params)
-            self.chan.try_send("offer", version=version, uuid=uuid, error=None)
+            self.server.await_pull(self.chan.pull_id(version), params)
+            self.chan.try_send("offer", version=version, error=None)
 
-    def rollout(
-        self,
-        stage: Stage,
-        step: int,
-        k: int,
-        state: Any,
-        collect: Any,
-        store_at: Any,
-        *,
-        resumed: bool,
-        end: int,
-    ) -> StepRollout:
-        """Step ``step``'s groups from the rollout process, which generates this stage's
-        steps from ``step`` on once told (at the stage's first step taken)."""
-        if self._stage is not stage:
-            with self._cond:
-                dropped = sorted(j for e, j in self._results if e == self._epoch)
-                self._results.clear()
-            if dropped:  # a stage that ended on an ``until`` rule: sampled for the old one
-                self.log(f"[overlap] the stage changed: rollouts of steps {dropped} discarded")
-            self._epoch += 1
-            self._stage = stage
-            self.chan.send(
-                "stage",
-                epoch=self._epoch,
-                index=stage.index,
-                excluded=list(stage.excluded),
-                first=step,
-                k=k,
-                end=min(step - k + stage.config.steps, end),
-            )
+    def _end_stage(self) -> list[int]:
+        with self._cond:
+            dropped = sorted(j for e, j in self._results if e == self._epoch)
+            self._results.clear()
+        return dropped
+
+    def _begin(self, stage: Stage, step: int, k: int, end: int, collect: Any, store_at: Any):
+        """Tells the rollout process to generate this stage's steps from ``step`` on."""
+        self._epoch += 1
+        self.chan.send("stage", epoch=self._epoch, index=stage.index,
+                       excluded=list(stage.excluded), first=step, k=k, end=end)  # fmt: skip
+
+    def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
         t0 = time.perf_counter()
         body = self._wait(step)
         got = body["got"]
-        metrics = overlap_metrics(
-            got, step, time.perf_counter() - t0, body["start_wait_s"], body["seconds"]
-        )
-        if self.reprefill:
-            metrics["reprefills"] = sum(st.reprefills for st in got.stats)
+        wait = time.perf_counter() - t0
+        metrics = self._metrics(got, step, wait, body["start_wait_s"], body["seconds"])
         pulled = body["pulled"]
         metrics["publish_bytes"] = sum(n for _, n, _ in pulled)
         metrics["t_publish_s"] = sum(s for _, _, s in pulled)
-        return StepRollout(got, metrics, 0.0, False)
+        return got, metrics
 
     def _wait(self, step: int) -> dict[str, Any]:
         key = (self._epoch, step)
+
+        def ended() -> None:
+            if self._peer is not None:
+                kind, body = self._peer
+                if kind == "stopped":
+                    raise interrupt.Interrupted(body["signum"], "the rollout process")
+                if kind == "error":
+                    raise RuntimeError(f"the rollout process failed:\n{body['text']}")
+                raise RuntimeError(
+                    f"the rollout process closed the connection during step {step}'s "
+                    "rollout (it ended or was killed); its finished groups are kept"
+                )
+            silence(self.chan, "the rollout process", f"step {step}'s rollout")
+            interrupt.check("rollout")  # a stop of this process, while it waits
+
         with self._cond:
-            while key not in self._results:
-                if self._peer is not None:
-                    kind, body = self._peer
-                    if kind == "stopped":
-                        raise interrupt.Interrupted(body["signum"], "the rollout process")
-                    if kind == "error":
-                        raise RuntimeError(f"the rollout process failed:\n{body['text']}")
-                    raise RuntimeError(
-                        f"the rollout process closed the connection during step {step}'s "
-                        "rollout (it ended or was killed); its finished groups are kept"
-                    )
-                self._cond.wait(POLL_S)
-                interrupt.check("rollout")  # a stop of this process, while it waits
+            wait_for(self._cond, lambda: key in self._results, check=ended)
             return self._results.pop(key)
 
     def close(self) -> list[int]:
@@ -386,16 +328,19 @@ class PulledVersions:
 
     def get(self, version: int, cancel: threading.Event | None = None) -> Any:
         self.chan.send("want", version=version)
+
+        def lost() -> None:
+            if self.chan.closed.is_set():  # the worker's loop says how the trainer ended
+                raise Cancelled(f"version {version} was not offered")
+            silence(self.chan, "the trainer's process", f"the offer of version {version}")
+
         with self._cond:
-            while version not in self._offers:
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled(f"version {version} was not offered")
-                self._cond.wait(POLL_S)
+            wait_for(self._cond, lambda: version in self._offers, cancel=cancel, check=lost)
             offer = self._offers.pop(version)
-        if offer["uuid"] is None:
+        if offer["error"] is not None:
             raise KeyError(f"policy version {version}: {offer['error']}")
         t0 = time.perf_counter()
-        flat = jax.block_until_ready(self.conn.pull(offer["uuid"], self.specs))
+        flat = jax.block_until_ready(self.conn.pull(self.chan.pull_id(version), self.specs))
         secs = time.perf_counter() - t0
         nbytes = sum(x.nbytes for x in flat)
         self.pulled.append((version, nbytes, secs))
@@ -409,6 +354,64 @@ class PulledVersions:
     def drain(self) -> list[tuple[int, int, float]]:
         out, self.pulled = self.pulled, []
         return out
+
+
+class TrainerLease:
+    """The rollout process's write fence (``fence.hold``): it writes into the run directory
+    only while the trainer's process holds the run's lock. The lock is the trainer's; this
+    process asks it, every few seconds, how long its lease holds, and counts that from
+    when it asked (before the answer was made), so its own deadline never passes the
+    trainer's. A local lock (an ``flock``) holds while the trainer's process lives: here,
+    while the channel does.
+
+    Args:
+      chan: the channel to the trainer's process.
+      asked_at: the monotonic time the handshake began (before the hello's ``lease``).
+      left: the hello's ``lease`` (``runlock.lease_left``: None for a local lock).
+      out: the run directory (for the message).
+    """
+
+    def __init__(self, chan: Channel, asked_at: float, left: float | None, out: Any):
+        self.chan, self.out = chan, out
+        self.leased = left is not None
+        self.deadline = math.inf if left is None else asked_at + left
+        self.every = BEAT_S if left is None else min(BEAT_S, max(0.05, left / 6))
+        self.lost: str | None = None if left is None or left > 0 else "it had lost it"
+        self._asked: dict[int, float] = {}
+        self._next = time.monotonic()
+
+    def check(self, what: str, *, server: bool = False) -> None:
+        """``check_fence`` in the rollout process."""
+        from magic_jax.run.runlock import LOST_LOCK_EXIT, LockLost
+
+        if self.lost is None and self.chan.closed.is_set():
+            self.lost = "the trainer's process is gone"
+        if self.lost is None and time.monotonic() >= self.deadline:
+            self.lost = "its lease was not confirmed in time"
+        if self.lost is not None:
+            raise LockLost(
+                f"{self.out}: not writing {what}: the trainer's process no longer holds the "
+                f"run lock ({self.lost}); stopping (exit status {LOST_LOCK_EXIT})"
+            )
+
+    def ask(self) -> None:
+        """Asks the trainer's lease again when due (the worker's loop calls it)."""
+        now = time.monotonic()
+        if not self.leased or now < self._next:
+            return
+        self._next = now + self.every
+        n = len(self._asked) + int(now * 1e6)
+        self._asked[n] = now
+        self.chan.try_send("lease?", n=n)
+
+    def answered(self, body: dict[str, Any]) -> None:
+        asked = self._asked.pop(body["n"], None)
+        if asked is None or body["left"] is None:
+            return
+        if body["left"] <= 0:
+            self.lost = "another process took the run over, or its lease ran out"
+        else:
+            self.deadline = max(self.deadline, asked + body["left"])
 
 
 def pull_specs(leaves: list[tuple[Any, str, Any]], mesh: Any) -> list[Any]:

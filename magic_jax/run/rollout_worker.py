@@ -1,20 +1,24 @@
 """The rollout process of a ``rollout.hosts`` job: it generates what the trainer's process
 asks, stage by stage, with each version pulled from it (``remote``'s other side).
 
-``serve`` listens at the coordinator's port, loads the run's policy, tokenizer and
-prompts as the trainer does, then waits for the trainer's ``hello``: the two configs must
-be equal, and the weights' layout gives what to pull. Each ``stage`` message starts the
-stage's ``overlap.RolloutPipeline`` (the same producer as in one process: its schedule,
-partial rollouts and re-prefill) with a ``remote.PulledVersions``; a sender thread hands
-each finished step to the trainer in order. Finished groups are kept in the run
-directory as they finish (``rollout.partial``), so a resumed job decodes only the others.
+``serve`` listens at the coordinator's address, loads the run's policy, tokenizer and
+prompts as the trainer does, then waits until a connection proves it holds the run's key
+(``channel.Listener``: strangers are refused and logged) and says ``hello``: the two
+configs must be equal, and the weights' layout gives what to pull. Each ``stage``
+message starts the stage's producer through ``OverlapRollouts.start`` (the same stage
+change, producer and per-step store as in one process: its schedule, partial rollouts
+and re-prefill) with a ``remote.PulledVersions``; a sender thread hands each finished
+step to the trainer in order. Finished groups are kept in the run directory as they
+finish (``rollout.partial``), so a resumed job decodes only the others, behind a fence
+that follows the trainer's run lock (``remote.TrainerLease``).
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,14 +26,16 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from magic_jax import interrupt, storage
-from magic_jax.run.overlap import Cancelled, RolloutPipeline
+from magic_jax.run import channel, fence, rundir
+from magic_jax.run.overlap import POLL_S, Cancelled, OverlapRollouts, step_store
 from magic_jax.run.remote import (
     CONNECT_S,
-    POLL_S,
     Channel,
     PulledVersions,
     Side,
+    TrainerLease,
     pull_specs,
+    silence,
     transfer_server,
     worker_meshes,
 )
@@ -48,47 +54,122 @@ def serve(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Generates for the trainer's process until it says stop; returns the summary this
-    process's exit status is read from (``stopped_by``: the stop's signal).
+    process's exit status is read from (``stopped_by``: the stop's signal, also one that
+    came while this process waited for the trainer's).
     ``load_inputs``: ``trainer.load_inputs`` (the run's policy, tokenizer and prompts).
 
     Raises:
       ConfigError: the trainer runs another config, or its weights another layout.
+      RunDirError: the run directory is not this project's (the trainer refuses it too).
       RuntimeError: no trainer came, it went away without a stop, or a rollout failed.
     """
-    from magic_jax.rewards import VerifierPool
-    from magic_jax.run import rundir
+    with rundir.StopSignals():
+        return _serve(config, side, load_inputs, log)
 
-    listener = socket.create_server(("", side.port))
-    log(f"[rollout] this process generates; the trainer's process connects to port {side.port}")
-    inputs, params = load_inputs(config, log=log, meshes=worker_meshes(config.mesh))
-    treedef = jax.tree.structure(params)
-    del params  # each version comes from the trainer
-    listener.settimeout(CONNECT_S)
+
+def _stopped() -> dict:
+    return {"stopped_by": signal.Signals(interrupt.requested()).name}
+
+
+def _serve(
+    config: TrainConfig, side: Side, load_inputs: Callable, log: Callable[[str], None]
+) -> dict:
+    from magic_jax.rewards import VerifierPool
+
+    out = storage.path(config.output_dir)
+    listener = channel.Listener(side.host, side.port, lambda: channel.read_key(out), log)
+    log(f"[rollout] this process generates; the trainer's process connects to {listener.where}")
     try:
-        sock, _ = listener.accept()
-    except TimeoutError:
-        raise RuntimeError(f"[rollout] no trainer connected within {CONNECT_S:.0f} s") from None
+        inputs, params = load_inputs(config, log=log, meshes=worker_meshes(config.mesh))
+        treedef = jax.tree.structure(params)
+        del params  # each version comes from the trainer
+        log("[rollout] waiting for the trainer's process")
+        refused = _RefusedDir(out)
+        try:
+            chan = listener.accept(
+                CONNECT_S, lambda: bool(interrupt.requested()) or refused.check()
+            )
+        except TimeoutError as e:
+            raise RuntimeError(f"[rollout] {e}") from None
     finally:
         listener.close()
-    sock.settimeout(None)
-    chan = Channel(sock, "rollout")
-    got = chan.get(CONNECT_S)
-    if got is not None and got[0] in ("stop", "error"):
-        chan.close()  # the trainer's ended before it began: a finished run, or a failure
-        if got[0] == "stop":
-            log("[rollout] the run has finished: nothing to generate")
-            return {}
-        raise RuntimeError(f"[rollout] the trainer's process failed: {got[1]['text']}")
-    if got is None or got[0] != "hello":
+    if chan is None:  # a stop while it waited
+        return _stopped()
+    asked_at = time.monotonic()
+    got = _first(chan)
+    if got is None:
+        return _stopped()
+    if got[0] in ("stop", "error"):
+        chan.close()  # the trainer's ended before it began: a finished run, a stop, a failure
+        if got[0] == "error":
+            raise RuntimeError(f"[rollout] the trainer's process failed: {got[1]['text']}")
+        if got[1]["signum"]:
+            interrupt.request(got[1]["signum"])
+            return _stopped()
+        log("[rollout] the run has finished: nothing to generate")
+        return {}
+    if got[0] != "hello":
         chan.close()
-        raise RuntimeError(f"[rollout] the trainer's process did not say hello (got {got})")
+        raise RuntimeError(f"[rollout] the trainer's process did not say hello (got {got[0]})")
     hello = got[1]
     _check_hello(config, hello, treedef.num_leaves, inputs.mesh)
-    conn = transfer_server(sock.getsockname()[0]).connect(hello["transfer"])
+    conn = transfer_server(chan.sock.getsockname()[0]).connect(hello["transfer"])
     specs = pull_specs(hello["leaves"], inputs.mesh)
     versions = PulledVersions(chan, conn, treedef, specs, log)
-    with rundir.StopSignals(), VerifierPool(config.rewards) as pool:
-        return _Worker(config, inputs, chan, versions, pool, log).run()
+    lease = TrainerLease(chan, asked_at, hello["lease"], out)
+    fence.hold(lease)  # this process writes into the run directory only while the trainer may
+    try:
+        with VerifierPool(config.rewards) as pool:
+            return _Worker(config, inputs, chan, versions, lease, pool, log).run()
+    finally:
+        fence.release(lease)
+
+
+def _first(chan: Channel) -> tuple[str, dict[str, Any]] | None:
+    """The trainer's first message (``hello``, or ``stop`` / ``error`` when it ended
+    before), or None on a stop of this process while it waited."""
+    deadline = time.monotonic() + CONNECT_S
+    while not interrupt.requested():
+        got = chan.get(POLL_S)
+        if got is not None:
+            return got
+        if time.monotonic() > deadline:
+            chan.close()
+            raise RuntimeError(
+                f"[rollout] the trainer's process said no hello within {CONNECT_S:.0f} s"
+            )
+    chan.close()
+    return None
+
+
+class _RefusedDir:
+    """Whether the run directory is one the trainer refuses (not empty, not this
+    project's): it then fails before it has a key to say so with, so this process sees it
+    for itself, looking every few seconds, twice in a row (a claim in progress is not a
+    refusal)."""
+
+    def __init__(self, out: Any):
+        self.out, self.seen, self.next = out, 0, 0.0
+
+    def check(self) -> bool:
+        if time.monotonic() < self.next:
+            return False
+        self.next = time.monotonic() + 1.0
+        try:
+            if not self.out.exists() or (self.out / rundir.MARKER).exists():
+                self.seen = 0
+                return False
+            entries = sorted(storage.listing(self.out) if storage.is_gcs(self.out)
+                             else os.listdir(self.out))  # fmt: skip
+        except (OSError, ValueError):
+            return False
+        self.seen = self.seen + 1 if entries else 0
+        if self.seen >= 2:
+            raise rundir.RunDirError(
+                f"output_dir {self.out}: not empty ({', '.join(entries[:3])}) and not a "
+                f"magic-jax run directory (no {rundir.MARKER}); the trainer's process refuses it"
+            )
+        return False
 
 
 def _check_hello(config: TrainConfig, hello: dict, leaves: int, mesh: Any) -> None:
@@ -114,7 +195,8 @@ def _check_hello(config: TrainConfig, hello: dict, leaves: int, mesh: Any) -> No
 
 
 class _Worker:
-    """The rollout process's loop: the trainer's messages, one stage's pipeline at a time."""
+    """The rollout process's loop: the trainer's messages, one stage's pipeline at a time
+    (``OverlapRollouts.start``, as in one process, with the versions pulled across)."""
 
     def __init__(
         self,
@@ -122,12 +204,14 @@ class _Worker:
         inputs: RunInputs,
         chan: Channel,
         versions: PulledVersions,
+        lease: TrainerLease,
         pool: Verifiers,
         log: Callable[[str], None],
     ):
         self.config, self.inputs, self.chan, self.versions = config, inputs, chan, versions
-        self.pool, self.log = pool, log
-        self.pipeline: RolloutPipeline | None = None
+        self.lease, self.pool, self.log = lease, pool, log
+        self.overlap = OverlapRollouts.of(config.rollout, log=log)
+        self.overlap.versions = versions
         self.sender: threading.Thread | None = None
         self.failed: BaseException | None = None
         self.told = False  # the trainer was told of this process's own stop
@@ -140,14 +224,18 @@ class _Worker:
                     self.told = True
                     self._close()
                     self.chan.try_send("stopped", signum=interrupt.requested())
+                self.lease.ask()
                 msg = self.chan.get(POLL_S)
                 if msg is None:
+                    silence(self.chan, "the trainer's process", "its next message")
                     continue
                 kind, body = msg
                 if kind == "stage" and not self.told:
                     self._stage(body)
                 elif kind == "offer":
                     self.versions.offered(body)
+                elif kind == "lease":
+                    self.lease.answered(body)
                 elif kind == "stop":
                     stop = body["signum"]
                 elif kind == "error":
@@ -169,11 +257,10 @@ class _Worker:
 
     def _stage(self, body: dict[str, Any]) -> None:
         """Starts generating steps ``first`` to ``end - 1`` of stage ``index``."""
-        from magic_jax.rollout.partial import StepStore
         from magic_jax.run.stages import build_stage, collect_step
 
         self._close()
-        cfg, i, ro = self.config, self.inputs, self.config.rollout
+        cfg, i, log = self.config, self.inputs, self.log
         stage = build_stage(
             cfg,
             body["index"],
@@ -185,33 +272,26 @@ class _Worker:
             rollout_mesh=i.rollout_mesh,
         )
         first, k0, end, epoch = body["first"], body["k"], body["end"], body["epoch"]
-        self.log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
+        log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
         out, limit = storage.path(cfg.output_dir), stage.config.max_response_length
 
-        def one(j: int, driver: Any, params: Any) -> Any:
-            interrupt.at(j)  # the step the test hooks name
-            store = None if ro.publish_chunks else StepStore(out, j, limit=limit, log=self.log)
-            tok = i.tokenizer
-            return collect_step(
-                cfg, stage, j, j - first + k0, driver, params, tok, self.pool, store
-            )
+        def store_at(j: int) -> Any:
+            return step_store(out, j, limit, log)
 
-        self.pipeline = RolloutPipeline(
-            one,
-            stage.driver,
-            self.versions,
-            first=first,
-            end=end,
-            max_staleness=ro.max_staleness,
-            publish_chunks=ro.publish_chunks,
-            reprefill=ro.publish_cache == "reprefill",
-        )
+        def collect(j: int, kj: int, driver: Any, params: Any, store: Any) -> Any:
+            interrupt.at(j)  # the step the test hooks name
+            tok = i.tokenizer
+            return collect_step(cfg, stage, j, kj, driver, params, tok, self.pool, store)
+
+        self.overlap.start(stage, first, k0, end, collect, store_at)
         self.sender = threading.Thread(
-            target=self._send, args=(self.pipeline, epoch, first, end), name="rollout-sender"
+            target=self._send,
+            args=(self.overlap.pipeline, epoch, first, end),
+            name="rollout-sender",
         )
         self.sender.start()
 
-    def _send(self, pipeline: RolloutPipeline, epoch: int, first: int, end: int) -> None:
+    def _send(self, pipeline: Any, epoch: int, first: int, end: int) -> None:
         """Hands each step's rollout to the trainer, in order."""
         for j in range(first, end):
             try:
@@ -233,9 +313,7 @@ class _Worker:
             )
 
     def _close(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
-            self.pipeline = None
+        self.overlap.close()
         if self.sender is not None:
             self.sender.join()
             self.sender = None

@@ -297,6 +297,12 @@ class GcsRunLock:
                 f"({self._lost}); stopping (exit status {LOST_LOCK_EXIT})"
             )
 
+    def left(self) -> float:
+        """Seconds before this holder's fence closes (0 once lost)."""
+        if self._lost is not None:
+            return 0.0
+        return max(0.0, self._deadline() - time.monotonic())
+
     def _unrenewed(self) -> str:
         return f"could not renew the lease within {self.lease_s * (1 - MARGIN):g} s"
 
@@ -346,6 +352,14 @@ class GcsRunLock:
 
     def __exit__(self, *_: Any) -> None:
         self.release()
+
+
+def lease_left() -> float | None:
+    """Seconds before this process's fence closes: None without a lease held here (a
+    local ``flock`` lock ends only with its process), 0 once the lease is lost. The
+    rollout process of a ``rollout.hosts`` job fences its writes by it (``remote``)."""
+    held = fence._held  # the lease the fence asks, if any
+    return held.left() if isinstance(held, GcsRunLock) else None
 
 
 def _holder(h: Mapping[str, Any]) -> str:

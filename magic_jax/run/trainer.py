@@ -218,19 +218,14 @@ class Trainer:
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
             raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
-        self.remote = None
+        self.remote, self.seam_key = None, None
         if cfg.rollout.hosts is not None:  # two runtimes: process 0 generates, 1 updates
             from magic_jax.run import remote, rollout_worker
 
             self.remote = remote.side_of(cfg)
             if self.remote.generates:
                 return rollout_worker.serve(cfg, self.remote, load_inputs, log=self.log)
-            try:
-                return self._in_run_dir(stop_after)
-            except BaseException as e:  # an end before the hello: the other side is told
-                if not getattr(getattr(self, "rollouts", None), "connected", False):
-                    remote.farewell(self.remote, e)
-                raise
+            return self._in_run_dir(stop_after)
         if cfg.mesh is not None:
             # before anything asks jax for devices or the process index
             maybe_initialize_distributed()
@@ -248,15 +243,40 @@ class Trainer:
                     self.out, raw, stack, total_steps=cfg.total_steps, log=self.log
                 )
             )
-            if finished:
-                if self.remote is not None:
-                    from magic_jax.run.remote import farewell
+            if self.remote is not None:  # the key the rollout process knows this one by
+                from magic_jax.run import channel
 
-                    farewell(self.remote, None)
+                self.seam_key = channel.write_key(self.out)
+                stack.callback(channel.remove_key, self.out)
+                stack.push(self._farewell)
+            if finished:
+                self._farewell(None, None, None)
                 return rundir.finished_summary(self.out, cfg.total_steps) or {}
             signals = stack.enter_context(rundir.StopSignals())
             end = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-            return self._run(end, signals)
+            try:
+                return self._run(end, signals)
+            except interrupt.Interrupted as e:
+                if self.remote is None or self._said_hello():
+                    raise
+                # a stop while it waited for the rollout process: it stops too
+                self.log(f"[stop] {e}")
+                self._farewell(None, None, None, e.signum)
+                return {"stopped_by": signal.Signals(e.signum).name}
+
+    def _said_hello(self) -> bool:
+        return getattr(getattr(self, "rollouts", None), "connected", False)
+
+    def _farewell(self, _type: Any, error: BaseException | None, _tb: Any, signum: int = 0):
+        """Tells the rollout process of a ``rollout.hosts`` job that this one ends before
+        its hello: the run had finished, a stop, or ``error`` (an exit callback of the run
+        directory's stack: said before its key goes and its lock is released)."""
+        from magic_jax.run.remote import farewell
+
+        if not self._said_hello() and not getattr(self, "_said_farewell", False):
+            self._said_farewell = True
+            farewell(self.remote, self.seam_key, error, signum)
+        return False
 
     def _open(self, end: int) -> tuple[TrainState, LoopState]:
         """Makes what the run holds (the one place the trainer's state is made): its
@@ -281,7 +301,8 @@ class Trainer:
         if self.remote is not None:  # another process generates
             from magic_jax.run.remote import RemoteRollouts
 
-            source, kw = RemoteRollouts, {"side": self.remote, "config": to_dict(cfg)}
+            source = RemoteRollouts
+            kw = {"side": self.remote, "config": to_dict(cfg), "key": self.seam_key}
         overlap = source.of(
             cfg.rollout,
             cfg.loss.tis_cap,
@@ -466,15 +487,13 @@ class Trainer:
         import jax
 
         from magic_jax.rollout import partial
-        from magic_jax.run import runlock
-        from magic_jax.run.overlap import clip_by_staleness
+        from magic_jax.run.overlap import clip_by_staleness, step_store
 
         cfg, st, source = self.config, stage.config, self.rollouts
         t0, cpu0 = time.perf_counter(), time.process_time()
 
         def store_at(j: int) -> StepStore:  # step j's groups, kept as they finish
-            fence, limit = runlock.check_fence, st.max_response_length
-            return partial.StepStore(self.out, j, limit=limit, log=self.log, fence=fence)
+            return step_store(self.out, j, st.max_response_length, self.log)
 
         def collect(j: int, kj: int, driver: Driver, params: Params, store) -> Collected:
             return self._collect(stage, j, kj, driver, params, pool, store)
