@@ -65,6 +65,7 @@ def step_row(
         "refill_rounds": got.rounds,
         "extra_rollouts": got.extra_rollouts,
         "sgd_steps": m["num_sgd_steps"],
+        "update_token_fill": m.get("update_token_fill", 0.0),
         "loss": mean("loss"),
         "clipfrac_low": mean("clipfrac_low"),
         "clipfrac_high": mean("clipfrac_high"),

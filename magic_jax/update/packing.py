@@ -173,13 +173,3 @@ def rows_of(x_KS: jax.Array, row_start_M: jax.Array, response_len: int) -> jax.A
     flat = x_KS.reshape(-1)
     idx_MR = row_start_M[:, None] + jnp.arange(response_len, dtype=jnp.int32)[None, :]
     return flat[jnp.clip(idx_MR, 0, flat.shape[0] - 1)]
-
-
-def padding_fraction(batch: RolloutBuffer, packed: PackedRows, live_micro: int) -> tuple:
-    """(the padded rows' token positions that hold no token, the packed micro-batches'):
-    what each layout spends on padding in one mini-batch (counted rows only)."""
-    counted = np.asarray(batch.keep) & np.asarray(batch.valid)
-    real = float(np.asarray(batch.attention_mask)[counted].sum())
-    padded = max(float(counted.sum()) * batch.tokens.shape[1], 1.0)
-    packed_slots = max(float(live_micro * packed.bins * packed.length), 1.0)
-    return 1.0 - real / padded, 1.0 - real / packed_slots

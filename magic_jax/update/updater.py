@@ -298,7 +298,9 @@ class PolicyUpdater:
         Returns:
           (new state, metrics): per-step arrays [N_SGD] of ``train_step``'s metrics
           and scalars ``buffer_entropy``, ``alpha``, ``kept_group_fraction``,
-          ``num_sgd_steps``, ``entropy_coef_next`` (with ``entropy.tokens`` also
+          ``num_sgd_steps``, ``update_token_fill`` (the share of the token positions
+          the optimizer steps computed that held a counted row's token: what padding
+          or packing leaves), ``entropy_coef_next`` (with ``entropy.tokens`` also
           ``buffer_entropy_selected`` and ``selected_token_fraction``).
 
         Raises:
@@ -323,19 +325,27 @@ class PolicyUpdater:
         buffer, from_current = self._prepare(state, buffer, one_step=len(mini_batches) == 1)
         micro = self.live_micro_rows(buffer.group_size)
         steps = []
+        fill = [0.0, 0.0]  # real tokens, token positions computed
         for groups in mini_batches:
             # pad to D_T groups (one static shape); padding rows count for nothing
             live = np.arange(d_t) < len(groups)
             groups = np.concatenate([groups, np.full(d_t - len(groups), groups[0])])
             batch = buffer.take_groups(groups, live)
             n_live, packed = None, None
+            length = batch.tokens.shape[1]
+            slots = batch.num_rows * length  # the token positions the step computes
             if cfg.packing:  # the counted rows packed; the micro-batches that hold them
-                bins = self.packed_bins(batch.group_size, batch.tokens.shape[1])
+                bins = self.packed_bins(batch.group_size, length)
                 packed, n_live = pack_rows(batch, bins)
+                slots = n_live * bins * length
             elif micro is not None:  # kept rows into the first micro-batches; skip the rest
                 rows = int(live.sum()) * batch.group_size
                 order, n_live = live_first(batch.num_rows, micro, rows)
                 batch = jax.tree.map(lambda x, o=order: x[o], batch)
+                slots = n_live * micro * length
+            counted = np.asarray(batch.keep & batch.valid)
+            fill[0] += float(np.asarray(batch.attention_mask)[counted].sum())
+            fill[1] += slots
             state, m = self.train_step(
                 state,
                 batch,
@@ -361,6 +371,7 @@ class PolicyUpdater:
             alpha=alpha,
             kept_group_fraction=float(keep_N.sum() / max(valid_N.sum(), 1)),
             num_sgd_steps=len(steps),
+            update_token_fill=fill[0] / fill[1] if fill[1] else 0.0,
             entropy_coef_next=float(state.entropy.coef),
             **measured,
         )
