@@ -29,13 +29,13 @@ import dataclasses
 import statistics
 import tempfile
 import time
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from magic_jax.jobs.schedule_plan import SHAPES, LengthShape
+from magic_jax.testing import Sample
 from magic_jax.update.buffer import RolloutBuffer, pack_rollouts
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
@@ -74,7 +74,7 @@ def rollouts(groups: int, t: int, shape: str, vocab: int, seed: int = 0) -> Roll
         for s in range(G):
             n = int(lengths[p * G + s])
             samples.append(
-                types.SimpleNamespace(
+                Sample(
                     prompt_index=p,
                     sample_index=s,
                     prompt_tokens=prompt,

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from flax import nnx
 
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2
+from magic_jax.testing import Sample
 from magic_jax.update.buffer import pack_rollouts
 from magic_jax.update.config import UpdateConfig
 from magic_jax.update.losses import LossConfig
@@ -52,7 +52,7 @@ def _buffer(groups=4, seed=0):
         for s in range(G):
             n = T if s == 0 else 1 + int((T - 1) * rng.uniform() ** 2)  # a long tail
             samples.append(
-                types.SimpleNamespace(
+                Sample(
                     prompt_index=p,
                     sample_index=s,
                     prompt_tokens=prompt,
