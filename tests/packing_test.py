@@ -34,6 +34,7 @@ CFG = ModelConfig(
     dtype="float32",
 )
 RTOL = 1e-5
+HEAVY = pytest.mark.heavy  # 10 s or more of compiles: `make test-slow` runs them
 
 
 @functools.cache
@@ -99,7 +100,7 @@ def _run(cfg, buf, packed=None, n=None):
     return fn(params, buf, packed, None if n is None else jnp.int32(n))
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=HEAVY)])
 def test_packed_update_equals_padded_over_several_micro_batches(agg):
     """Token-balanced micro-batches (2 bins each) against padded ones of 4 rows: loss,
     every gradient and every metric (entropy, KL to the reference, clip fractions, ratios,
@@ -199,6 +200,7 @@ def _updater_run(packing, micro_batch_tokens=None, tis=False):
     return state, metrics
 
 
+@HEAVY
 def test_updater_with_packing_takes_the_same_optimizer_steps():
     """``PolicyUpdater.update`` over two mini-batches: the parameters after both AdamW steps
     and every per-step metric equal the padded update's (as bins: rows, or a token budget)."""
@@ -217,6 +219,7 @@ def test_updater_with_packing_takes_the_same_optimizer_steps():
             np.testing.assert_allclose(m0[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+@HEAVY
 def test_recomputed_logprobs_and_tis_update_packed_equal_padded():
     """With TIS over two mini-batches the trainer recomputes pi_old of the whole buffer
     (``PolicyUpdater.logprobs``): packed, every valid row's log-probs (kept or not) equal
@@ -290,7 +293,7 @@ def _train(files, name, *sets):
     return rows, load_file(str(files / name / "hf_final" / "model.safetensors"))
 
 
-@pytest.mark.heavy
+@HEAVY
 def test_train_gives_the_same_records_and_weights_packed_and_padded(tiny):
     """``magic-jax train`` as typed, twice on the tiny run: with ``update.packing`` the
     records (losses, entropy, rewards, lengths) and the final weights equal the padded
@@ -308,7 +311,7 @@ def test_train_gives_the_same_records_and_weights_packed_and_padded(tiny):
         np.testing.assert_allclose(w0[k], w1[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-@pytest.mark.heavy
+@HEAVY
 def test_packed_update_on_a_mesh_equals_the_padded_one_on_one_device():
     """``update.packing`` on a (data 2, fsdp 2, tensor 2) CPU mesh: the bins split over the
     four data shards, the parameters sharded; the AdamW step and its metrics equal the
