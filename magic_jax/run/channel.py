@@ -28,6 +28,7 @@ the clear, as the weights do over ``jax.experimental.transfer``). ``docs/trainin
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -258,9 +259,10 @@ class Channel:
 
 
 class Listener:
-    """The rollout process's listening socket at the coordinator's address: it accepts
-    connections until one proves it holds the run's key, each proof checked on a thread
-    of its own, so a stranger that connects and says nothing delays no one.
+    """The rollout process's listening socket at the coordinator's address: from its
+    making on, a thread accepts connections and checks each one's proof on a thread of
+    its own (a stranger that connects and says nothing delays no one), until one proves
+    it holds the run's key; ``accept`` waits for that one.
 
     Args:
       host / port: the coordinator's address (its interface only; every interface when
@@ -277,11 +279,15 @@ class Listener:
             self.sock = socket.create_server((host, port))
             self.where = f"{host}:{port}"
         except OSError as e:  # not an address of this machine (a name behind NAT, say)
-            log(f"[rollout] cannot listen at {host}:{port} ({e.strerror}); on every interface")
+            if not isinstance(e, socket.gaierror) and e.errno != errno.EADDRNOTAVAIL:
+                raise
+            log(f"[rollout] cannot listen at {host}:{port} ({e}); on every interface")
             self.sock = socket.create_server(("", port))
             self.where = f"*:{port}"
         self.sock.settimeout(0.2)
         self._done: queue.Queue[tuple[socket.socket, bytes]] = queue.Queue()
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="rollout-listener", daemon=True).start()
 
     def accept(self, deadline_s: float, stopped: Callable[[], bool]) -> Channel | None:
         """The first connection that proves itself, as a ``Channel``; None when ``stopped()``
@@ -293,16 +299,21 @@ class Listener:
         deadline = time.monotonic() + deadline_s
         while True:
             with contextlib.suppress(queue.Empty):
-                sock, session = self._done.get_nowait()
+                sock, session = self._done.get(timeout=0.2)
                 return Channel(sock, session, trainer=False, name="rollout")
             if stopped():
                 return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no trainer's process proved itself within {deadline_s:.0f} s")
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
             try:
                 sock, addr = self.sock.accept()
             except TimeoutError:
                 continue
+            except OSError:  # closed
+                return
             threading.Thread(target=self._prove, args=(sock, addr), daemon=True).start()
 
     def _prove(self, sock: socket.socket, addr: Any) -> None:
@@ -313,11 +324,15 @@ class Listener:
             with contextlib.suppress(OSError):
                 sock.close()
             return
+        if self._closed.is_set():  # a second caller after the first: not wanted
+            sock.close()
+            return
         self._done.put((sock, session))
 
     def close(self) -> None:
+        self._closed.set()
         self.sock.close()
-        while True:  # a second caller that proved itself after the first: not wanted
+        while True:
             try:
                 sock, _ = self._done.get_nowait()
             except queue.Empty:

@@ -108,9 +108,9 @@ def farewell(side: Side, key: bytes | None, error: BaseException | None, signum:
 
     if key is None:
         return
-    try:
-        chan = channel.dial(side.host, side.port, key, deadline_s=3, stopped=lambda: False,
-                            log=lambda _: None)  # fmt: skip
+    try:  # a stop must end this process in seconds; else the other may still be starting
+        chan = channel.dial(side.host, side.port, key, deadline_s=3 if signum else 10,
+                            stopped=lambda: False, log=lambda _: None)  # fmt: skip
     except (OSError, TimeoutError):
         return
     if chan is None:
