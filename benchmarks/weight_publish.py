@@ -12,6 +12,9 @@ wanted replicated on the rollout's (the engine's layout on one tensor shard):
             trainer's layout, then lays it out as its engine wants (a local copy);
   host:     the trainer copies it to host memory, sends its bytes over a TCP socket when
             the rollout asks, and the rollout puts them on its devices;
+  seam:     the job's own path (``run/remote.py``): the rollout asks for v over the
+            authenticated channel, the trainer offers it under the session's id for v,
+            the rollout pulls it (``PulledVersions``): transfer plus the ask and offer;
   in-process (the peer): the same move between two halves of one process's 8 devices,
             what a split in one process costs (``rollout.devices``).
 
@@ -33,6 +36,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -96,14 +100,39 @@ def trainer(args) -> None:
     jax.block_until_ready(versions)
     for v, params in enumerate(versions):  # offered at once: the trainer does not wait
         server.await_pull(v, params)
-    lst = socket.create_server(("127.0.0.1", 0))
-    Path(args.rendezvous).write_text(json.dumps([server.address(), lst.getsockname()[1]]))
+    lst, seam = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    ports = [lst.getsockname()[1], seam.getsockname()[1]]
+    Path(args.rendezvous).write_text(json.dumps([server.address(), *ports]))
     conn, _ = lst.accept()
     with conn:
         while (ask := _recv(conn)) != b"done":
             v = int(ask)
             host = jax.device_get(versions[v])
             _send(conn, b"".join(np.ascontiguousarray(host[k]).tobytes() for k in shapes))
+    conn, _ = seam.accept()
+    chan = _seam_channel(conn, bytes.fromhex(args.key), trainer=True)
+    from magic_jax.run.remote import RemoteRollouts
+
+    rr = RemoteRollouts(args.versions, None, side=None, config={}, log=lambda _: None)
+    rr.chan, rr.server = chan, server
+    for v, params in enumerate(versions):
+        rr.versions.publish(v, params)
+    rr._threads = [threading.Thread(target=t, daemon=True) for t in (rr._dispatch, rr._offer)]
+    for t in rr._threads:  # the trainer's threads of a job
+        t.start()
+    chan.closed.wait()
+    rr.close()  # as the trainer ends: its threads joined
+
+
+def _seam_channel(sock, key: bytes, *, trainer: bool):
+    """The job's authenticated channel over ``sock`` (``run/channel.py``)."""
+    from magic_jax.run import channel
+
+    if trainer:
+        session = channel.answer_handshake(sock, key)
+    else:
+        session = channel.accept_handshake(sock, lambda: key)
+    return channel.Channel(sock, session, trainer=trainer, name="bench")
 
 
 def rollout(args) -> None:
@@ -115,12 +144,12 @@ def rollout(args) -> None:
     shapes = tree_shapes(args.mib)
     while not Path(args.rendezvous).exists() or not Path(args.rendezvous).read_text():
         time.sleep(0.05)
-    address, port = json.loads(Path(args.rendezvous).read_text())
+    address, port, seam_port = json.loads(Path(args.rendezvous).read_text())
     server = transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
     pull = server.connect(address)
     specs = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=fsdp) for k, s in shapes.items()}
     relayout = jax.jit(lambda t: t, out_shardings=replicated)
-    out = {"transfer": [], "host": []}
+    out = {"transfer": [], "host": [], "seam": []}
     for v in range(args.versions):
         t0 = time.perf_counter()
         got = jax.block_until_ready(relayout(pull.pull(v, specs)))
@@ -140,6 +169,25 @@ def rollout(args) -> None:
             out["host"].append(time.perf_counter() - t0)
             assert float(np.asarray(got["0.q"])[0, 0]) == v
         _send(sock, b"done")
+    from magic_jax.run.remote import PulledVersions
+
+    sock = socket.create_connection(("127.0.0.1", seam_port))
+    chan = _seam_channel(sock, bytes.fromhex(args.key), trainer=False)
+    flat = jax.tree.leaves(specs)
+    pulled = PulledVersions(chan, pull, jax.tree.structure(specs), flat, log=lambda _: None)
+
+    def offers():  # the rollout process's loop hands each offer on
+        while (msg := chan.get(60)) is not None and msg[0] != "closed":
+            if msg[0] == "offer":
+                pulled.offered(msg[1])
+
+    threading.Thread(target=offers, daemon=True).start()
+    for v in range(args.versions):
+        t0 = time.perf_counter()
+        got = jax.block_until_ready(relayout(pulled.get(v)))
+        out["seam"].append(time.perf_counter() - t0)
+        assert float(np.asarray(got["0.q"])[0, 0]) == v
+    chan.close()
     print(json.dumps(out))
 
 
@@ -184,6 +232,7 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--role", choices=["trainer", "rollout", "in-process"], help=argparse.SUPPRESS)
     ap.add_argument("--rendezvous", help=argparse.SUPPRESS)
+    ap.add_argument("--key", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trainer":
         return trainer(args)
@@ -195,12 +244,16 @@ def main() -> None:
     nbytes = sum(a * b * 4 for a, b in shapes.values())
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     me = [sys.executable, __file__, "--mib", str(args.mib), "--versions", str(args.versions)]
+    key = os.urandom(32).hex()  # the run's key, as both processes of a job read it
     with tempfile.TemporaryDirectory() as tmp:
         rdv = str(Path(tmp) / "rendezvous.json")
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
         side = [
             subprocess.Popen(
-                [*me, "--role", r, "--rendezvous", rdv], env=env, stdout=subprocess.PIPE, text=True
+                [*me, "--role", r, "--rendezvous", rdv, "--key", key],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             for r in ("trainer", "rollout")
         ]
@@ -217,11 +270,14 @@ def main() -> None:
           f"{os.cpu_count()} CPU cores")  # fmt: skip
     print(_line("transfer", two["transfer"], nbytes))
     print(_line("host", two["host"], nbytes))
+    print(_line("seam", two["seam"], nbytes))
     print(_line("in-process", peer, nbytes))
     med = {k: sorted(v[1:] or v)[len(v[1:] or v) // 2] for k, v in
-           (("transfer", two["transfer"]), ("host", two["host"]), ("peer", peer))}  # fmt: skip
+           (("transfer", two["transfer"]), ("host", two["host"]), ("peer", peer),
+            ("seam", two["seam"]))}  # fmt: skip
     print(f"transfer / host: {med['host'] / med['transfer']:.2f}x faster; "
-          f"transfer / in-process: {med['peer'] / med['transfer']:.2f}x")  # fmt: skip
+          f"transfer / in-process: {med['peer'] / med['transfer']:.2f}x; "
+          f"seam / transfer: {med['seam'] / med['transfer']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
