@@ -138,6 +138,7 @@ def _first(chan: Channel) -> tuple[str, dict[str, Any]] | None:
             raise RuntimeError(
                 f"[rollout] the trainer's process said no hello within {CONNECT_S:.0f} s"
             )
+    chan.try_send("stopped", signum=interrupt.requested())  # it stops too
     chan.close()
     return None
 
