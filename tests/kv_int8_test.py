@@ -1,8 +1,10 @@
 """rollout.kv_dtype: int8 — an int8 KV cache with per-token-and-head scales, dequantized
-inside the decode attention: quantization error, logits parity against the bf16
-engine, the rollout log-prob mismatch, sharding and config plumbing."""
+inside the decode attention (the dense product, and the ragged kernel): quantization
+error, logits parity against the bf16 engine, the rollout log-prob mismatch, sharding
+and config plumbing."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from magic_jax.model.sharding import MeshConfig, make_mesh
 from magic_jax.rollout.decode import decode_forward
 from magic_jax.rollout.driver import RolloutDriver
 from magic_jax.rollout.engine import Engine, EngineConfig
+from magic_jax.rollout.ragged_attention import RaggedSpec, applies
 from magic_jax.rollout.sampling import SamplingConfig
 
 # grouped-query attention, a sliding-window layer, head dim 16
@@ -179,3 +182,53 @@ def test_sharded_int8_engine_matches_unsharded():
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.mark.heavy  # ~10 s each: the interpreted kernel in three decode steps
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_int8_decode_equals_the_dense_int8_product_and_stays_near_bf16(dtype):
+    """Three decode steps over an int8 cache of 256 slots whose rows hold 140, 127 and 5
+    tokens (either side of the kernel's 128-slot blocks), one row finished: the TPU
+    kernel (interpreted) gives the dense int8 product's logits (fp32: to 1e-5; bf16:
+    within bf16's rounding of the probabilities), within int8's bound above of the
+    bf16 cache's, and writes the same cache."""
+    cfg = dataclasses.replace(
+        CFG, sliding_window=None, sliding_layers=(), dtype=dtype, param_dtype=dtype
+    )  # the kernel runs no sliding-window layer
+    model = Qwen2(cfg, rngs=nnx.Rngs(2))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 140)), jnp.int32)
+    _, cache = model(ids, cache=KVCache.init(cfg, 3, 256))
+    lengths = jnp.asarray([140, 127, 5], jnp.int32)
+    held = jnp.arange(256)[None] < lengths[:, None]
+    cache = dataclasses.replace(cache, lengths=lengths, pos=jnp.where(held, cache.pos, -1))
+    (k8, ks), (v8, vs) = quantize_kv(cache.k), quantize_kv(cache.v)
+    cache8 = dataclasses.replace(cache, k=k8, v=v8, k_scale=ks, v_scale=vs)
+    live = jnp.asarray([True, True, False])
+    tok = jnp.asarray([5, 7, 9], jnp.int32)
+    spec = RaggedSpec("interpret")
+    assert applies(spec, quantized=True, sliding=False, length=256)
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames="ragged")
+    def forward(params, tok, cache, ragged=None):
+        return decode_forward(nnx.merge(graphdef, params), tok, live, cache, ragged=ragged)
+
+    for _ in range(3):
+        dense, new_d = forward(params, tok, cache8)
+        ragged, new_r = forward(params, tok, cache8, ragged=spec)
+        scale = float(jnp.abs(dense[live]).max())
+        tol = 1e-5 if dtype == "float32" else 2.0**-6 * scale
+        np.testing.assert_allclose(ragged[live], dense[live], atol=tol, rtol=0)
+        if dtype == "bfloat16":
+            want, cache = forward(params, tok, cache)
+            diff = float(jnp.abs(ragged[live] - want[live]).max())
+            assert diff <= 2.0**-6 * float(jnp.abs(want[live]).max()), diff
+        np.testing.assert_array_equal(new_r.pos, new_d.pos)
+        np.testing.assert_array_equal(new_r.lengths, new_d.lengths)
+        # the same keys and values quantized (layers past the first see the attention's
+        # rounding: at most one int8 step apart)
+        for a, b in ((new_r.k, new_d.k), (new_r.v, new_d.v)):
+            assert int(jnp.abs(a[live].astype(jnp.int32) - b[live].astype(jnp.int32)).max()) <= 1
+        for a, b in ((new_r.k_scale, new_d.k_scale), (new_r.v_scale, new_d.v_scale)):
+            np.testing.assert_allclose(a[live], b[live], rtol=2.0**-6)
+        cache8, tok = new_d, jnp.argmax(dense, -1).astype(jnp.int32)

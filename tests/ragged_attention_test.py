@@ -1,9 +1,11 @@
 """rollout.decode_attention: ragged — the decode attention kernels that read only the cache
 slots each row holds (the TPU kernel interpreted, the GPU kernel in Pallas's interpreter
-and lowered for CUDA), against the dense path: kernel outputs, the new token's merge,
-decode logits and the engine's samples, unsharded and over a mesh."""
+and lowered for CUDA), against the dense path: kernel outputs (of a float and an int8
+cache), the new token's merge, decode logits and the engine's samples, unsharded and
+over a mesh."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from flax import nnx
 from helpers import reference_past
 
 from magic_jax.model.config import ModelConfig
-from magic_jax.model.kv_cache import KVCache
+from magic_jax.model.kv_cache import KVCache, quantize_kv
 from magic_jax.model.qwen2 import Qwen2
 from magic_jax.model.sharding import MeshConfig, make_mesh
 from magic_jax.rollout import ragged_attention as ra
@@ -100,6 +102,66 @@ def test_kernels_equal_the_reference_and_never_read_a_block_past_a_rows_length(k
     np.testing.assert_allclose(lse[1:], want_lse[1:], atol=1e-4 if dtype == jnp.float32 else 0.05)
 
 
+def _numpy_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
+    """The past's attention in float64 NumPy, row by row: (out [B, K, G, H], lse [B, K, G])."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q_BKGH, k_BSKH, v_BSKH))
+    out, lse = np.zeros(q.shape), np.full(q.shape[:-1], -np.inf)
+    for i, n in enumerate(np.asarray(lengths_B)):
+        if n == 0:
+            continue
+        s_KGS = np.einsum("kgh,skh->kgs", q[i], k[i, :n]) / np.sqrt(q.shape[-1])
+        m_KG = s_KGS.max(-1)
+        p_KGS = np.exp(s_KGS - m_KG[..., None])
+        out[i] = np.einsum("kgs,skh->kgh", p_KGS, v[i, :n]) / p_KGS.sum(-1)[..., None]
+        lse[i] = m_KG + np.log(p_KGS.sum(-1))
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    ("dtype", "s", "lengths", "heads"),
+    [  # kv heads: two, and one (a device's at tensor 2)
+        (jnp.float32, 256, [0, 1, 127, 128, 129, 256], 2),
+        (jnp.bfloat16, 256, [0, 1, 127, 128, 129, 256], 1),
+        (jnp.float32, 96, [0, 1, 31, 33, 95, 96], 1),
+        (jnp.bfloat16, 96, [0, 1, 31, 33, 95, 96], 2),
+    ],
+)
+def test_the_tpu_kernel_reads_an_int8_cache_and_its_scales_as_the_reference(
+    dtype, s, lengths, heads
+):
+    """The int8 keys and values with their per-token scales, read in the middle of a
+    stacked cache whose other layers' scales are NaN: the kernel equals attention over the
+    dequantized cache (float64 NumPy) and reads no block past a row's length (blocks of
+    128 slots; a cache of fewer slots is one block)."""
+    q, k, v = _qkv(jnp.float32, s=s, k=heads)
+    q = q.astype(dtype)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    want_out, want_lse = _numpy_past(
+        q.astype(jnp.float32), k8 * ks[..., None], v8 * vs[..., None], lengths
+    )
+    bs = ra.block_size(s, quantized=True)
+    assert bs == min(s, 128)
+    start = jnp.arange(s) // bs * bs
+    past = (start[None] >= lengths[:, None])[..., None]
+    # a block read past a row's length makes its row NaN
+    ks_nan, vs_nan = (jnp.where(past, jnp.nan, x) for x in (ks, vs))
+    k8s, v8s = _stacked(k8, 1).astype(jnp.int8), _stacked(v8, 1).astype(jnp.int8)
+    past = jax.jit(functools.partial(ra.past_attention, spec=ra.RaggedSpec("interpret")))
+    out, lse = past(
+        q, k8s, v8s, jnp.int32(1), lengths, ks_BLSK=_stacked(ks_nan, 1), vs_BLSK=_stacked(vs_nan, 1)
+    )
+    assert out.shape == want_out.shape and out.dtype == jnp.float32
+    # bf16: the query and each probability (times its value's scale) enter the products
+    # rounded to 8 bits
+    v_max = float(jnp.abs(v8 * vs[..., None]).max())
+    tol = 1e-5 if dtype == jnp.float32 else 2.0**-7 * v_max
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=0)
+    assert bool(jnp.all(jnp.isneginf(lse[0]))) and not np.any(np.asarray(out[0]))
+    lse_tol = 1e-4 if dtype == jnp.float32 else 0.05
+    np.testing.assert_allclose(lse[1:], want_lse[1:], atol=lse_tol, rtol=0)
+
+
 def test_merging_the_new_token_equals_attention_over_the_written_cache():
     q, k, v = _qkv(jnp.float32, seed=1)
     lengths = jnp.asarray([0, 1, 31, 32, 33, 95], jnp.int32)
@@ -141,25 +203,34 @@ def test_ragged_decode_logits_match_the_dense_path(dtype):
         cache, tok = cache_d, jnp.argmax(dense, -1).astype(jnp.int32)
 
 
-def test_sliding_windows_int8_caches_and_unblocked_lengths_run_the_dense_path():
+def test_sliding_windows_unblocked_lengths_and_int8_on_the_gpu_run_the_dense_path():
     spec = ra.RaggedSpec("interpret")
     windowed = _model(dataclasses.replace(CFG, sliding_window=3, sliding_layers=(1,)))
     tok, live = jnp.asarray([5, 7], jnp.int32), jnp.asarray([True, True])
-    for model, cache in [
-        (windowed, KVCache.init(windowed.config, 2, 32)),
-        (_model(), KVCache.init(CFG, 2, 32, kv_dtype="int8")),
-        (_model(), KVCache.init(CFG, 2, 40)),  # no block of 16..128 divides 40
+    for model, cache, ragged in [
+        (windowed, KVCache.init(windowed.config, 2, 32), spec),
+        (_model(), KVCache.init(CFG, 2, 40), spec),  # no block of 16..128 divides 40
+        # an int8 cache's blocks: 128 slots, or all of them below 128 in rows of 32
+        (_model(), KVCache.init(CFG, 2, 48, kv_dtype="int8"), spec),
+        # the Triton kernel reads a float cache (nothing runs on a GPU here)
+        (_model(), KVCache.init(CFG, 2, 32, kv_dtype="int8"), ra.RaggedSpec("gpu")),
     ]:
         want, _ = decode_forward(model, tok, live, cache)
-        got, _ = decode_forward(model, tok, live, cache, ragged=spec)
+        got, _ = decode_forward(model, tok, live, cache, ragged=ragged)
         np.testing.assert_array_equal(got, want)
+    assert not ra.applies(spec, quantized=True, sliding=False, length=160)
+    assert ra.applies(spec, quantized=True, sliding=False, length=32)
+    assert ra.applies(spec, quantized=True, sliding=False, length=384)
     with pytest.raises(ValueError, match="decode_attention: ragged reads a float cache"):
         EngineConfig(decode_attention="ragged", kv_dtype="int8")
     with pytest.raises(ValueError, match="decode_attention: unknown decode attention 'paged'"):
         EngineConfig(decode_attention="paged")
+    q, k, v = _qkv(jnp.float32, s=40)
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        q, k, v = _qkv(jnp.float32, s=40)
         ra.past_attention(q, k[:, None], v[:, None], 0, jnp.zeros((6,), jnp.int32), spec)
+    (k8, ks), (v8, vs) = quantize_kv(k[:, None]), quantize_kv(v[:, None])
+    with pytest.raises(ValueError, match="not a multiple of 128, or of 32 below it"):
+        ra.past_attention(q, k8, v8, 0, jnp.zeros((6,), jnp.int32), spec, ks, vs)
 
 
 def _engine(model, mesh=None, **kw):

@@ -322,8 +322,9 @@ def decode_forward(
     ``layer_unroll``: see ``EngineConfig.layer_unroll``; ``per_head``: the attention's
     formulation (``decode_attention``). ``ragged`` runs ``ragged_attention``'s kernel
     instead: each row reads its past slots ``[0, length)`` only and the new token is
-    merged in after (a float cache without sliding windows, at an attended length the
-    kernel's blocks divide; otherwise the dense product runs). ``attention``, a
+    merged in after (no sliding windows, an attended length the kernel's blocks divide,
+    and an int8 cache only on the TPU kernel; otherwise the dense product runs). An
+    int8 cache's new token is merged as the cache holds it, quantized. ``attention``, a
     registered attention's product (``attention.AttendFn``, a float cache), runs in
     place of the dense one.
 
@@ -354,20 +355,30 @@ def decode_forward(
                 (new["k"], new["ks"]), (new["v"], new["vs"]) = map(
                     quantize_kv, (new["k"], new["v"])
                 )
+            if ragged is not None:
+                held_B = jnp.where(live_B, at_B, 0)
+                if quantized:
+                    # the query in the compute dtype; the new token as the cache holds it
+                    q_BKGH = q_B1KGH[:, 0]
+                    k_BKH, v_BKH = (
+                        new[n].astype(jnp.float32) * new[n + "s"][..., None] for n in ("k", "v")
+                    )
+                    scales = (cache.k_scale, cache.v_scale)
+                else:
+                    q_BKGH = q_B1KGH[:, 0].astype(cache.k.dtype)
+                    k_BKH, v_BKH = (new[n].astype(cache.k.dtype) for n in ("k", "v"))
+                    scales = ()
+                past = ragged_attention.past_attention(
+                    q_BKGH, cache.k, cache.v, li, held_B, ragged, *scales
+                )
+                out_BKGH = ragged_attention.merge_new_token(*past, q_BKGH, k_BKH, v_BKH)
+                return out_BKGH[:, None], new
+            scales = {}
+            if quantized:
                 scales = {
                     "k_scale_BSK": write_slot(layer_slice(cache.k_scale, li), new["ks"], at_B),
                     "v_scale_BSK": write_slot(layer_slice(cache.v_scale, li), new["vs"], at_B),
                 }
-            else:
-                scales = {}
-            if ragged is not None:
-                q_BKGH = q_B1KGH[:, 0].astype(cache.k.dtype)
-                k_BKH, v_BKH = (new[n].astype(cache.k.dtype) for n in ("k", "v"))
-                past = ragged_attention.past_attention(
-                    q_BKGH, cache.k, cache.v, li, jnp.where(live_B, at_B, 0), ragged
-                )
-                out_BKGH = ragged_attention.merge_new_token(*past, q_BKGH, k_BKH, v_BKH)
-                return out_BKGH[:, None], new
             args = (
                 q_B1KGH[:, 0],
                 write_slot(layer_slice(cache.k, li), new["k"], at_B),

@@ -12,7 +12,17 @@ row, only the blocks below its length:
   length.
 - ``interpret``: the TPU kernel's program run by Pallas's interpreter (CPU tests).
 
-Both kernels read the cache as the engine stores it, the whole slot-major
+An int8 cache (``kv_cache.quantize_kv``) runs the TPU kernel (and its interpreted
+program): it reads int8 key and value blocks with their per-token scales and folds the
+scales into the products (each score times its key's scale, each probability times its
+value's scale before the value product), so no dequantized copy of the cache is made.
+It reads the cache and scales with the kv heads before the slots, [B, L, K, S, H] and
+[B, L, K, S]: that is how the TPU lays out the stored [B, L, S, K, H] and [B, L, S, K]
+when a device holds few kv heads (XLA puts the small K dimension outside S), so the
+transposed view is free and the scales of a block are one lane-dense row
+(``tests/tpu_decode_test.py`` counts the compiled step's copies: none).
+
+Both float-cache kernels read the cache as the engine stores it, the whole slot-major
 [B, L, S, K, H] array (``kv_cache.KVCache``), at a layer index given at run time (on
 TPU a prefetched scalar of the block index, on GPU an offset into the block): no
 layer is sliced out of it, and when a device holds one kv head its [B, L, S, H] view
@@ -37,6 +47,9 @@ BACKENDS = ("tpu", "gpu", "interpret")
 AxisEntry = str | tuple[str, ...] | None
 # Key-block sizes tried, largest first: the block must divide the attended length.
 _BLOCKS = (128, 64, 32, 16)
+# An int8 cache's block: 128 slots (a lane row of its scales), or the whole attended
+# length when that is below 128 (a block of int8 rows holds a multiple of 32 slots).
+_INT8_BLOCK, _INT8_ROWS = 128, 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +74,23 @@ class RaggedSpec:
             raise ValueError(f"RaggedSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-def block_size(s: int) -> int | None:
-    """The key-block size for an attended length ``s``, or None when no block divides it."""
+def block_size(s: int, quantized: bool = False) -> int | None:
+    """The key-block size for an attended length ``s`` (of an int8 cache if ``quantized``),
+    or None when no block divides it."""
+    if quantized:
+        if s % _INT8_BLOCK == 0:
+            return _INT8_BLOCK
+        return s if s < _INT8_BLOCK and s % _INT8_ROWS == 0 else None
     return next((b for b in _BLOCKS if s % b == 0), None)
 
 
 def applies(spec: RaggedSpec | None, *, quantized: bool, sliding: bool, length: int) -> bool:
-    """Whether a decode step runs the kernel: a float cache, no sliding-window layers and
-    an attended ``length`` its blocks divide (else the dense product runs)."""
-    return spec is not None and not quantized and not sliding and block_size(length) is not None
+    """Whether a decode step runs the kernel: no sliding-window layers, an attended
+    ``length`` its blocks divide, and a float cache or an int8 one on the TPU kernel (not
+    the GPU's); else the dense product runs."""
+    if spec is None or sliding or (quantized and spec.backend == "gpu"):
+        return False
+    return block_size(length, quantized) is not None
 
 
 def _finish(acc, m, denom):
@@ -100,42 +121,104 @@ def _tpu_kernel(
     b, j = pl.program_id(0), pl.program_id(1)
     n = len_ref[b]
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    _tpu_init(j, m_sc, l_sc, acc_sc)
 
     def head(ref, kh):  # a kv head's [bs, H] block (the block is [bs, H] for one head)
         return ref[...] if one_head else ref[:, kh, :]
 
     @pl.when(j * bs < n)
     def _block():
-        scale = q_ref.shape[-1] ** -0.5
         for kh in range(q_ref.shape[0]):  # static: a kv head's query group against its keys
-            q_GH = q_ref[kh].astype(k_ref.dtype)
-            s_GS = (
-                jax.lax.dot_general(
-                    q_GH,
-                    head(k_ref, kh),
-                    (((1,), (1,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                )
-                * scale
-            )
-            slot = j * bs + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1)
-            s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
-            m_prev = m_sc[kh]
-            m_new = jnp.maximum(m_prev, jnp.max(s_GS, axis=1, keepdims=True))
-            p_GS = jnp.exp(s_GS - m_new)
-            corr = jnp.exp(m_prev - m_new)
-            l_sc[kh] = corr * l_sc[kh] + jnp.sum(p_GS, axis=1, keepdims=True)
+            s_GS = _dot_t(q_ref[kh].astype(k_ref.dtype), head(k_ref, kh))
             v_SH = head(v_ref, kh)
-            pv = jnp.dot(p_GS.astype(v_SH.dtype), v_SH, preferred_element_type=jnp.float32)
-            acc_sc[kh] = corr * acc_sc[kh] + pv
-            m_sc[kh] = m_new
+            _online_softmax(
+                kh,
+                s_GS * q_ref.shape[-1] ** -0.5,
+                lambda p_GS, v_SH=v_SH: _dot(p_GS.astype(v_SH.dtype), v_SH),
+                j * bs,
+                n,
+                m_sc,
+                l_sc,
+                acc_sc,
+            )
 
-    @pl.when(j == pl.num_programs(1) - 1)
+    _tpu_out(o_ref, lse_ref, m_sc, l_sc, acc_sc)
+
+
+def _tpu_int8_kernel(
+    lay_ref, len_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs
+):
+    """``_tpu_kernel`` over int8 [K, bs, H] blocks and their [K, bs] scales: the int8
+    values enter the dots in the query's dtype; each score is multiplied by its key's
+    scale and each probability by its value's scale (``decode.decode_attention``'s way)."""
+    from jax.experimental import pallas as pl
+
+    del lay_ref  # used by the index maps only
+    b, j = pl.program_id(0), pl.program_id(1)
+    n = len_ref[b]
+    _tpu_init(j, m_sc, l_sc, acc_sc)
+
+    @pl.when(j * bs < n)
+    def _block():
+        dt = q_ref.dtype
+        for kh in range(q_ref.shape[0]):
+            # int8 -> float32 -> the compute dtype: a convert every TPU generation has
+            k_SH = k_ref[kh].astype(jnp.float32).astype(dt)
+            v_SH = v_ref[kh].astype(jnp.float32).astype(dt)
+            s_GS = _dot_t(q_ref[kh], k_SH) * (ks_ref[kh : kh + 1, :] * q_ref.shape[-1] ** -0.5)
+            vs_1S = vs_ref[kh : kh + 1, :]
+            _online_softmax(
+                kh,
+                s_GS,
+                lambda p_GS, v_SH=v_SH, vs_1S=vs_1S: _dot((p_GS * vs_1S).astype(dt), v_SH),
+                j * bs,
+                n,
+                m_sc,
+                l_sc,
+                acc_sc,
+            )
+
+    _tpu_out(o_ref, lse_ref, m_sc, l_sc, acc_sc)
+
+
+def _dot_t(a_GH, b_SH):
+    """a . b^T in float32: [G, S]."""
+    dims = (((1,), (1,)), ((), ()))
+    return jax.lax.dot_general(a_GH, b_SH, dims, preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _tpu_init(j, m_sc, l_sc, acc_sc):
+    from jax.experimental import pallas as pl
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def _online_softmax(kh, s_GS, pv, start, n, m_sc, l_sc, acc_sc):
+    """Kv head ``kh``'s scores of the block at slot ``start`` (slots from ``n`` on masked)
+    into its running max, sum and output; ``pv(p_GS)`` is the block's value product."""
+    slot = start + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1)
+    s_GS = jnp.where(slot < n, s_GS, -jnp.inf)
+    m_prev = m_sc[kh]
+    m_new = jnp.maximum(m_prev, jnp.max(s_GS, axis=1, keepdims=True))
+    p_GS = jnp.exp(s_GS - m_new)
+    corr = jnp.exp(m_prev - m_new)
+    l_sc[kh] = corr * l_sc[kh] + jnp.sum(p_GS, axis=1, keepdims=True)
+    acc_sc[kh] = corr * acc_sc[kh] + pv(p_GS)
+    m_sc[kh] = m_new
+
+
+def _tpu_out(o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    from jax.experimental import pallas as pl
+
+    @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
     def _out():
         out, lse = _finish(acc_sc[...], m_sc[...][..., 0], l_sc[...][..., 0])
         o_ref[...] = out
@@ -196,6 +279,67 @@ def _tpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool):
         q_BKGH,
         k_BLSKH,
         v_BLSKH,
+    )
+    return out, lse[..., 0]
+
+
+def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B, *, interpret):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, k, g, h = q_BKGH.shape
+    s = k_BLSKH.shape[2]
+    bs = block_size(s, quantized=True)
+    # the kv heads before the slots: the TPU's own layout of the stored arrays (no copy)
+    k_BLKSH, v_BLKSH = (jnp.swapaxes(x, 2, 3) for x in (k_BLSKH, v_BLSKH))
+    ks_BLKS, vs_BLKS = (jnp.swapaxes(x, 2, 3) for x in (ks_BLSK, vs_BLSK))
+
+    def held(i, j, lens):  # blocks past a row's last held one repeat it: no fetch
+        return jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs)
+
+    def row(i, j, lay, lens):
+        return (i, 0, 0, 0)
+
+    kv = pl.BlockSpec(
+        (None, None, k, bs, h), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens), 0)
+    )
+    scale = pl.BlockSpec(
+        (None, None, k, bs), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens))
+    )
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, s // bs),
+        in_specs=[pl.BlockSpec((None, k, g, h), row), kv, kv, scale, scale],
+        out_specs=[pl.BlockSpec((None, k, g, h), row), pl.BlockSpec((None, k, g, 1), row)],
+        scratch_shapes=[
+            pltpu.VMEM((k, g, 1), jnp.float32),
+            pltpu.VMEM((k, g, 1), jnp.float32),
+            pltpu.VMEM((k, g, h), jnp.float32),
+        ],
+    )
+    out, lse = pl.pallas_call(
+        functools.partial(_tpu_int8_kernel, bs=bs),
+        grid_spec=grid,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, k, g, 1), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(  # as ``_tpu_past``'s, int8 values and fp32 scales
+            flops=4 * b * k * g * s * h,
+            transcendentals=b * k * g * s,
+            bytes_accessed=2 * b * s * k * (h + 4) + 2 * q_BKGH.size * 4,
+        ),
+        interpret=interpret,
+        name="ragged_decode_attention_int8",
+    )(
+        jnp.reshape(layer, (1,)),
+        lengths_B.astype(jnp.int32),
+        q_BKGH,
+        k_BLKSH,
+        v_BLKSH,
+        ks_BLKS,
+        vs_BLKS,
     )
     return out, lse[..., 0]
 
@@ -277,38 +421,58 @@ def _gpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool = F
     return out[:, :, :g], lse[:, :, :g]
 
 
-def past_attention(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, spec: RaggedSpec):
+def past_attention(
+    q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, spec: RaggedSpec, ks_BLSK=None, vs_BLSK=None
+):
     """Each row's query against its slots ``[0, lengths_B)`` of layer ``layer`` (an int32
     scalar, traced or not) of the slot-major cache, by ``spec``'s kernel.
+
+    An int8 cache comes with its scales ``ks_BLSK`` / ``vs_BLSK`` ([B, L, S, K] float32,
+    ``kv_cache.KVCache``) and runs the TPU kernel (interpreted unless on TPU); the query
+    is then in the compute dtype, which the int8 values take in the products.
 
     Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as the dense attention over the
     layer's [B, S, K, H].
     """
-    if block_size(k_BLSKH.shape[2]) is None:
-        raise ValueError(
-            f"ragged decode attention: the attended length {k_BLSKH.shape[2]} is not a "
-            f"multiple of {_BLOCKS[-1]}"
+    s = k_BLSKH.shape[2]
+    quantized = ks_BLSK is not None
+    if block_size(s, quantized) is None:
+        need = (
+            f"a multiple of {_INT8_BLOCK}, or of {_INT8_ROWS} below it, for an int8 cache"
+            if quantized
+            else f"a multiple of {_BLOCKS[-1]}"
         )
-    if spec.backend == "gpu":
-        fn = _gpu_past
+        raise ValueError(f"ragged decode attention: the attended length {s} is not {need}")
+    interpret = spec.backend == "interpret"
+    if quantized:
+        if spec.backend == "gpu":
+            raise ValueError("ragged decode attention: the GPU kernel reads a float cache")
+        fn = functools.partial(_tpu_int8_past, interpret=interpret)
+        args = (q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK)
     else:
-        fn = functools.partial(_tpu_past, interpret=spec.backend == "interpret")
+        fn = (
+            _gpu_past
+            if spec.backend == "gpu"
+            else functools.partial(_tpu_past, interpret=interpret)
+        )
+        args = (q_BKGH, k_BLSKH, v_BLSKH)
+
     layer = jnp.asarray(layer, jnp.int32)
     if spec.mesh is None:
-        return fn(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B)
+        return fn(*args, layer, lengths_B)
     from jax.sharding import PartitionSpec as P
 
     # A compacted batch may be smaller than the row axes: then its rows are gathered.
     rows = _dividing(spec.mesh, spec.row_axes, q_BKGH.shape[0])
     heads = _dividing(spec.mesh, spec.head_axes, q_BKGH.shape[1])
-    kv = P(rows, None, None, heads)
+    kv = P(rows, None, None, heads)  # the cache [B, L, S, K, H] and its scales [B, L, S, K]
     return jax.shard_map(
         fn,
         mesh=spec.mesh,
-        in_specs=(P(rows, heads), kv, kv, P(), P(rows)),
+        in_specs=(P(rows, heads), *(kv,) * (len(args) - 1), P(), P(rows)),
         out_specs=(P(rows, heads), P(rows, heads)),
         check_vma=False,
-    )(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B)
+    )(*args, layer, lengths_B)
 
 
 def _dividing(mesh, axes, size: int):
