@@ -11,7 +11,9 @@ from magic_jax.jobs.topology import CHIPS
 from magic_jax.model.config import PRESETS
 from magic_jax.run.config import RolloutConfig
 
-ROOMY = SplitMemory(rollout_fixed=1.0, rollout_scaled=1.0, update=1.0, hbm=1e9)
+# HBM to spare: a split's generating side runs the slots a step needs (8), as many as
+# split over its r data groups
+ROOMY = SplitMemory(rollout_fixed=1.0, slot_bytes=1e-9, update=1.0, hbm=1e9, samples=8)
 # bytes-bound (1 byte/s, no flop limit): a step on d devices with s live slots reads the
 # weights (1 byte, on every device whatever d) and 0.8 x s / d bytes of cache
 COST = RolloutCost(
@@ -46,36 +48,42 @@ def test_a_tail_bound_rollout_gives_devices_to_the_update():
 
 
 def test_a_throughput_bound_rollout_gains_only_the_weight_reads():
-    # throughput-bound: 400 x (1 + 6.4 / r) on r; sync 720 + 40; r 7: 765.7 > 760
+    # throughput-bound: 3200 / S steps of 1 + 0.8 S / r on r devices with S slots; sync
+    # 720 + 40; r 7 runs 7 slots (one per device): 5760 / 7 = 822.9 > 760
     o = predict_overlap("s", 10, COST, 40.0, 8, ROOMY)
     assert o.regime == "throughput" and o.sync_s == pytest.approx(760.0)
     assert o.best.rollout_devices == 7 and o.best.regime == "throughput"
-    assert o.best.step_s == pytest.approx(400 * (1 + 6.4 / 7))
+    assert o.best.step_s == pytest.approx(3200 / 7 * (1 + 0.8))
     assert o.speedup(o.best) < 1
     # with no weights the rollout scales as N / r: a split at best matches sync
     cache = dataclasses.replace(COST, weights=0.0)  # 400 x 6.4 / r
     o = predict_overlap("s", 10, cache, 40.0, 8, ROOMY)
     steps = {r: max(split_time(cache, 40.0, 8, r)) for r in range(1, 8)}
-    assert o.best.step_s == min(steps.values())
+    assert o.best.step_s == pytest.approx(min(steps.values()))
     assert all(s >= o.sync_s - 1e-9 for s in steps.values())
 
 
 def test_a_split_that_cannot_hold_the_model_is_refused():
-    # the cache (1 byte on all 8 devices) grows 8 / r on r devices: r >= 7 for 8/7 bytes
-    tight = SplitMemory(rollout_fixed=0.0, rollout_scaled=1.0, update=0.0, hbm=8 / 7)
+    # a slot's cache, 1/8 byte a device on all 8, takes 1 / r bytes a device on r: short of
+    # a byte beside the weights, no data group holds a slot; with one, each holds one
+    tight = SplitMemory(rollout_fixed=1.0, slot_bytes=1 / 8, update=0.0, hbm=1.99, samples=8)
     o = predict_overlap("s", 10, COST, 40.0, 8, tight, configured=6)
-    assert o.candidates == 1 and o.best.rollout_devices == 7
-    assert o.best.step_s == pytest.approx(400 * (1 + 6.4 / 7))
+    assert o.candidates == 0 and o.best is None
     assert o.configured.rollout_devices == 6 and not o.configured.holds
-    assert o.configured.step_s == pytest.approx(400 * (1 + 6.4 / 6))  # reported anyway
+    assert o.configured.step_s == pytest.approx(400 * (1 + 6.4 / 6))  # as planned, reported
+    roomier = dataclasses.replace(tight, hbm=2.0)
+    assert [roomier.slots(r, 8) for r in (1, 2, 3, 7)] == [1, 2, 3, 7]
+    o = predict_overlap("s", 10, COST, 40.0, 8, roomier, configured=6)
+    assert o.candidates == 7 and o.configured.holds
+    assert o.configured.step_s == pytest.approx(3200 / 6 * (1 + 0.8))  # 6 slots on 6
     # the updating side's memory: the update total x 8 / (8 - r) over 2 bytes: r <= 4
-    upd = SplitMemory(rollout_fixed=0.0, rollout_scaled=0.0, update=1.0, hbm=2.0)
+    upd = SplitMemory(rollout_fixed=0.0, slot_bytes=0.0, update=1.0, hbm=2.0, samples=8)
     assert predict_overlap("s", 1, COST, 40.0, 8, upd).best.rollout_devices == 4
     # both sides multiples of the tensor axis (a data group's devices)
     wide = dataclasses.replace(COST, tensor=4)
     o = predict_overlap("s", 1, wide, 40.0, 8, ROOMY)
     assert o.candidates == 1 and o.best.rollout_devices == 4
-    none = SplitMemory(rollout_fixed=2.0, rollout_scaled=0.0, update=0.0, hbm=1.0)
+    none = SplitMemory(rollout_fixed=2.0, slot_bytes=0.0, update=0.0, hbm=1.0)
     assert predict_overlap("s", 1, COST, 40.0, 8, none).best is None
     assert not SplitMemory(0.0, 0.0, 0.0, 1.0).holds(8, 8)  # a side with no device
     o = predict_overlap("s", 1, COST, 40.0, 8, ROOMY, configured=8)

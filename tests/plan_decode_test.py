@@ -47,7 +47,7 @@ def test_the_printed_plan_has_a_decode_line_per_precision():
     mc = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=4, num_kv_heads=2)  # fmt: skip
     plan = RunPlan("v5p:2x2x2", chip, chips, chips, mc, [_stage()], {})  # the model's float32
-    text = format_plan(plan)
+    text = format_plan(plan, shapes=())
     assert "decode by rollout precision" in text
     lines = [x for x in text.splitlines() if "GB/step" in x]
     assert [x.split()[0] for x in lines] == ["*float32", "bfloat16", "bf16"]
@@ -68,3 +68,40 @@ def test_a_plan_compiled_with_an_int8_cache_scales_from_its_int8_sizes():
         assert a.kv_cache == pytest.approx(b.kv_cache) and a.slots_fit == b.slots_fit
     assert own_option("bfloat16", "int8") == "bf16 + int8 KV"
     assert own_option("float32", None) == "float32" and own_option("float32", "int8") is None
+
+
+def test_the_update_counts_remat_s_forward_and_the_attention_s_square():
+    from magic_jax.jobs.stage_plan import attention_flops, matmul_params, update_row_flops
+    from magic_jax.model.config import PRESETS
+
+    mc = PRESETS["r1-distill-qwen-7b"]
+    # the embedding is a lookup: 7.07B of the 7.62B parameters are multiplied
+    assert matmul_params(mc) == mc.num_params() - 152064 * 3584
+    assert 7.0e9 < matmul_params(mc) < 7.1e9
+    n = 16384 + 2048
+    forward = 2 * matmul_params(mc) * n + 4 * 28 * 28 * 128 * n * n  # q.k and p.v, all layers
+    assert attention_flops(mc, n, n) == 4 * 28 * 28 * 128 * n * n
+    none = update_row_flops(mc, n, "none", 0)
+    assert none == pytest.approx(3 * forward)  # forward and backward
+    assert update_row_flops(mc, n, "full", 0) - none == pytest.approx(forward)  # remat
+    # the dense masked attention is half the matmuls' flops at 18K slots, and quadratic
+    assert 0.5 < attention_flops(mc, n, n) / (2 * matmul_params(mc) * n) < 0.55
+    attn = [update_row_flops(mc, x, "none", 0) - 6 * matmul_params(mc) * x for x in (n, 2 * n)]
+    assert attn[1] == pytest.approx(4 * attn[0])
+    # checkpointed query chunks run the attention's forward once more in the backward
+    assert update_row_flops(mc, n, "full", 512) - update_row_flops(mc, n, "full", 0) == (
+        pytest.approx(attention_flops(mc, n, n))
+    )
+    assert update_row_flops(mc, 256, "full", 512) == update_row_flops(mc, 256, "full", 0)
+
+
+def test_a_decode_step_s_flops_are_its_rows_through_every_layer():
+    from magic_jax.jobs.stage_plan import decode_step_flops, matmul_params
+    from magic_jax.model.config import PRESETS
+
+    # the 7B at 256 slots on 64 devices: about 57 GFLOP a device in its matmuls, 86 with
+    # the attention over a full 18K cache (XLA counts one scanned layer: 7.3)
+    mc = PRESETS["r1-distill-qwen-7b"]
+    per_device = decode_step_flops(mc, 256, 18432) / 64
+    assert 85e9 < per_device < 87e9
+    assert decode_step_flops(mc, 256, 0) == 256 * 2 * matmul_params(mc)

@@ -159,7 +159,7 @@ def _plan(stages, kv_dtype=None, **kw):
 
 def test_the_printed_plan_ends_with_time_chip_hours_and_cost():
     plan = _plan([_stage(), _stage(stage="32k", response_length=32768, steps=50)])
-    text = format_plan(plan, price=2.5)
+    text = format_plan(plan, price=2.5, shapes=())
     assert "slice: v5p-32 (v5p:2x2x4), 16 chips, 16 devices" in text
     assert "lower bounds" in text and "real steps are slower" in text
     bw, peak = 2765e9, 459e12
@@ -178,12 +178,12 @@ def test_the_printed_plan_ends_with_time_chip_hours_and_cost():
     assert "recommended rollout.max_concurrent_decodes: 256 " in text
     rec = next(x for x in text.splitlines() if "at the recommended slots" in x)
     assert "chip-hours; at $2.5" in rec
-    assert "$" not in format_plan(plan).split("\ntime (")[1]  # no price, no cost
+    assert "$" not in format_plan(plan, shapes=()).split("\ntime (")[1]  # no price, no cost
 
 
 def test_a_stage_with_no_room_for_a_slot_gets_no_recommendation():
     # 10 GiB a slot: 7 fit in the 73 GiB left, not one for each of the 8 slot shards
-    text = format_plan(_plan([_stage(kv_cache=640 * GiB)]))
+    text = format_plan(_plan([_stage(kv_cache=640 * GiB)]), shapes=())
     assert "recommended rollout.max_concurrent_decodes: none fits" in text
     assert "at the recommended slots" not in text
 
@@ -193,21 +193,25 @@ def test_a_decode_step_over_hbm_is_recommended_slots_without_xla_s_stated_tempor
     # step's; the room beside the train state and the weights, 75 GiB, by 1/8 GiB a slot
     p = _stage(decode_temps=80 * GiB, over_hbm=("decode",))
     assert p.slots_fit(95 * GiB) == 0
-    text = format_plan(_plan([_stage(samples=4096, decode_temps=80 * GiB, over_hbm=("decode",))]))
+    text = format_plan(
+        _plan([_stage(samples=4096, decode_temps=80 * GiB, over_hbm=("decode",))]), shapes=()
+    )
     assert "within the 600 slots that fit" in text
     assert "max_concurrent_decodes: 512 (" in text and "left out: the step was over HBM" in text
 
 
 def test_the_int8_decode_line_gives_the_compiled_sizes_or_why_not():
     ok = Int8Decode(kv_cache=2 * GiB, temps=GiB // 2, step_bytes=6e9, cache_copies=0)
-    text = format_plan(_plan([_stage(int8=ok)]))
+    text = format_plan(_plan([_stage(int8=ok)]), shapes=())
     (line,) = [x for x in text.splitlines() if "int8 KV cache" in x]
     assert "compiled (rollout.kv_dtype int8, bf16 weights): KV 2.00 GiB" in line
     assert "the compiled step copies no cache" in line
     # the room beside the train state, the bf16 weights and its temporaries, by 2 GiB / 64
     assert line.endswith(f"slots that fit: {int((95 - 4 - 8 - 8 - 0.5) * 32)}")
     bad = Int8Decode(error="JaxRuntimeError: INTERNAL: Mosaic failed")
-    text = format_plan(_plan([_stage(int8=bad)]))
+    text = format_plan(_plan([_stage(int8=bad)]), shapes=())
     assert "int8 KV cache: the decode step did not compile: JaxRuntimeError" in text
-    assert "not asked for" in format_plan(_plan([_stage()]))
-    assert "the run's own cache is int8" in format_plan(_plan([_stage()], kv_dtype="int8"))
+    assert "not asked for" in format_plan(_plan([_stage()]), shapes=())
+    assert "the run's own cache is int8" in format_plan(
+        _plan([_stage()], kv_dtype="int8"), shapes=()
+    )

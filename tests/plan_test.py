@@ -162,9 +162,15 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     # so its activations may show as 0)
     assert p.grads == p.params > 0 and p.activations >= 0 and p.decode_temps > 0
     # XLA counts a loop's body once; the plan counts every micro-batch and every layer:
-    # the total is of the order of 6 x parameters x tokens (plus attention and the logits).
-    assert p.model_flops <= p.update_flops < 6 * p.model_flops
-    assert p.decode_bytes >= p.engine_params + p.kv_cache and p.decode_flops > 0
+    # the total is what the plan counts by hand (matmuls and the attention's L^2, forward
+    # and backward), plus the softmaxes, norms and the loss's elementwise work.
+    assert p.model_flops <= p.update_flops < 1.5 * p.model_flops, (p.update_flops, p.model_flops)
+    assert p.decode_bytes >= p.engine_params + p.kv_cache
+    # a decode step's flops: every layer's (XLA's count is one scanned layer's), at least
+    from magic_jax.jobs.stage_plan import decode_step_flops
+
+    cache = p.prompt_length + p.response_length
+    assert p.decode_flops >= decode_step_flops(plan.model, p.slots, cache) / plan.devices > 0
     assert p.peak() < plan.hbm_bytes and not plan.fits_on
     assert main(["plan", str(_run(tmp_path)), "--topology", "v5e:2x2", "-q"]) == 0
     out = capsys.readouterr().out

@@ -85,8 +85,10 @@ def test_the_drain_costs_what_a_carried_rollout_saves_and_nothing_when_all_end_t
 
 
 def test_the_formatted_plan_has_a_schedule_line_per_stage_shape_and_mode():
-    out = format_plan(_plan(RolloutConfig(max_concurrent_decodes=256)), shapes=[
-        parse_shape("tail"), LengthShape("full", 1.0, 1.0)])  # fmt: skip
+    plan = _plan(RolloutConfig(max_concurrent_decodes=256))
+    plan.stages = [dataclasses.replace(p, samples=512, rows=512) for p in plan.stages]
+    out = format_plan(plan, shapes=[parse_shape("tail"), LengthShape("full", 1.0, 1.0)],
+                      floors_ms=())  # fmt: skip
     lines = [x for x in out.splitlines() if x.startswith("[schedule]")]
     assert "[schedule] lengths: tail: lognormal, mean 0.35 T, 3% reach T" in lines[1]
     for stage in ("16k", "32k"):
@@ -108,3 +110,120 @@ def test_plan_refuses_a_bad_lengths_option_in_one_line():
         "magic-jax plan: error: --lengths lognormal:2,0.1: a lognormal needs 0 < share at T "
         "(0.1) < mean (2) < 1"
     ]
+
+
+def _small_stage():
+    """The 7B plan's 16K stage with a step of 32 prompts x 16 samples (fast to replay)."""
+    plan = _plan(RolloutConfig(max_concurrent_decodes=256))
+    p = dataclasses.replace(plan.stages[0], samples=512, rows=512, group_size=16,
+                            row_length=2048 + 16384, bins=16)  # fmt: skip
+    return plan, p, (plan.hbm_bytes, 2765e9, 459e12)
+
+
+def test_packing_charges_the_update_for_its_tokens_and_a_step_floor_for_each_step():
+    plan, p, chip = _small_stage()
+    args = (100.0, 512, chip, 64, plan.engine, plan.model.num_params())
+    cache = {}
+    padded = stage_schedule(p, parse_shape("tail"), *args, partial=False, cache=cache)
+    packed = stage_schedule(p, parse_shape("tail"), *args, partial=False, cache=cache,
+                            packing=True)  # fmt: skip
+    assert padded.packed is None and padded.sync.update_s == 100.0
+    # the packed update runs the bins its rows' tokens fill (first-fit-decreasing wastes
+    # little): at tail lengths (mean 0.35 T) about 0.44 of the padded rows' slots
+    lengths = parse_shape("tail").draw(512, 16384, group=16)
+    tokens = (2048 + lengths).sum() / (512 * (2048 + 16384))
+    assert tokens < packed.packed < tokens * 1.05 + 16 / 512 and packed.packed < 0.5
+    assert packed.sync.update_s == pytest.approx(100.0 * packed.packed)
+    assert packed.sync.rollout_s == padded.sync.rollout_s  # the same rollout
+    # a split's update side slows as N / (N - r) from the packed update
+    r = packed.split.rollout_devices
+    assert packed.split.update_s == pytest.approx(100.0 * packed.packed * 64 / (64 - r))
+    # every row at T: nothing to pack
+    full = stage_schedule(p, parse_shape("full"), *args, partial=False, packing=True)
+    assert full.packed == 1.0
+    # a decode step's fixed cost is paid once a step: sync's rollout grows linearly in it,
+    # and the modes that keep the slots busy (a split, carried) gain from it
+    slow = stage_schedule(p, parse_shape("tail"), *args, partial=False, floor_s=0.008)
+    slower = stage_schedule(p, parse_shape("tail"), *args, partial=False, floor_s=0.016)
+    grow = slow.sync.rollout_s - padded.sync.rollout_s
+    assert grow > 0 and slower.sync.rollout_s - slow.sync.rollout_s == pytest.approx(grow)
+    assert slow.sync.update_s == padded.sync.update_s
+    for mode in ("split", "carried", "carried_split"):
+        gain = padded.sync.step_s / getattr(padded, mode).step_s
+        assert slow.sync.step_s / getattr(slow, mode).step_s > gain, mode
+
+
+def test_a_split_runs_the_slots_its_own_memory_holds_and_carried_its_own_split():
+    plan, p, chip = _small_stage()
+    from magic_jax.jobs.overlap_plan import stage_inputs
+
+    # at the 4096 slots sync runs (beside the train state), the cache alone would need 48
+    # of 64 devices if a split kept them all; with no train state 16 devices hold 1024
+    full = dataclasses.replace(p, samples=4096, rows=4096)
+    _, memory = stage_inputs(full, 4096, chip, 64)
+    kept = full.kv_cache * 4096 / full.slots * 64 / 16 + memory.rollout_fixed
+    assert kept > plan.hbm_bytes and memory.holds(16, 64) and memory.slots(16, 64) == 1024
+    args = (100.0, 512, chip, 64, plan.engine, plan.model.num_params())
+    s = stage_schedule(p, parse_shape("tail"), *args, partial=False)
+    assert s.split.slots == memory.slots(s.split.rollout_devices, 64)
+    # carried rollouts need fewer devices than the drained rollout: their own split
+    cs = s.carried_split
+    assert cs.rollout_devices < s.split.rollout_devices and cs.step_s < s.split.step_s
+    assert cs.slots == memory.slots(cs.rollout_devices, 64)
+
+
+def test_the_best_split_is_found_where_rollout_and_update_cross():
+    from magic_jax.jobs.schedule_plan import Mode, _best
+
+    held = list(range(4, 64, 4))
+    for cross in (0.5, 7.0, 30.0, 1e3):
+
+        def mode(r, cross=cross):
+            return Mode(cross * 64 / r, 10.0 * 64 / (64 - r), rollout_devices=r, shared=False)
+
+        def update(r):
+            return 10.0 * 64 / (64 - r)
+
+        brute = min((mode(r) for r in held), key=lambda m: m.step_s)
+        assert _best(mode, held, update).step_s == pytest.approx(brute.step_s), cross
+    assert _best(mode, [], update) is None
+
+
+def test_a_grouped_shape_keeps_each_response_s_lengths_and_draws_a_group_s_together():
+    """A group's responses sharing half their log-variance: the same mean and share at T,
+    the groups' means and maxima spread further apart, each group's responses closer."""
+    t, g = 16384, 16
+    for name in ("tail", "early"):
+        one = parse_shape(name).draw(g * 20000, t, seed=3, group=g).reshape(-1, g) / t
+        grouped = parse_shape(f"{name}-grouped")
+        both = grouped.draw(g * 20000, t, seed=3, group=g).reshape(-1, g) / t
+        assert abs(both.mean() - grouped.mean) < 0.01 and grouped.mean == one.mean().round(2)
+        assert abs((both == 1).mean() - grouped.clipped) < 0.005
+        assert both.mean(1).std() > 2 * one.mean(1).std()
+        assert both.max(1).std() > one.max(1).std() + 0.05
+        assert both.std(1).mean() < 0.75 * one.std(1).mean()
+    # an independent draw is as before; a grouped one in groups only
+    assert (parse_shape("tail").draw(64, t, group=16) == parse_shape("tail").draw(64, t)).all()
+    assert "a group sharing 50% of the log-variance" in grouped.describe()
+    assert parse_shape("lognormal:0.3,0.05,0.25").shared == 0.25
+    with pytest.raises(ValueError, match=r"RHO \(2\) must be in \[0, 1\]"):
+        parse_shape("lognormal:0.3,0.05,2")
+
+
+def test_the_plan_prints_the_run_s_hours_by_update_kv_cache_and_step_floor():
+    plan, p, _ = _small_stage()
+    plan.stages = [p]
+    out = format_plan(plan, shapes=[parse_shape("tail"), parse_shape("full")],
+                      floors_ms=(0, 8))  # fmt: skip
+    lines = [x for x in out.splitlines() if x.startswith("[schedule] run, tail, ")]
+    labels = ["padded, float32 KV (as configured)", "packed, float32 KV",
+              "padded, int8-ragged KV", "packed, int8-ragged KV"]  # fmt: skip
+    assert [x.split(", F ")[0] for x in lines] == [
+        f"[schedule] run, tail, {a}" for a in labels for _ in (0, 8)
+    ]
+    assert [x.split(", F ")[1].split(":")[0] for x in lines] == ["0 ms", "8 ms"] * 4
+    assert all("sync " in x and "; split " in x and "; carried split " in x for x in lines)
+    assert not any(x.startswith("[schedule] run, full, ") for x in lines)  # nothing to pack
+    hours = [float(x.split("sync ")[1].split(" h")[0]) for x in lines]
+    assert hours[2] < hours[0] and hours[4] < hours[0] and hours[6] < min(hours[2], hours[4])
+    assert hours[1] > hours[0]  # a fixed cost per decode step

@@ -7,9 +7,10 @@ The rollout on d generating devices (``RolloutCost``). The engine's weights shar
 tensor axis only and are replicated over the data groups (``SAMPLE_RULES``; a split's
 generating mesh keeps the tensor axis), so every device reads its weight shard W once per
 decode step whatever d is; the S slots' cache and flops spread over d devices. A step with
-s live slots on d devices takes step(s, d) = max((W + c x s / d) / bandwidth, f x s / d /
-peak), c and f a slot's cache bytes read (ragged share) and flops. A step's rollout is
-the larger of two regimes:
+s live slots on d devices takes step(s, d) = F + max((W + c x s / d) / bandwidth, f x s /
+d / peak), c and f a slot's cache bytes read (ragged share) and flops, F a step's fixed
+cost (dispatch, collectives, sampling: ``--step-floor-ms``). A step's rollout is the larger
+of two regimes:
 
 * throughput: while more responses wait than slots, all S slots are busy: samples x L
   tokens / (S / step(S, d)), L the mean response length (the plan's: every response runs
@@ -33,10 +34,13 @@ The step, per stage, with U the update's roofline on all N devices:
   ``max_staleness`` does not enter the time (a stale enough schedule is assumed).
 
 Memory rule for a split (``SplitMemory``): the generating side holds the engine's weights
-and decode temporaries per device as planned and the KV cache of the slots scaled by
-N / r; the updating side holds the planned update total (train state, gradients,
-activations, batch) scaled by N / (N - r). Both must fit the HBM per device, and both
-sides must be multiples of the mesh's tensor axis.
+and decode temporaries per device as planned and no train state; it runs the slots that
+fit the rest of its HBM (a slot's cache spread over its r devices, N / r times what it
+takes on all N), as many as the plan recommends for all N (``recommend_slots``: a power
+of two, a multiple of its r / tensor slot shards, at most a step's samples). The updating
+side holds the planned update total (train state, gradients, activations, batch) scaled
+by N / (N - r). Both must fit the HBM per device, and both sides must be multiples of the
+mesh's tensor axis.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from magic_jax.jobs.roofline import recommend_slots
 from magic_jax.jobs.stage_plan import StagePlan
 
 
@@ -63,6 +68,7 @@ class RolloutCost:
       tensor: devices per data group (the tensor axis).
       bandwidth / peak: HBM bytes/s and flop/s per device.
       mean_length: L, tokens per response (None: T, every response run to T).
+      floor_s: F, a decode step's fixed cost (dispatch, collectives, sampling).
     """
 
     weights: float
@@ -75,10 +81,11 @@ class RolloutCost:
     bandwidth: float
     peak: float
     mean_length: float | None = None
+    floor_s: float = 0.0
 
     def step_s(self, live: float, d: int) -> float:
         """Seconds of a decode step with ``live`` slots over ``d`` devices."""
-        return max(
+        return self.floor_s + max(
             (self.weights + self.slot_bytes * live / d) / self.bandwidth,
             self.slot_flops * live / d / self.peak,
         )
@@ -110,23 +117,37 @@ class SplitMemory:
 
     Attributes:
       rollout_fixed: engine weights and decode temporaries (unchanged by the split).
-      rollout_scaled: the KV cache at the slots the time assumes (x N / r).
+      slot_bytes: one decode slot's KV cache per device, spread over all N devices (x N / r
+        on r).
       update: the update phase's total (x N / (N - r)).
       hbm: bytes of HBM per device.
+      samples: responses per step (the most slots worth running).
+      tensor: devices per slot shard (the tensor axis).
     """
 
     rollout_fixed: float
-    rollout_scaled: float
+    slot_bytes: float
     update: float
     hbm: float
+    samples: int = 1 << 30
+    tensor: int = 1
+
+    def slots(self, r: int, devices: int) -> int:
+        """The decode slots the generating side runs on ``r`` of ``devices`` (0: none fit)."""
+        if not 0 < r <= devices or r % self.tensor:
+            return 0
+        room, per_slot = (self.hbm - self.rollout_fixed) * r, self.slot_bytes * devices
+        if room < 0:
+            return 0
+        fit = int(room // per_slot) if per_slot > 0 else self.samples
+        return recommend_slots(max(fit, 0), self.samples, r // self.tensor)
 
     def holds(self, r: int, devices: int) -> bool:
         """Whether ``r`` generating and ``devices - r`` updating devices both fit."""
         if not 0 < r < devices:
             return False
-        gen = self.rollout_fixed + self.rollout_scaled * devices / r
         upd = self.update * devices / (devices - r)
-        return gen <= self.hbm and upd <= self.hbm
+        return self.slots(r, devices) > 0 and upd <= self.hbm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +208,8 @@ class OverlapPrediction:
 
 def split_time(cost: RolloutCost, update_s: float, devices: int, r: int) -> tuple[float, ...]:
     """(rollout, update) seconds with ``r`` of ``devices`` generating: rollout(r) and
-    U x N / (N - r), ``update_s`` being U on all N."""
+    U x N / (N - r), ``update_s`` being U on all N (``cost`` at the generating side's
+    slots)."""
     return cost.rollout(r)[0], update_s * devices / (devices - r)
 
 
@@ -217,7 +239,9 @@ def predict_overlap(
 
     def split(r: int) -> Split:
         ok = memory.holds(r, devices) and r % multiple == 0 and (devices - r) % multiple == 0
-        (rollout, update), regime = split_time(cost, update_s, devices, r), cost.rollout(r)[1]
+        own = memory.slots(r, devices)  # the generating side's own slots (as planned if none)
+        mine = dataclasses.replace(cost, slots=own) if own else cost
+        (rollout, update), regime = split_time(mine, update_s, devices, r), mine.rollout(r)[1]
         return Split(r, devices, rollout, update, ok, regime)
 
     held = [s for s in map(split, range(1, devices)) if s.holds]
@@ -235,19 +259,24 @@ def predict_overlap(
 
 
 def stage_inputs(
-    p: StagePlan, slots: int, chip: tuple[float, float, float], devices: int
+    p: StagePlan,
+    slots: int,
+    chip: tuple[float, float, float],
+    devices: int,
+    floor_s: float = 0.0,
 ) -> tuple[RolloutCost, SplitMemory]:
     """A planned stage's decode on the roofline and its memory for the split rule, with
-    ``slots`` decode slots and ``chip`` (HBM bytes, bandwidth bytes/s, peak flop/s) per
-    device."""
+    ``slots`` decode slots (on all devices), ``chip`` (HBM bytes, bandwidth bytes/s, peak
+    flop/s) per device and ``floor_s`` a decode step's fixed cost."""
     hbm, bandwidth, peak = chip
     over = "decode" in p.over_hbm  # its temporaries are XLA's ask, not a fitting step's
-    kv = p.kv_cache * slots / p.slots if p.slots else 0.0
     memory = SplitMemory(
         rollout_fixed=p.engine_params + (0 if over else p.decode_temps),
-        rollout_scaled=kv,
+        slot_bytes=p.kv_cache / p.slots if p.slots else 0.0,
         update=p.update_total,
         hbm=hbm,
+        samples=p.samples,
+        tensor=p.mesh.get("tensor", 1),
     )
     per_slot = devices / p.slots if p.slots else 0.0  # a device's share -> all devices'
     cost = RolloutCost(
@@ -260,6 +289,7 @@ def stage_inputs(
         tensor=p.mesh.get("tensor", 1),
         bandwidth=bandwidth,
         peak=peak,
+        floor_s=floor_s,
     )
     return cost, memory
 
@@ -271,12 +301,14 @@ def stage_overlap(
     chip: tuple[float, float, float],
     devices: int,
     engine: Any,
+    floor_s: float = 0.0,
 ) -> OverlapPrediction:
     """``predict_overlap`` for a planned stage: ``update_s`` its update bound on all
     devices, ``slots`` the decode slots the rollout runs, ``chip`` (HBM bytes, bandwidth
     bytes/s, peak flop/s) per device, ``engine`` the run's ``rollout`` section (its
-    ``devices`` and ``max_staleness`` when it has them)."""
-    cost, memory = stage_inputs(p, slots, chip, devices)
+    ``devices`` and ``max_staleness`` when it has them), ``floor_s`` a decode step's fixed
+    cost."""
+    cost, memory = stage_inputs(p, slots, chip, devices, floor_s)
     return predict_overlap(
         p.stage,
         p.steps,

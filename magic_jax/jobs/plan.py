@@ -20,6 +20,7 @@ roofline time (decode: bytes / HBM bandwidth; update: flops / peak), from which
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -40,6 +41,7 @@ from magic_jax.jobs.roofline import (
 )
 from magic_jax.jobs.schedule_plan import (
     DEFAULT_SHAPES,
+    STEP_FLOORS_MS,
     LengthShape,
     parse_shape,
     schedule_lines,
@@ -329,7 +331,8 @@ def _decode_step_lines(p: StagePlan, bw: float, peak: float, base: float) -> lis
         f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
         *_ragged_lines(p, base),
         f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
-        f"not compiled; 6 x params x tokens: {p.model_flops / 1e12:.1f}) -> >= "
+        f"not compiled; counted, every row at P + T with remat and the attention's L^2: "
+        f"{p.model_flops / 1e12:.1f}) -> >= "
         f"{max(p.update_flops, p.model_flops) / peak:.1f} s at the bf16 peak; "
         f"x {p.sgd_steps} per step",
     ]
@@ -395,13 +398,21 @@ def _time_lines(
 
 
 def format_plan(
-    plan: RunPlan, price: float | None = None, shapes: Sequence[LengthShape] | None = None
+    plan: RunPlan,
+    price: float | None = None,
+    shapes: Sequence[LengthShape] | None = None,
+    floors_ms: Sequence[float] = STEP_FLOORS_MS,
 ) -> str:
     """The plan as printed by ``magic-jax plan``; ``price``: US dollars per chip-hour, for
     a cost line; ``shapes``: the response lengths of the ``[schedule]`` lines (None: the
-    default shapes)."""
+    default shapes); ``floors_ms``: a decode step's fixed costs, milliseconds (the
+    ``[overlap]`` and per-stage ``[schedule]`` lines at the first; the run's hours at
+    each, for each update and KV cache variant, except at every response T; none: 0 ms
+    and no variants)."""
     if shapes is None:
         shapes = [parse_shape(x) for x in DEFAULT_SHAPES]
+    floors = [x / 1e3 for x in floors_ms] or [0.0]
+    varied = [x for x in shapes if x.clipped < 1.0]  # every row at T: nothing to pack
     c, mc = plan.chip, plan.model
     per_chip = plan.devices // plan.chips
     bw = c.hbm_gbps * 1e9 / per_chip
@@ -416,6 +427,7 @@ def format_plan(
         f"{c.bf16_tflops:g} TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/{c.name})",
     ]
     bounds, at_rec, overlap, sched = [], [], [], []
+    variants: dict[tuple[str, float], list[list[Any]]] = {}
     n_params = mc.num_params()
     for p in plan.stages:
         lines += _stage_header(p, plan.hbm_bytes)
@@ -435,16 +447,56 @@ def format_plan(
                 TimeBound(p.stage, p.steps, decode_bound(p, rec, bw, peak).rollout_s, upd)
             )
         chip = (plan.hbm_bytes, bw, peak)
-        overlap.append(stage_overlap(p, upd, rec or p.slots, chip, plan.devices, plan.engine))
+        slots = rec or p.slots
+        overlap.append(
+            stage_overlap(p, upd, slots, chip, plan.devices, plan.engine, floor_s=floors[0])
+        )
         if p.peak() <= plan.hbm_bytes:
-            args = (upd, rec or p.slots, chip, plan.devices, plan.engine, n_params)
-            sched.append([stage_schedule(p, x, *args) for x in shapes])
+            args = (upd, slots, chip, plan.devices, plan.engine, n_params)
+            sched.append([stage_schedule(p, x, *args, floor_s=floors[0]) for x in shapes])
+            caches: dict[Any, dict[Any, Any]] = {}  # padded and packed: the same rollouts
+            for (label, q, n, packing), floor in itertools.product(
+                _variants(plan, p, opts, slots) if floors_ms else (), floors
+            ):
+                row = [
+                    stage_schedule(q, x, upd, n, *args[2:], floor_s=floor, packing=packing,
+                                   partial=False, cache=caches.setdefault((id(q), floor, x), {}))
+                    for x in varied
+                ]  # fmt: skip
+                variants.setdefault((label, floor), []).append(row)
     label = {len(bounds): "the recommended slots", 0: "the slots as configured"}.get(
         len(at_rec), "the recommended slots, as configured where none fits"
     )
     lines += _time_lines(plan, bounds, at_rec, price)
     lines += overlap_lines(overlap, plan.chips, plan.engine, label)
-    return "\n".join(lines + schedule_lines(sched, plan.chips, plan.engine, label))
+    rows = [(k[0], v) for k, v in variants.items() if len(v) == len(sched) and varied]
+    return "\n".join(lines + schedule_lines(sched, plan.chips, plan.engine, label, rows))
+
+
+def _variants(
+    plan: RunPlan, p: StagePlan, opts: list[DecodeOption], slots: int
+) -> list[tuple[str, StagePlan, int, bool]]:
+    """(label, the stage as planned or with an int8 cache on the ragged kernel, its
+    rollout slots, packing) for the run's hours: the update padded and packed, the run's
+    own cache and ``int8-ragged`` (``opts``' bf16 + int8 KV sizes, every step on the ragged
+    kernel: no relayout, the slots its bytes fit)."""
+    int8 = dataclasses.replace(
+        p,
+        engine_params=int(opts[-1].weights),
+        kv_cache=int(opts[-1].kv_cache),
+        ragged=True,
+        decode_cache_copies=0,
+    )
+    shards = p.mesh.get("data", 1) * p.mesh.get("fsdp", 1)
+    slots8 = recommend_slots(int8.slots_fit(plan.hbm_bytes), p.samples, shards) or slots
+    own = f"{plan.kv_dtype or plan.rollout_dtype} KV"
+    out = []
+    for kv, q, n in ((own, p, slots), ("int8-ragged KV", int8, slots8)):
+        for packing in (False, True):
+            mine = " (as configured)" if (packing == p.packing and q is p) else ""
+            update = "packed" if packing else "padded"
+            out.append((f"{update}, {kv}{mine}", q, n, packing))
+    return out
 
 
 def plan_command(args: Any) -> int:
@@ -485,8 +537,10 @@ def plan_command(args: Any) -> int:
     shown += [a for kv in args.set or () for a in ("--set", kv)]
     shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
     shown += [a for x in args.lengths or () for a in ("--lengths", x)]
+    floors = getattr(args, "step_floor_ms", None)
+    shown += [a for x in floors or () for a in ("--step-floor-ms", f"{x:g}")]
     print("magic-jax plan " + " ".join(shown))
-    print(format_plan(result, price=price, shapes=shapes))
+    print(format_plan(result, price=price, shapes=shapes, floors_ms=floors or STEP_FLOORS_MS))
     if log:
         log(f"planned in {time.perf_counter() - t0:.0f}s")
     return 0

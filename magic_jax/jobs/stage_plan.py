@@ -47,6 +47,38 @@ def resolve_model(model: str, param_dtype: str, preset: str | None = None):
     )
 
 
+def matmul_params(model_config: Any) -> int:
+    """Parameters a token's forward multiplies by (the input embedding is a lookup; tied,
+    it is also the unembedding)."""
+    embed = 0 if model_config.tie_word_embeddings else model_config.vocab_size
+    return model_config.num_params() - embed * model_config.hidden_size
+
+
+def attention_flops(model_config: Any, queries: int, keys: int) -> float:
+    """Forward flops of one sequence's attention products (q.k and p.v, every layer) for
+    ``queries`` x ``keys`` scores computed, masked or not."""
+    heads = model_config.num_heads * model_config.head_size
+    return 4.0 * model_config.num_layers * heads * queries * keys
+
+
+def update_row_flops(model_config: Any, length: int, remat: str, chunk: int) -> float:
+    """Flops of one row (or packed bin) of ``length`` slots through the update: forward and
+    backward (3 forwards' worth), one more forward with ``remat: full`` (each layer runs
+    again in the backward), and the attention's dense masked L^2 scores, whose query
+    chunks (``attention_chunk`` < L) are checkpointed and so run forward once more."""
+    passes = 4.0 if remat == "full" else 3.0
+    attn = passes + (1.0 if chunk and length > chunk else 0.0)
+    linear = 2.0 * matmul_params(model_config) * length
+    return passes * linear + attn * attention_flops(model_config, length, length)
+
+
+def decode_step_flops(model_config: Any, slots: int, cache_length: int) -> float:
+    """Flops of one decode step over ``slots`` rows attending to ``cache_length`` keys each
+    (all devices together)."""
+    per_row = 2.0 * matmul_params(model_config) + attention_flops(model_config, 1, cache_length)
+    return slots * per_row
+
+
 def shard_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded abstract arrays (the first device's shards)."""
     import jax
@@ -100,9 +132,11 @@ class StagePlan:
     decode step's and the prefill's temporaries and outputs).
 
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
-    ``model_flops`` (6 x parameters x its tokens), ``decode_bytes`` and
-    ``decode_flops`` of one decode step over the full cache (the bytes at least its
-    weights and cache, each read once; XLA counts the layer loop's body once);
+    ``model_flops`` of one padded mini-batch counted (``update_row_flops``: remat's extra
+    forward and the attention's L^2 included), ``decode_bytes`` and ``decode_flops`` of
+    one decode step over the full cache (the bytes at least its weights and cache, each
+    read once; the flops at least ``decode_step_flops``: XLA counts the layer loop's body
+    once);
     ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
     step (a relayout XLA inserts, each a read and write of that much); ``slots`` decode
     slots, ``samples`` = D_R x G responses per training step (G ``group_size``),
@@ -110,7 +144,9 @@ class StagePlan:
     compile for the chip (too large): their temporaries are the sizes XLA's error stated,
     their costs unknown (0). ``int8`` is the decode step compiled again with
     ``rollout.kv_dtype: int8`` and bfloat16 weights (None: not compiled, e.g. the run's
-    own cache is int8).
+    own cache is int8). ``packing``: the run's ``update.packing``; ``bins`` K, bins of
+    ``row_length`` (the padded row, P + T bucketed) per packed micro-batch (the
+    updater's ``packed_bins``).
     """
 
     stage: str
@@ -141,6 +177,9 @@ class StagePlan:
     steps: int = 0
     int8: Int8Decode | None = None
     group_size: int = 1
+    packing: bool = False
+    bins: int = 0
+    row_length: int = 0
 
     @property
     def update_total(self) -> int:
@@ -361,6 +400,12 @@ def _sharded_terms(
             f"data x fsdp = {n_rows} devices"
         )
     params = shard_bytes(t["state"].params)
+    batch = _batch(config, index, rows, mesh)
+    length = batch.tokens.shape[1]
+    if ucfg.micro_batch_tokens is not None:  # as the updater's packed_bins
+        bins = max(n_rows, ucfg.micro_batch_tokens // length // n_rows * n_rows)
+    else:
+        bins = max(n_rows, micro // n_rows * n_rows)
     return StagePlan(
         stage=st.name or str(index),
         response_length=st.max_response_length,
@@ -374,7 +419,7 @@ def _sharded_terms(
         opt_state=shard_bytes(t["state"].opt_state),
         grads=params,
         activations=0,
-        batch=shard_bytes(_batch(config, index, rows, mesh)),
+        batch=shard_bytes(batch),
         engine_params=shard_bytes(e["params"]),
         kv_cache=shard_bytes(e["state"]),
         decode_temps=0,
@@ -383,6 +428,9 @@ def _sharded_terms(
         group_size=st.group_size,
         steps=st.steps,
         compiled=True,
+        packing=ucfg.packing,
+        bins=bins,
+        row_length=length,
     )
 
 
@@ -446,14 +494,19 @@ def _compiled_terms(
     )
     out.activations = max(0, update.temp - out.grads)
     out.decode_temps = max(decode.temp, prefill.temp + prefill.output)
-    out.model_flops = 6.0 * model_config.num_params() * rows * batch.tokens.shape[1] / mesh.size
+    remat = ucfg.remat or model_config.remat
+    chunk = model_config.attention_chunk if ucfg.attention_chunk is None else ucfg.attention_chunk
+    row = update_row_flops(model_config, out.row_length, remat, chunk)
+    out.model_flops = row * rows / mesh.size
     if update.compiled is not None and micro_c.compiled is not None:
         # the optimizer's few flops per parameter are left out
         out.update_flops = rows // micro * micro_c.cost("flops")
     # Every weight and cache byte is read once per step, whatever XLA reports.
     out.decode_bytes = max(decode.cost("bytes accessed"), out.engine_params + out.kv_cache)
     out.decode_cache_copies = cache_copies(decode, e["state"].cache.k)
-    out.decode_flops = decode.cost("flops")
+    cache_length = e["engine"].config.cache_length
+    analytic = decode_step_flops(model_config, out.slots, cache_length) / mesh.size
+    out.decode_flops = max(decode.cost("flops"), analytic)
 
 
 def _compile_decode(e: dict[str, Any], sampling: Any) -> Program:
