@@ -162,6 +162,24 @@ def test_the_tpu_kernel_reads_an_int8_cache_and_its_scales_as_the_reference(
     np.testing.assert_allclose(lse[1:], want_lse[1:], atol=lse_tol, rtol=0)
 
 
+def test_the_int8_kernel_over_a_mesh_equals_it_on_one_device():
+    """Rows over data x fsdp and kv heads over tensor (a device's one kv head): the
+    kernel runs per device on its rows, heads and their scales."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    q, k, v = _qkv(jnp.bfloat16, b=4, s=128, k=2)
+    (k8, ks), (v8, vs) = (quantize_kv(_stacked(x.astype(jnp.float32), 0, 2)) for x in (k, v))
+    lengths = jnp.asarray([0, 1, 100, 128], jnp.int32)
+    sharded = ra.RaggedSpec("interpret", mesh, ("data", "fsdp"), "tensor")
+    outs = [
+        jax.jit(functools.partial(ra.past_attention, spec=spec))(
+            q, k8, v8, jnp.int32(0), lengths, ks_BLSK=ks, vs_BLSK=vs
+        )
+        for spec in (ra.RaggedSpec("interpret"), sharded)
+    ]
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
 def test_merging_the_new_token_equals_attention_over_the_written_cache():
     q, k, v = _qkv(jnp.float32, seed=1)
     lengths = jnp.asarray([0, 1, 31, 32, 33, 95], jnp.int32)
