@@ -227,3 +227,17 @@ def test_the_plan_prints_the_run_s_hours_by_update_kv_cache_and_step_floor():
     hours = [float(x.split("sync ")[1].split(" h")[0]) for x in lines]
     assert hours[2] < hours[0] and hours[4] < hours[0] and hours[6] < min(hours[2], hours[4])
     assert hours[1] > hours[0]  # a fixed cost per decode step
+
+
+def test_a_negative_step_floor_is_refused_before_compiling():
+    import argparse
+
+    from magic_jax.jobs.plan import plan_command
+
+    args = argparse.Namespace(
+        config="configs/skywork-or1-7b.yaml", topology="v5p-128", price_per_chip_hour=None,
+        set=None, lengths=None, step_floor_ms=[4.0, -1.0], mesh=None, stage=None, quiet=True,
+        preset=None, no_search=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"--step-floor-ms -1: expected milliseconds >= 0"):
+        plan_command(args)

@@ -508,6 +508,10 @@ def plan_command(args: Any) -> int:
     price = args.price_per_chip_hour
     if price is not None and not 0 < price < float("inf"):
         raise ValueError(f"--price-per-chip-hour {price:g}: expected a positive number of USD")
+    floors = getattr(args, "step_floor_ms", None)
+    bad = [x for x in floors or () if not 0 <= x < float("inf")]
+    if bad:
+        raise ValueError(f"--step-floor-ms {bad[0]:g}: expected milliseconds >= 0")
     config = load_config(args.config, args.set or ())
     shapes = [parse_shape(x) for x in args.lengths or DEFAULT_SHAPES]
     mesh = None
@@ -537,7 +541,6 @@ def plan_command(args: Any) -> int:
     shown += [a for kv in args.set or () for a in ("--set", kv)]
     shown += ["--price-per-chip-hour", f"{price:g}"] if price else []
     shown += [a for x in args.lengths or () for a in ("--lengths", x)]
-    floors = getattr(args, "step_floor_ms", None)
     shown += [a for x in floors or () for a in ("--step-floor-ms", f"{x:g}")]
     print("magic-jax plan " + " ".join(shown))
     print(format_plan(result, price=price, shapes=shapes, floors_ms=floors or STEP_FLOORS_MS))
