@@ -16,7 +16,8 @@ mean 0.7 T, 40% at T; ``magic-jax plan --lengths``) and prompts of 32 to 128 tok
   has no kernel for packed rows), gradients accumulated with the global token mean.
 
 Each figure is the median of ``--reps`` timed updates (the compile is done first and not
-timed), the three run alternately in one process; ratios are of medians from this run.
+timed), the three run alternately in one process; ratios are of medians from this run, of
+wall time and of the process's CPU seconds (every thread; what compares on a loaded machine).
 
     .venv/bin/python benchmarks/packed_update.py                  # tail and early, T 2048
     .venv/bin/python benchmarks/packed_update.py --quick          # a smaller case
@@ -115,12 +116,23 @@ def compile_only(updater: PolicyUpdater, box: dict, buf: RolloutBuffer) -> None:
     jax.block_until_ready(m)
 
 
-def jax_step(updater: PolicyUpdater, box: dict, buf: RolloutBuffer) -> tuple[float, float]:
-    t0 = time.perf_counter()
+def clocks() -> tuple[float, float]:
+    """(wall, this process's CPU seconds, every thread): on a loaded machine the CPU
+    seconds still compare the work done."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(t0: tuple[float, float]) -> tuple[float, float]:
+    t1 = clocks()
+    return t1[0] - t0[0], t1[1] - t0[1]
+
+
+def jax_step(updater: PolicyUpdater, box: dict, buf: RolloutBuffer) -> tuple[tuple, float]:
+    t0 = clocks()
     box["state"], m = updater.update(box["state"], buf, jax.random.key(0))
     loss = float(m["loss"][0])
     box["alpha"] = float(m["alpha"])  # the entropy bonus's coefficient, for the peer
-    return time.perf_counter() - t0, loss
+    return since(t0), loss
 
 
 def balanced_micro_batches(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
@@ -171,7 +183,7 @@ def torch_step_fn(model_dir: str, buf: RolloutBuffer, budget: int, alpha: dict):
         return t(ids), t(mask), t(resp), t(old), t(adv)
 
     def step():
-        t0 = time.perf_counter()
+        t0 = clocks()
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for idx in balanced_micro_batches(lengths, budget):
@@ -190,7 +202,7 @@ def torch_step_fn(model_dir: str, buf: RolloutBuffer, budget: int, alpha: dict):
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return time.perf_counter() - t0, total
+        return since(t0), total
 
     return step
 
@@ -229,7 +241,7 @@ def case(model: Model, groups: int, t: int, shape: str, reps: int, skip_torch: b
         length = buf.tokens.shape[1]
         alpha = runs["padded"][1]  # holds the coefficient once the padded update has run
         torch_step = None if skip_torch else torch_step_fn(d, buf, MICRO * length, alpha)
-        times: dict[str, list[float]] = {k: [] for k in ("padded", "packed", "torch")}
+        times: dict[str, list[tuple]] = {k: [] for k in ("padded", "packed", "torch")}
         losses = {}
         for _ in range(reps):
             for name, (updater, box, _) in runs.items():
@@ -243,7 +255,8 @@ def case(model: Model, groups: int, t: int, shape: str, reps: int, skip_torch: b
                 times["torch"].append(s)
                 losses["torch"] = loss
     _, n_live = pack_rows(buf, MICRO)
-    med = {k: statistics.median(v) for k, v in times.items() if v}
+    med = {k: statistics.median(w for w, _ in v) for k, v in times.items() if v}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items() if v}
     padded_slots = buf.num_rows * length
     packed_slots = n_live * MICRO * length
     head = (
@@ -257,23 +270,26 @@ def case(model: Model, groups: int, t: int, shape: str, reps: int, skip_torch: b
     )
     rows = [
         head,
-        "| update | s / update (median; min-max) | vs padded | vs PyTorch | first loss |",
-        "|---|---|---|---|---|",
+        "| update | wall s (median; min-max) | CPU s (median) | vs padded wall / CPU "
+        "| vs PyTorch wall / CPU | first loss |",
+        "|---|---|---|---|---|---|",
     ]
     for name in ("torch", "padded", "packed"):
         if name not in med:
             continue
-        v = times[name]
-        vs_pad = f"{med['padded'] / med[name]:.2f}x"
-        vs_t = f"{med['torch'] / med[name]:.2f}x" if "torch" in med else "-"
+        v = [w for w, _ in times[name]]
+        vs_pad = f"{med['padded'] / med[name]:.2f}x / {cpu['padded'] / cpu[name]:.2f}x"
+        vs_t = "-"
+        if "torch" in med:
+            vs_t = f"{med['torch'] / med[name]:.2f}x / {cpu['torch'] / cpu[name]:.2f}x"
         label = {
             "torch": "PyTorch, token-balanced micro-batches",
             "padded": "magic_jax, packing off",
             "packed": "magic_jax, packing on",
         }[name]
         rows.append(
-            f"| {label} | {med[name]:.2f} ({min(v):.2f}-{max(v):.2f}) | {vs_pad} | {vs_t} "
-            f"| {losses[name]:.6f} |"
+            f"| {label} | {med[name]:.2f} ({min(v):.2f}-{max(v):.2f}) | {cpu[name]:.2f} "
+            f"| {vs_pad} | {vs_t} | {losses[name]:.6f} |"
         )
     return rows
 
