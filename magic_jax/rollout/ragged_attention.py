@@ -18,18 +18,20 @@ scales into the products (each score times its key's scale, each probability tim
 value's scale before the value product), so no dequantized copy of the cache is made.
 It reads the cache and scales with the kv heads before the slots, [B, L, K, S, H] and
 [B, L, K, S]: that is how the TPU lays out the stored [B, L, S, K, H] and [B, L, S, K]
-when a device holds few kv heads (XLA puts the small K dimension outside S), so the
-transposed view is free and the scales of a block are one lane-dense row
-(``tests/tpu_decode_test.py`` counts the compiled step's copies: none).
+when a device holds one or two kv heads (XLA puts the small K dimension outside S), so
+the transposed view is free and the scales of a block are one lane-dense row
+(``tests/tpu_decode_test.py`` counts the compiled step's copies: none; at four heads
+per device XLA stores the int8 keys and values heads inside, and they are copied).
 
 Both float-cache kernels read the cache as the engine stores it, the whole slot-major
 [B, L, S, K, H] array (``kv_cache.KVCache``), at a layer index given at run time (on
 TPU a prefetched scalar of the block index, on GPU an offset into the block): no
 layer is sliced out of it, and when a device holds one kv head its [B, L, S, H] view
 is read, so the TPU compiler keeps the cache in its own layout (no copy; ``benchmarks/
-decode_kernel_layout.py``). They return the past's attention with its log-sum-exp;
-``merge_new_token`` adds the new token, so the cache is never rewritten before it is
-read (the dense path writes the token into a copy of the layer's cache first).
+decode_kernel_layout.py``). Every kernel returns the past's attention with its
+log-sum-exp; ``merge_new_token`` adds the new token, so the cache is never rewritten
+before it is read (the dense path writes the token into a copy of the layer's cache
+first).
 Einsum letters as in ``qwen2.py``.
 """
 
