@@ -36,8 +36,8 @@ The step, per stage, with U the update's roofline on all N devices:
 Memory rule for a split (``SplitMemory``): the generating side holds the engine's weights
 and decode temporaries per device as planned and no train state; it runs the slots that
 fit the rest of its HBM (a slot's cache spread over its r devices, N / r times what it
-takes on all N), as many as the plan recommends for all N (``recommend_slots``: a power
-of two, a multiple of its r / tensor slot shards, at most a step's samples). The updating
+takes on all N), up to a step's samples, a multiple of its r / tensor slot shards (so
+that the rollout shrinks as r grows, without the jumps of a power of two). The updating
 side holds the planned update total (train state, gradients, activations, batch) scaled
 by N / (N - r). Both must fit the HBM per device, and both sides must be multiples of the
 mesh's tensor axis.
@@ -50,7 +50,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from magic_jax.jobs.roofline import recommend_slots
 from magic_jax.jobs.stage_plan import StagePlan
 
 
@@ -140,7 +139,8 @@ class SplitMemory:
         if room < 0:
             return 0
         fit = int(room // per_slot) if per_slot > 0 else self.samples
-        return recommend_slots(max(fit, 0), self.samples, r // self.tensor)
+        shards = r // self.tensor  # the slots split over the data groups
+        return min(fit, self.samples) // shards * shards
 
     def holds(self, r: int, devices: int) -> bool:
         """Whether ``r`` generating and ``devices - r`` updating devices both fit."""

@@ -162,7 +162,19 @@ class _Lane:
     def fill(self) -> int:
         """Inserts from the queue into the free slots; returns how many went in."""
         free, k, g, c = np.flatnonzero(self.left < 0), 0, self.g, self.costs
-        while self.queued:
+        if not self.whole_groups and self.queued and free.size:
+            # in order, one sample a slot: whole groups where they fit, single samples
+            # before a group's boundary and once fewer than g slots are left
+            k = min(free.size, self.flat.size - self.qi)
+            head = min(k, -self.qi % g)
+            groups, rest = divmod(k - head, g)
+            self.pre += c.prefill_s * -(-(k - head) // g)
+            self.ins += c.insert_s * (head + groups + rest)
+            into, got = free[:k], self.flat[self.qi : self.qi + k]
+            self.length[into] = got
+            self.left[into] = np.maximum(got - 1, 0)  # the prefill gave one token
+            self.qi += k
+        while self.queued and self.whole_groups:
             n = g if (self.whole_groups or (self.qi % g == 0 and free.size - k >= g)) else 1
             if n > free.size - k:
                 break
