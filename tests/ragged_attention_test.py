@@ -119,11 +119,13 @@ def _numpy_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
 
 @pytest.mark.parametrize(
     ("dtype", "s", "lengths", "heads"),
-    [  # kv heads: two, and one (a device's at tensor 2)
+    [  # kv heads: two, and one (a device's at tensor 2), read heads first
         (jnp.float32, 256, [0, 1, 127, 128, 129, 256], 2),
         (jnp.bfloat16, 256, [0, 1, 127, 128, 129, 256], 1),
         (jnp.float32, 96, [0, 1, 31, 33, 95, 96], 1),
         (jnp.bfloat16, 96, [0, 1, 31, 33, 95, 96], 2),
+        # four: the blocks read as stored, [bs, K, H]
+        (jnp.bfloat16, 256, [0, 1, 127, 128, 129, 256], 4),
     ],
 )
 def test_the_tpu_kernel_reads_an_int8_cache_and_its_scales_as_the_reference(

@@ -16,12 +16,12 @@ An int8 cache (``kv_cache.quantize_kv``) runs the TPU kernel (and its interprete
 program): it reads int8 key and value blocks with their per-token scales and folds the
 scales into the products (each score times its key's scale, each probability times its
 value's scale before the value product), so no dequantized copy of the cache is made.
-It reads the cache and scales with the kv heads before the slots, [B, L, K, S, H] and
-[B, L, K, S]: that is how the TPU lays out the stored [B, L, S, K, H] and [B, L, S, K]
-when a device holds one or two kv heads (XLA puts the small K dimension outside S), so
-the transposed view is free and the scales of a block are one lane-dense row
-(``tests/tpu_decode_test.py`` counts the compiled step's copies: none; at four heads
-per device XLA stores the int8 keys and values heads inside, and they are copied).
+It reads them as the TPU lays out the stored [B, L, S, K, H] cache and [B, L, S, K]
+scales: the scales with the kv heads before the slots, [B, L, K, S] (a block's scales
+are one lane-dense row), and the keys and values so too, [B, L, K, S, H], when a device
+holds one or two kv heads (XLA puts the small K dimension outside S), as stored,
+[bs, K, H] blocks, when it holds more. The transposed views are then free: the compiled
+step holds no copy of the cache (``tests/tpu_decode_test.py`` counts them).
 
 Both float-cache kernels read the cache as the engine stores it, the whole slot-major
 [B, L, S, K, H] array (``kv_cache.KVCache``), at a layer index given at run time (on
@@ -52,6 +52,9 @@ _BLOCKS = (128, 64, 32, 16)
 # An int8 cache's block: 128 slots (a lane row of its scales), or the whole attended
 # length when that is below 128 (a block of int8 rows holds a multiple of 32 slots).
 _INT8_BLOCK, _INT8_ROWS = 128, 32
+# The most kv heads per device that XLA stores before the slots in an int8 cache on TPU
+# (measured on v5e and v6e: at 1 and 2 heads before, at 4 and 8 inside, in (K, H) tiles).
+_INT8_HEADS_FIRST = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +151,26 @@ def _tpu_kernel(
 
 
 def _tpu_int8_kernel(
-    lay_ref, len_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs
+    lay_ref,
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    o_ref,
+    lse_ref,
+    m_sc,
+    l_sc,
+    acc_sc,
+    *,
+    bs,
+    heads_first,
 ):
-    """``_tpu_kernel`` over int8 [K, bs, H] blocks and their [K, bs] scales: the int8
-    values enter the dots in the query's dtype; each score is multiplied by its key's
-    scale and each probability by its value's scale (``decode.decode_attention``'s way)."""
+    """``_tpu_kernel`` over int8 blocks, [K, bs, H] (``heads_first``) or [bs, K, H], and
+    their [K, bs] scales: the int8 values enter the dots in the query's dtype; each score
+    is multiplied by its key's scale and each probability by its value's scale
+    (``decode.decode_attention``'s way)."""
     from jax.experimental import pallas as pl
 
     del lay_ref  # used by the index maps only
@@ -165,8 +183,12 @@ def _tpu_int8_kernel(
         dt = q_ref.dtype
         for kh in range(q_ref.shape[0]):
             # int8 -> float32 -> the compute dtype: a convert every TPU generation has
-            k_SH = k_ref[kh].astype(jnp.float32).astype(dt)
-            v_SH = v_ref[kh].astype(jnp.float32).astype(dt)
+            if heads_first:
+                k_SH, v_SH = (r[kh].astype(jnp.float32).astype(dt) for r in (k_ref, v_ref))
+            else:  # the block's heads taken apart in float32 (an int8 strided load is not)
+                k_SH, v_SH = (
+                    r[...].astype(jnp.float32)[:, kh, :].astype(dt) for r in (k_ref, v_ref)
+                )
             s_GS = _dot_t(q_ref[kh], k_SH) * (ks_ref[kh : kh + 1, :] * q_ref.shape[-1] ** -0.5)
             vs_1S = vs_ref[kh : kh + 1, :]
             _online_softmax(
@@ -292,8 +314,13 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
     b, k, g, h = q_BKGH.shape
     s = k_BLSKH.shape[2]
     bs = block_size(s, quantized=True)
-    # the kv heads before the slots: the TPU's own layout of the stored arrays (no copy)
-    k_BLKSH, v_BLKSH = (jnp.swapaxes(x, 2, 3) for x in (k_BLSKH, v_BLSKH))
+    # Read as the TPU lays out the stored arrays, so with no copy: the scales with the
+    # kv heads before the slots; the keys and values so too at one or two heads per
+    # device, at more with the heads inside the slots in (K, H) tiles.
+    heads_first = k <= _INT8_HEADS_FIRST
+    kv_arrays = (k_BLSKH, v_BLSKH)
+    if heads_first:  # [B, L, K, S, H]
+        kv_arrays = tuple(jnp.swapaxes(x, 2, 3) for x in kv_arrays)
     ks_BLKS, vs_BLKS = (jnp.swapaxes(x, 2, 3) for x in (ks_BLSK, vs_BLSK))
 
     def held(i, j, lens):  # blocks past a row's last held one repeat it: no fetch
@@ -302,9 +329,14 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
     def row(i, j, lay, lens):
         return (i, 0, 0, 0)
 
-    kv = pl.BlockSpec(
-        (None, None, k, bs, h), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens), 0)
-    )
+    if heads_first:
+        kv = pl.BlockSpec(
+            (None, None, k, bs, h), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens), 0)
+        )
+    else:
+        kv = pl.BlockSpec(
+            (None, None, bs, k, h), lambda i, j, lay, lens: (i, lay[0], held(i, j, lens), 0, 0)
+        )
     scale = pl.BlockSpec(
         (None, None, k, bs), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens))
     )
@@ -320,7 +352,7 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
         ],
     )
     out, lse = pl.pallas_call(
-        functools.partial(_tpu_int8_kernel, bs=bs),
+        functools.partial(_tpu_int8_kernel, bs=bs, heads_first=heads_first),
         grid_spec=grid,
         out_shape=[
             jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
@@ -338,8 +370,7 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
         jnp.reshape(layer, (1,)),
         lengths_B.astype(jnp.int32),
         q_BKGH,
-        k_BLKSH,
-        v_BLKSH,
+        *kv_arrays,
         ks_BLKS,
         vs_BLKS,
     )
