@@ -232,3 +232,25 @@ def test_ragged_int8_decode_equals_the_dense_int8_product_and_stays_near_bf16(dt
         for a, b in ((new_r.k_scale, new_d.k_scale), (new_r.v_scale, new_d.v_scale)):
             np.testing.assert_allclose(a[live], b[live], rtol=2.0**-6)
         cache8, tok = new_d, jnp.argmax(dense, -1).astype(jnp.int32)
+
+
+@pytest.mark.slow  # ~30 s: two rollouts, one through the interpreted kernel
+def test_an_int8_engine_on_the_ragged_kernel_samples_as_on_the_dense_product():
+    """Refills and compaction with the int8 cache read by the kernel (an attended
+    length of 32 slots, one block): the dense int8 engine's tokens, log-probs within
+    fp32 rounding. (``EngineConfig`` refuses ``decode_attention: ragged`` with an int8 cache,
+    and CPU's default is dense: the engine's attention is set as TPU's default sets it.)"""
+    from magic_jax.rollout.attention import get_attention
+
+    cfg = dataclasses.replace(CFG, sliding_window=None, sliding_layers=())
+    model = Qwen2(cfg, rngs=nnx.Rngs(1))
+    kw = dict(kv_dtype="int8", max_decode_length=56, cache_bucket=32)
+    ref = _sample(_engine(model, **kw), model, seed=4)
+    engine = _engine(model, **kw)
+    engine.__dict__["attention"] = get_attention("ragged")
+    assert engine.ragged_spec == RaggedSpec("interpret")
+    got = _sample(engine, model, seed=4)
+    assert sum(len(s.tokens) for s in got) > 40
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
