@@ -93,13 +93,10 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
         load_config(CONFIGS / "default.yaml", ["rollout.kv_dtype=int4"])
     with pytest.raises(ConfigError, match="rollout.decode_attention"):
         load_config(CONFIGS / "default.yaml", ["rollout.decode_attention=paged"])
-    with pytest.raises(ConfigError, match="ragged reads a float cache"):
-        load_config(
-            CONFIGS / "default.yaml",
-            ["rollout.decode_attention=ragged", "rollout.kv_dtype=int8"],
-        )
-    ragged = load_config(CONFIGS / "default.yaml", ["rollout.decode_attention=ragged"])
-    assert ragged.rollout.decode_attention == "ragged"
+    ragged = load_config(
+        CONFIGS / "default.yaml", ["rollout.decode_attention=ragged", "rollout.kv_dtype=int8"]
+    )
+    assert (ragged.rollout.decode_attention, ragged.rollout.kv_dtype) == ("ragged", "int8")
     cfg = load_config(
         CONFIGS / "default.yaml",
         ["rollout.dtype=bfloat16", "rollout.kv_dtype=int8", f"output_dir={tmp_path / 'run'}"],

@@ -238,19 +238,34 @@ def test_ragged_int8_decode_equals_the_dense_int8_product_and_stays_near_bf16(dt
 def test_an_int8_engine_on_the_ragged_kernel_samples_as_on_the_dense_product():
     """Refills and compaction with the int8 cache read by the kernel (an attended
     length of 32 slots, one block): the dense int8 engine's tokens, log-probs within
-    fp32 rounding. (``EngineConfig`` refuses ``decode_attention: ragged`` with an int8 cache,
-    and CPU's default is dense: the engine's attention is set as TPU's default sets it.)"""
-    from magic_jax.rollout.attention import get_attention
-
+    fp32 rounding."""
     cfg = dataclasses.replace(CFG, sliding_window=None, sliding_layers=())
     model = Qwen2(cfg, rngs=nnx.Rngs(1))
     kw = dict(kv_dtype="int8", max_decode_length=56, cache_bucket=32)
     ref = _sample(_engine(model, **kw), model, seed=4)
-    engine = _engine(model, **kw)
-    engine.__dict__["attention"] = get_attention("ragged")
+    engine = _engine(model, decode_attention="ragged", **kw)
     assert engine.ragged_spec == RaggedSpec("interpret")
     got = _sample(engine, model, seed=4)
     assert sum(len(s.tokens) for s in got) > 40
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_an_int8_engine_takes_the_ragged_kernel():
+    """``decode_attention: ragged`` with ``kv_dtype: int8``: the engine's decode step and
+    chunk run the int8 kernel (interpreted on CPU; traced here, run by the slow test
+    below); GPU's kernel reads a float cache, so an int8 cache there runs the dense
+    product (``applies``), as the dense engine does."""
+    cfg = dataclasses.replace(CFG, sliding_window=None, sliding_layers=())
+    model = Qwen2(cfg, rngs=nnx.Rngs(1))
+    kw = dict(kv_dtype="int8", max_decode_length=24, cache_bucket=32)
+    engine = _engine(model, decode_attention="ragged", **kw)
+    assert engine.ragged_spec == RaggedSpec("interpret") and engine.config.cache_length == 32
+    assert applies(engine.ragged_spec, quantized=True, sliding=False, length=32)
+    assert not applies(RaggedSpec("gpu"), quantized=True, sliding=False, length=32)
+    for e in (_engine(model, **kw), engine):
+        params, state = e.abstract_params, jax.eval_shape(e.init_decode_state)
+        for fn in (e.generate, e.generate_chunk):
+            text = jax.jit(fn).trace(params, state).jaxpr.pretty_print()
+            assert ("ragged_decode_attention_int8" in text) == (e is engine)

@@ -241,8 +241,9 @@ def test_sliding_windows_unblocked_lengths_and_int8_on_the_gpu_run_the_dense_pat
     assert not ra.applies(spec, quantized=True, sliding=False, length=160)
     assert ra.applies(spec, quantized=True, sliding=False, length=32)
     assert ra.applies(spec, quantized=True, sliding=False, length=384)
-    with pytest.raises(ValueError, match="decode_attention: ragged reads a float cache"):
-        EngineConfig(decode_attention="ragged", kv_dtype="int8")
+    # the engine takes the pair: on TPU (and interpreted) the kernel reads the int8
+    # cache, on GPU the step runs the dense product (above)
+    assert EngineConfig(decode_attention="ragged", kv_dtype="int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="decode_attention: unknown decode attention 'paged'"):
         EngineConfig(decode_attention="paged")
     q, k, v = _qkv(jnp.float32, s=40)

@@ -331,8 +331,10 @@ def describe_engine(driver: Any, params: Any) -> str:
     weights = sorted({str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)})
     cache = jax.eval_shape(engine.init_decode_state).cache.k.dtype
     attention = engine.attention.name
-    if engine.attention.ragged and (cache == jnp.int8 or engine.model_config.sliding_layers):
-        attention = "dense"  # the kernel reads a float cache of full-attention layers only
+    spec = engine.ragged_spec
+    int8_dense = cache == jnp.int8 and spec is not None and spec.backend == "gpu"
+    if engine.attention.ragged and (int8_dense or engine.model_config.sliding_layers):
+        attention = "dense"  # the kernel reads full-attention layers only, int8 not on GPU
     return (
         f"{'/'.join(weights)} weights, {cache} KV cache, {attention} attention, "
         f"{driver.lanes} lane(s) x {engine.config.max_concurrent_decodes} slots"

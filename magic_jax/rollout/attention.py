@@ -46,7 +46,8 @@ class DecodeAttention:
       attend: the product (``AttendFn``); None: the built-in dense one
         (``decode.decode_attention``, which also reads an int8 cache).
       ragged: the built-in kernel that reads only the slots each row holds
-        (``ragged_attention``; where it does not apply the dense product runs).
+        (``ragged_attention``; where it does not apply, an int8 cache on GPU among
+        them, the dense product runs).
     """
 
     name: str
@@ -55,8 +56,10 @@ class DecodeAttention:
 
     @property
     def reads_int8(self) -> bool:
-        """Whether it reads an int8 KV cache (``kv_dtype``): the built-in dense product."""
-        return self.attend is None and not self.ragged
+        """Whether it reads an int8 KV cache (``kv_dtype``): the built-ins (the ragged
+        kernel on TPU; on GPU an int8 cache runs the dense product,
+        ``ragged_attention.applies``), not a registered one."""
+        return self.attend is None
 
 
 _ATTENTIONS: Registry[DecodeAttention] = Registry(

@@ -39,15 +39,15 @@ class EngineOptions:
         kv head (``kv_cache.quantize_kv``), dequantized inside the decode attention:
         1 + 4/H bytes per element instead of 2 (bf16) or 4, so more slots fit. The
         prompt is prefilled in ``dtype`` and quantized when it is inserted. None keeps
-        the cache in ``dtype``. On TPU the compiled decode step still relayouts an
-        int8 cache (docs/tpu.md).
+        the cache in ``dtype``.
       decode_attention: ``ragged`` runs the decode attention as a Pallas kernel that
         reads only the cache slots each row holds (``ragged_attention``: the TPU kernel
         on TPU, the Triton kernel on GPU, the TPU kernel interpreted elsewhere: slow,
         for tests); ``dense`` reads the whole attended cache and masks it. None: ragged
-        on TPU and GPU, dense on CPU. Ragged needs a float cache (no ``kv_dtype``);
-        layers with sliding windows run dense. Any other name is a registered
-        attention (``attention.register_attention``, docs/extending.md; a float cache).
+        on TPU and GPU, dense on CPU. Ragged reads an int8 cache on TPU (and
+        interpreted); on GPU an int8 cache, and on every platform layers with sliding
+        windows, run dense. Any other name is a registered attention
+        (``attention.register_attention``, docs/extending.md; a float cache).
       decode_layers: how the decode loop holds the cache and runs the layers.
         ``split``: each layer's keys and values as their own arrays for a decode chunk
         (split from the slot-major cache once per chunk, stacked back at its end) and
