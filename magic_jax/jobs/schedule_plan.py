@@ -360,6 +360,10 @@ def stage_schedule(
         for r in range(tensor, devices, tensor)
         if memory.holds(r, devices) and (devices - r) % tensor == 0
     ]
+    split = _best(rollout, held, upd)
+    # carried at the drained rollout's best split too: it is no slower there
+    near = [_best(carried_on, held, upd)] + ([carried_on(split.rollout_devices)] if split else [])
+    carried_split = min((m for m in near if m), key=lambda m: m.step_s, default=None)
     every = getattr(engine, "publish_chunks", None) or PUBLISH_CHUNKS
     reprefill, publishes = 0.0, 0
     if partial:
@@ -374,12 +378,12 @@ def stage_schedule(
         mean_tokens=float(lengths.mean()),
         devices=devices,
         sync=rollout(devices),
-        split=_best(rollout, held, upd),
+        split=split,
         reprefill_s=reprefill,
         publishes=publishes,
         publish_chunks=every,
         carried=carried_on(devices),
-        carried_split=_best(carried_on, held, upd),
+        carried_split=carried_split,
         packed=packed,
         floor_s=floor_s,
     )
