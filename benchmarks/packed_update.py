@@ -249,11 +249,11 @@ def case(model: Model, groups: int, t: int, shape: str, reps: int, skip_torch: b
                 box["state"] = updater.init_state(jax.tree.map(jnp.copy, params))
                 s, loss = jax_step(updater, box, buf)
                 times[name].append(s)
-                losses[name] = loss
+                losses.setdefault(name, loss)  # the first update of the same weights
             if torch_step is not None:
                 s, loss = torch_step()
                 times["torch"].append(s)
-                losses["torch"] = loss
+                losses.setdefault("torch", loss)  # before its own optimizer steps
     _, n_live = pack_rows(buf, MICRO)
     med = {k: statistics.median(w for w, _ in v) for k, v in times.items() if v}
     cpu = {k: statistics.median(c for _, c in v) for k, v in times.items() if v}
