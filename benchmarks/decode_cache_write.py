@@ -8,9 +8,9 @@ Cloud TPU slice through libtpu, with one KV head per device, in four forms:
   a scatter over slots (``jax.vmap`` of ``dynamic_update_slice``);
 * ``select``: the same layout, the write a ``jnp.where`` over the whole cache;
 * ``heads``: heads-major, [L, B, K, S, H], the write a scatter over slots;
-* ``slots``: slot-major, [B, L, S, K, H] (the engine's layout since,
-  ``kv_cache.KVCache``), each slot's write a ``dynamic_update_slice``, each layer
-  read with a dynamic index.
+* ``slots``: slot-major, [B, L, S, K, H] (the engine's next layout; it now
+  stores [B, L, K, S, H], ``kv_cache.KVCache``), each slot's write a
+  ``dynamic_update_slice``, each layer read with a dynamic index.
 
 It prints XLA's bytes accessed and temporaries per device and the whole-cache
 copies in the optimized HLO; ``scatter`` is the peer of the ratios.

@@ -5,13 +5,12 @@ cache, then each slot's new key and value written into every layer) compiled
 (never run) for a Cloud TPU slice through libtpu, with one KV head per device, in
 two forms:
 
-* ``layer-major``: the peer, the engine's earlier layout: cache [L, B, S, K, H],
-  each layer's [B, S, K, H] slice handed to the kernel, the write a scatter over
-  slots;
-* ``engine``: the engine's own code: the slot-major cache [B, L, S, K, H] read
-  whole by ``ragged_attention.past_attention`` at the layer's index (a device's
-  single kv head read as [B, L, S, H]), the write ``kv_cache.write_token`` (a
-  ``dynamic_update_slice`` per slot), as ``decode.decode_forward``.
+* ``layer-major``: the peer, a layer-major cache [L, B, K, S, H], each layer's
+  [B, K, S, H] slice handed to the kernel, the write a scatter over slots;
+* ``engine``: the engine's own code: the cache [B, L, K, S, H] read whole by
+  ``ragged_attention.past_attention`` at the layer's index, the write
+  ``kv_cache.write_token`` (a ``dynamic_update_slice`` per slot), as
+  ``decode.decode_forward``.
 
 It prints the temporaries per device and the whole-cache copies in the optimized
 HLO. The kernel's declared cost is the attended cache whatever the layout, so
@@ -24,6 +23,7 @@ dense product).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -36,8 +36,8 @@ from magic_jax.model.kv_cache import write_slot, write_token
 from magic_jax.rollout import ragged_attention as ra
 
 FORMS = {  # cache letters, the cache's mesh spec
-    "layer-major": ("LBSKH", P(None, "fsdp", None, "tensor")),
-    "engine": ("BLSKH", P("fsdp", None, None, "tensor")),
+    "layer-major": ("LBKSH", P(None, "fsdp", "tensor")),
+    "engine": ("BLKSH", P("fsdp", None, "tensor")),
 }
 
 
@@ -48,7 +48,7 @@ def step_fn(form: str, mesh, dims: dict[str, int]):
     def attend(q, k, v, i, at):
         if form == "engine":
             return ra.past_attention(q, k, v, i, at, spec)[0]
-        # the layer's slice, seen by the kernel as a one-layer slot-major cache
+        # the layer's slice, seen by the kernel as a one-layer cache
         kl, vl = (jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False)[:, None] for c in (k, v))
         return ra.past_attention(q, kl, vl, 0, at, spec)[0]
 
@@ -60,7 +60,8 @@ def step_fn(form: str, mesh, dims: dict[str, int]):
         total, new_LBKH = jax.lax.scan(layer, jnp.zeros(()), jnp.arange(dims["L"]))
         if form == "engine":
             return write_token(k, new_LBKH, at), write_token(v, new_LBKH, at), total
-        scatter = jax.vmap(write_slot, in_axes=(0, 0, None))  # the earlier engine's write
+        # the write of a layer-major cache: a scatter over slots
+        scatter = jax.vmap(functools.partial(write_slot, axis=2), in_axes=(0, 0, None))
         return scatter(k, new_LBKH, at), scatter(v, new_LBKH, at), total
 
     return step

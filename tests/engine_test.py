@@ -207,7 +207,7 @@ def test_decode_forward_equals_model_forward():
     np.testing.assert_allclose(unrolled.k, got.k, atol=1e-6)
     np.testing.assert_array_equal(got.pos, want.pos)
     np.testing.assert_array_equal(got.lengths, [7, 7, 6])
-    for a, b in ((got.k, want.k), (got.v, want.v)):  # [B, L, S, K, H]
+    for a, b in ((got.k, want.k), (got.v, want.v)):  # [B, L, K, S, H]
         np.testing.assert_allclose(a[rows], b[rows], atol=1e-6)
 
 

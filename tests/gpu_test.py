@@ -183,9 +183,10 @@ def test_ragged_decode_attention_kernel_and_engine(gpu):
         q = jax.random.normal(ks[0], (6, 2, 7, 128), jnp.float32).astype(jnp.bfloat16)
         k, v = (jax.random.normal(x, (6, 256, 2, 128)).astype(jnp.bfloat16) for x in ks[1:])
         lengths = jnp.asarray([0, 1, 127, 128, 129, 256], jnp.int32)
-        # layer 1 of a 3-layer slot-major cache whose other layers are NaN
+        # layer 1 of a 3-layer [B, L, K, S, H] cache whose other layers are NaN
         stack = [
-            jnp.full((6, 3, 256, 2, 128), jnp.nan, jnp.bfloat16).at[:, 1].set(x) for x in (k, v)
+            jnp.full((6, 3, 2, 256, 128), jnp.nan, jnp.bfloat16).at[:, 1].set(x.swapaxes(1, 2))
+            for x in (k, v)
         ]
         out, lse = ra.past_attention(q, *stack, 1, lengths, ra.RaggedSpec("gpu"))
         want, want_lse = reference_past(q, k, v, lengths)

@@ -45,11 +45,13 @@ def _qkv(dtype, seed=0, b=6, s=96, k=2, g=3, h=16):
     return q, *(jax.random.normal(x, (b, s, k, h), jnp.float32).astype(dtype) for x in (kk, kv))
 
 
-def _stacked(x_BSKH, layer, num_layers=3):
-    """A slot-major [B, L, S, K, H] cache holding ``x_BSKH`` at ``layer`` and NaN in every
-    other layer: a kernel that read another layer returns NaN."""
-    x = jnp.full((x_BSKH.shape[0], num_layers, *x_BSKH.shape[1:]), jnp.nan, x_BSKH.dtype)
-    return x.at[:, layer].set(x_BSKH)
+def _stacked(x_BSKX, layer, num_layers=3):
+    """A [B, L, K, S, ...] cache (``KVCache``'s keys, values or scales) holding one layer's
+    ``x_BSKX`` at ``layer`` and NaN in every other layer: a kernel that read another
+    layer returns NaN."""
+    x_BKSX = jnp.swapaxes(x_BSKX, 1, 2)
+    x = jnp.full((x_BKSX.shape[0], num_layers, *x_BKSX.shape[1:]), jnp.nan, x_BKSX.dtype)
+    return x.at[:, layer].set(x_BKSX)
 
 
 def _kernel(name):
@@ -60,12 +62,12 @@ def _kernel(name):
         ks, vs = _stacked(k, 1), _stacked(v, 1)
         if name == "gpu":  # the Triton kernel, run by Pallas's interpreter
             return ra._gpu_past(q, ks, vs, jnp.int32(1), lengths, interpret=True)
-        if name == "tpu-1":  # one kv head: the kernel reads the cache's [B, L, S, H] view
+        if name == "tpu-1":  # one kv head, as a device holds at tensor 2
             outs = [
                 ra.past_attention(
                     q[:, i : i + 1],
-                    ks[..., i : i + 1, :],
-                    vs[..., i : i + 1, :],
+                    ks[:, :, i : i + 1],
+                    vs[:, :, i : i + 1],
                     1,
                     lengths,
                     ra.RaggedSpec("interpret"),
@@ -119,12 +121,11 @@ def _numpy_past(q_BKGH, k_BSKH, v_BSKH, lengths_B):
 
 @pytest.mark.parametrize(
     ("dtype", "s", "lengths", "heads"),
-    [  # kv heads: two, and one (a device's at tensor 2), read heads first
+    [  # kv heads: two, one (a device's at tensor 2) and four
         (jnp.float32, 256, [0, 1, 127, 128, 129, 256], 2),
         (jnp.bfloat16, 256, [0, 1, 127, 128, 129, 256], 1),
         (jnp.float32, 96, [0, 1, 31, 33, 95, 96], 1),
         (jnp.bfloat16, 96, [0, 1, 31, 33, 95, 96], 2),
-        # four: the blocks read as stored, [bs, K, H]
         (jnp.bfloat16, 256, [0, 1, 127, 128, 129, 256], 4),
     ],
 )
@@ -151,7 +152,7 @@ def test_the_tpu_kernel_reads_an_int8_cache_and_its_scales_as_the_reference(
     k8s, v8s = _stacked(k8, 1).astype(jnp.int8), _stacked(v8, 1).astype(jnp.int8)
     past = jax.jit(functools.partial(ra.past_attention, spec=ra.RaggedSpec("interpret")))
     out, lse = past(
-        q, k8s, v8s, jnp.int32(1), lengths, ks_BLSK=_stacked(ks_nan, 1), vs_BLSK=_stacked(vs_nan, 1)
+        q, k8s, v8s, jnp.int32(1), lengths, ks_BLKS=_stacked(ks_nan, 1), vs_BLKS=_stacked(vs_nan, 1)
     )
     assert out.shape == want_out.shape and out.dtype == jnp.float32
     # bf16: the query and each probability (times its value's scale) enter the products
@@ -174,7 +175,7 @@ def test_the_int8_kernel_over_a_mesh_equals_it_on_one_device():
     sharded = ra.RaggedSpec("interpret", mesh, ("data", "fsdp"), "tensor")
     outs = [
         jax.jit(functools.partial(ra.past_attention, spec=spec))(
-            q, k8, v8, jnp.int32(0), lengths, ks_BLSK=ks, vs_BLSK=vs
+            q, k8, v8, jnp.int32(0), lengths, ks_BLKS=ks, vs_BLKS=vs
         )
         for spec in (ra.RaggedSpec("interpret"), sharded)
     ]
@@ -216,7 +217,7 @@ def test_ragged_decode_logits_match_the_dense_path(dtype):
         np.testing.assert_allclose(ragged[live], dense[live], atol=tol, rtol=0)
         np.testing.assert_array_equal(cache_r.pos, cache_d.pos)
         np.testing.assert_array_equal(cache_r.lengths, cache_d.lengths)
-        for a, b in ((cache_r.k, cache_d.k), (cache_r.v, cache_d.v)):  # [B, L, S, K, H]
+        for a, b in ((cache_r.k, cache_d.k), (cache_r.v, cache_d.v)):  # [B, L, K, S, H]
             np.testing.assert_allclose(
                 a[live].astype(jnp.float32), b[live].astype(jnp.float32), atol=tol, rtol=0
             )
@@ -248,8 +249,8 @@ def test_sliding_windows_unblocked_lengths_and_int8_on_the_gpu_run_the_dense_pat
         EngineConfig(decode_attention="paged")
     q, k, v = _qkv(jnp.float32, s=40)
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        ra.past_attention(q, k[:, None], v[:, None], 0, jnp.zeros((6,), jnp.int32), spec)
-    (k8, ks), (v8, vs) = quantize_kv(k[:, None]), quantize_kv(v[:, None])
+        ra.past_attention(q, _stacked(k, 0, 1), _stacked(v, 0, 1), 0, jnp.zeros(6, jnp.int32), spec)
+    (k8, ks), (v8, vs) = (quantize_kv(_stacked(x, 0, 1)) for x in (k, v))
     with pytest.raises(ValueError, match="not a multiple of 128, or of 32 below it"):
         ra.past_attention(q, k8, v8, 0, jnp.zeros((6,), jnp.int32), spec, ks, vs)
 

@@ -14,12 +14,12 @@ def cache_copies(program: Program, cache_k: Any) -> int:
     layer's keys (per device) and spans the cache length: relayouts of the cache."""
     if program.compiled is None:
         return 0
-    shard = cache_k.sharding.shard_shape(cache_k.shape)  # [B, L, S, K, H] per device
+    shard = cache_k.sharding.shard_shape(cache_k.shape)  # [B, L, K, S, H] per device
     one_layer = math.prod(shard) // shard[1]
     n = 0
     for dims in re.findall(r"\b\w+\[([\d,]+)\]\{[^}]*\} copy\(", program.compiled.as_text()):
         shape = [int(d) for d in dims.split(",")]
-        n += shard[2] in shape and math.prod(shape) >= one_layer
+        n += shard[3] in shape and math.prod(shape) >= one_layer
     return n
 
 

@@ -162,14 +162,18 @@ def sequence_attention(
     several sequences, packed; a query attends only within its own segment.
 
     Returns:
-      (out [B, T, K, G, H], the layer's updated (k, v) cache, or the new keys and
-      values without a cache).
+      (out [B, T, K, G, H], the layer's updated (k, v) cache ([B, K, S, H] each, as
+      ``KVCache`` holds a layer), or the new keys and values without a cache).
     """
     if cache_kv is None:
         k_BSKH, v_BSKH = k_BTKH, v_BTKH
+        new_kv = (k_BTKH, v_BTKH)
     else:
-        k_BSKH = write_rows(cache_kv[0], k_BTKH, write_at_B)
-        v_BSKH = write_rows(cache_kv[1], v_BTKH, write_at_B)
+        new_kv = tuple(
+            write_rows(c_BKSH, jnp.swapaxes(x_BTKH, 1, 2), write_at_B, axis=2)
+            for c_BKSH, x_BTKH in zip(cache_kv, (k_BTKH, v_BTKH))
+        )
+        k_BSKH, v_BSKH = (jnp.swapaxes(x, 1, 2) for x in new_kv)
     attend = functools.partial(
         _attend,
         k_BSKH=k_BSKH,
@@ -183,7 +187,7 @@ def sequence_attention(
     if segments_BT is not None:
         q_args += (segments_BT,)
     if not chunk or t <= chunk:
-        return attend(*q_args), (k_BSKH, v_BSKH)
+        return attend(*q_args), new_kv
     n = -(-t // chunk)
     pad = n * chunk - t
 
@@ -193,7 +197,7 @@ def sequence_attention(
 
     out = jax.lax.map(jax.checkpoint(lambda a: attend(*a)), tuple(chunks(x) for x in q_args))
     out_BTKGH = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *q_BTKGH.shape[2:])[:, :t]
-    return out_BTKGH, (k_BSKH, v_BSKH)
+    return out_BTKGH, new_kv
 
 
 class Attention(nnx.Module):
@@ -478,7 +482,7 @@ class Qwen2(nnx.Module):
             out = jnp.dot(x_BTD.astype(dt), self.unembedding().astype(dt))
         if cache is None:
             return out
-        k, v = (jnp.moveaxis(x, 0, 1) for x in new_kv)  # back to slot-major
+        k, v = (jnp.moveaxis(x, 0, 1) for x in new_kv)  # back to [B, L, K, S, H]
         new_cache = KVCache(k=k, v=v, pos=key_pos_BS, lengths=cache.lengths + t)
         return out, new_cache
 

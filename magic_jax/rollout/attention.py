@@ -24,7 +24,7 @@ class AttendFn(Protocol):
         (RoPE applied; the cache's dtype or the compute dtype).
       k_BSKH / v_BSKH: [B, S, K, H] the layer's keys and values, the new token's
         already written at its slot (a float cache: registered attentions do not
-        read an int8 one).
+        read an int8 one; a transposed view of the cache's [B, K, S, H] layer).
       allowed_BS: [B, S] bool, the slots the row attends (its past, the new token,
         inside a sliding window where the layer has one).
 

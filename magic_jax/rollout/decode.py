@@ -199,82 +199,50 @@ def reprefill_fn(prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeS
     return dataclasses.replace(state, cache=_write_rows(prefix, state.cache, slot[None]))
 
 
-def decode_attention(
-    q_BKGH, k_BSKH, v_BSKH, allowed_BS, k_scale_BSK=None, v_scale_BSK=None, *, per_head=False
-):
-    """One query per row against the whole cache.
+def decode_attention(q_BKGH, k_BKSH, v_BKSH, allowed_BS, k_scale_BKS=None, v_scale_BKS=None):
+    """One query per row against a layer's whole cache, batched over (B, K): each query
+    head against its own kv head's [S, H] keys and values as the cache holds them (no
+    transpose, and no kv head gathered from another device when they are split over
+    ``tensor``).
 
-    Two formulations with the same result (``per_head``):
-    - False: without relayouting the cache. A [B, K, ...]-batched einsum over the
-      [B, S, K, H] cache makes XLA's CPU backend transpose the whole cache every
-      layer and step (measured: most of the decode step at long S on CPU). Here
-      both products keep the cache as stored, [B, S*K, H] and [B, S, K*H], and
-      compute every (query head, kv head) pair; the K x K blocks off the diagonal
-      are discarded (K x the score flops, which are tiny at T = 1).
-    - True: batched over kv heads, each query head against its own kv head only.
-      When the kv heads are split over devices (``tensor``), the pairs above would
-      need every device's heads: XLA all-gathers the cache in every layer (seen
-      in the TPU plans: the decode step read the cache twice at tensor 2), so the
-      engine takes this form then (``Engine.decode_statics``).
-
-    An int8 cache (``k_scale_BSK`` / ``v_scale_BSK`` given) is dequantized inside
+    An int8 cache (``k_scale_BKS`` / ``v_scale_BKS`` given) is dequantized inside
     the products: the int8 values enter the dots, each score is multiplied by its
     key's scale and each probability by its value's scale, so no dequantized copy
     of the cache is made.
     """
-    b, kh, g, h = q_BKGH.shape
-    s = k_BSKH.shape[1]
+    h = q_BKGH.shape[-1]
     # The query takes the cache's dtype (the compute dtype for an int8 cache), so the
     # program holds no float32 copy of a bf16 cache; both products accumulate in fp32.
-    dt = q_BKGH.dtype if k_scale_BSK is not None else k_BSKH.dtype
-    if per_head:
-        scores_BKGS = jnp.einsum(
-            "bkgh,bskh->bkgs",
-            q_BKGH.astype(dt),
-            k_BSKH.astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-        probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK)
-        return jnp.einsum(
-            "bkgs,bskh->bkgh",
-            probs_BKGS.astype(dt),
-            v_BSKH.astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-    q_BNH = q_BKGH.reshape(b, kh * g, h).astype(dt)
-    scores_BMN = jnp.einsum(
-        "bmh,bnh->bmn",
-        k_BSKH.reshape(b, s * kh, h).astype(dt),
-        q_BNH,
+    dt = q_BKGH.dtype if k_scale_BKS is not None else k_BKSH.dtype
+    scores_BKGS = jnp.einsum(
+        "bkgh,bksh->bkgs", q_BKGH.astype(dt), k_BKSH.astype(dt), preferred_element_type=jnp.float32
+    )
+    probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BKS, v_scale_BKS)
+    return jnp.einsum(
+        "bkgs,bksh->bkgh",
+        probs_BKGS.astype(dt),
+        v_BKSH.astype(dt),
         preferred_element_type=jnp.float32,
-    )  # M = (S, K'), N = (K, G)
-    eye_KK = jnp.eye(kh, dtype=bool)
-    scores_BSKKG = scores_BMN.reshape(b, s, kh, kh, g)  # [b, s, k', k, g]
-    scores_BKGS = jnp.sum(
-        jnp.where(eye_KK[None, None, :, :, None], scores_BSKKG, 0.0), axis=2
-    ).transpose(0, 2, 3, 1)
-    probs_BKGS = _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK)
-    probs_BNS = probs_BKGS.reshape(b, kh * g, s).astype(dt)
-    out_BNKH = jnp.einsum(
-        "bns,bsm->bnm",
-        probs_BNS,
-        v_BSKH.reshape(b, s, kh * h).astype(dt),
-        preferred_element_type=jnp.float32,
-    ).reshape(b, kh, g, kh, h)
-    return jnp.sum(jnp.where(eye_KK[None, :, None, :, None], out_BNKH, 0.0), axis=3)
+    )
 
 
-def _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BSK, v_scale_BSK):
+def _softmax_scaled(scores_BKGS, allowed_BS, h, k_scale_BKS, v_scale_BKS):
     """Attention probabilities from raw q.k scores, fp32: times each key's int8 scale
     (if any) and 1/sqrt(H), masked, softmaxed, times each value's int8 scale (if any)."""
-    if k_scale_BSK is not None:
-        scores_BKGS = scores_BKGS * k_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    if k_scale_BKS is not None:
+        scores_BKGS = scores_BKGS * k_scale_BKS[:, :, None, :]
     scores_BKGS = scores_BKGS * (h**-0.5)
     scores_BKGS = jnp.where(allowed_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
     probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
-    if v_scale_BSK is not None:
-        probs_BKGS = probs_BKGS * v_scale_BSK.transpose(0, 2, 1)[:, :, None, :]
+    if v_scale_BKS is not None:
+        probs_BKGS = probs_BKGS * v_scale_BKS[:, :, None, :]
     return probs_BKGS
+
+
+def registered_attention(attention: AttendFn, q_BKGH, k_BKSH, v_BKSH, allowed_BS):
+    """A registered attention's product over a layer's [B, K, S, H] cache: it takes the
+    keys and values as [B, S, K, H] (``attention.AttendFn``)."""
+    return attention(q_BKGH, jnp.swapaxes(k_BKSH, 1, 2), jnp.swapaxes(v_BKSH, 1, 2), allowed_BS)
 
 
 def decode_positions(cache: KVCache, live_B: jax.Array) -> tuple[jax.Array, ...]:
@@ -304,7 +272,6 @@ def decode_forward(
     unembed_VD: jax.Array | None = None,
     *,
     layer_unroll: int | bool = 1,
-    per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
     attention: AttendFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
@@ -319,14 +286,14 @@ def decode_forward(
     [V, D]: XLA's CPU dot is about 2x faster contracting the weight's minor
     dimension, and transposing per call would cost more than it saves, so the caller
     makes it once per weights (docs/benchmarks.md#decode-defaults).
-    ``layer_unroll``: see ``EngineConfig.layer_unroll``; ``per_head``: the attention's
-    formulation (``decode_attention``). ``ragged`` runs ``ragged_attention``'s kernel
-    instead: each row reads its past slots ``[0, length)`` only and the new token is
-    merged in after (no sliding windows, an attended length the kernel's blocks divide,
-    and an int8 cache only on the TPU kernel; otherwise the dense product runs). An
-    int8 cache's new token is merged as the cache holds it, quantized. ``attention``, a
-    registered attention's product (``attention.AttendFn``, a float cache), runs in
-    place of the dense one.
+    ``layer_unroll``: see ``EngineConfig.layer_unroll``. ``ragged`` runs
+    ``ragged_attention``'s kernel instead: each row reads its past slots ``[0, length)``
+    only and the new token is merged in after (no sliding windows, an attended length
+    the kernel's blocks divide, and an int8 cache only on the TPU kernel; otherwise the
+    dense product runs). An int8 cache's new token is merged as the cache holds it,
+    quantized. ``attention``, a registered attention's product (``attention.AttendFn``,
+    a float cache, given each layer's keys and values as [B, S, K, H]), runs in place
+    of the dense one.
 
     Returns:
       (logits [B, V], the cache with the token written).
@@ -344,8 +311,8 @@ def decode_forward(
     quantized = cache.quantized
 
     def layer_fn(layer, x_B1D, xs):
-        # The scan runs over the layers' index: the slot-major cache is read at it (a
-        # slice per layer on the dense path; the kernel reads it whole at the index).
+        # The scan runs over the layers' index: the cache is read at it (a slice per
+        # layer on the dense path; the kernel reads it whole at the index).
         window, li = xs
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
 
@@ -373,22 +340,19 @@ def decode_forward(
                 )
                 out_BKGH = ragged_attention.merge_new_token(*past, q_BKGH, k_BKH, v_BKH)
                 return out_BKGH[:, None], new
-            scales = {}
-            if quantized:
-                scales = {
-                    "k_scale_BSK": write_slot(layer_slice(cache.k_scale, li), new["ks"], at_B),
-                    "v_scale_BSK": write_slot(layer_slice(cache.v_scale, li), new["vs"], at_B),
-                }
-            args = (
-                q_B1KGH[:, 0],
-                write_slot(layer_slice(cache.k, li), new["k"], at_B),
-                write_slot(layer_slice(cache.v, li), new["v"], at_B),
-                mask_BS,
-            )
+
+            def written(name, new_name):  # the layer's [B, K, S, ...] with the token
+                return write_slot(layer_slice(getattr(cache, name), li), new[new_name], at_B, 2)
+
+            args = (q_B1KGH[:, 0], written("k", "k"), written("v", "v"), mask_BS)
             if attention is not None:
-                out_BKGH = attention(*args)
+                out_BKGH = registered_attention(attention, *args)
+            elif quantized:
+                out_BKGH = decode_attention(
+                    *args, written("k_scale", "ks"), written("v_scale", "vs")
+                )
             else:
-                out_BKGH = decode_attention(*args, **scales, per_head=per_head)
+                out_BKGH = decode_attention(*args)
             # Only the new token's key and value leave the layer: returning the whole
             # updated cache slice would copy every layer's cache each step.
             return out_BKGH[:, None], new
@@ -426,7 +390,6 @@ def decode_step(
     sampling: SamplingConfig,
     unembed_VD: jax.Array | None = None,
     layer_unroll: int | bool = 1,
-    per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
     attention: AttendFn | None = None,
 ) -> tuple[DecodeState, StepOutput]:
@@ -443,7 +406,6 @@ def decode_step(
         state.cache,
         unembed_VD,
         layer_unroll=layer_unroll,
-        per_head=per_head,
         ragged=ragged,
         attention=attention,
     )

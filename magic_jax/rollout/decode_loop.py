@@ -22,6 +22,7 @@ from magic_jax.rollout.decode import (
     decode_logits,
     decode_positions,
     decode_step,
+    registered_attention,
     sample_next,
 )
 from magic_jax.rollout.sampling import SamplingConfig
@@ -47,15 +48,14 @@ def split_forward(
     kv_L: tuple,
     unembed_VD: jax.Array | None = None,
     *,
-    per_head: bool = False,
     attention: AttendFn | None = None,
 ) -> tuple[jax.Array, KVCache, tuple]:
-    """``decode_forward`` over a float cache held as one (k, v) pair of [B, S, K, H]
+    """``decode_forward`` over a float cache held as one (k, v) pair of [B, K, S, H]
     arrays per layer (``kv_L``; ``cache`` gives positions and lengths, its k and v are
     unused), the layers a Python loop over ``layers`` (``layer_modules``).
 
     Each layer writes its new key and value into its own arrays in place and attends
-    over them: no per-step copy of a layer's slice out of the [B, L, S, K, H] cache,
+    over them: no per-step copy of a layer's slice out of the [B, L, K, S, H] cache,
     which on CPU is half of a small model's layer time
     (docs/benchmarks.md#decode-defaults). ``attention``: a registered
     attention's product in place of the dense one (``decode_forward``).
@@ -73,15 +73,13 @@ def split_forward(
         mask_BS = allowed_BS if window is None else allowed_BS & (pos_B[:, None] - pos_BS < window)
 
         def attend(q_B1KGH, k_B1KH, v_B1KH, kv=kv_L[i], mask_BS=mask_BS):
-            k_BSKH = write_slot(kv[0], k_B1KH[:, 0], at_B)
-            v_BSKH = write_slot(kv[1], v_B1KH[:, 0], at_B)
+            k_BKSH = write_slot(kv[0], k_B1KH[:, 0], at_B, axis=2)
+            v_BKSH = write_slot(kv[1], v_B1KH[:, 0], at_B, axis=2)
             if attention is not None:
-                out_BKGH = attention(q_B1KGH[:, 0], k_BSKH, v_BSKH, mask_BS)
+                out_BKGH = registered_attention(attention, q_B1KGH[:, 0], k_BKSH, v_BKSH, mask_BS)
             else:
-                out_BKGH = decode_attention(
-                    q_B1KGH[:, 0], k_BSKH, v_BSKH, mask_BS, per_head=per_head
-                )
-            return out_BKGH[:, None], (k_BSKH, v_BSKH)
+                out_BKGH = decode_attention(q_B1KGH[:, 0], k_BKSH, v_BKSH, mask_BS)
+            return out_BKGH[:, None], (k_BKSH, v_BKSH)
 
         x_B1D, kv = layer(x_B1D, pos_B[:, None], attend)
         new_kv.append(kv)
@@ -97,8 +95,8 @@ def _take_rows(state: DecodeState, rows_b: jax.Array | None, attend: int) -> Dec
     def take(x, axis=0):
         return x if rows_b is None else jnp.take(x, rows_b, axis=axis)
 
-    def take_kv(x_BLSX):
-        return None if x_BLSX is None else take(x_BLSX)[:, :, :attend]
+    def take_kv(x_BLKSX):
+        return None if x_BLKSX is None else take(x_BLKSX)[:, :, :, :attend]
 
     c = state.cache
     cache = KVCache(
@@ -122,12 +120,12 @@ def _put_rows(state: DecodeState, sub: DecodeState, rows_b: jax.Array | None) ->
             return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
         return full.at[rows_b, :attend].set(part)
 
-    def put_kv(full_BLSX, part_bLsX):
-        if full_BLSX is None:
+    def put_kv(full_BLKSX, part_bLKsX):
+        if full_BLKSX is None:
             return None
         if rows_b is None:
-            return jax.lax.dynamic_update_slice(full_BLSX, part_bLsX, (0,) * full_BLSX.ndim)
-        return full_BLSX.at[rows_b, :, :attend].set(part_bLsX)
+            return jax.lax.dynamic_update_slice(full_BLKSX, part_bLKsX, (0,) * full_BLKSX.ndim)
+        return full_BLKSX.at[rows_b, :, :, :attend].set(part_bLKsX)
 
     def put_vec(full, part):
         return part if rows_b is None else full.at[rows_b].set(part)
@@ -184,7 +182,6 @@ def decode_chunk_fn(
     attend: int,
     sampling: SamplingConfig,
     layer_unroll: int | bool = 1,
-    per_head: bool = False,
     ragged: ragged_attention.RaggedSpec | None = None,
     attention: AttendFn | None = None,
     split_layers: bool = False,
@@ -232,7 +229,6 @@ def decode_chunk_fn(
                 sub.cache,
                 kv,
                 unembed_VD,
-                per_head=per_head,
                 attention=attention,
             )
             sub, out = sample_next(sub, logits_BV, cache, eos_E, sampling)
@@ -245,7 +241,6 @@ def decode_chunk_fn(
                 sampling=sampling,
                 unembed_VD=unembed_VD,
                 layer_unroll=layer_unroll,
-                per_head=per_head,
                 ragged=ragged,
                 attention=attention,
             )

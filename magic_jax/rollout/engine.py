@@ -149,16 +149,6 @@ class Engine:
             u = default_layer_unroll(platform)
         return u
 
-    @property
-    def kv_heads_split(self) -> bool:
-        """Whether the mesh splits the KV cache's kv heads over devices."""
-        kv = self._shardings.cache.k if self._shardings is not None else None
-        if kv is None:
-            return False
-        axes = kv.spec[3] if len(kv.spec) > 3 else None
-        axes = (axes,) if isinstance(axes, str) else axes or ()
-        return any(kv.mesh.shape[a] > 1 for a in axes)
-
     @functools.cached_property
     def attention(self) -> DecodeAttention:
         """The decode attention (``EngineConfig.decode_attention``), looked up once here:
@@ -179,9 +169,9 @@ class Engine:
         backend = platform if platform in ("tpu", "gpu") else "interpret"
         if self._shardings is None:
             return RaggedSpec(backend)
-        spec = self._shardings.cache.k.spec
+        spec = self._shardings.cache.k.spec  # [B, L, K, S, H]
         spec = tuple(spec) + (None,) * (5 - len(spec))
-        return RaggedSpec(backend, self._mesh, spec[0], spec[3])
+        return RaggedSpec(backend, self._mesh, spec[0], spec[2])
 
     def _platform(self) -> str:
         return self._mesh.devices.flat[0].platform
@@ -211,13 +201,10 @@ class Engine:
         return mode == "split"
 
     def decode_statics(self) -> dict[str, object]:
-        """The decode step's static options: the layer unroll, the per-kv-head dense
-        attention when kv heads are split over devices (``decode.decode_attention``),
-        the ragged kernel's settings (``ragged_spec``) and a registered attention's
+        """The decode step's static options: the layer unroll, the ragged kernel's
+        settings (``ragged_spec``) and a registered attention's
         product (``attention``, only then: the built-ins' programs keep their keys)."""
-        statics = dict(
-            layer_unroll=self.layer_unroll, per_head=self.kv_heads_split, ragged=self.ragged_spec
-        )
+        statics = dict(layer_unroll=self.layer_unroll, ragged=self.ragged_spec)
         if self.attention.attend is not None:
             statics["attention"] = self.attention.attend
         return statics
@@ -267,13 +254,13 @@ class Engine:
         cfg, mc = self.config, self.model_config
         b, s = cfg.max_concurrent_decodes, cfg.cache_length
         kv = self._sharding(
-            ("batch", "layers", None, "kv_heads", None),
-            (b, mc.num_layers, s, mc.num_kv_heads, mc.head_size),
+            ("batch", "layers", "kv_heads", None, None),
+            (b, mc.num_layers, mc.num_kv_heads, s, mc.head_size),
         )
         scale = None
         if cfg.kv_dtype == "int8":
             scale = self._sharding(
-                ("batch", "layers", None, "kv_heads"), (b, mc.num_layers, s, mc.num_kv_heads)
+                ("batch", "layers", "kv_heads", None), (b, mc.num_layers, mc.num_kv_heads, s)
             )
         vec = self._sharding(("batch",), (b,))
         return DecodeState(

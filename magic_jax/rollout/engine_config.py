@@ -50,9 +50,9 @@ class EngineOptions:
         (``attention.register_attention``, docs/extending.md; a float cache).
       decode_layers: how the decode loop holds the cache and runs the layers.
         ``split``: each layer's keys and values as their own arrays for a decode chunk
-        (split from the slot-major cache once per chunk, stacked back at its end) and
-        the layers a Python loop over static weight slices, so a step writes and reads
-        each layer's cache in place; ``scan``: the layer scan over the slot-major
+        (split from the [B, L, K, S, H] cache once per chunk, stacked back at its end)
+        and the layers a Python loop over static weight slices, so a step writes and
+        reads each layer's cache in place; ``scan``: the layer scan over the whole
         cache, which copies each layer's slice out every step. None: split for a light
         step on CPU (``Engine.light_cpu_step``) of a model of at most
         ``SPLIT_MAX_LAYERS`` layers, else the scan. Split applies to the dense

@@ -16,22 +16,17 @@ An int8 cache (``kv_cache.quantize_kv``) runs the TPU kernel (and its interprete
 program): it reads int8 key and value blocks with their per-token scales and folds the
 scales into the products (each score times its key's scale, each probability times its
 value's scale before the value product), so no dequantized copy of the cache is made.
-It reads them as the TPU lays out the stored [B, L, S, K, H] cache and [B, L, S, K]
-scales: the scales with the kv heads before the slots, [B, L, K, S] (a block's scales
-are one lane-dense row), and the keys and values so too, [B, L, K, S, H], when a device
-holds one or two kv heads (XLA puts the small K dimension outside S), as stored,
-[bs, K, H] blocks, when it holds more. The transposed views are then free: the compiled
-step holds no copy of the cache (``tests/tpu_decode_test.py`` counts them).
 
-Both float-cache kernels read the cache as the engine stores it, the whole slot-major
-[B, L, S, K, H] array (``kv_cache.KVCache``), at a layer index given at run time (on
-TPU a prefetched scalar of the block index, on GPU an offset into the block): no
-layer is sliced out of it, and when a device holds one kv head its [B, L, S, H] view
-is read, so the TPU compiler keeps the cache in its own layout (no copy; ``benchmarks/
-decode_kernel_layout.py``). Every kernel returns the past's attention with its
-log-sum-exp; ``merge_new_token`` adds the new token, so the cache is never rewritten
-before it is read (the dense path writes the token into a copy of the layer's cache
-first).
+Every kernel reads the cache as the engine stores it, the whole [B, L, K, S, H] array
+and [B, L, K, S] scales (``kv_cache.KVCache``), at a layer index given at run time (on
+TPU a prefetched scalar of the block index, on GPU an offset into the block): no layer
+is sliced out of it. A TPU block is a row's [K, bs, H] keys (a kv head's [bs, H] slots
+a tile row) and [K, bs] scales (a lane-dense row per head), as the TPU lays out the
+stored arrays, so the compiled decode step and loop hold no copy of the cache
+(``tests/tpu_decode_test.py`` counts them). Every kernel returns the past's attention
+with its log-sum-exp; ``merge_new_token`` adds the new token, so the cache is never
+rewritten before it is read (the dense path writes the token into a copy of the
+layer's cache first).
 Einsum letters as in ``qwen2.py``.
 """
 
@@ -52,9 +47,6 @@ _BLOCKS = (128, 64, 32, 16)
 # An int8 cache's block: 128 slots (a lane row of its scales), or the whole attended
 # length when that is below 128 (a block of int8 rows holds a multiple of 32 slots).
 _INT8_BLOCK, _INT8_ROWS = 128, 32
-# The most kv heads per device that XLA stores before the slots in an int8 cache on TPU
-# (measured on v5e and v6e: at 1 and 2 heads before, at 4 and 8 inside, in (K, H) tiles).
-_INT8_HEADS_FIRST = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +109,7 @@ def merge_new_token(out_BKGH, lse_BKG, q_BKGH, k_BKH, v_BKH):
     return num / (w_past + w_new)[..., None]
 
 
-def _tpu_kernel(
-    lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs, one_head
-):
+def _tpu_kernel(lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, bs):
     from jax.experimental import pallas as pl
 
     del lay_ref  # used by the index maps only
@@ -128,14 +118,11 @@ def _tpu_kernel(
 
     _tpu_init(j, m_sc, l_sc, acc_sc)
 
-    def head(ref, kh):  # a kv head's [bs, H] block (the block is [bs, H] for one head)
-        return ref[...] if one_head else ref[:, kh, :]
-
     @pl.when(j * bs < n)
     def _block():
         for kh in range(q_ref.shape[0]):  # static: a kv head's query group against its keys
-            s_GS = _dot_t(q_ref[kh].astype(k_ref.dtype), head(k_ref, kh))
-            v_SH = head(v_ref, kh)
+            s_GS = _dot_t(q_ref[kh].astype(k_ref.dtype), k_ref[kh])
+            v_SH = v_ref[kh]
             _online_softmax(
                 kh,
                 s_GS * q_ref.shape[-1] ** -0.5,
@@ -165,12 +152,10 @@ def _tpu_int8_kernel(
     acc_sc,
     *,
     bs,
-    heads_first,
 ):
-    """``_tpu_kernel`` over int8 blocks, [K, bs, H] (``heads_first``) or [bs, K, H], and
-    their [K, bs] scales: the int8 values enter the dots in the query's dtype; each score
-    is multiplied by its key's scale and each probability by its value's scale
-    (``decode.decode_attention``'s way)."""
+    """``_tpu_kernel`` over [K, bs, H] int8 blocks and their [K, bs] scales: the int8
+    values enter the dots in the query's dtype; each score is multiplied by its key's
+    scale and each probability by its value's scale (``decode.decode_attention``'s way)."""
     from jax.experimental import pallas as pl
 
     del lay_ref  # used by the index maps only
@@ -183,12 +168,7 @@ def _tpu_int8_kernel(
         dt = q_ref.dtype
         for kh in range(q_ref.shape[0]):
             # int8 -> float32 -> the compute dtype: a convert every TPU generation has
-            if heads_first:
-                k_SH, v_SH = (r[kh].astype(jnp.float32).astype(dt) for r in (k_ref, v_ref))
-            else:  # the block's heads taken apart in float32 (an int8 strided load is not)
-                k_SH, v_SH = (
-                    r[...].astype(jnp.float32)[:, kh, :].astype(dt) for r in (k_ref, v_ref)
-                )
+            k_SH, v_SH = (r[kh].astype(jnp.float32).astype(dt) for r in (k_ref, v_ref))
             s_GS = _dot_t(q_ref[kh], k_SH) * (ks_ref[kh : kh + 1, :] * q_ref.shape[-1] ** -0.5)
             vs_1S = vs_ref[kh : kh + 1, :]
             _online_softmax(
@@ -249,79 +229,54 @@ def _tpu_out(o_ref, lse_ref, m_sc, l_sc, acc_sc):
         lse_ref[...] = lse[..., None]
 
 
-def _tpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    b, k, g, h = q_BKGH.shape
-    s = k_BLSKH.shape[2]
+def _tpu_past(q_BKGH, k_BLKSH, v_BLKSH, layer, lengths_B, *, interpret: bool):
+    b, k, _, h = q_BKGH.shape
+    s = k_BLKSH.shape[3]
     bs = block_size(s)
-    one_head = k == 1
-    if one_head:  # [B, L, S, H]: the TPU tiles (S, H), not a padded (1, H)
-        k_BLSKH, v_BLSKH = (x.reshape(x.shape[:3] + x.shape[4:]) for x in (k_BLSKH, v_BLSKH))
-
-    def kv_block(i, j, lay, lens):  # blocks past a row's last held one repeat it: no fetch
-        at = (i, lay[0], jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs), 0)
-        return at if one_head else (*at, 0)
-
-    def row(i, j, lay, lens):
-        return (i, 0, 0, 0)
-
-    kv = pl.BlockSpec((None, None, bs, h) if one_head else (None, None, bs, k, h), kv_block)
-    grid = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(b, s // bs),
-        in_specs=[pl.BlockSpec((None, k, g, h), row), kv, kv],
-        out_specs=[pl.BlockSpec((None, k, g, h), row), pl.BlockSpec((None, k, g, 1), row)],
-        scratch_shapes=[
-            pltpu.VMEM((k, g, 1), jnp.float32),
-            pltpu.VMEM((k, g, 1), jnp.float32),
-            pltpu.VMEM((k, g, h), jnp.float32),
-        ],
-    )
-    itemsize = k_BLSKH.dtype.itemsize
-    out, lse = pl.pallas_call(
-        functools.partial(_tpu_kernel, bs=bs, one_head=one_head),
-        grid_spec=grid,
-        out_shape=[
-            jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, k, g, 1), jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        # What XLA's cost analysis counts for the kernel: the layer's whole attended
-        # cache (an upper bound: rows read only their held blocks).
-        cost_estimate=pl.CostEstimate(
-            flops=4 * b * k * g * s * h,
-            transcendentals=b * k * g * s,
-            bytes_accessed=2 * b * s * k * h * itemsize + 2 * q_BKGH.size * 4,
-        ),
+    itemsize = k_BLKSH.dtype.itemsize
+    return _tpu_call(
+        functools.partial(_tpu_kernel, bs=bs),
+        q_BKGH,
+        (k_BLKSH, v_BLKSH),
+        (),
+        layer,
+        lengths_B,
+        bs=bs,
         interpret=interpret,
         name="ragged_decode_attention",
-    )(
-        jnp.reshape(layer, (1,)),
-        lengths_B.astype(jnp.int32),
-        q_BKGH,
-        k_BLSKH,
-        v_BLSKH,
+        # What XLA's cost analysis counts for the kernel: the layer's whole attended
+        # cache (an upper bound: rows read only their held blocks).
+        kv_bytes=2 * b * s * k * h * itemsize,
     )
-    return out, lse[..., 0]
 
 
-def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B, *, interpret):
+def _tpu_int8_past(q_BKGH, k_BLKSH, v_BLKSH, ks_BLKS, vs_BLKS, layer, lengths_B, *, interpret):
+    b, k, _, h = q_BKGH.shape
+    s = k_BLKSH.shape[3]
+    bs = block_size(s, quantized=True)
+    return _tpu_call(
+        functools.partial(_tpu_int8_kernel, bs=bs),
+        q_BKGH,
+        (k_BLKSH, v_BLKSH),
+        (ks_BLKS, vs_BLKS),
+        layer,
+        lengths_B,
+        bs=bs,
+        interpret=interpret,
+        name="ragged_decode_attention_int8",
+        kv_bytes=2 * b * s * k * (h + 4),  # int8 values and fp32 scales
+    )
+
+
+def _tpu_call(kernel, q_BKGH, kv, scales, layer, lengths_B, *, bs, interpret, name, kv_bytes):
+    """The TPU kernel's call over grid (rows, key blocks): a row's [K, bs, H] blocks of
+    ``kv`` ([B, L, K, S, H] each) and [K, bs] of ``scales`` ([B, L, K, S] each, if any),
+    at the layer and blocks the prefetched scalars say."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     b, k, g, h = q_BKGH.shape
-    s = k_BLSKH.shape[2]
-    bs = block_size(s, quantized=True)
-    # Read as the TPU lays out the stored arrays, so with no copy: the scales with the
-    # kv heads before the slots; the keys and values so too at one or two heads per
-    # device, at more with the heads inside the slots in (K, H) tiles.
-    heads_first = k <= _INT8_HEADS_FIRST
-    kv_arrays = (k_BLSKH, v_BLSKH)
-    if heads_first:  # [B, L, K, S, H]
-        kv_arrays = tuple(jnp.swapaxes(x, 2, 3) for x in kv_arrays)
-    ks_BLKS, vs_BLKS = (jnp.swapaxes(x, 2, 3) for x in (ks_BLSK, vs_BLSK))
+    s = kv[0].shape[3]
 
     def held(i, j, lens):  # blocks past a row's last held one repeat it: no fetch
         return jnp.minimum(j, jnp.maximum(lens[i] - 1, 0) // bs)
@@ -329,21 +284,20 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
     def row(i, j, lay, lens):
         return (i, 0, 0, 0)
 
-    if heads_first:
-        kv = pl.BlockSpec(
-            (None, None, k, bs, h), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens), 0)
-        )
-    else:
-        kv = pl.BlockSpec(
-            (None, None, bs, k, h), lambda i, j, lay, lens: (i, lay[0], held(i, j, lens), 0, 0)
-        )
-    scale = pl.BlockSpec(
+    kv_spec = pl.BlockSpec(
+        (None, None, k, bs, h), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens), 0)
+    )
+    scale_spec = pl.BlockSpec(
         (None, None, k, bs), lambda i, j, lay, lens: (i, lay[0], 0, held(i, j, lens))
     )
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, s // bs),
-        in_specs=[pl.BlockSpec((None, k, g, h), row), kv, kv, scale, scale],
+        in_specs=[
+            pl.BlockSpec((None, k, g, h), row),
+            *(kv_spec,) * len(kv),
+            *(scale_spec,) * len(scales),
+        ],
         out_specs=[pl.BlockSpec((None, k, g, h), row), pl.BlockSpec((None, k, g, 1), row)],
         scratch_shapes=[
             pltpu.VMEM((k, g, 1), jnp.float32),
@@ -352,28 +306,21 @@ def _tpu_int8_past(q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK, layer, lengths_B,
         ],
     )
     out, lse = pl.pallas_call(
-        functools.partial(_tpu_int8_kernel, bs=bs, heads_first=heads_first),
+        kernel,
         grid_spec=grid,
         out_shape=[
             jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
             jax.ShapeDtypeStruct((b, k, g, 1), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(  # as ``_tpu_past``'s, int8 values and fp32 scales
+        cost_estimate=pl.CostEstimate(
             flops=4 * b * k * g * s * h,
             transcendentals=b * k * g * s,
-            bytes_accessed=2 * b * s * k * (h + 4) + 2 * q_BKGH.size * 4,
+            bytes_accessed=kv_bytes + 2 * q_BKGH.size * 4,
         ),
         interpret=interpret,
-        name="ragged_decode_attention_int8",
-    )(
-        jnp.reshape(layer, (1,)),
-        lengths_B.astype(jnp.int32),
-        q_BKGH,
-        *kv_arrays,
-        ks_BLKS,
-        vs_BLKS,
-    )
+        name=name,
+    )(jnp.reshape(layer, (1,)), lengths_B.astype(jnp.int32), q_BKGH, *kv, *scales)
     return out, lse[..., 0]
 
 
@@ -416,19 +363,19 @@ def _gpu_kernel(lay_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bs):
     lse_ref[...] = lse
 
 
-def _gpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool = False):
+def _gpu_past(q_BKGH, k_BLKSH, v_BLKSH, layer, lengths_B, *, interpret: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     b, k, g, h = q_BKGH.shape
-    nl, s = k_BLSKH.shape[1:3]
+    nl, s = k_BLKSH.shape[1], k_BLKSH.shape[3]
     # Triton's blocks are powers of two, and its dots at least 16 wide: the query
     # group is padded (the padding rows are dropped after).
     gp = max(16, 1 << (g - 1).bit_length())
     q = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     # a program's block is its row's and kv head's [L, S, H]; the kernel reads the
     # layer's held blocks of it
-    kv = pl.BlockSpec((None, nl, s, None, h), lambda i, kh: (i, 0, 0, kh, 0))
+    kv = pl.BlockSpec((None, nl, None, s, h), lambda i, kh: (i, 0, kh, 0, 0))
     out, lse = pl.pallas_call(
         functools.partial(_gpu_kernel, bs=block_size(s)),
         grid=(b, k),
@@ -450,25 +397,25 @@ def _gpu_past(q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, *, interpret: bool = F
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_decode_attention",
-    )(layer, lengths_B.astype(jnp.int32), q, k_BLSKH, v_BLSKH)
+    )(layer, lengths_B.astype(jnp.int32), q, k_BLKSH, v_BLKSH)
     return out[:, :, :g], lse[:, :, :g]
 
 
 def past_attention(
-    q_BKGH, k_BLSKH, v_BLSKH, layer, lengths_B, spec: RaggedSpec, ks_BLSK=None, vs_BLSK=None
+    q_BKGH, k_BLKSH, v_BLKSH, layer, lengths_B, spec: RaggedSpec, ks_BLKS=None, vs_BLKS=None
 ):
     """Each row's query against its slots ``[0, lengths_B)`` of layer ``layer`` (an int32
-    scalar, traced or not) of the slot-major cache, by ``spec``'s kernel.
+    scalar, traced or not) of the [B, L, K, S, H] cache, by ``spec``'s kernel.
 
-    An int8 cache comes with its scales ``ks_BLSK`` / ``vs_BLSK`` ([B, L, S, K] float32,
+    An int8 cache comes with its scales ``ks_BLKS`` / ``vs_BLKS`` ([B, L, K, S] float32,
     ``kv_cache.KVCache``) and runs the TPU kernel (interpreted unless on TPU); the query
     is then in the compute dtype, which the int8 values take in the products.
 
     Returns (out [B, K, G, H] fp32, lse [B, K, G] fp32), as the dense attention over the
-    layer's [B, S, K, H].
+    layer's [B, K, S, H].
     """
-    s = k_BLSKH.shape[2]
-    quantized = ks_BLSK is not None
+    s = k_BLKSH.shape[3]
+    quantized = ks_BLKS is not None
     if block_size(s, quantized) is None:
         need = (
             f"a multiple of {_INT8_BLOCK}, or of {_INT8_ROWS} below it, for an int8 cache"
@@ -481,14 +428,14 @@ def past_attention(
         if spec.backend == "gpu":
             raise ValueError("ragged decode attention: the GPU kernel reads a float cache")
         fn = functools.partial(_tpu_int8_past, interpret=interpret)
-        args = (q_BKGH, k_BLSKH, v_BLSKH, ks_BLSK, vs_BLSK)
+        args = (q_BKGH, k_BLKSH, v_BLKSH, ks_BLKS, vs_BLKS)
     else:
         fn = (
             _gpu_past
             if spec.backend == "gpu"
             else functools.partial(_tpu_past, interpret=interpret)
         )
-        args = (q_BKGH, k_BLSKH, v_BLSKH)
+        args = (q_BKGH, k_BLKSH, v_BLKSH)
 
     layer = jnp.asarray(layer, jnp.int32)
     if spec.mesh is None:
@@ -498,7 +445,7 @@ def past_attention(
     # A compacted batch may be smaller than the row axes: then its rows are gathered.
     rows = _dividing(spec.mesh, spec.row_axes, q_BKGH.shape[0])
     heads = _dividing(spec.mesh, spec.head_axes, q_BKGH.shape[1])
-    kv = P(rows, None, None, heads)  # the cache [B, L, S, K, H] and its scales [B, L, S, K]
+    kv = P(rows, None, heads)  # the cache [B, L, K, S, H] and its scales [B, L, K, S]
     return jax.shard_map(
         fn,
         mesh=spec.mesh,
