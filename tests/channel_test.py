@@ -331,4 +331,4 @@ def test_after_a_takeover_the_rollout_process_writes_nothing(tmp_path, monkeypat
         rollout_end.closed.wait(5)
         assert not put(7)
     finally:
-        fence.release(fence._held)
+        fence.release(fence.held())

@@ -85,7 +85,8 @@ def test_offline_filter_options_reach_the_filter(tmp_path):
 
 def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     from magic_jax.run.config import ConfigError
-    from magic_jax.run.trainer import Trainer, load_inputs
+    from magic_jax.run.inputs import load_inputs
+    from magic_jax.run.trainer import Trainer
 
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])

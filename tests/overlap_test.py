@@ -167,8 +167,8 @@ def test_an_overlap_run_directory_loads_as_a_policy(stale1):
     import jax
     from flax import nnx
 
-    from magic_jax.run.overlap import Checkpointed
     from magic_jax.run.policy import load_policy
+    from magic_jax.run.versions import Checkpointed
     from magic_jax.update.state import TrainState
 
     names = {f.name for f in dataclasses.fields(Checkpointed)}

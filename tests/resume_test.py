@@ -23,9 +23,10 @@ from magic_jax import interrupt
 from magic_jax.jobs.cli import main
 from magic_jax.run import rundir
 from magic_jax.run.checkpoint import TRAINER_STATE, latest_good_checkpoint, step_dirs
+from magic_jax.run.inputs import load_inputs
 from magic_jax.run.rundir import RunDirError
 from magic_jax.run.runlock import RunLock
-from magic_jax.run.trainer import Trainer, load_inputs
+from magic_jax.run.trainer import Trainer
 
 # evaluation on the training prompts every 2 steps; fp32 export for bitwise comparison
 OVERRIDES = (

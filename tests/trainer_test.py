@@ -10,7 +10,8 @@ import yaml
 from magic_jax.jobs.cli import main
 from magic_jax.run.checkpoint import latest_good_checkpoint as latest_checkpoint
 from magic_jax.run.config import ConfigError, load_config
-from magic_jax.run.trainer import Trainer, load_inputs
+from magic_jax.run.inputs import load_inputs
+from magic_jax.run.trainer import Trainer
 
 # The model is a tiny one over one-digit sums (tests/helpers.py, save_sums_model).
 

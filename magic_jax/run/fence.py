@@ -30,6 +30,11 @@ def release(lease: Lease) -> None:
         _held = None
 
 
+def held() -> Lease | None:
+    """The lease the fence asks now (None: writes go through unasked)."""
+    return _held
+
+
 def check_fence(what: str, *, server: bool = False) -> None:
     """Refuses a write into the run directory when this process's lease may have ended.
 

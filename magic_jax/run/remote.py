@@ -53,7 +53,8 @@ import jax
 
 from magic_jax import interrupt
 from magic_jax.run.channel import BEAT_S, SILENT_S, Channel
-from magic_jax.run.overlap import Cancelled, OverlapRollouts, wait_for
+from magic_jax.run.overlap import OverlapRollouts
+from magic_jax.run.versions import Cancelled, wait_for
 
 if TYPE_CHECKING:
     from magic_jax.rollout.collect import Collected
@@ -109,8 +110,14 @@ def farewell(side: Side, key: bytes | None, error: BaseException | None, signum:
     if key is None:
         return
     try:  # a stop must end this process in seconds; else the other may still be starting
-        chan = channel.dial(side.host, side.port, key, deadline_s=3 if signum else 10,
-                            stopped=lambda: False, log=lambda _: None)  # fmt: skip
+        chan = channel.dial(
+            side.host,
+            side.port,
+            key,
+            deadline_s=3 if signum else 10,
+            stopped=lambda: False,
+            log=lambda _: None,
+        )
     except (OSError, TimeoutError):
         return
     if chan is None:
@@ -192,15 +199,27 @@ class RemoteRollouts(OverlapRollouts):
         from magic_jax.run import channel, runlock
 
         host, port = self.side.host, self.side.port
-        chan = channel.dial(host, port, self.key or b"", deadline_s=CONNECT_S,
-                            stopped=interrupt.requested, log=self.log)  # fmt: skip
+        chan = channel.dial(
+            host,
+            port,
+            self.key or b"",
+            deadline_s=CONNECT_S,
+            stopped=interrupt.requested,
+            log=self.log,
+        )
         if chan is None:
             raise interrupt.Interrupted(interrupt.requested(), "the wait for the rollout process")
         self.chan = chan
         self.server = transfer_server(chan.sock.getsockname()[0])
         leaves, mesh = layout(params)
-        self.chan.send("hello", config=self.config, transfer=self.server.address(),
-                       leaves=leaves, mesh=mesh, lease=runlock.lease_left())  # fmt: skip
+        self.chan.send(
+            "hello",
+            config=self.config,
+            transfer=self.server.address(),
+            leaves=leaves,
+            mesh=mesh,
+            lease=runlock.lease_left(),
+        )
         self.connected = True
         self.log(f"[overlap] the rollout process at {host}:{port} generates")
         for target, name in ((self._dispatch, "dispatch"), (self._offer, "offer")):
@@ -254,8 +273,15 @@ class RemoteRollouts(OverlapRollouts):
     def _begin(self, stage: Stage, step: int, k: int, end: int, collect: Any, store_at: Any):
         """Tells the rollout process to generate this stage's steps from ``step`` on."""
         self._epoch += 1
-        self.chan.send("stage", epoch=self._epoch, index=stage.index,
-                       excluded=list(stage.excluded), first=step, k=k, end=end)  # fmt: skip
+        self.chan.send(
+            "stage",
+            epoch=self._epoch,
+            index=stage.index,
+            excluded=list(stage.excluded),
+            first=step,
+            k=k,
+            end=end,
+        )
 
     def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -312,7 +338,7 @@ class RemoteRollouts(OverlapRollouts):
 
 
 class PulledVersions:
-    """The rollout process's ``overlap.Versions``: version v is asked of the trainer when
+    """The rollout process's ``versions.Versions``: version v is asked of the trainer when
     first needed and pulled across (``jax.experimental.transfer``) in its layout."""
 
     def __init__(self, chan: Channel, conn: Any, treedef: Any, specs: list[Any], log: Callable):

@@ -27,7 +27,7 @@ import jax
 
 from magic_jax import interrupt, storage
 from magic_jax.run import channel, fence, rundir
-from magic_jax.run.overlap import POLL_S, Cancelled, OverlapRollouts, step_store
+from magic_jax.run.overlap import OverlapRollouts, step_store
 from magic_jax.run.remote import (
     CONNECT_S,
     Channel,
@@ -39,11 +39,12 @@ from magic_jax.run.remote import (
     transfer_server,
     worker_meshes,
 )
+from magic_jax.run.versions import POLL_S, Cancelled
 
 if TYPE_CHECKING:
     from magic_jax.rollout.protocols import Verifiers
     from magic_jax.run.config import TrainConfig
-    from magic_jax.run.trainer import RunInputs
+    from magic_jax.run.inputs import RunInputs
 
 
 def serve(
@@ -56,7 +57,7 @@ def serve(
     """Generates for the trainer's process until it says stop; returns the summary this
     process's exit status is read from (``stopped_by``: the stop's signal, also one that
     came while this process waited for the trainer's).
-    ``load_inputs``: ``trainer.load_inputs`` (the run's policy, tokenizer and prompts).
+    ``load_inputs``: ``inputs.load_inputs`` (the run's policy, tokenizer and prompts).
 
     Raises:
       ConfigError: the trainer runs another config, or its weights another layout.
@@ -160,8 +161,8 @@ class _RefusedDir:
             if not self.out.exists() or (self.out / rundir.MARKER).exists():
                 self.seen = 0
                 return False
-            entries = sorted(storage.listing(self.out) if storage.is_gcs(self.out)
-                             else os.listdir(self.out))  # fmt: skip
+            gcs = storage.is_gcs(self.out)
+            entries = sorted(storage.listing(self.out) if gcs else os.listdir(self.out))
         except (OSError, ValueError):
             return False
         self.seen = self.seen + 1 if entries else 0

@@ -358,7 +358,7 @@ def lease_left() -> float | None:
     """Seconds before this process's fence closes: None without a lease held here (a
     local ``flock`` lock ends only with its process), 0 once the lease is lost. The
     rollout process of a ``rollout.hosts`` job fences its writes by it (``remote``)."""
-    held = fence._held  # the lease the fence asks, if any
+    held = fence.held()
     return held.left() if isinstance(held, GcsRunLock) else None
 
 

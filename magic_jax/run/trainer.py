@@ -30,7 +30,6 @@ checkpoints and the export.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -39,14 +38,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from magic_jax import distributed, interrupt, storage, watchdog
-from magic_jax.data.rows import offline_filter
-from magic_jax.data.sources import read_rows
 from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run import rundir
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
-from magic_jax.run.evaluation import Evaluator, tokenize_logged
-from magic_jax.run.policy import export_policy, load_policy, load_tokenizer, reference_params
+from magic_jax.run.evaluation import Evaluator
+from magic_jax.run.inputs import load_inputs
+from magic_jax.run.policy import export_policy, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
 from magic_jax.run.stages import (
     LoopState,
@@ -60,11 +58,9 @@ from magic_jax.run.step_rollouts import StepRollouts, SyncRollouts
 from magic_jax.run.step_row import format_eval, format_row, step_row
 
 if TYPE_CHECKING:
-    from magic_jax.data.rows import PromptRow
-    from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
+    from magic_jax.rollout.protocols import Driver, Params, Verifiers
     from magic_jax.run.checkpoint import TrainCheckpoints
     from magic_jax.run.monitor import Monitor
     from magic_jax.run.profile import StepProfiler
@@ -74,71 +70,6 @@ logger = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunInputs:
-    """What a run trains, read once (``load_inputs``).
-
-    Attributes:
-      model: the policy (its weights are split out as the train state's).
-      graphdef: the policy's ``nnx`` graph, without weights.
-      tokenizer: the run's tokenizer; ``pad_id`` its padding id.
-      rows: the training prompts, tokenised once, offline filtering applied.
-      mesh: the update's mesh (None: one device); ``rollout_mesh`` the rollout's
-        when ``rollout.devices`` splits them (else None).
-    """
-
-    model: Qwen2
-    graphdef: Any
-    tokenizer: Tokenizer
-    pad_id: int
-    rows: list[PromptRow]
-    mesh: Any
-    rollout_mesh: Any
-
-
-def load_inputs(
-    cfg: TrainConfig, *, log: Callable[[str], None] = print, meshes: tuple[Any, Any] | None = None
-) -> tuple[RunInputs, Params]:
-    """The run's policy, tokenizer, meshes and training prompts, and the initial weights.
-    ``meshes``: (the update's, the rollout's) where not ``overlap.split_meshes``'.
-
-    Raises:
-      ConfigError: no prompt fits ``data.max_prompt_length``.
-    """
-    from flax import nnx
-
-    from magic_jax.run.overlap import split_meshes
-
-    ro = cfg.rollout
-    ov = ro.mode == "overlap"
-    if meshes is None:
-        meshes = split_meshes(cfg.mesh, ro.devices, overlap=ov, log=log)
-    mesh, rollout_mesh = meshes
-    model = load_policy(cfg.model, cfg.param_dtype, mesh)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    graphdef, params = nnx.split(model, nnx.Param)
-    rows = read_rows(cfg.data.train)
-    n_read = len(rows)
-    if (d := cfg.data).offline_filter_model:
-        keep = d.offline_filter_keep_unrated
-        rows = offline_filter(
-            rows, d.offline_filter_model, d.offline_filter_samples, keep_unrated=keep
-        )
-    # the one tokenisation of the run's prompts: the rollouts sample from row.token_ids
-    kept, _ = tokenize_logged(rows, tokenizer, d.max_prompt_length, "data.train", log)
-    if not kept:
-        raise ConfigError(
-            f"data.max_prompt_length: all {len(rows)} prompts are longer than "
-            f"{d.max_prompt_length} tokens"
-        )
-    log(
-        f"[data] {n_read} prompts read, {len(kept)} after filtering; "
-        f"{len(cfg.stages)} stage(s), {cfg.total_steps} steps"
-    )
-    pad_id = tokenizer.pad_token_id or 0
-    return RunInputs(model, graphdef, tokenizer, pad_id, kept, mesh, rollout_mesh), params
 
 
 class Trainer:

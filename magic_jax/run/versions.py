@@ -1,0 +1,154 @@
+"""The policy versions an overlapped rollout samples under: the published versions and
+the waits for them, a step's version schedule, and the lagged versions a checkpoint keeps
+(``Checkpointed``). One process (``overlap``) and two (``remote``) share them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+POLL_S = 0.2  # how often a wait that can end otherwise (a stop, a lost peer) looks
+
+
+class Cancelled(Exception):
+    """The pipeline was closed while the producer waited or decoded."""
+
+
+def wait_for(
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    *,
+    cancel: threading.Event | None = None,
+    what: str = "",
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Waits on ``cond`` (held by the caller) until ``ready()``: every wait for a version or
+    a rollout, in one process and across two. ``check`` runs each ``POLL_S`` and raises
+    to end the wait (a stop, a lost peer, a version no longer kept).
+
+    Raises:
+      Cancelled: ``cancel`` was set first (``what`` names the wait).
+    """
+    while not ready():
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(what)
+        if check is not None:
+            check()
+        cond.wait(POLL_S)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Checkpointed:
+    """What an overlap checkpoint saves (one orbax tree): the train state's fields, top
+    level as in a sync checkpoint (so ``checkpoint.load_model`` reads its ``params``),
+    and the s versions before it (``lagged[i]`` is version ``max(0, step - s + i)``)."""
+
+    params: Any
+    opt_state: Any
+    step: Any
+    skipped: Any
+    entropy: Any
+    lagged: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, state: Any, lagged: tuple[Any, ...]) -> Checkpointed:
+        return cls(
+            **{f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, lagged=lagged
+        )
+
+    def train_state(self) -> Any:
+        from magic_jax.update.state import TrainState
+
+        return TrainState(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainState)})
+
+
+def copy_params(params: Any) -> Any:
+    """A copy of ``params`` that no donating update can overwrite."""
+    return jax.tree.map(lambda x: x.copy(), params)
+
+
+class Versions:
+    """The published policy versions (master-layout copies), kept while a rollout still
+    needs them: the newest and the ``keep`` before it."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._params: dict[int, Any] = {}
+        self._cond = threading.Condition()
+
+    def publish(self, version: int, params: Any) -> None:
+        with self._cond:
+            self._params[version] = params
+            for v in [v for v in self._params if v < version - self.keep]:
+                del self._params[v]
+            self._cond.notify_all()
+
+    def get(self, version: int, cancel: threading.Event | None = None) -> Any:
+        """Version ``version``'s weights, waiting until it is published (or ``cancel``)."""
+
+        def kept() -> None:
+            if self._params and version < min(self._params):
+                raise KeyError(f"policy version {version} is no longer kept")
+
+        with self._cond:
+            what = f"version {version} was not published"
+            wait_for(
+                self._cond, lambda: version in self._params, cancel=cancel, what=what, check=kept
+            )
+            return self._params[version]
+
+    def lagged(self, step: int) -> tuple[Any, ...]:
+        """The versions a checkpoint after ``step`` updates keeps (``Checkpointed``)."""
+        return tuple(self.get(max(0, step - self.keep + i)) for i in range(self.keep))
+
+    def wake(self) -> None:
+        """Wakes the waiters (to see a cancel)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+class StepVersionSchedule:
+    """Step ``step``'s ``driver.VersionSchedule``: it starts under ``max(0, step - s)``
+    and, with ``publish_chunks``, moves on one version per that many chunks, up to
+    ``step`` (with ``reprefill``, the responses in flight prefilled again at each)."""
+
+    def __init__(
+        self,
+        step: int,
+        max_staleness: int,
+        publish_chunks: int | None,
+        engine_params: Callable[[int], Any],
+        cancelled: threading.Event,
+        reprefill: bool = False,
+    ):
+        self.start = max(0, step - max_staleness)
+        self.step, self.every, self.reprefill = step, publish_chunks, reprefill
+        self._engine_params, self._cancelled = engine_params, cancelled
+
+    def version_at(self, chunks: int) -> int:
+        if self._cancelled.is_set():
+            raise Cancelled(f"step {self.step}'s rollout")
+        if self.every is None:
+            return self.start
+        return min(self.step, self.start + chunks // self.every)
+
+    def params(self, version: int) -> Any:
+        return self._engine_params(version)
+
+
+class ScheduledDriver:
+    """A driver whose ``run`` samples under ``schedule`` (what ``collect_groups`` calls)."""
+
+    def __init__(self, driver: Any, schedule: StepVersionSchedule):
+        self.driver, self.schedule = driver, schedule
+
+    def load_params(self, params: Any) -> Any:
+        return self.driver.load_params(params)
+
+    def run(self, params: Any, prompts: Any, **kw: Any) -> Any:
+        return self.driver.run(params, prompts, schedule=self.schedule, **kw)
