@@ -71,7 +71,7 @@ def test_a_plan_compiled_with_an_int8_cache_scales_from_its_int8_sizes():
 
 
 def test_the_update_counts_remat_s_forward_and_the_attention_s_square():
-    from magic_jax.jobs.stage_plan import attention_flops, matmul_params, update_row_flops
+    from magic_jax.jobs.costs import attention_flops, matmul_params, update_row_flops
     from magic_jax.model.config import PRESETS
 
     mc = PRESETS["r1-distill-qwen-7b"]
@@ -96,7 +96,7 @@ def test_the_update_counts_remat_s_forward_and_the_attention_s_square():
 
 
 def test_a_decode_step_s_flops_are_its_rows_through_every_layer():
-    from magic_jax.jobs.stage_plan import decode_step_flops, matmul_params
+    from magic_jax.jobs.costs import decode_step_flops, matmul_params
     from magic_jax.model.config import PRESETS
 
     # the 7B at 256 slots on 64 devices: about 57 GFLOP a device in its matmuls, 86 with

@@ -167,7 +167,7 @@ def test_update_step_and_engine_programs_compile_for_v5e(tmp_path, capsys):
     assert p.model_flops <= p.update_flops < 1.5 * p.model_flops, (p.update_flops, p.model_flops)
     assert p.decode_bytes >= p.engine_params + p.kv_cache
     # a decode step's flops: every layer's (XLA's count is one scanned layer's), at least
-    from magic_jax.jobs.stage_plan import decode_step_flops
+    from magic_jax.jobs.costs import decode_step_flops
 
     cache = p.prompt_length + p.response_length
     assert p.decode_flops >= decode_step_flops(plan.model, p.slots, cache) / plan.devices > 0

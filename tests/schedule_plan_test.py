@@ -244,3 +244,21 @@ def test_a_negative_step_floor_is_refused_before_compiling():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"--step-floor-ms -1: expected milliseconds >= 0"):
         plan_command(args)
+
+
+def test_the_plan_command_takes_step_floors_to_the_planner(monkeypatch, capsys):
+    from magic_jax.jobs import plan
+    from magic_jax.jobs.cli import build_parser, main
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    assert "--step-floor-ms MS" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(plan, "plan_run", lambda config, topology, **kw: "planned")
+    monkeypatch.setattr(plan, "format_plan", lambda result, **kw: seen.update(kw) or "")
+    argv = ["plan", "configs/skywork-or1-7b.yaml", "--topology", "v5p-128", "-q"]
+    assert main([*argv, "--step-floor-ms", "2", "--step-floor-ms", "6.5"]) == 0
+    assert seen["floors_ms"] == [2.0, 6.5]
+    assert "--step-floor-ms 2 --step-floor-ms 6.5" in capsys.readouterr().out
+    assert main(argv) == 0  # none given: the default floors
+    assert seen["floors_ms"] == plan.STEP_FLOORS_MS

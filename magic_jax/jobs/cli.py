@@ -15,6 +15,8 @@ from magic_jax.jobs import convert as convert_job
 
 # The commands every host of a multi-host job runs (under jax.distributed, with a mesh).
 MULTI_HOST = ("train", "convert", "export", "eval", "estimate-difficulty")
+# The commands that keep XLA's compiled programs on disk for the next run.
+COMPILE_CACHED = ("train", "demo", "build-default", "build-world", "eval", "estimate-difficulty")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -313,8 +315,13 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an option")
     p.add_argument("--no-search", action="store_true", help="do not look for a slice that fits")
     p.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="print a cost too")
-    shapes = "tail, early, full, lognormal:MEAN,CLIP or run:DIR (repeatable; default the first 3)"
+    shapes = (
+        "tail, early, full, tail-grouped, early-grouped, lognormal:MEAN,CLIP[,RHO] or run:DIR "
+        "(repeatable; default the first 3)"
+    )
     p.add_argument("--lengths", action="append", metavar="SHAPE", help="[schedule]: " + shapes)
+    floors = "[schedule]: a decode step's fixed cost in ms (repeatable; default 0, 4 and 8)"
+    p.add_argument("--step-floor-ms", action="append", type=float, metavar="MS", help=floors)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_plan)
 
@@ -460,14 +467,7 @@ def _run(args: argparse.Namespace) -> int:
     from magic_jax.model.convert import CheckpointError
     from magic_jax.run.runlock import LOST_LOCK_EXIT, LockLost
 
-    if args.command in (
-        "train",
-        "demo",
-        "build-default",
-        "build-world",
-        "eval",
-        "estimate-difficulty",
-    ):
+    if args.command in COMPILE_CACHED:
         from magic_jax import compile_cache
 
         compile_cache.enable()

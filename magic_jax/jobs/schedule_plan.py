@@ -30,7 +30,7 @@ prompt; a token prefilled again 2 x params / (d x peak). Host work, inserts and 
 verifier are left out, as in the roofline.
 
 The update U on all N devices, per shape: padded, every row at the step's P + T (the
-plan's mini-batch flops: ``stage_plan.update_row_flops``); packed (``update.packing``),
+plan's mini-batch flops: ``costs.update_row_flops``); packed (``update.packing``),
 each mini-batch's rows (prompt at P + response) first-fit-decreasing into bins of P + T,
 K bins a micro-batch, only the micro-batches that hold rows run: U x (the packed
 micro-batches' bins) / (the padded micro-batches' rows). An int8 cache on the ragged
@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from magic_jax.jobs.overlap_plan import stage_inputs
+from magic_jax.jobs.overlap_plan import RolloutCost, SplitMemory, stage_inputs
 from magic_jax.jobs.stage_plan import StagePlan
 from magic_jax.rollout.schedule import Costs, Publish, carried, simulate
 
@@ -252,7 +252,7 @@ def packed_share(p: StagePlan, lengths: np.ndarray) -> float:
     rows (prompt at P, then the response) first-fit-decreasing into bins of the padded row
     length, K = ``p.bins`` a micro-batch, against its rows in micro-batches of
     ``p.micro_batch`` (a micro-batch costs its slots either way)."""
-    from magic_jax.update.packing import _first_fit_decreasing
+    from magic_jax.update.packing import first_fit_decreasing
 
     capacity = p.row_length or p.prompt_length + p.response_length
     k, m = p.bins or p.micro_batch, max(p.micro_batch, 1)
@@ -260,7 +260,7 @@ def packed_share(p: StagePlan, lengths: np.ndarray) -> float:
     used = padded = 0
     for i in range(0, flat.size, max(p.rows, 1)):
         part = flat[i : i + p.rows]
-        bins = int(_first_fit_decreasing(part, capacity)[0].max()) + 1
+        bins = int(first_fit_decreasing(part, capacity)[0].max()) + 1
         used += -(-bins // k) * k
         padded += -(-part.size // m) * m
     return used / padded if padded else 1.0
@@ -282,6 +282,38 @@ def _best(mode: Any, held: Sequence[int], update: Any) -> Mode | None:
             lo = mid + 1
     near = [mode(held[i]) for i in {max(lo - 1, 0), lo}]
     return min(near, key=lambda m: (m.step_s, m.rollout_devices))
+
+
+def _held_cost(cost: RolloutCost, p: StagePlan, lengths: np.ndarray) -> RolloutCost:
+    """``cost`` with each live row reading its cache at ``lengths``' mean held context
+    P + E[L^2] / 2 E[L] on the ragged kernel (the dense one reads every slot's: ``cost``)."""
+    if not p.ragged:
+        return cost
+    pl, t = p.prompt_length, p.response_length
+    share = (pl + (lengths**2).sum() / (2 * lengths.sum())) / (pl + t)
+    return dataclasses.replace(cost, slot_bytes=cost.slot_bytes * share / p.held_share)
+
+
+def _held_splits(memory: SplitMemory, tensor: int, devices: int) -> list[int]:
+    """The rollout device counts r (ascending, whole tensor groups on both sides) at which
+    a split holds the model on both sides."""
+    return [
+        r
+        for r in range(tensor, devices, tensor)
+        if memory.holds(r, devices) and (devices - r) % tensor == 0
+    ]
+
+
+def _reprefill(
+    lengths: np.ndarray, every: int, engine: Any, prompt_length: int, **run: Any
+) -> tuple[float, int]:
+    """(seconds a step spends prefilling again, publishes) of partial rollouts publishing
+    every ``every`` chunks with ``publish_cache: reprefill``, up to the engine's
+    ``max_staleness`` publishes a rollout; ``run``: ``simulate``'s costs, slots and
+    decode steps."""
+    staleness = max(int(getattr(engine, "max_staleness", 1)), 1)
+    s = simulate(lengths, publish=Publish(every, staleness, True, prompt_length), **run)
+    return s.reprefill_s, s.publishes
 
 
 def stage_schedule(
@@ -313,9 +345,7 @@ def stage_schedule(
     lengths = shape.draw(prompts * g, t, group=g).reshape(prompts, g)
     packed = packed_share(p, lengths) if (p.packing if packing is None else packing) else None
     update_s *= 1.0 if packed is None else packed
-    if p.ragged:  # each live row reads its cache at the shape's mean held context
-        share = (pl + (lengths**2).sum() / (2 * lengths.sum())) / (pl + t)
-        cost = dataclasses.replace(cost, slot_bytes=cost.slot_bytes * share / p.held_share)
+    cost = _held_cost(cost, p, lengths)
     steps = max(int(getattr(engine, "decode_steps", 64) or 64), 1)
 
     def slots_on(d: int) -> int:  # a split's generating side runs the slots it holds
@@ -354,23 +384,14 @@ def stage_schedule(
             memo["carried", d] = carried(stream, decode_steps=steps, **kw)
         return Mode(memo["carried", d], upd(d), 0.0, d, d == devices, n)
 
-    tensor = cost.tensor
-    held = [
-        r
-        for r in range(tensor, devices, tensor)
-        if memory.holds(r, devices) and (devices - r) % tensor == 0
-    ]
+    held = _held_splits(memory, cost.tensor, devices)
     split = _best(rollout, held, upd)
     # carried at the drained rollout's best split too: it is no slower there
     near = [_best(carried_on, held, upd)] + ([carried_on(split.rollout_devices)] if split else [])
     carried_split = min((m for m in near if m), key=lambda m: m.step_s, default=None)
     every = getattr(engine, "publish_chunks", None) or PUBLISH_CHUNKS
-    reprefill, publishes = 0.0, 0
-    if partial:
-        pub = Publish(every, max(int(getattr(engine, "max_staleness", 1)), 1), True, pl)
-        run = dict(slots=max(slots, 1), decode_steps=steps)
-        s = simulate(lengths, costs=costs(devices), publish=pub, **run)
-        reprefill, publishes = s.reprefill_s, s.publishes
+    run = dict(costs=costs(devices), slots=max(slots, 1), decode_steps=steps)
+    reprefill, publishes = _reprefill(lengths, every, engine, pl, **run) if partial else (0.0, 0)
     return StageSchedule(
         stage=p.stage,
         steps=p.steps,

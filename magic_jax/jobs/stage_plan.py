@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from magic_jax.jobs.costs import decode_step_flops, update_row_flops
 from magic_jax.jobs.topology import PlanError
 from magic_jax.jobs.xla_programs import Program, cache_copies, compile_program
 from magic_jax.rollout.engine_config import EngineOptions
@@ -45,38 +46,6 @@ def resolve_model(model: str, param_dtype: str, preset: str | None = None):
         f"model: {model} is not a checkpoint directory here and its name matches no preset "
         f"({', '.join(sorted(PRESETS))}); pass --preset NAME"
     )
-
-
-def matmul_params(model_config: Any) -> int:
-    """Parameters a token's forward multiplies by (the input embedding is a lookup; tied,
-    it is also the unembedding)."""
-    embed = 0 if model_config.tie_word_embeddings else model_config.vocab_size
-    return model_config.num_params() - embed * model_config.hidden_size
-
-
-def attention_flops(model_config: Any, queries: int, keys: int) -> float:
-    """Forward flops of one sequence's attention products (q.k and p.v, every layer) for
-    ``queries`` x ``keys`` scores computed, masked or not."""
-    heads = model_config.num_heads * model_config.head_size
-    return 4.0 * model_config.num_layers * heads * queries * keys
-
-
-def update_row_flops(model_config: Any, length: int, remat: str, chunk: int) -> float:
-    """Flops of one row (or packed bin) of ``length`` slots through the update: forward and
-    backward (3 forwards' worth), one more forward with ``remat: full`` (each layer runs
-    again in the backward), and the attention's dense masked L^2 scores, whose query
-    chunks (``attention_chunk`` < L) are checkpointed and so run forward once more."""
-    passes = 4.0 if remat == "full" else 3.0
-    attn = passes + (1.0 if chunk and length > chunk else 0.0)
-    linear = 2.0 * matmul_params(model_config) * length
-    return passes * linear + attn * attention_flops(model_config, length, length)
-
-
-def decode_step_flops(model_config: Any, slots: int, cache_length: int) -> float:
-    """Flops of one decode step over ``slots`` rows attending to ``cache_length`` keys each
-    (all devices together)."""
-    per_row = 2.0 * matmul_params(model_config) + attention_flops(model_config, 1, cache_length)
-    return slots * per_row
 
 
 def shard_bytes(tree: Any) -> int:
@@ -132,12 +101,11 @@ class StagePlan:
     decode step's and the prefill's temporaries and outputs).
 
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
-    ``model_flops`` of one padded mini-batch counted (``update_row_flops``: remat's extra
-    forward and the attention's L^2 included), ``decode_bytes`` and ``decode_flops`` of
-    one decode step over the full cache (the bytes at least its weights and cache, each
-    read once; the flops at least ``decode_step_flops``: XLA counts the layer loop's body
-    once);
-    ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
+    ``model_flops`` of one padded mini-batch counted (``costs.update_row_flops``: remat's
+    extra forward and the attention's L^2 included), ``decode_bytes`` and ``decode_flops``
+    of one decode step over the full cache (the bytes at least its weights and cache, each
+    read once; the flops at least ``costs.decode_step_flops``: XLA counts the layer loop's
+    body once); ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
     step (a relayout XLA inserts, each a read and write of that much); ``slots`` decode
     slots, ``samples`` = D_R x G responses per training step (G ``group_size``),
     ``steps`` the stage's training steps. ``over_hbm`` names the programs XLA refused to

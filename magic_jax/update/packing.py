@@ -69,7 +69,7 @@ def micro_batches_of(num_rows: int, bins: int) -> int:
     return -(-num_rows // bins)
 
 
-def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Bins for items of ``lengths`` (each <= capacity), largest first, each into the first
     bin it fits: (bin of each item, offset of each item in its bin); bins numbered from 0
     in the order they were opened."""
@@ -131,14 +131,14 @@ def pack_rows(
     micro = np.full(m, -1, np.int64)
     start = np.zeros(m, np.int64)  # flat slot of the row's first token, within its micro-batch
     if micro_of_row is None:
-        bin_of, offset = _first_fit_decreasing(len_B[rows], s)
+        bin_of, offset = first_fit_decreasing(len_B[rows], s)
         micro[rows] = bin_of // bins
         start[rows] = (bin_of % bins) * s + offset
     else:
         micro_of_row = np.asarray(micro_of_row, np.int64)
         for i in np.unique(micro_of_row[rows]):
             mine = rows[micro_of_row[rows] == i]
-            bin_of, offset = _first_fit_decreasing(len_B[mine], s)
+            bin_of, offset = first_fit_decreasing(len_B[mine], s)
             if bin_of.max() >= bins:
                 raise ValueError(
                     f"pack_rows: the {len(mine)} rows given to micro-batch {i} "
