@@ -31,7 +31,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_BYTES = 12_500
-DOCS_MAX_BYTES = 90_000  # docs/*.md together: a reference a newcomer reads through
+# docs/*.md together: a reference a newcomer reads through (90,000 until the packed update,
+# the two-process seam's threat model and the planner's hand-counted costs came in)
+DOCS_MAX_BYTES = 96_000
 MARKER = re.compile(r"^<!-- test: (\w+) -->$")
 FENCE = re.compile(r"^(`{3,})(\S*)")
 
