@@ -49,7 +49,7 @@ def test_shipped_model_is_a_small_hf_checkpoint_with_r1_markers():
     from transformers import AutoModelForCausalLM
 
     from magic_jax.model.convert import load_hf
-    from magic_jax.run.trainer import load_tokenizer
+    from magic_jax.run.policy import load_tokenizer
 
     size = sum(p.stat().st_size for p in MODEL_DIR.iterdir())
     assert size <= 20 * 2**20

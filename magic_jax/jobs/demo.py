@@ -225,7 +225,7 @@ def compare_sft(
     from magic_jax.data.tasks import addition
     from magic_jax.jobs.default_world import make_evaluator, mixture_examples
     from magic_jax.model.convert import load_hf
-    from magic_jax.run.trainer import load_tokenizer
+    from magic_jax.run.policy import load_tokenizer
     from magic_jax.update.sft import SFTConfig, SFTTrainer, pack_sft, train_sft
 
     model = load_hf(model_dir)
