@@ -3,10 +3,10 @@ equivalent JobSet manifest, from the arguments of a ``tpu_scripts/launch.sh`` ru
 
 JobSet (jobset.x-k8s.io/v1alpha2) runs one Job of one pod per TPU host and recreates
 all of them when one fails, up to ``failurePolicy.maxRestarts`` times; the run resumes
-from its ``output_dir`` on ``gs://``. Only stops that a restart can mend restart it (exit
-codes ``RESTART_EXIT_CODES``: xpk's own set, a device or runtime fault's 86, Cloud
-Storage's 69 and the watchdog's 124); any other failure (a bad config, a Python error,
-out of memory, a run that lost its lock) fails the JobSet at once.
+from its ``output_dir`` on ``gs://``. Only stops that a restart can mend restart it
+(``jobs/restarts.py``: the list ``launch.sh`` restarts a pod run on too); any other
+failure (a bad config, a Python error, out of memory, a run that lost its lock) fails
+the JobSet at once.
 
 ``tpu_scripts/gke.sh`` calls ``main``; ``--dry-run`` prints both and runs nothing.
 """
@@ -23,18 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from magic_jax.jobs.restarts import EXTRA_RESTART_EXIT_CODES, RESTART_EXIT_CODES
+
 REPO = Path(__file__).resolve().parents[2]
 CACHE_ENV = "MAGIC_JAX_COMPILATION_CACHE"  # compile_cache.ENV (no JAX import here)
 CONTAINER = "magic-jax"
 EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-# xpk restarts a workload on exit codes 42 and 127-255 (xpk's get_restart_exit_codes); the
-# run's 143 (stopped on SIGTERM: preemption, maintenance) and 137 (killed) are among them.
-# 124 is a step that hung (magic_jax.watchdog): often a flaky host, which new pods replace.
-# 69: Cloud Storage still failing after its retries; 86: a device or runtime fault
-# (magic_jax.jobs.cli: a JaxRuntimeError other than out-of-memory or a bad argument).
-XPK_RESTART_EXIT_CODES = (42, *range(127, 256))
-EXTRA_RESTART_EXIT_CODES = (69, 86, 124)
-RESTART_EXIT_CODES = tuple(sorted({*XPK_RESTART_EXIT_CODES, *EXTRA_RESTART_EXIT_CODES}))
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload names (at most 40)
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -1,0 +1,126 @@
+"""Cloud TPU's errors told apart, as gcloud and the TPU API word them: what is retried
+(no capacity, an internal error, a rate limit), what is waited for (a resource that
+still exists), what ends a pod run at once (quota, credentials, a missing role, any
+other error), and the one line the user sees. Pure text in, verdict out.
+
+The texts are gcloud's (``ERROR: (gcloud.compute.tpus.tpu-vm.create) ...`` with the
+API's JSON error, or an ``HttpError accessing <...>`` with its content) and the API's
+own (``google.rpc.Status``: ``code``, ``message``; an operation's ``error``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+
+class Kind(enum.Enum):
+    """What an error is, and so what a supervisor does with it."""
+
+    CAPACITY = "capacity"  # no capacity, or code 13 (how Spot stockouts come too): retried
+    RATE_LIMIT = "rate-limit"  # a per-minute request quota (HTTP 429): retried
+    QUOTA = "quota"  # a resource quota exhausted: no retry mends it
+    EXISTS = "exists"  # ALREADY_EXISTS (a delete still under way): wait, then again
+    NOT_FOUND = "not-found"  # the resource is gone
+    AUTH = "auth"  # credentials expired or missing
+    PERMISSION = "permission"  # a role missing, or the API not enabled
+    OTHER = "other"  # anything else: fatal
+
+
+RETRIED = frozenset({Kind.CAPACITY, Kind.RATE_LIMIT})
+
+# gcloud's and the API's words, checked in this order (a rate limit and a quota are both
+# RESOURCE_EXHAUSTED / 429; a quota is also "code": 8 as no capacity is)
+_PATTERNS = (
+    (
+        Kind.AUTH,
+        r"Reauthentication failed|refreshing your current auth tokens|gcloud auth login"
+        r"|invalid_grant|UNAUTHENTICATED|invalid authentication credentials"
+        r"|do not currently have an active account|DefaultCredentialsError",
+    ),
+    (
+        Kind.PERMISSION,
+        r"PERMISSION_DENIED|Permission '[^']+' denied|does not have [\w.]+ access"
+        r"|SERVICE_DISABLED|has not been used in project|\bis disabled\b",
+    ),
+    (
+        Kind.RATE_LIMIT,
+        r"RATE_LIMIT_EXCEEDED|rateLimitExceeded|[Tt]oo [Mm]any [Rr]equests"
+        r"|limit '[^']*[Pp]er ?(?:[Mm]inute|100 ?[Ss]econds|[Ss]econd|[Dd]ay)[^']*'",
+    ),
+    (Kind.QUOTA, r"[Qq]uota|QUOTA_EXCEEDED"),
+    (
+        Kind.CAPACITY,
+        r"no more capacity|ZONE_RESOURCE_POOL_EXHAUSTED|[Ii]nsufficient (?:reserved )?capacity"
+        r"|[Ss]tockout|\"code\": *8,|RESOURCE_EXHAUSTED|\"code\": *13,|[Ee]rror code 13"
+        r"|an internal error has occurred|\bINTERNAL\b",
+    ),
+    (Kind.EXISTS, r"ALREADY_EXISTS|already exists"),
+    (Kind.NOT_FOUND, r"NOT_FOUND|was not found"),
+)
+# the role that grants a permission, by its service
+_ROLES = (
+    ("tpu.", "roles/tpu.admin"),
+    ("storage.", "roles/storage.objectUser"),
+    ("iam.serviceAccounts.actAs", "roles/iam.serviceAccountUser"),
+    ("compute.", "roles/compute.osAdminLogin"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuError:
+    """An error told apart.
+
+    Attributes:
+      kind: what it is.
+      line: the line that says what went wrong (the API's message, else gcloud's last
+        ERROR line, else its last line), at most 300 characters.
+      fix: for ``AUTH`` and ``PERMISSION``, the command or role that fixes it.
+    """
+
+    kind: Kind
+    line: str
+    fix: str = ""
+
+    @property
+    def retried(self) -> bool:
+        return self.kind in RETRIED
+
+    def say(self) -> str:
+        """One line: what went wrong, then the fix where there is one."""
+        return f"{self.line} ({self.fix})" if self.fix else self.line
+
+
+def error_line(text: str) -> str:
+    """The line of an error output that says what went wrong."""
+    messages = re.findall(r"""["']message["']: *["'](.*?)["'],?\s*$""", text, re.M)
+    if messages:
+        line = messages[-1]
+    else:
+        errors = [x for x in text.splitlines() if re.search(r"ERROR|[Ee]rror", x)]
+        rest = [x for x in text.splitlines() if x.strip()]
+        line = (errors or rest or [""])[-1]
+    return line.replace('\\"', '"').strip()[:300]
+
+
+def _fix(kind: Kind, text: str) -> str:
+    if kind is Kind.AUTH:
+        return "run `gcloud auth login` and `gcloud auth application-default login`"
+    if kind is not Kind.PERMISSION:
+        return ""
+    service = re.search(r"([a-z]+\.googleapis\.com)", text)
+    if re.search(r"SERVICE_DISABLED|has not been used in project|\bis disabled\b", text):
+        api = service.group(1) if service else "tpu.googleapis.com"
+        return f"enable the API: `gcloud services enable {api}`"
+    found = re.search(r"Permission '([^']+)'|does not have ([\w.]+) access", text)
+    permission = next((g for g in found.groups() if g), "") if found else ""
+    role = next((r for p, r in _ROLES if permission.startswith(p)), "roles/tpu.admin")
+    what = f"the permission {permission}" if permission else "a permission"
+    return f"{what} is missing: grant the caller {role}"
+
+
+def classify(text: str) -> TpuError:
+    """The kind of error that ``text`` (gcloud's error output, or an API error) is."""
+    kind = next((k for k, p in _PATTERNS if re.search(p, text)), Kind.OTHER)
+    return TpuError(kind, error_line(text) or "no error message", _fix(kind, text))
