@@ -205,7 +205,7 @@ fi
 case $args in
   *"tpu-vm describe"*"value(state"*)
     [ -e created ] || missing
-    case $args in *health*) echo >> polls ;; esac
+    case $args in *"value(state,health)"*) echo >> polls ;; esac
     if [ "$(cat created)" = REPAIRING ]; then  # back READY after $STUB_REPAIR_POLLS
       r=$(($(cat repair) - 1)); echo "$r" > repair; [ "$r" -gt 0 ] || : > created
     fi
@@ -290,6 +290,15 @@ exit 0
 """
 
 
+# launch.sh's decisions: the Python it runs from its checkout (the standard library only)
+POD_MODULES = [
+    "magic_jax/__init__.py",
+    "magic_jax/extras.py",
+    "magic_jax/jobs/__init__.py",
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
+]
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """A small git repository holding this checkout's launch.sh, worker_setup.sh,
@@ -297,11 +306,13 @@ def repo(tmp_path_factory):
     HEAD) is what reaches the workers, a few kB instead of the whole checkout."""
     repo = tmp_path_factory.mktemp("repo")
     (repo / "tpu_scripts").mkdir()
+    (repo / "magic_jax" / "jobs").mkdir(parents=True)
     for name in (
         "tpu_scripts/launch.sh",
         "tpu_scripts/worker_setup.sh",
         "tpu_scripts/worker_run.sh",
         "constraints.txt",
+        *POD_MODULES,
     ):
         shutil.copy(ROOT / name, repo / name)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
@@ -322,6 +333,7 @@ def stub(tmp_path, repo):
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_DIR=str(state))
     # waits between retries advance a clock in a file instead of sleeping
     env.update(LAUNCH_POLL_S="0", TMPDIR=str(tmp_path), LAUNCH_CLOCK=str(state / "clock"))
+    env.update(LAUNCH_HOST_PYTHON=sys.executable)
     env.pop("DRY_RUN", None)
     return env, state, repo / "tpu_scripts" / "launch.sh"
 
@@ -362,7 +374,7 @@ def _verbs(calls, polls=False):
                 if "pkill" in cmd
                 else "collect"
             )
-        elif c[3] == "tpu-vm" and c[4] == "describe" and "health" in c[-1]:
+        elif c[3] == "tpu-vm" and c[4] == "describe" and c[-1] == "--format=value(state,health)":
             verb = "poll"
         else:
             verb = c[4] if c[3] == "tpu-vm" else "qr-" + c[4]
@@ -688,8 +700,8 @@ def test_no_capacity_gives_up_after_the_tries_in_one_line(stub, tmp_path):
 
 def test_another_create_error_fails_at_once(stub, tmp_path):
     env, state, script = stub
-    error = ("PERMISSION_DENIED: Permission 'tpu.nodes.create' denied on resource "
-             "'projects/p/locations/us-east5-a/nodes/magic-jax'")  # fmt: skip
+    error = ("INVALID_ARGUMENT: Invalid value for field 'node.acceleratorType': 'v5p-7'. "
+             "Invalid accelerator type.")  # fmt: skip
     out = _launch(script, dict(env, STUB_CREATE_ERROR=error), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1
     assert _verbs(_calls(state)) == ["describe", "create", "describe"]

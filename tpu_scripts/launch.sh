@@ -188,6 +188,13 @@ fi
 if [ -z "$STAGE" ] && [[ $out == gs://?* ]]; then out=${out#gs://}; STAGE=gs://${out%%/*}/magic-jax-launch; fi
 [ -z "$STAGE" ] || [[ $STAGE == gs://?* ]] || die "--stage must be a gs:// URL, got $STAGE"
 [ "$DRY" = 1 ] || command -v gcloud >/dev/null || die "gcloud not found on PATH (install the Google Cloud CLI)"
+# The decisions (what a node's state and health, the heartbeats, an error, an exit status
+# call for) are magic_jax/jobs/pod.py's, run with this machine's python3 (3.10 or newer,
+# the standard library only) from this checkout.
+HOST_PYTHON=${LAUNCH_HOST_PYTHON:-python3}
+[ "$DRY" = 1 ] || "$HOST_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null ||
+  die "$HOST_PYTHON (3.10 or newer) not found on PATH: launch.sh's decisions are Python's"
+pod() { PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" -m magic_jax.jobs.pod "$@"; }
 # Never a prompt (enabling an API, a new ssh key's passphrase): gcloud fails with its
 # message instead, which is shown.
 export CLOUDSDK_CORE_DISABLE_PROMPTS=1
@@ -206,7 +213,7 @@ run() { if [ "$DRY" = 1 ]; then printf '%q ' "$@" >&3; echo >&3; else "$@"; fi; 
 tmpfile() { mktemp "${TMPDIR:-/tmp}/launch-XXXXXX"; }
 # A query: in a dry run it is printed and answers nothing. Its error output is kept in
 # $ASKED (asked_why: the line that says what went wrong).
-ASKED=${TMPDIR:-/tmp}/launch-asked-$$
+ASKED=${TMPDIR:-/tmp}/launch-asked-$$ ASK_ERR=${TMPDIR:-/tmp}/launch-ask-err-$$
 ask() { if [ "$DRY" = 1 ]; then run "$@"; return 1; else "$@" 2>"$ASKED"; fi; }
 asked_why() { error_line "$ASKED"; }
 ssh_on() {
@@ -224,16 +231,9 @@ span() {  # seconds as 45s, 12m05s, 3h07m
   elif [ "$s" -ge 60 ]; then printf '%dm%02ds' $((s / 60)) $((s % 60))
   else printf '%ds' "$s"; fi
 }
-# The line of gcloud's error output that says what went wrong: its JSON "message", else
-# its last ERROR line, else its last line.
-error_line() {
-  local line
-  line=$(sed -n 's/^[[:space:]]*"message": "\(.*\)",\{0,1\}$/\1/p' "$1" | tail -n 1)
-  [ -n "$line" ] || line=$(grep -E 'ERROR|[Ee]rror' "$1" | tail -n 1)
-  [ -n "$line" ] || line=$(grep -v '^[[:space:]]*$' "$1" | tail -n 1)
-  line=${line//\\\"/\"}
-  echo "${line:0:300}"
-}
+# The line of gcloud's error output (in file $1) that says what went wrong, with the fix
+# for credentials or a missing role.
+error_line() { pod error "$1" | cut -f2-; }
 # Kills a process and its descendants (a backgrounded gcloud and its ssh).
 kill_tree() {
   local c
@@ -251,31 +251,45 @@ teardown() {
 
 if [ "$DELETE_ONLY" = 1 ]; then
   teardown
-  rm -f "$ASKED"
+  rm -f "$ASKED" "$ASK_ERR"
   exit 0
 fi
 
-# A described state, or GONE when gcloud says NOT_FOUND (UNKNOWN on any other failure).
+# A described state, or GONE when gcloud says NOT_FOUND (UNKNOWN on any other failure,
+# whose kind and line go to $ASK_ERR: stop_if_fatal ends the launch on credentials or a
+# missing role, which no wait mends).
 state_of() {
   local out err
   err=$(tmpfile)
   if out=$("$@" 2>"$err"); then echo "${out:-UNKNOWN}"
   elif grep -q NOT_FOUND "$err"; then echo GONE
-  else echo UNKNOWN; fi
+  else pod error "$err" > "$ASK_ERR"; echo UNKNOWN; fi
   rm -f "$err"
 }
+stop_if_fatal() {
+  local kind line
+  [ -s "$ASK_ERR" ] || return 0
+  IFS=$'\t' read -r kind line < "$ASK_ERR"
+  case $kind in auth|permission) quit 1 "asking Cloud TPU about $NAME failed: $line" ;; esac
+  : > "$ASK_ERR"
+}
 # Whether the slice is lost: preempted, terminated or gone, or its queued resource
-# suspended or failed. Sets LOST to why, or STATE to the node's state. A dry run: never.
+# suspended or failed (one SUSPENDING is not yet: it is waited for). Sets LOST to why, or
+# STATE to the node's state. A dry run: never.
 slice_lost() {
-  local s
+  local s r="" v
   LOST="" STATE=""
   [ "$DRY" = 1 ] && return 1
   if [ "$QUEUED" = 1 ]; then
-    s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
-    case $s in SUSPENDING|SUSPENDED|FAILED|GONE) LOST="queued resource $QR is $s"; return 0 ;; esac
+    r=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
+    stop_if_fatal
+    v=$(pod node - - "$r")
+    case $v in lost*) LOST="queued resource $QR is $r"; return 0 ;; esac
   fi
   s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)')
-  case $s in PREEMPTED|TERMINATED|GONE) LOST="$NAME is $s"; return 0 ;; esac
+  stop_if_fatal
+  v=$(pod node "$s" - "${r:--}")
+  case $v in lost*) LOST="$NAME is $s"; return 0 ;; esac
   STATE=$s; return 1
 }
 
@@ -284,21 +298,20 @@ slice_lost() {
 # trap deletes it then with --delete-on-exit.
 HAVE_SLICE=0
 on_exit() {
-  rm -f "$ASKED"
+  rm -f "$ASKED" "$ASK_ERR"
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
 }
 trap on_exit EXIT
-# gcloud's words for a zone without the capacity asked for (the TPU API's RESOURCE_EXHAUSTED,
-# code 8; a reservation's code 9; Compute Engine's stockouts).
-NO_CAPACITY='no more capacity|RESOURCE_EXHAUSTED|ZONE_RESOURCE_POOL_EXHAUSTED'
-NO_CAPACITY+='|[Ii]nsufficient (reserved )?capacity|[Ss]tockout|"code": *8,'
-# ... and for a quota (RESOURCE_EXHAUSTED too, code 8: checked first).
-QUOTA='[Qq]uota|QUOTA_EXCEEDED'
-# Creates the node (or requests the queued resource); a create that finds no capacity is
-# tried again with exponential backoff, up to CREATE_TRIES tries; any other error ends it.
+# Creates the node (or requests the queued resource). An error is told apart by
+# magic_jax/jobs/pod_errors.py: no capacity (code 8, or code 13 as Spot stockouts also
+# come) and a rate limit (429, a per-minute quota) are tried again with exponential
+# backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
+# (waited for: the node gone, then created again) or a request already queued (attached
+# to); a quota exhausted, credentials, a missing role or any other error end it with
+# gcloud's message (and the fix, where there is one).
 create() {
-  local try=1 wait=$CREATE_WAIT_S err rc line
-  err=$(tmpfile)
+  local try=1 wait=$CREATE_WAIT_S err rc line kind what
+  err=$(tmpfile) CREATED=1
   while :; do
     HAVE_SLICE=1 rc=0
     if [ "$QUEUED" = 1 ]; then
@@ -309,29 +322,43 @@ create() {
           "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     fi
     [ "$rc" != 0 ] || break
-    line=$(error_line "$err")
-    # a request already there (an earlier launch's, still queued): attach to it
-    if [ "$QUEUED" = 1 ] && grep -q ALREADY_EXISTS "$err"; then
+    IFS=$'\t' read -r kind line < <(pod error "$err")
+    if [ "$kind" = exists ] && [ "$QUEUED" = 1 ]; then  # an earlier launch's, still queued
       say "queued resource $QR exists already: waiting for it"; rm -f "$err"; return 0
+    fi
+    if [ "$kind" = exists ]; then
+      say "$NAME exists still (an earlier delete under way): waiting for it to go"
+      await_gone; continue
     fi
     # a failed create may leave the node (or the queued resource) behind
     if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
       teardown >/dev/null 2>&1 || true
     fi
     HAVE_SLICE=0
-    if grep -qE "$QUOTA" "$err"; then
-      rm -f "$err"; quit 1 "creating $NAME failed: out of quota, which no retry can fix: $line"
-    fi
-    if ! grep -qE "$NO_CAPACITY" "$err"; then rm -f "$err"; quit 1 "creating $NAME failed: $line"; fi
+    case $kind in
+      capacity|rate-limit) ;;
+      quota) rm -f "$err"; quit 1 "creating $NAME failed: out of quota, which no retry can fix: $line" ;;
+      *) rm -f "$err"; quit 1 "creating $NAME failed: $line" ;;
+    esac
     if [ "$try" -ge "$CREATE_TRIES" ]; then
       rm -f "$err"
       quit 1 "no capacity for $ACCEL in $ZONE after $try tries (--create-tries $CREATE_TRIES): $line"
     fi
-    say "no capacity for $ACCEL in $ZONE (try $try of $CREATE_TRIES): $line; trying again in $(span "$wait")"
+    what="no capacity for $ACCEL in $ZONE"; [ "$kind" != rate-limit ] || what="rate-limited"
+    say "$what (try $try of $CREATE_TRIES): $line; trying again in $(span "$wait")"
     nap "$wait"
     wait=$(twice "$wait" "$CREATE_MAX_S") try=$((try + 1))
   done
   rm -f "$err"
+}
+# Waits for the node to be gone (NOT_FOUND): a delete under way, --timeout [3600] s.
+await_gone() {
+  local s end=$(($(now) + ${TIMEOUT:-3600}))
+  while s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)'); [ "$s" != GONE ]; do
+    stop_if_fatal
+    [ "$(now)" -lt "$end" ] || die "$NAME still there (${s}) ${TIMEOUT:-3600}s after it was deleted"
+    nap "$POLL_S"
+  done
 }
 # Waits for the queued resource to be ACTIVE, as long as it takes (or --timeout): one
 # that ends FAILED, SUSPENDED or gone is requested again, up to CREATE_TRIES times.
@@ -360,9 +387,37 @@ await_queued() {
     nap "$POLL_S"
   done
 }
+# Waits for the node to be READY and healthy: a new one --timeout [3600] s, one under
+# maintenance or repair (READY with UNHEALTHY_* health, REPAIRING: hours, on every host)
+# for as long as it takes unless --timeout bounds it. Its state is never a reason to
+# delete it.
+wait_ready() {
+  local v s health why said="" deadline=""
+  [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || deadline=$(($(now) + ${TIMEOUT:-3600}))
+  while [ "$DRY" = 0 ]; do
+    IFS=$'\t' read -r s health why < <(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
+      --format='value(state,health,healthDescription)' || true)
+    [ -n "${s:-}" ] || fatal_asked
+    v=$(pod node "${s:-}" "${health:--}")
+    case $v in ready*) return 0 ;; esac
+    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
+      die "$NAME not READY after ${TIMEOUT:-3600}s (${s:-$(asked_why)})"
+    v="${v#*$'\t'}${why:+: $why}"
+    [ "$v" = "$said" ] || say "$NAME: ${s:+$v}${s:-not yet}"
+    said=$v; nap "$POLL_S"
+  done
+}
+# Ends the launch when the query kept in $ASKED failed on credentials or a missing role.
+fatal_asked() {
+  local kind line
+  [ -s "$ASKED" ] || return 0
+  IFS=$'\t' read -r kind line < <(pod error "$ASKED")
+  case $kind in auth|permission) quit 1 "asking Cloud TPU about $NAME failed: $line" ;; esac
+}
 # The slice READY: reused, attached to (its queued resource), or created, then waited for.
 bring_up() {
-  local state s deadline info runtime
+  local state s info runtime
+  CREATED=0
   if [ "$QUEUED" = 1 ]; then
     s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') || s=""
     case $s in
@@ -384,12 +439,7 @@ bring_up() {
       create
     fi
   fi
-  deadline=$(($(now) + ${TIMEOUT:-3600}))
-  until s=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') && [ "$s" = READY ]; do
-    [ "$DRY" = 1 ] && break
-    [ "$(now)" -lt "$deadline" ] || die "$NAME not READY after ${TIMEOUT:-3600}s (${s:-$(asked_why)})"
-    say "$NAME: ${s:-not yet}"; nap "$POLL_S"
-  done
+  wait_ready
   info=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
     --format='value(networkEndpoints[].ipAddress,runtimeVersion)') || info=$'10.0.0.1\t'"$VERSION"
   IFS=$'\t' read -r endpoints runtime <<< "$info"
@@ -515,24 +565,23 @@ bring_down() {
 }
 # One status cycle: one query of the node (its state and health) and one of every
 # worker's heartbeat (or, with no stage, one ssh to all workers), whatever the number of
-# hosts. Sets VERDICT: "" (all well, or waiting for a node under repair), lost (LOST
-# says why), failed (FAILED: a worker other than 0 ended with a failure, FAILED_STATUS)
-# or restarted (RESTARTED: the workers whose host was restarted under the command).
-# A worker is silent when its heartbeat (or answer) has not changed for LOST_MS; then
-# the workers are asked once: a host restarted is maintenance, a host that does not
-# answer on a READY node is lost, a command gone from a live host is a failure.
+# hosts. Sets VERDICT: "" (all well, or waiting for a slice not ready), lost (LOST says
+# why), failed (FAILED: a worker other than 0 ended with a failure, FAILED_STATUS) or
+# restarted (RESTARTED: the workers whose host was restarted under the command).
+# A worker is silent when its heartbeat (or answer) has not changed for LOST_MS. What
+# that means is magic_jax/jobs/pod_decide.py's decision: on a READY and healthy node the
+# silent workers are asked once (a host restarted is maintenance, one that does not
+# answer is lost, a command gone from a live host is a failure); on a node that is not
+# (READY with UNHEALTHY_* health, REPAIRING) nothing is asked or concluded: it is waited
+# for. A cycle with nothing to decide (READY, HEALTHY, every worker running and heard)
+# asks no Python.
 cycle() {
-  local node state health out w seq st boot t silent=() answers id ok alive=""
+  local node state health out w seq st boot t lines quiet=1 v action ws status alive why id
   VERDICT=""
   node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
+  stop_if_fatal
   read -r state health <<< "$node"
-  case $state in
-    PREEMPTED|TERMINATED|GONE) slice_lost || LOST="$NAME is $state"; VERDICT=lost; return ;;
-  esac
-  if [ "$state" != READY ] || [[ ${health:-} == UNHEALTHY* ]]; then
-    [ "$SAID" = "$node" ] || say "$NAME is $state${health:+ ($health)}: waiting for it"
-    SAID=$node
-  fi
+  [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
   if [ -n "$BEATS" ]; then out=$(gcloud storage cat "$BEATS/worker-*" 2>/dev/null) || out=""
   else out=$(probe); fi
@@ -542,45 +591,46 @@ cycle() {
     [ -n "$BEATS" ] || { boot=$st st=$seq seq=$t; }
     if [ "${SEQ_OF[$w]:-}" != "$seq" ]; then SEQ_OF[w]=$seq; SEEN_AT[w]=$t; fi
     st=${st#exit-}
-    [ "$st" != gone ] || [ "${boot:-}" != restarted ] || st=restarted
     [[ $st != [0-9]* ]] || ENDED[w]=1  # its last heartbeat: silent from now on
-    case $st in
-      running|0|130|143) ;;
-      restarted) RESTARTED+=" $w" ;;
-      *) [ "$w" = 0 ] || { FAILED=$w FAILED_STATUS=$st; } ;;
-    esac
+    ST_OF[w]=$st BOOT_OF[w]=${boot:-}
   done <<< "$out"
-  [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
-  [ -z "$FAILED" ] || { VERDICT=failed; return; }
+  lines="node ${state:--} ${health:--} -"
   for ((w = 0; w < WORKERS; w++)); do
-    [ -n "${ENDED[$w]:-}" ] || [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || silent+=("$w")
+    st=${ST_OF[$w]:-running}
+    [ -n "${ENDED[$w]:-}" ] || [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || quiet=0
+    case $st in running|0|130|143) ;; *) quiet=0 ;; esac
+    lines+=$'\n'"worker $w $st $(secs $((t - ${SEEN_AT[$w]:-$t}))) $([ "${BOOT_OF[$w]:-}" != restarted ]; echo $?)"
   done
-  [ "${#silent[@]}" -gt 0 ] && [ "$state" = READY ] || return 0
-  # ask every worker once: what became of the silent ones?
-  answers=$(probe)
-  for w in "${silent[@]}"; do
-    ok=0
+  [ "$quiet" = 0 ] || return 0
+  v=$(pod decide "$(secs "$LOST_MS")" <<< "$lines")
+  if [ "${v%%$'\t'*}" = probe ]; then  # ask every worker once: what became of the silent ones?
+    lines+=$'\nasked'
     while read -r id st boot; do
-      [ "${id:-}" = "$w" ] || continue
-      ok=1
-      case $st/$boot in
-        gone/restarted) RESTARTED+=" $w" ;;
-        gone/*) [ "$w" = 0 ] || { FAILED=$w FAILED_STATUS=gone; } ;;
-        *) alive+=" $w"; SEEN_AT[w]=$t ;;  # its heartbeat does not reach the bucket
-      esac
-    done <<< "$answers"
-    if [ "$ok" = 0 ]; then
+      [[ ${id:-} =~ ^[0-9]+$ ]] || continue
+      lines+=$'\n'"answer $id $st $([ "${boot:-}" != restarted ]; echo $?)"
+    done < <(probe)
+    v=$(pod decide "$(secs "$LOST_MS")" <<< "$lines")
+  fi
+  IFS=$'\t' read -r action ws status alive why <<< "$v"
+  case $action in
+    wait) [ "$SAID" = "$node" ] || say "$NAME is $state${health:+ ($health)}: waiting for it"
+      SAID=$node ;;
+    recreate)
+      VERDICT=lost
+      if [ "$ws" = - ]; then slice_lost || LOST="$NAME is $state"; return; fi
       KIND="a host lost"
-      LOST="worker $w stopped answering (no heartbeat for $(((t - ${SEEN_AT[$w]}) / 1000))s, no"
-      LOST+=" answer in $((PROBE_MS / 1000))s; $NAME is $state)"
-      VERDICT=lost; return
-    fi
-  done
-  [ -z "$alive" ] || say "worker(s)$alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
-    "old or more: are they reaching $BEATS?"
-  [ -z "$RESTARTED" ] || { VERDICT=restarted; return; }
-  [ -z "$FAILED" ] || VERDICT=failed
+      LOST="worker $ws stopped answering (no heartbeat for $(((t - ${SEEN_AT[$ws]}) / 1000))s, no"
+      LOST+=" answer in $((PROBE_MS / 1000))s; $NAME is $state)" ;;
+    rerun) RESTARTED=" $ws" VERDICT=restarted ;;
+    stop) FAILED=$ws FAILED_STATUS=$status VERDICT=failed ;;
+    carry-on)
+      [ "$alive" != - ] || return 0
+      for w in $alive; do SEEN_AT[w]=$t; done  # its heartbeat does not reach the bucket
+      say "worker(s) $alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
+        "old or more: are they reaching $BEATS?" ;;
+  esac
 }
+secs() { printf '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }  # ms as seconds
 # Runs a status cycle every POLL_S while the stream $1 runs (or, with no stream, until
 # the time $2, in ms), until a cycle gives a verdict: a lost slice ends the stream, a
 # failure stops the job first.
@@ -623,7 +673,7 @@ pause() {
 # without us. Quits when worker 0's command vanished from a host that was not restarted.
 await() {
   local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream w
-  FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=() ENDED=()
+  FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=() ENDED=() ST_OF=() BOOT_OF=()
   for ((w = 0; w < WORKERS; w++)); do SEEN_AT[w]=$(ms); done
   while :; do
     rc=0 t0=$(now)
@@ -642,6 +692,7 @@ await() {
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
     if [ "$rc" = 3 ]; then  # gone without an exit status: was its host restarted?
+      wait_ready  # (a host under maintenance answers once the node is READY and healthy)
       [ "$(status_of 0)" != restarted ] || { RESTARTED=" 0"; return 4; }
       quit 1 "worker 0's command ended without an exit status, its host not restarted" \
         "($NAME is $STATE): killed?"
@@ -788,10 +839,20 @@ while :; do
     attempt=$((attempt + 1))
     continue
   fi
-  if [ -n "$FAILED" ]; then  # a failure, not a preemption: no retry
-    quit "$FAILED_STATUS" "worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still" \
-      "ran; the command was stopped on every worker (logs: $LOGS)"
+  # a status that restarts (magic_jax/jobs/restarts.py, GKE's list): on this slice
+  why="worker 0 exited with $STATUS" st=$STATUS
+  if [ -n "$FAILED" ]; then
+    why="worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still ran; the command was"
+    why+=" stopped on every worker (logs: $LOGS)" st=$FAILED_STATUS
   fi
+  if [ -z "$LOST" ] && [ "$DRY" = 0 ] && [ "$(pod exit "$st")" = rerun ]; then
+    [ "$attempt" -lt "$ATTEMPTS" ] ||
+      quit "$st" "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY)"
+    note "$why, a status that restarts; rerunning it on $NAME (attempt $attempt of $ATTEMPTS)"
+    attempt=$((attempt + 1))
+    continue
+  fi
+  [ -z "$FAILED" ] || quit "$FAILED_STATUS" "$why"  # a failure, not a preemption: no retry
   if [ -n "$STOPPED" ] && [ "$STATUS" = 0 ]; then
     quit 1 "worker(s)$STOPPED still ran ${GRACE_S}s after worker 0 ended; stopped (logs: $LOGS)"
   fi
