@@ -90,6 +90,38 @@ quota() {  # gcloud's words: the TPU API's HTTP 429, shown as a network error
     "and the status of the service you are trying to reach." >&2
   exit 1
 }
+internal() {  # a Spot stockout as the API also reports it: code 13
+  printf 'ERROR: (gcloud.compute.tpus.tpu-vm.create) {\n  "code": 13,\n  "message": "%s"\n}\n' \
+    "An internal error has occurred." >&2
+  exit 1
+}
+rate() {  # a per-minute request quota: HTTP 429, with the real metric's words
+  local why="Quota exceeded for quota metric 'Requests' and limit 'Requests per minute' of"
+  why+=" service 'tpu.googleapis.com' for consumer 'project_number:123456789'."
+  local url='https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json'
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <$url>:" \
+    "response: <{'status': 429}>, content <{" >&2
+  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n' "$why" >&2
+  printf '    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' >&2
+  exit 1
+}
+exists() {  # an earlier delete of the node still under way, seen by the create only
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) ALREADY_EXISTS: Resource" \
+    "'projects/p/locations/us-east5-a/nodes/magic-jax' already exists" >&2
+  exit 1
+}
+reauth() {  # gcloud's words once its credentials expired
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing your" \
+    "current auth tokens: Reauthentication failed. cannot prompt during non-interactive" \
+    "execution." >&2
+  printf 'Please run:\n\n  $ gcloud auth login\n\nto obtain new credentials.\n' >&2
+  exit 1
+}
+# Maintenance as Cloud TPU reports it: from poll $STUB_MAINT_AT the node is READY with
+# health UNHEALTHY_MAINTENANCE for $STUB_MAINT_MS ms, every host away (no heartbeat, no
+# ssh); then READY and HEALTHY, every host restarted (its command gone, a new boot id).
+in_maint() { [ -e maint-until ] && [ "$(date +%s%3N)" -lt "$(cat maint-until)" ]; }
+after_maint() { [ -e maint-until ] && ! in_maint; }
 workers() {
   case $worker in all) seq 0 $((n - 1)) ;; *-*) seq "${worker%-*}" "${worker#*-}" ;;
     *) echo "${worker//,/ }" | tr ' ' '\n' ;; esac
@@ -168,6 +200,7 @@ case $args in
         s=$(worker_status "$w"); seq=$k
         [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
         [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
+        [ ! -e maint-seq ] || seq=$(cat maint-seq)
         echo "$w $seq $s boot-$w"
       done
       exit 0
@@ -181,8 +214,13 @@ case $args in
     for w in $(workers); do kill_worker "$w"; echo "boot-$w-$RANDOM" > "worker-$w/boot_id"; done
     echo REPAIRING > created; echo "${STUB_REPAIR_POLLS:-3}" > repair; exit 0 ;;
 esac
+case $args in *"compute tpus"*) [ ! -e auth-expired ] || reauth ;; esac
 case $args in
   *"tpu-vm ssh"*|*"tpu-vm scp"*)
+    if in_maint; then
+      case $command in *"tail -n"*) ;; *) touch asked-in-maint ;; esac
+      echo "ssh: connect to host 10.0.0.1 port 22: Connection timed out" >&2; exit 255
+    fi
     clock=$(cat clock 2>/dev/null || echo 0)
     if [ ! -e created ] || [ -s created ] ||
        { [ -e runs ] && [ "$clock" -lt "${STUB_SSH_DOWN_UNTIL:-0}" ]; }; then
@@ -206,11 +244,20 @@ case $args in
   *"tpu-vm describe"*"value(state"*)
     [ -e created ] || missing
     case $args in *"value(state,health)"*) echo >> polls ;; esac
+    k=$(cat polls 2>/dev/null | wc -l)
+    [ -z "${STUB_AUTH_AT:-}" ] || [ "$k" -lt "$STUB_AUTH_AT" ] || { touch auth-expired; reauth; }
+    if [ -n "${STUB_MAINT_AT:-}" ] && [ ! -e maint-until ] && [ "$k" -ge "$STUB_MAINT_AT" ]; then
+      echo $(($(date +%s%3N) + STUB_MAINT_MS)) > maint-until; echo "$k" > maint-seq
+    fi
+    if [ "$(cat created)" = DELETING ]; then  # gone after $STUB_STUCK_DELETE questions
+      r=$(($(cat deleting) - 1)); echo "$r" > deleting
+      [ "$r" -gt 0 ] || { rm -f created; missing; }
+    fi
     if [ "$(cat created)" = REPAIRING ]; then  # back READY after $STUB_REPAIR_POLLS
       r=$(($(cat repair) - 1)); echo "$r" > repair; [ "$r" -gt 0 ] || : > created
     fi
     state=$(cat created); health=HEALTHY
-    [ "$state" != REPAIRING ] || health=UNHEALTHY_MAINTENANCE
+    [ "$state" != REPAIRING ] && ! in_maint || health=UNHEALTHY_MAINTENANCE
     case $args in *health*) printf '%s\t%s\n' "${state:-READY}" "$health" ;;
       *) echo "${state:-READY}" ;; esac ;;
   *"tpu-vm describe"*"networkEndpoints"*)
@@ -221,8 +268,14 @@ case $args in
         "'projects/p/locations/us-east5-a/queuedResources/${argv[4]}' already exists" >&2
       exit 1
     fi
+    if [ -e created ] && [[ $args != *queued-resources* ]]; then  # a delete still under way
+      echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) ALREADY_EXISTS: Resource" \
+        "'projects/p/locations/us-east5-a/nodes/${argv[5]}' already exists" >&2
+      exit 1
+    fi
     echo >> creates; k=$(wc -l < creates)
     [ -z "${STUB_QUOTA:-}" ] || quota
+    e=$(echo ${STUB_CREATE_ERRORS:-} | cut -d' ' -f"$k"); [ -z "$e" ] || [ "$e" = ok ] || "$e"
     case " ${STUB_NO_CAPACITY:-} " in *" $k "*|*" all "*) no_capacity ;; esac
     if [ -n "${STUB_CREATE_ERROR:-}" ]; then
       echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) $STUB_CREATE_ERROR" >&2; exit 1
@@ -243,7 +296,14 @@ case $args in
     fi
     cat qr ;;
   *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
-  *" delete "*) stop_vms; rm -f created qr ;;
+  *" delete "*) stop_vms
+    if [ -n "${STUB_STUCK_DELETE:-}" ] && [ ! -e stuck ] && [[ $args != *queued* ]]; then
+      touch stuck; echo DELETING > created; echo "$STUB_STUCK_DELETE" > deleting
+      echo "ERROR: (gcloud.compute.tpus.tpu-vm.delete) Operation" \
+        "[projects/p/locations/us-east5-a/operations/operation-2] timed out." >&2
+      exit 1
+    fi
+    rm -f created qr ;;
   *"tpu-vm ssh"*)
     case $command in
       *worker_setup.sh*)
@@ -255,8 +315,10 @@ case $args in
             "[255]." >&2
           exit 255
         fi ;;
-      *nohup*) echo >> runs ;;
+      *nohup*) echo >> runs; [ ! -e maint-until ] || mv maint-until maint-done
+        rm -f maint-seq ;;
       *"worker_run.sh --status"*)
+        if after_maint; then for w in $(workers); do echo "$w gone restarted"; done; exit 0; fi
         for w in $(workers); do
           [ -e "silent-$w" ] || echo "$w $(worker_status "$w") same"
         done
@@ -266,9 +328,12 @@ case $args in
       *pkill*) touch down ;;
       *"tail -n "*" -f"*)
         echo >> streams
+        if after_maint; then exit 3; fi
         if [ -n "${STUB_HOLD:-}" ]; then
           for _ in $(seq 600); do
             [ -e down ] || [ "$(cat polls 2>/dev/null | wc -l)" -ge "$STUB_HOLD" ] && break
+            ! in_maint || { echo "ssh: connection closed" >&2; exit 255; }  # host away
+            [ ! -e maint-done ] || break  # the rerun after maintenance
             sleep 0.1
           done
         fi
@@ -282,6 +347,7 @@ case $args in
       "cat "*".log") echo "log of worker $worker" ;;
       "cat "*".exit 2>/dev/null || echo none")
         [ ! -e "silent-$worker" ] || exit 255
+        if after_maint; then echo none; exit 0; fi
         h="STUB_HANG_$worker"; [ -n "${!h:-}" ] && [ ! -e down ] && echo none && exit 0
         v="STUB_EXIT_${worker}_$run"; d="STUB_EXIT_$worker"; echo "${!v:-${!d:-0}}" ;;
     esac ;;
@@ -366,6 +432,8 @@ def _verbs(calls, polls=False):
                 if "worker_setup.sh" in cmd
                 else "start"
                 if "nohup" in cmd
+                else "running?"
+                if "logs/current" in cmd
                 else "stream"
                 if "tail" in cmd
                 else ("probe" if "--worker=all" in c else "poll")
@@ -467,7 +535,8 @@ def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_pa
     assert len(creates) == 2 and all("--spot" in c for c in creates)
     starts = [c[-1] for c in calls if "nohup" in c[-1]]
     assert len(starts) == 2 and "-1.sh" in starts[0]  # the same command and run, attempt 2
-    assert starts[1] == starts[0].replace("-1.", "-2.").replace("-1 ", "-2 ")
+    again = re.sub(r"'(run-\S+) 1 ", r"'\1 2 ", starts[0])  # its run id, attempt 2
+    assert starts[1] == again.replace("-1.", "-2.").replace("-1 ", "-2 ")
     assert (
         "launch.sh: preempted (worker 0 stopped with 143; attempt 1 of 2); recreating the slice"
         in out.stderr
@@ -1319,7 +1388,8 @@ def test_ctrl_c_without_delete_on_exit_leaves_the_command_running(faithful, tmp_
     assert again.returncode == 1
     assert _launch_lines(again.stderr) == [
         "launch.sh: an earlier launch's command still runs on magic-jax, so the TPU is in use: "
-        "wait for it, or stop it (--delete stops it with the slice)"
+        "wait for it, supervise it (--attach magic-jax), or stop it (--delete stops it with the "
+        "slice)"
     ]
     # a host shutting down signals every process of the session, the wrapper too: the
     # command stops (143) and its status is still recorded

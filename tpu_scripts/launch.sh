@@ -96,7 +96,7 @@ die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
-SETUP=1 LOGS="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
+SETUP=1 LOGS="" ATTACH=0 DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
 CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
@@ -130,6 +130,7 @@ while [ $# -gt 0 ]; do
     --logs) need "$@"; LOGS=$2; shift 2 ;;
     --delete-on-exit) DELETE_ON_EXIT=1; shift ;;
     --delete) DELETE_ONLY=1; shift ;;
+    --attach) need "$@"; NAME=$2; ATTACH=1; shift 2 ;;
     --timeout) need "$@"; TIMEOUT=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage 0 ;;
@@ -137,7 +138,8 @@ while [ $# -gt 0 ]; do
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
-[ "$DELETE_ONLY" = 1 ] || [ $# -gt 0 ] || die "no command after -- (or --delete to tear down)"
+[ "$DELETE_ONLY" = 1 ] || [ "$ATTACH" = 1 ] || [ $# -gt 0 ] ||
+  die "no command after -- (or --delete to tear down, --attach NAME to supervise a running one)"
 [[ $TIMEOUT =~ ^[0-9]*$ ]] || die "--timeout must be a number of seconds, got $TIMEOUT"
 [ "$QUEUED" = 1 ] || [ "${#QUEUED_ONLY[@]}" = 0 ] || die "${QUEUED_ONLY[0]} needs --queued"
 kinds=0
@@ -178,7 +180,7 @@ output_dir() {
 }
 # A slice that may be deleted (or replaced) under the run needs its output_dir on gs://.
 out=""; [ "$DELETE_ONLY" = 1 ] || out=$(output_dir "$@")
-if [ "$DELETE_ONLY" = 0 ] && { [ "$DELETE_ON_EXIT" = 1 ] || [ "$RETRY" -gt 0 ]; }; then
+if [ "$DELETE_ONLY" = 0 ] && [ $# -gt 0 ] && { [ "$DELETE_ON_EXIT" = 1 ] || [ "$RETRY" -gt 0 ]; }; then
   opt=--delete-on-exit why="the slice's disks are deleted with it"
   [ "$DELETE_ON_EXIT" = 1 ] || opt=--retry why="a recreated slice starts with empty disks"
   [ -n "$out" ] || die "$opt needs output_dir on gs:// ($why); the command has none" \
@@ -299,6 +301,7 @@ slice_lost() {
 HAVE_SLICE=0
 on_exit() {
   rm -f "$ASKED" "$ASK_ERR"
+  [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
 }
 trap on_exit EXIT
@@ -429,8 +432,13 @@ bring_up() {
     await_queued
   else
     state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
+    [ -n "$state" ] || fatal_asked
     case $state in
-      PREEMPTED|TERMINATED) say "$NAME is $state; deleting it"; teardown; state="" ;;
+      "") ;;
+      DELETING) say "$NAME is DELETING; waiting for it to go"; await_gone; state="" ;;
+      *) case $(pod node "$state") in
+           lost*) say "$NAME is $state; deleting it"; teardown; state="" ;;
+         esac ;;
     esac
     if [ -n "$state" ]; then
       say "reusing $NAME ($state)"
@@ -502,7 +510,7 @@ setup() {
 
 # ------------------------------------------------------------------ run, stream, collect
 RUN_ID="run-$(date -u +%Y%m%d-%H%M%S)"
-LOGS=${LOGS:-$REPO/runs/launch/$NAME-$RUN_ID}
+LOGS_GIVEN=$LOGS LOGS=${LOGS:-$REPO/runs/launch/$NAME-$RUN_ID}
 printf -v CMD '%q ' "$@"
 L="" BEATS=""
 EXPORTS=""  # --env and --compile-cache, quoted for the command's shell
@@ -511,6 +519,8 @@ if [ "${#ENVS[@]}" -gt 0 ]; then
   for kv in "${ENVS[@]}"; do EXPORTS+=" ${kv%%=*}=$(printf %q "${kv#*=}")"; done
   EXPORTS+=" && "
 fi
+BODY="source .venv/bin/activate && ${EXPORTS}exec $CMD"  # each worker's $L.sh
+RUN_DIR=$DIR  # where the running command's worker_run.sh is (an attached one's commit)
 # Worker-side waits of the log stream: 5 s (0.2 s when LAUNCH_POLL_S is under 5, in tests).
 TICK=5 FLUSH=2; [ "${POLL_S%.*}" -ge 5 ] || TICK=0.2 FLUSH=0.5
 BEAT_S=${LAUNCH_HEARTBEAT_S:-10}  # each worker's heartbeat (with a stage)
@@ -523,24 +533,48 @@ attempt_files() {
   L="\$HOME/magic-jax/logs/$RUN_ID-$attempt"
   BEATS=""; [ -z "$STAGE" ] || BEATS="$STAGE/beats/$NAME-$RUN_ID-$attempt"
 }
+# An earlier launch's command still running on this slice, its supervisor gone (killed,
+# its machine down): with --attach, or for the same command, this launch supervises it
+# to the end instead of starting another (its attempt counted in --retry). Worker 0
+# names it in ~/magic-jax/logs/current: run id, attempt, commit, stage.
+running_job() {
+  local info id n c st s body
+  [ "$DRY" = 0 ] && [ "$CREATED" = 0 ] || return 1
+  info=$(ssh_on 0 "read -r id n c s < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
+&& echo \$id \$n \$c \$s \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) && cat \$L.sh" \
+    2>/dev/null) || return 1
+  read -r id n c st _ s _ <<< "${info%%$'\n'*}"
+  body=${info#*$'\n'}
+  [ "${s:-}" = running ] && [[ ${n:-} =~ ^[0-9]+$ ]] || return 1
+  [ "$ATTACH" = 1 ] || [ "$body" = "$BODY" ] || return 1
+  RUN_ID=$id attempt=$n RUN_DIR=magic-jax/$c
+  [ "$st" = - ] || STAGE=$st
+  [ $# -gt 0 ] || BODY=$body  # --attach alone: a rerun runs the same command
+  [ -n "$LOGS_GIVEN" ] || LOGS=$REPO/runs/launch/$NAME-$RUN_ID
+  attempt_files
+  say "attaching to the command running on $NAME since $RUN_ID (attempt $n of $ATTEMPTS," \
+    "commit $c); its logs go to $LOGS"
+}
 # Every worker runs the command detached (an ssh drop does not kill it) under
 # tpu_scripts/worker_run.sh, which records its boot id, its exit status (also when the
 # host's shutdown signals it) and writes its heartbeat; only where this commit is set up
 # and no earlier launch's command still runs (the TPU would be in use).
 start() {
+  RUN_DIR=$DIR
   ssh_on all "mkdir -p magic-jax/logs && cd $DIR && [ -e .installed ] || \
 { echo \"magic-jax $COMMIT is not set up in ~/$DIR\" >&2; exit 1; }
 bash tpu_scripts/worker_run.sh --busy >&2 && exit 5
 cat > $L.sh <<'LAUNCH_SH'
-source .venv/bin/activate && ${EXPORTS}exec $CMD
+$BODY
 LAUNCH_SH
+echo '$RUN_ID $attempt $COMMIT ${STAGE:--}' > \$HOME/magic-jax/logs/current
 nohup bash tpu_scripts/worker_run.sh $L $BEATS $BEAT_S > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
 # Worker W's command: its exit status, "running", "gone" (no status and no process) or
 # "restarted" (gone, its host booted since); nothing when the worker does not answer.
 status_of() {
   local id s b
-  read -r id s b < <(ssh_on "$1" "bash $DIR/tpu_scripts/worker_run.sh --status $L" 2>/dev/null) || true
+  read -r id s b < <(ssh_on "$1" "bash $RUN_DIR/tpu_scripts/worker_run.sh --status $L" 2>/dev/null) || true
   [ "${b:-}" != restarted ] || [ "$s" != gone ] || s=restarted
   echo "${s:-}" | tr -dc 'a-z0-9'
 }
@@ -549,7 +583,7 @@ status_of() {
 probe() {
   local f pid end
   f=$(tmpfile)
-  ssh_on all "bash $DIR/tpu_scripts/worker_run.sh --status $L" > "$f" 2>/dev/null &
+  ssh_on all "bash $RUN_DIR/tpu_scripts/worker_run.sh --status $L" > "$f" 2>/dev/null &
   pid=$! end=$(($(ms) + PROBE_MS))
   while kill -0 "$pid" 2>/dev/null && [ "$(ms)" -lt "$end" ]; do sleep 0.1; done
   kill_tree "$pid"; wait "$pid" 2>/dev/null
@@ -799,24 +833,35 @@ on_signal() {
   fi
   exit "$1"
 }
+# A lost terminal (SIGHUP: the laptop closed, the ssh session dropped) stops nothing: the
+# supervisor goes on, its messages from then on in $LOGS/launch.log, and --delete-on-exit
+# still deletes only once the run has ended (or on Ctrl-C or SIGTERM).
+on_hangup() {
+  mkdir -p "$LOGS"
+  exec >> "$LOGS/launch.log" 2>&1 3>&1
+  note "the terminal is gone (SIGHUP): supervising on, messages in $LOGS/launch.log"
+}
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
+trap on_hangup HUP
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
   attempt_files
   LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted
-  if [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
+  ATTACHED=0
+  if [ "$attempt" = 1 ] && running_job "$@"; then ATTACHED=1 RUNNING=1
+  elif [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
-  if [ -z "$LOST" ]; then
+  if [ -z "$LOST" ] && [ "$ATTACHED" = 0 ]; then
     RUNNING=1
     started=$(tmpfile)
     if ! { start 2>&1 | tee "$started" >&2; } && ! slice_lost; then
       RUNNING=0
       if grep -q "the TPU is in use" "$started"; then
         quit 1 "an earlier launch's command still runs on $NAME, so the TPU is in use: wait for it," \
-          "or stop it (--delete stops it with the slice)"
+          "supervise it (--attach $NAME), or stop it (--delete stops it with the slice)"
       fi
       bring_down >/dev/null 2>&1 || true  # where it did start
       quit 1 "starting the command on $NAME failed"
@@ -824,7 +869,9 @@ while :; do
     rm -f "$started"
   fi
   if [ -z "$LOST" ]; then
-    say "running on $WORKERS worker(s) of $NAME; worker 0's log follows"
+    ctl="detaches (the command goes on)"; [ "$DELETE_ON_EXIT" = 0 ] || ctl="stops it and deletes $NAME"
+    say "running on $WORKERS worker(s) of $NAME; worker 0's log follows (closing the" \
+      "terminal leaves this supervisor running; Ctrl-C $ctl)"
     rc=0; await || rc=$?
     if [ "$rc" = 1 ]; then salvage_logs
     elif [ "$rc" = 4 ]; then bring_down >/dev/null 2>&1; salvage_logs

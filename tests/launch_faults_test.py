@@ -1,0 +1,217 @@
+"""tpu_scripts/launch.sh against what Cloud TPU really reports (the stub `gcloud` of
+tests/launch_test.py): maintenance as READY + UNHEALTHY_MAINTENANCE on every host for
+hours, code 13 stockouts, 429 rate limits, a stuck delete, expired credentials, a
+missing role, exit statuses that restart. Hours are scaled down (1/2000: a status cycle
+of 10 s is 5 ms, 2 h is 3.6 s) or simulated (LAUNCH_CLOCK)."""
+
+import signal
+import subprocess
+import time
+
+from launch_test import (
+    COLLECT,
+    DELETE,
+    GS,
+    UP_GS,
+    _calls,
+    _launch,
+    _launch_lines,
+    _verbs,
+    faithful,
+    image,
+    index,
+    repo,
+    stub,
+)
+
+__all__ = ["faithful", "image", "index", "repo", "stub"]  # the fixtures
+
+
+def test_maintenance_as_reported_reruns_on_the_same_slice(stub, tmp_path):
+    """Every host away for the scaled equivalent of 2 h while the node says READY with
+    health UNHEALTHY_MAINTENANCE: the supervisor waits (no worker asked, nothing
+    deleted), then, the node healthy again, reruns on the same slice: 1 create, 0
+    deletes."""
+    env, state, script = stub
+    env = {k: v for k, v in env.items() if k != "LAUNCH_CLOCK"}  # real (scaled) time
+    env.update(STUB_HOLD="100000", STUB_MAINT_AT="3", STUB_MAINT_MS="3600",
+               LAUNCH_POLL_S="0.005", LAUNCH_LOST_S="0.01", LAUNCH_PROBE_S="1",
+               LAUNCH_SSH_BACKOFF_S="1", LAUNCH_SSH_BACKOFF_MAX_S="1")  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(script), "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+         "--", "magic-jax", "train", *GS],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and verbs.count("delete") == 1  # the one at the end
+    assert verbs[-1] == "delete" and verbs.count("start") == 2
+    assert not (state / "asked-in-maint").exists()  # no worker asked meanwhile
+    assert "magic-jax is READY (UNHEALTHY_MAINTENANCE): waiting for it" in out.stderr
+    lines = _launch_lines(out.stderr)
+    assert lines[0].startswith("launch.sh: maintenance restarted the host of worker(s) 0")
+    assert "rerunning it on magic-jax once READY (attempt 1 of 2)" in lines[0]
+    assert lines[-1] == "launch.sh: resumed run finished"
+
+
+def test_code_13_and_rate_limits_are_retried_with_backoff(stub, tmp_path):
+    """Creates 1 and 2 fail with code 13 and a 429 rate limit (retried after 1 and 2
+    minutes); create 3 finds the name taken by a delete under way (waited for, not a
+    try); create 4 works."""
+    env, state, script = stub
+    env = dict(env, STUB_CREATE_ERRORS="internal rate exists")
+    out = _launch(script, env, "--spot", "--logs", str(tmp_path / "l"), "--", "true")
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state)).count("create") == 4
+    assert (
+        "[launch] no capacity for v5p-64 in us-east5-a (try 1 of 12): An internal error has "
+        "occurred.; trying again in 1m00s" in out.stderr
+    )
+    assert (
+        "[launch] rate-limited (try 2 of 12): Quota exceeded for quota metric 'Requests' and "
+        "limit 'Requests per minute' of service 'tpu.googleapis.com'" in out.stderr
+    )
+    assert "magic-jax exists still (an earlier delete under way): waiting for it" in out.stderr
+    assert int((state / "clock").read_text()) == 60 + 120 and not _launch_lines(out.stderr)
+
+
+def test_a_stuck_delete_is_waited_for_then_the_slice_created(stub, tmp_path):
+    """Preempted (143); the delete times out and leaves the node DELETING: it is waited
+    for (gone), then created again."""
+    env, state, script = stub
+    env = dict(env, STUB_EXIT_0_1="143", STUB_STUCK_DELETE="3")
+    out = _launch(script, env, "--retry", "1", "--logs", str(tmp_path / "l"), "--",
+                  "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "[launch] magic-jax is DELETING; waiting for it to go" in out.stderr
+    assert len((state / "creates").read_text().splitlines()) == 2
+    assert _launch_lines(out.stderr)[-1] == "launch.sh: resumed run finished"
+
+
+def test_expired_credentials_stop_with_one_line_naming_the_fix(stub, tmp_path):
+    env, _, script = stub
+    env = dict(env, STUB_HOLD="50", STUB_AUTH_AT="3")
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
+    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+
+
+def test_a_missing_role_stops_naming_it(stub, tmp_path):
+    env, _, script = stub
+    error = ("PERMISSION_DENIED: Permission 'tpu.nodes.create' denied on resource "
+             "'projects/p/locations/us-east5-a/nodes/magic-jax'")  # fmt: skip
+    out = _launch(script, dict(env, STUB_CREATE_ERROR=error), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 1
+    assert _launch_lines(out.stderr) == [
+        f"launch.sh: creating magic-jax failed: ERROR: (gcloud.compute.tpus.tpu-vm.create) {error}"
+        " (the permission tpu.nodes.create is missing: grant the caller roles/tpu.admin)"
+    ]
+
+
+def test_an_exit_status_that_restarts_under_gke_reruns_on_the_same_slice(stub, tmp_path):
+    """86 (a device fault) restarts a GKE JobSet; here it reruns on the same slice."""
+    env, state, script = stub
+    env = dict(env, STUB_EXIT_0_1="86")
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs[: len(UP_GS)] == UP_GS
+    assert verbs.count("create") == 1 and verbs.count("delete") == 1 and verbs.count("start") == 2
+    assert _launch_lines(out.stderr) == [
+        "launch.sh: worker 0 exited with 86, a status that restarts; rerunning it on magic-jax "
+        "(attempt 1 of 2)",
+        "launch.sh: resumed run finished",
+    ]
+    # without retries left, its status
+    env = dict(env, STUB_EXIT_0="86")
+    out = _launch(script, env, "--logs", str(tmp_path / "l2"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 86, out.stderr
+    assert _launch_lines(out.stderr)[-1] == (
+        "launch.sh: worker 0 exited with 86; attempt 1 of 1, no retries left (--retry 0)"
+    )
+
+
+def test_a_lost_terminal_leaves_the_run_and_the_slice_going(stub, tmp_path):
+    """SIGHUP mid-run with --delete-on-exit: the supervisor goes on (its messages in
+    launch.log), sees the run to its end, and only then deletes the slice."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="30")
+    logs = tmp_path / "l"
+    proc = subprocess.Popen(
+        ["bash", str(script), "--delete-on-exit", "--logs", str(logs), "--",
+         "magic-jax", "train", *GS],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (state / "streams").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert _verbs(_calls(state)) == [*UP_GS, *COLLECT, *DELETE]  # deleted after the end
+    said = (logs / "launch.log").read_text()
+    assert "launch.sh: the terminal is gone (SIGHUP): supervising on" in said
+    assert "[launch] deleting magic-jax" in said and "deleting" not in err
+
+
+# Runs until the file $GO exists, then finishes
+UNTIL_GO = """
+import os, time
+print("looping", flush=True)
+while not os.path.exists(os.environ["GO"]):
+    time.sleep(0.1)
+print("finished", flush=True)
+"""
+
+
+def _supervise(script, env, tmp_path, name, *args):
+    out = (tmp_path / f"{name}.out").open("w")
+    err = tmp_path / f"{name}.err"
+    proc = subprocess.Popen(["bash", str(script), *args], env=env, stdout=out,
+                            stderr=err.open("w"), text=True)  # fmt: skip
+    return proc, err
+
+
+def _wait_for(what, proc, deadline=120):
+    end = time.monotonic() + deadline
+    while not what():
+        assert time.monotonic() < end and proc.poll() is None, "gave up waiting"
+        time.sleep(0.1)
+
+
+def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful, tmp_path):
+    """kill -9 of the supervisor mid-run, then the same command: it attaches to the
+    running command (no second start, no second slice); kill -9 again, then --attach NAME
+    alone: it sees the run to its end and collects every worker's log."""
+    env, state, script = faithful
+    go = tmp_path / "go"
+    args = ["--retry", "1", "--env", f"GO={go}", "--logs", str(tmp_path / "logs"), "--",
+            "python", "-c", UNTIL_GO, *GS]  # fmt: skip
+    first, _ = _supervise(script, env, tmp_path, "first", *args)
+
+    def running():
+        logs = list(state.glob("worker-*/magic-jax/logs/*-1.log"))
+        return len(logs) == 2 and all("looping" in p.read_text() for p in logs)
+
+    _wait_for(running, first)
+    first.kill()  # SIGKILL: no trap runs
+    first.wait()
+    again, err = _supervise(script, env, tmp_path, "again", *args)
+    _wait_for(lambda: "attaching to the command running on magic-jax" in err.read_text(), again)
+    again.kill()
+    again.wait()
+    last, err = _supervise(script, env, tmp_path, "last", "--attach", "magic-jax", "--logs",
+                           str(tmp_path / "logs"))  # fmt: skip
+    _wait_for(lambda: "attaching to the command running on magic-jax" in err.read_text(), last)
+    go.touch()
+    assert last.wait(timeout=120) == 0, err.read_text()
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and verbs.count("start") == 1
+    for w in range(2):
+        assert "finished" in (tmp_path / "logs" / f"worker-{w}.log").read_text()
+    assert not _launch_lines(err.read_text())
