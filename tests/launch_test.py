@@ -55,8 +55,11 @@ SETUP_SCRIPT = ROOT / "tpu_scripts" / "worker_setup.sh"
 # slice has empty disks), where `ssh --command C` runs C with bash, HOME there.
 STUB = r"""#!/usr/bin/env bash
 calls=calls; [ -z "${STUB_ON_WORKER:-}" ] || calls=worker-calls
-printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/$calls"; printf '\x1e' >> "$STUB_DIR/$calls"
-[ -n "${STUB_ON_WORKER:-}" ] || date +%s%3N >> "$STUB_DIR/times"
+{  # one record at a time, and its time with it: launch.sh asks many workers at once
+  flock 9
+  printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/$calls"; printf '\x1e' >> "$STUB_DIR/$calls"
+  [ -n "${STUB_ON_WORKER:-}" ] || date +%s%3N >> "$STUB_DIR/times"
+} 9>> "$STUB_DIR/.lock"
 here=$PWD
 cd "$STUB_DIR" || exit 1
 args="$*" argv=("$@")
@@ -193,7 +196,7 @@ case $args in
       k=$(cat polls 2>/dev/null | wc -l)
       # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
       if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] &&
-         [ ! -e "silent-$STUB_SILENT" ]; then
+         [ ! -e silent-at ]; then
         echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
       fi
       for w in $(seq 0 $((n - 1))); do
@@ -274,6 +277,8 @@ case $args in
       exit 1
     fi
     echo >> creates; k=$(wc -l < creates)
+    # a new slice after a host was lost: every VM answers, the job ends at once
+    if [ -e silent-at ]; then rm -f silent-[0-9]*; touch down; fi
     [ -z "${STUB_QUOTA:-}" ] || quota
     e=$(echo ${STUB_CREATE_ERRORS:-} | cut -d' ' -f"$k"); [ -z "$e" ] || [ "$e" = ok ] || "$e"
     case " ${STUB_NO_CAPACITY:-} " in *" $k "*|*" all "*) no_capacity ;; esac
@@ -344,7 +349,9 @@ case $args in
         fi
         [ "$run" = "${STUB_VANISH:-}" ] && exit 3
         echo "step 0 from worker $worker (run $run)" ;;
-      "cat "*".log") echo "log of worker $worker" ;;
+      "cat "*".log")  # a VM gone: gcloud's 10 tries, each a TCP connect timing out
+        [ ! -e "silent-$worker" ] || exec sleep 1000
+        echo "log of worker $worker" ;;
       "cat "*".exit 2>/dev/null || echo none")
         [ ! -e "silent-$worker" ] || exit 255
         if after_maint; then echo none; exit 0; fi

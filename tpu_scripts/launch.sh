@@ -25,14 +25,18 @@
 #   --service-account SA  the VMs' service account (it needs roles on the bucket: docs/tpu.md)
 #   --network N, --subnetwork S  the VMs' VPC network and subnetwork
 #   --internal-ip       VMs without external IPs; ssh and scp over internal IPs
-#   --retry N           when the slice is preempted, lost or restarted by maintenance,
-#                       rerun the command, up to N times: on the same slice once it is
-#                       READY again (maintenance), else on a new one (re-requested with
+#   --retry N           when the slice is preempted, lost or restarted by maintenance, or
+#                       the command exits with a status that restarts, rerun it, up to N
+#                       times: on the same slice once it is READY again (maintenance, a
+#                       status that restarts), else on a new one (re-requested with
 #                       --queued); the run resumes from its output_dir [0]
-#   --create-tries N    a create that finds no capacity is tried again, after 60 s, then
-#                       twice as long each time (at most --create-backoff-max), up to N
-#                       tries in all [$LAUNCH_CREATE_TRIES or 12]; quota and other errors
-#                       end at once
+#   --create-tries N    a create that finds no capacity (code 8, or code 13 as Spot
+#                       stockouts also come) or is rate-limited (429) is tried again,
+#                       after 60 s, then twice as long each time (at most
+#                       --create-backoff-max), up to N tries in all [$LAUNCH_CREATE_TRIES
+#                       or 12]; ALREADY_EXISTS (a delete under way) is waited for; quota,
+#                       credentials, a missing role and other errors end at once, in one
+#                       line naming the fix
 #   --create-backoff-max S  the longest wait between creates [$LAUNCH_CREATE_BACKOFF_MAX_S or 1800]
 #   --env KEY=VALUE     set KEY for the command on every worker (repeatable)
 #   --compile-cache URL the command's persistent compilation cache on every worker, e.g.
@@ -41,6 +45,9 @@
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
 #   --delete            delete the slice (and its queued resource) and exit
+#   --attach NAME       supervise the command an earlier launch left running on NAME (its
+#                       supervisor killed, its machine down) to its end; the same command
+#                       as that launch's attaches too (otherwise: the TPU is in use)
 #   --stage URL         where the archive (once per commit) and the workers' heartbeats
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
@@ -57,11 +64,19 @@
 # under tpu_scripts/worker_run.sh (which records its exit status even when a shutdown
 # signals it, the host's boot id, and with a stage a heartbeat every
 # $LAUNCH_HEARTBEAT_S [10] s); magic_jax starts jax.distributed itself on a multi-host
-# slice. gcloud runs without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1).
+# slice. gcloud runs without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The decisions below
+# are magic_jax/jobs/pod_decide.py's, run with this machine's python3 (3.10 or newer,
+# the standard library only; $LAUNCH_HOST_PYTHON).
 # While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two gcloud calls at any
 # host count: the node's state and health, and every worker's heartbeat (without a
-# stage: one ssh to all workers). A worker silent for $LAUNCH_LOST_S [20] s is asked
-# once, with $LAUNCH_PROBE_S [15] s to answer. The exit status is worker 0's, unless
+# stage: one ssh to all workers). Health is part of the state: a READY node whose health
+# is UNHEALTHY_* or TIMEOUT is waited for (maintenance: hours, on every host), never
+# probed or deleted, with no time limit unless --timeout. On a READY, healthy node a
+# worker silent for $LAUNCH_LOST_S [20] s is asked once, with $LAUNCH_PROBE_S [15] s to
+# answer. Every ssh gives up connecting after $LAUNCH_SSH_CONNECT_S [10] s; a question to
+# one worker after $LAUNCH_SSH_DEADLINE_S [120] s (gcloud's own ssh tries a gone host for
+# about 20 min); logs are fetched $LAUNCH_SSH_FANOUT [16] workers at a time, never from a
+# host known gone. The exit status is worker 0's, unless
 # another worker's command ends with a failure while worker 0's still runs (any status
 # but 0, 130 or 143, or gone without one): then every worker's command is stopped
 # (SIGTERM, SIGKILL $LAUNCH_KILL_S [30] s later) and the status is that worker's (1 when
@@ -75,14 +90,17 @@
 # node: "a host lost"); --retry reruns on a new slice; with no retries left the status
 # is 143. Maintenance is a command gone without an exit status from a host that booted
 # since it started (the node REPAIRING, or UNHEALTHY_MAINTENANCE, meanwhile): --retry
-# reruns it on the same slice once READY. A command gone from a host that did not
-# restart (killed) ends the launch with 1.
+# reruns it on the same slice once READY and healthy. So does a status that restarts a
+# GKE JobSet too (magic_jax/jobs/restarts.py: 86 a device fault, 124 a hang, 69, 137,
+# 42, 127-255; 143 as above). A command gone from a host that did not restart (killed)
+# ends the launch with 1.
 # Every worker's log is collected into --logs when the command ends and at each
 # preemption (from the workers that still answer), worker-N.log, worker-N.attempt-K.log.
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
 # worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
 # $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
-# Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
+# A closed terminal (SIGHUP) stops nothing: the supervisor goes on, its messages in
+# LOGS/launch.log. Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
 # the command goes on, detached (--delete stops it with the slice); with it, the command
 # is stopped on every worker (SIGTERM: the run checkpoints), the logs are collected and
 # the slice is deleted; a second Ctrl-C deletes it at once. Before the command runs,
@@ -218,9 +236,21 @@ tmpfile() { mktemp "${TMPDIR:-/tmp}/launch-XXXXXX"; }
 ASKED=${TMPDIR:-/tmp}/launch-asked-$$ ASK_ERR=${TMPDIR:-/tmp}/launch-ask-err-$$
 ask() { if [ "$DRY" = 1 ]; then run "$@"; return 1; else "$@" 2>"$ASKED"; fi; }
 asked_why() { error_line "$ASKED"; }
+# Every ssh gives up connecting after CONNECT_S; a question to one worker (ask_worker)
+# also gives up after ASK_S in all: gcloud's own ssh tries a host that is gone 10 times,
+# 5 s apart, each waiting for TCP's connect timeout (minutes). Questions to many workers
+# go FANOUT at a time.
+CONNECT_S=${LAUNCH_SSH_CONNECT_S:-10} ASK_S=${LAUNCH_SSH_DEADLINE_S:-120} FANOUT=${LAUNCH_SSH_FANOUT:-16}
 ssh_on() {
   local w=$1; shift
-  run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" "${SSH_VIA[@]}" --worker="$w" --command "$*"
+  run "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" "${SSH_VIA[@]}" --worker="$w" \
+    --ssh-flag=-oConnectTimeout="$CONNECT_S" --command "$*"
+}
+ask_worker() {
+  local w=$1; shift
+  [ "$DRY" = 0 ] || { ssh_on "$w" "$@"; return; }
+  timeout -k 5 "$ASK_S" "${TPU[@]}" ssh "$NAME" "${WHERE[@]}" "${SSH_VIA[@]}" --worker="$w" \
+    --ssh-flag=-oConnectTimeout="$CONNECT_S" --command "$*"
 }
 # Waits S seconds. LAUNCH_CLOCK=FILE (tests) makes the waits between retries (ssh
 # reconnects, creates) advance a clock kept in FILE instead, and `now` read it.
@@ -540,7 +570,7 @@ attempt_files() {
 running_job() {
   local info id n c st s body
   [ "$DRY" = 0 ] && [ "$CREATED" = 0 ] || return 1
-  info=$(ssh_on 0 "read -r id n c s < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
+  info=$(ask_worker 0 "read -r id n c s < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
 && echo \$id \$n \$c \$s \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) && cat \$L.sh" \
     2>/dev/null) || return 1
   read -r id n c st _ s _ <<< "${info%%$'\n'*}"
@@ -574,7 +604,8 @@ nohup bash tpu_scripts/worker_run.sh $L $BEATS $BEAT_S > $L.log 2>&1 < /dev/null
 # "restarted" (gone, its host booted since); nothing when the worker does not answer.
 status_of() {
   local id s b
-  read -r id s b < <(ssh_on "$1" "bash $RUN_DIR/tpu_scripts/worker_run.sh --status $L" 2>/dev/null) || true
+  read -r id s b < <(ask_worker "$1" "bash $RUN_DIR/tpu_scripts/worker_run.sh --status $L" 2>/dev/null) ||
+    true
   [ "${b:-}" != restarted ] || [ "$s" != gone ] || s=restarted
   echo "${s:-}" | tr -dc 'a-z0-9'
 }
@@ -652,7 +683,7 @@ cycle() {
     recreate)
       VERDICT=lost
       if [ "$ws" = - ]; then slice_lost || LOST="$NAME is $state"; return; fi
-      KIND="a host lost"
+      KIND="a host lost" GONE_HOSTS=" $ws"
       LOST="worker $ws stopped answering (no heartbeat for $(((t - ${SEEN_AT[$ws]}) / 1000))s, no"
       LOST+=" answer in $((PROBE_MS / 1000))s; $NAME is $state)" ;;
     rerun) RESTARTED=" $ws" VERDICT=restarted ;;
@@ -749,7 +780,7 @@ exit_of() {
   local w=$1 s tries=0 wait=$SSH_WAIT_S
   CODE=""
   while :; do
-    s=$(ssh_on "$w" "cat $L.exit 2>/dev/null || echo none" 2>/dev/null | tr -dc 'a-z0-9') || s=""
+    s=$(ask_worker "$w" "cat $L.exit 2>/dev/null || echo none" 2>/dev/null | tr -dc 'a-z0-9') || s=""
     [ "$s" != none ] || s=$(status_of "$w")
     case $s in
       [0-9]*) CODE=$s; return 0 ;;
@@ -775,48 +806,63 @@ exit_of() {
   done
 }
 log_suffix() { [ "$attempt" = 1 ] || echo ".attempt-$attempt"; }
-# Collects every worker's log (worker-N.log, worker-N.attempt-K.log on a retry) and exit
-# status. Sets STATUS to worker 0's; 1 when the slice is lost (LOST says why).
-collect() {
-  local w code suffix
-  suffix=$(log_suffix)
-  [ "$DRY" = 1 ] || mkdir -p "$LOGS"
-  STATUS=0 STOPPED="" DEADLINE=$((SECONDS + GRACE_S))
-  for ((w = 0; w < WORKERS; w++)); do
-    if [ "$DRY" = 1 ]; then
-      ssh_on "$w" "cat $L.log"
-      continue
-    fi
-    exit_of "$w"; code=$CODE  # first: the log is whole once the command ended
-    ssh_on "$w" "cat $L.log" > "$LOGS/worker-$w$suffix.log" || true
-    if [ -z "$code" ] && [ "$w" = 0 ] && slice_lost; then return 1; fi
-    [ -n "$code" ] || code=1
-    [ "$w" != 0 ] || STATUS=$code
-    [ "$code" = 0 ] || say "worker $w exited with $code (log: $LOGS/worker-$w$suffix.log)"
-  done
-  [ "$DRY" = 1 ] || say "logs of $WORKERS worker(s) in $LOGS"
-}
-# Collects the log of every worker that still answers, one try each (a preemption, an
-# interrupt). When worker 0 does not answer the slice is taken as unreachable.
-salvage_logs() {
-  local w suffix got=0 f
-  [ "$DRY" = 0 ] || return 0
-  suffix=$(log_suffix)
+# Copies every worker's log here (worker-N.log, worker-N.attempt-K.log on a retry), FANOUT
+# at a time, each within ASK_S; a host known gone (GONE_HOSTS) is not asked, nor is any
+# when worker 0 does not answer (a slice gone answers no ssh). Sets FETCHED: how many came.
+fetch_logs() {
+  local w f suffix pids=()
+  suffix=$(log_suffix) FETCHED=0
   mkdir -p "$LOGS"
   for ((w = 0; w < WORKERS; w++)); do
-    f=$LOGS/worker-$w$suffix.log
-    if ssh_on "$w" "cat $L.log" > "$f" 2>/dev/null; then got=$((got + 1)); continue; fi
-    [ -s "$f" ] && got=$((got + 1)) || rm -f "$f"
-    [ "$w" != 0 ] || break
+    case " $GONE_HOSTS " in *" $w "*) continue ;; esac
+    if [ "$w" = 1 ] && [ ! -s "$LOGS/worker-0$suffix.log.part" ]; then
+      case " $GONE_HOSTS " in *" 0 "*) ;; *) break ;; esac
+    fi
+    ask_worker "$w" "cat $L.log" > "$LOGS/worker-$w$suffix.log.part" 2>/dev/null &
+    pids+=("$!")
+    [ "$w" != 0 ] || { wait "$!" || true; pids=(); }
+    if [ "${#pids[@]}" -ge "$FANOUT" ]; then wait "${pids[0]}" || true; pids=("${pids[@]:1}"); fi
   done
-  say "logs of $got of $WORKERS worker(s) in $LOGS${LOST:+ ($LOST)}"
+  [ "${#pids[@]}" = 0 ] || wait "${pids[@]}" || true
+  for ((w = 0; w < WORKERS; w++)); do
+    f=$LOGS/worker-$w$suffix.log
+    if [ -s "$f.part" ]; then mv "$f.part" "$f"; else rm -f "$f.part"; fi
+    [ ! -s "$f" ] || FETCHED=$((FETCHED + 1))
+  done
+}
+# Collects every worker's exit status, then every log. Sets STATUS to worker 0's; 1 when
+# the slice is lost (LOST says why).
+collect() {
+  local w code codes=()
+  if [ "$DRY" = 1 ]; then
+    for ((w = 0; w < WORKERS; w++)); do ssh_on "$w" "cat $L.log"; done
+    return 0
+  fi
+  STATUS=0 STOPPED="" DEADLINE=$((SECONDS + GRACE_S))
+  for ((w = 0; w < WORKERS; w++)); do
+    exit_of "$w"; codes[w]=$CODE  # first: a log is whole once its command ended
+    if [ -z "$CODE" ] && [ "$w" = 0 ] && slice_lost; then return 1; fi
+  done
+  fetch_logs
+  for ((w = 0; w < WORKERS; w++)); do
+    code=${codes[$w]:-1}
+    [ "$w" != 0 ] || STATUS=$code
+    [ "$code" = 0 ] || say "worker $w exited with $code (log: $LOGS/worker-$w$(log_suffix).log)"
+  done
+  say "logs of $WORKERS worker(s) in $LOGS"
+}
+# Collects the log of every worker that still answers (a preemption, an interrupt).
+salvage_logs() {
+  [ "$DRY" = 0 ] || return 0
+  fetch_logs
+  say "logs of $FETCHED of $WORKERS worker(s) in $LOGS${LOST:+ ($LOST)}"
 }
 
 # Ctrl-C or SIGTERM (code 130 or 143). While the command runs: with --delete-on-exit,
 # stop it on every worker (the run checkpoints on SIGTERM), collect the logs, then the
 # exit trap deletes the slice; without it, leave the command running, detached. A second
 # one exits at once (and the exit trap deletes).
-RUNNING=0 STREAM_PID="" attempt=1
+RUNNING=0 STREAM_PID="" attempt=1 GONE_HOSTS=""
 on_signal() {
   trap 'note "interrupted again: exiting now"; exit '"$1" INT TERM
   [ -z "$STREAM_PID" ] || kill_tree "$STREAM_PID"
@@ -848,7 +894,7 @@ ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
   attempt_files
-  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted
+  LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted GONE_HOSTS=""
   ATTACHED=0
   if [ "$attempt" = 1 ] && running_job "$@"; then ATTACHED=1 RUNNING=1
   elif [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
