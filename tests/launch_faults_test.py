@@ -246,3 +246,46 @@ def test_a_lost_host_at_64_hosts_gets_a_new_slice_requested_within_minutes(stub,
     assert minutes < 10
     assert "launch.sh: a host lost (worker 63 stopped answering" in out.stderr
     assert "[launch] logs of 63 of 64 worker(s)" in out.stderr
+
+
+def test_a_failed_queued_request_shows_why_and_is_requested_again_after_a_wait(stub, tmp_path):
+    env, state, script = stub
+    env = dict(env, STUB_QR_WAIT="5", STUB_QR_FAIL_AT="2")
+    out = _launch(script, env, "--queued", "--spot", "--logs", str(tmp_path / "l"), "--", "true")
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state)).count("qr-create") == 2
+    assert (
+        "[launch] queued resource magic-jax-qr FAILED: There is no more capacity in the zone "
+        '"us-east5-a"; you can try in another zone' in out.stderr
+    )
+    assert "requesting it again in 1m00s (1 of 12)" in out.stderr
+    assert int((state / "clock").read_text()) == 60
+
+
+def test_a_queued_request_failed_after_its_valid_until_duration_is_not_requested_again(
+    stub, tmp_path
+):
+    """--valid-until-duration 1m: the request waits (10 s polls) and fails at poll 10,
+    past its minute: one line with its failedData, no second request."""
+    env, state, script = stub
+    env = dict(env, STUB_QR_WAIT="100", STUB_QR_FAIL_AT="10", LAUNCH_POLL_S="10",
+               STUB_QR_FAILED_CODE="4", STUB_QR_FAILED_WHY="The request's valid until time has "
+               "passed.")  # fmt: skip
+    out = _launch(script, env, "--queued", "--spot", "--valid-until-duration", "1m", "--", "true")
+    assert out.returncode == 1, out.stderr
+    assert _verbs(_calls(state)).count("qr-create") == 1
+    assert _launch_lines(out.stderr) == [
+        "launch.sh: queued resource magic-jax-qr FAILED after its --valid-until-duration 1m "
+        "lapsed: The request's valid until time has passed.; not requested again"
+    ]
+
+
+def test_a_suspending_queued_resource_is_waited_for_not_force_deleted(stub, tmp_path):
+    env, state, script = stub
+    env = dict(env, STUB_PREEMPT="1", STUB_SUSPENDING="3")
+    out = _launch(script, env, "--queued", "--spot", "--retry", "1", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not (state / "forced").exists()  # deleted once SUSPENDED
+    assert "preempted (magic-jax is GONE; attempt 1 of 2); recreating the slice" in out.stderr
+    assert _verbs(_calls(state)).count("qr-create") == 2

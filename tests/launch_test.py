@@ -292,16 +292,25 @@ case $args in
     esac
     touch created
     [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
+  *"queued-resources describe"*"failedData"*)  # FAILED: why, as the API's google.rpc.Status
+    [ -e qr ] || missing
+    why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
+    printf '%s\t%s\n' "${STUB_QR_FAILED_CODE:-8}" "${STUB_QR_FAILED_WHY:-$why}" ;;
   *"queued-resources describe"*"state.state"*)
     [ -e qr ] || missing
+    if [ "$(cat qr)" = SUSPENDING ]; then  # SUSPENDED after $STUB_SUSPENDING questions
+      r=$(($(cat suspending) - 1)); echo "$r" > suspending; [ "$r" -gt 0 ] || echo SUSPENDED > qr
+    fi
     if [ "$(cat qr)" = WAITING_FOR_RESOURCES ]; then
       echo >> qr-polls; k=$(wc -l < qr-polls)
+      if [ "$k" = "${STUB_QR_FAIL_AT:-}" ]; then echo FAILED > qr; cat qr; exit 0; fi
       if [ "$k" = "${STUB_QR_HANG_AT:-}" ]; then touch qr-hang; exec sleep 60; fi
       if [ "$k" -ge "$STUB_QR_WAIT" ]; then echo ACTIVE > qr; touch created; fi
     fi
     cat qr ;;
   *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
   *" delete "*) stop_vms
+    [ "$(cat qr 2>/dev/null)" != SUSPENDING ] || touch forced  # a force-delete mid-suspend
     if [ -n "${STUB_STUCK_DELETE:-}" ] && [ ! -e stuck ] && [[ $args != *queued* ]]; then
       touch stuck; echo DELETING > created; echo "$STUB_STUCK_DELETE" > deleting
       echo "ERROR: (gcloud.compute.tpus.tpu-vm.delete) Operation" \
@@ -344,7 +353,10 @@ case $args in
         fi
         if [ "$(wc -l < streams)" -le "${STUB_SSH_DROPS:-0}" ]; then exit 255; fi
         if [ "$run" = "${STUB_PREEMPT:-}" ]; then
-          if [ -e qr ]; then rm -f created; echo SUSPENDED > qr; else echo PREEMPTED > created; fi
+          if [ -e qr ] && [ -n "${STUB_SUSPENDING:-}" ]; then
+            rm -f created; echo SUSPENDING > qr; echo "$STUB_SUSPENDING" > suspending
+          elif [ -e qr ]; then rm -f created; echo SUSPENDED > qr
+          else echo PREEMPTED > created; fi
           echo "ssh: connection closed" >&2; exit 255
         fi
         [ "$run" = "${STUB_VANISH:-}" ] && exit 3
@@ -590,8 +602,9 @@ def test_a_suspended_queued_resource_is_requested_again(stub, tmp_path):
     # is there a request? no: request it; ACTIVE? (yes); the node READY, its workers
     up = ["qr-describe", "qr-create", "qr-describe", "describe", "describe", "staged?"]
     again = [*up, "setup", "start", "stream"]
-    assert verbs == [*up, "upload", *again[6:], "qr-describe", "collect", "qr-delete", *again,
-                     *COLLECT]  # fmt: skip
+    # (SUSPENDING? no: deleted)
+    assert verbs == [*up, "upload", *again[6:], "qr-describe", "collect", "qr-describe",
+                     "qr-delete", *again, *COLLECT]  # fmt: skip
     assert "preempted (queued resource n-qr is SUSPENDED; attempt 1 of 3)" in out.stderr
     assert "launch.sh: resumed run finished" in out.stderr
     assert (state / "created").exists()  # no --delete-on-exit: the new slice stays
@@ -863,7 +876,10 @@ def test_a_failed_queued_request_is_requested_again(stub, tmp_path):
     (state / "qr").write_text("FAILED\n")  # an earlier launch's request, failed since
     out = _launch(script, env, "--queued", "--logs", str(tmp_path / "l"), "--", "true")
     assert out.returncode == 0, out.stderr
-    assert _verbs(_calls(state))[:3] == ["qr-describe", "qr-delete", "qr-create"]
+    # is there a request? FAILED: why (its failedData)? SUSPENDING? delete, request again
+    verbs = _verbs(_calls(state))
+    assert verbs[:5] == ["qr-describe", "qr-describe", "qr-describe", "qr-delete", "qr-create"]
+    assert "queued resource magic-jax-qr FAILED: There is no more capacity" in out.stderr
     assert "queued resource magic-jax-qr is FAILED; deleting it to request it again" in out.stderr
 
 
@@ -1013,6 +1029,8 @@ def test_dry_run_with_retry_and_delete_on_exit(stub):
         (["--zone"], "--zone needs a value"),
         (["--accelerator", "tpu-9", "--", "x"], "no default runtime version"),
         (["--retry", "two", "--", "x"], "--retry must be a number of retries, got two"),
+        (["--queued", "--valid-until-duration", "6x", "--", "x"],
+         "--valid-until-duration must be a duration such as 6h or 90m, got 6x"),
         (["--env", "1A=x", "--", "x"],
          "--env needs KEY=VALUE with KEY a variable name (letters, digits, _), got 1A=x"),
         (["--env", "MSG", "--", "x"], "--env needs KEY=VALUE"),
@@ -1103,7 +1121,7 @@ exit 1
 TOOLS = ["bash", "sh", "env", "tar", "gzip", "mkdir", "cat", "rm", "cp", "mv", "ln", "ls", "sed",
          "grep", "tail", "head", "sleep", "nohup", "pkill", "pgrep", "seq", "date", "hostname",
          "curl", "tr", "wc", "dirname", "basename", "touch", "chmod", "mktemp", "sort", "cut",
-         "tee", "readlink", "uname", "id", "ps"]  # fmt: skip
+         "tee", "readlink", "uname", "id", "ps", "timeout", "flock"]  # fmt: skip
 
 
 def _python310() -> str:
@@ -1325,6 +1343,12 @@ def test_every_workers_log_is_collected_at_a_preemption_and_at_the_end(faithful,
         assert f"worker-{w} finished" in second and "preempted" not in second
     assert out.stderr.count("worker 1: ready") == 2  # set up on both slices
     assert _verbs(_calls(state)).count("create") == 2
+    # each worker's log went up to the stage too, the preempted slice's included
+    kept = state / "gcs/b/magic-jax-launch/logs"
+    for w in range(3):
+        (first,) = kept.glob(f"magic-jax-run-*-1/worker-{w}.log")
+        assert "preempted: stopping with 143" in first.read_text()
+        assert "finished" in next(kept.glob(f"magic-jax-run-*-2/worker-{w}.log")).read_text()
     assert not (state / "created").exists()
     assert not _leftovers(tmp_path)
 

@@ -114,7 +114,7 @@ die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
-SETUP=1 LOGS="" ATTACH=0 DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
+SETUP=1 LOGS="" ATTACH=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
 CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
@@ -130,7 +130,9 @@ while [ $# -gt 0 ]; do
     --version) need "$@"; VERSION=$2; shift 2 ;;
     --spot|--reserved) CAPACITY+=("$1"); shift ;;
     --best-effort) CAPACITY+=("$1"); QUEUED_ONLY+=("$1"); shift ;;
-    --reservation|--valid-until-duration) need "$@"; CAPACITY+=("$1=$2"); QUEUED_ONLY+=("$1"); shift 2 ;;
+    --reservation|--valid-until-duration) need "$@"; CAPACITY+=("$1=$2"); QUEUED_ONLY+=("$1")
+      [ "$1" != --valid-until-duration ] || VALID=$2
+      shift 2 ;;
     --service-account) need "$@"; VM+=("--service-account=$2"); QR_VM+=("--service-account=$2"); shift 2 ;;
     --network|--subnetwork) need "$@"; VM+=("$1=$2"); QR_VM+=("$1=$2"); shift 2 ;;
     --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
@@ -164,6 +166,13 @@ kinds=0
 for c in "${CAPACITY[@]}"; do case $c in --spot|--reserved|--best-effort) kinds=$((kinds + 1)) ;; esac; done
 [ "$kinds" -le 1 ] || die "--spot, --reserved and --best-effort exclude each other: choose one"
 [[ $RETRY =~ ^[0-9]+$ ]] || die "--retry must be a number of retries, got $RETRY"
+# gcloud's durations: 6h, 90m, 1d, 3600s, 1h30m
+VALID_S=0 rest=$VALID
+while [[ $rest =~ ^([0-9]+)([smhd])(.*)$ ]]; do
+  case ${BASH_REMATCH[2]} in s) f=1 ;; m) f=60 ;; h) f=3600 ;; d) f=86400 ;; esac
+  VALID_S=$((VALID_S + BASH_REMATCH[1] * f)) rest=${BASH_REMATCH[3]}
+done
+[ -z "$rest" ] || die "--valid-until-duration must be a duration such as 6h or 90m, got $VALID"
 [[ $CREATE_TRIES =~ ^[1-9][0-9]*$ ]] || die "--create-tries must be a number of tries (1 or more), got $CREATE_TRIES"
 [[ $CREATE_MAX_S =~ ^[0-9]+$ ]] || die "--create-backoff-max must be a number of seconds, got $CREATE_MAX_S"
 if [ -z "$VERSION" ]; then
@@ -274,7 +283,11 @@ kill_tree() {
 }
 
 teardown() {
+  local s
   if [ "$QUEUED" = 1 ] || ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(name)' >/dev/null; then
+    # one SUSPENDING (Cloud TPU deleting its VMs) is left to finish, not force-deleted
+    while [ "$DRY" = 0 ] && s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
+      --format='value(state.state)') && [ "$s" = SUSPENDING ]; do nap "$POLL_S"; done
     run "${QRS[@]}" delete "$QR" "${WHERE[@]}" --force --quiet
   else
     run "${TPU[@]}" delete "$NAME" "${WHERE[@]}" --quiet
@@ -328,7 +341,7 @@ slice_lost() {
 # ------------------------------------------------------------------ create or reuse, wait
 # HAVE_SLICE: the slice may exist (a create was asked for, or it was reused); the exit
 # trap deletes it then with --delete-on-exit.
-HAVE_SLICE=0
+HAVE_SLICE=0 REQUESTED_AT=0  # (a request of an earlier launch: its age unknown)
 on_exit() {
   rm -f "$ASKED" "$ASK_ERR"
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
@@ -344,7 +357,7 @@ trap on_exit EXIT
 # gcloud's message (and the fix, where there is one).
 create() {
   local try=1 wait=$CREATE_WAIT_S err rc line kind what
-  err=$(tmpfile) CREATED=1
+  err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
   while :; do
     HAVE_SLICE=1 rc=0
     if [ "$QUEUED" = 1 ]; then
@@ -393,21 +406,40 @@ await_gone() {
     nap "$POLL_S"
   done
 }
+# A FAILED queued resource: says its failedData; ends the launch once --valid-until-duration
+# has lapsed since it was requested (the option's point), or when its error is not one a
+# new request mends (no capacity, a rate limit).
+request_failed() {
+  local f code msg kind line
+  f=$(tmpfile)
+  IFS=$'\t' read -r code msg < <(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
+    --format='value(state.failedData.error.code,state.failedData.error.message)' || true)
+  printf '{\n  "code": %s,\n  "message": "%s"\n}\n' "${code:-0}" "${msg:-no failedData}" > "$f"
+  IFS=$'\t' read -r kind line < <(pod error "$f"); rm -f "$f"
+  say "queued resource $QR FAILED: $line"
+  if [ "$VALID_S" -gt 0 ] && [ $(($(now) - REQUESTED_AT)) -ge "$VALID_S" ]; then
+    quit 1 "queued resource $QR FAILED after its --valid-until-duration $VALID lapsed: $line;" \
+      "not requested again"
+  fi
+  case $kind in capacity|rate-limit) ;; *) quit 1 "queued resource $QR FAILED: $line" ;; esac
+}
 # Waits for the queued resource to be ACTIVE, as long as it takes (or --timeout): one
 # that ends FAILED, SUSPENDED or gone is requested again, up to CREATE_TRIES times.
 await_queued() {
-  local s started said="" polls=0 ended=0
+  local s started said="" polls=0 ended=0 wait=$CREATE_WAIT_S
   started=$(now)
   while [ "$DRY" = 0 ]; do
     s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
     case $s in
       ACTIVE) return 0 ;;
       FAILED|SUSPENDED|GONE)
+        [ "$s" != FAILED ] || request_failed
         ended=$((ended + 1))
         [ "$ended" -lt "$CREATE_TRIES" ] ||
           quit 1 "queued resource $QR ended $s $ended times (--create-tries $CREATE_TRIES)"
-        say "queued resource $QR is $s; requesting it again ($ended of $CREATE_TRIES)"
+        say "queued resource $QR is $s; requesting it again in $(span "$wait") ($ended of $CREATE_TRIES)"
         [ "$s" = GONE ] || teardown >/dev/null 2>&1 || true
+        nap "$wait"; wait=$(twice "$wait" "$CREATE_MAX_S")
         create; said=""; continue ;;
     esac
     if [ -n "$TIMEOUT" ] && [ $(($(now) - started)) -ge "$TIMEOUT" ]; then
@@ -455,7 +487,8 @@ bring_up() {
     s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') || s=""
     case $s in
       "") create ;;
-      FAILED|SUSPENDED) say "queued resource $QR is $s; deleting it to request it again"
+      FAILED|SUSPENDED) [ "$s" != FAILED ] || request_failed
+        say "queued resource $QR is $s; deleting it to request it again"
         teardown; create ;;
       *) say "attaching to queued resource $QR ($s)"; HAVE_SLICE=1 ;;
     esac

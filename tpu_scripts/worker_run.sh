@@ -10,7 +10,10 @@
 # session): it waits for the command, which gets the signal too, and still records the
 # status. With BEATS (a gs:// prefix) it writes BEATS/worker-N every EVERY [10] seconds,
 # one line "N SEQ running BOOT", and "N end exit-STATUS BOOT" at the end: the heartbeat
-# by which launch.sh sees every host alive with one query, whatever their number.
+# by which launch.sh sees every host alive with one query, whatever their number. Its
+# log goes up too, to BEATS's stage under logs/ (STAGE/logs/RUN/worker-N.log for
+# BEATS=STAGE/beats/RUN), every 60 heartbeats and at the end: a slice preempted or gone
+# keeps it.
 #
 #   bash tpu_scripts/worker_run.sh --status LOG   prints "N STATUS BOOT"
 #   bash tpu_scripts/worker_run.sh --busy         names the commands still running here
@@ -61,6 +64,10 @@ beat() {  # SEQ STATE
   [ -z "$beats" ] || printf '%s %s %s %s\n' "$ID" "$1" "$2" "$boot" |
     gcloud storage cp - "$beats/worker-$ID" > /dev/null 2>&1
 }
+keep_log() {  # (at most 60 s: the exit status waits for it)
+  [ -z "$beats" ] || timeout 60 gcloud storage cp "$log.log" \
+    "${beats%/beats/*}/logs/${beats##*/}/worker-$ID.log" > /dev/null 2>&1
+}
 bash "$log.sh" &
 child=$!
 trap : TERM HUP INT
@@ -72,6 +79,7 @@ if [ -n "$beats" ]; then
     while kill -0 "$child" 2>/dev/null; do
       seq=$((seq + 1))
       beat "$seq" running
+      [ $((seq % 60)) != 0 ] || keep_log
       sleep "$every" || break  # never a busy loop
     done
   ) &
@@ -85,7 +93,8 @@ while :; do
   # anything else is the command's status (127 too: never spin on a pid reused since)
   [ "$status" -gt 128 ] && kill -0 "$child" 2>/dev/null || break
 done
-echo "$status" > "$log.exit"
 [ -z "$beater" ] || kill "$beater" 2>/dev/null
+keep_log
+echo "$status" > "$log.exit"
 beat end "exit-$status"
 exit 0
