@@ -228,12 +228,13 @@ def test_a_lost_host_at_64_hosts_gets_a_new_slice_requested_within_minutes(stub,
     silence 2 s, probe 1.5 s, a question to a worker at most 12 s) the new slice is
     requested within 60 s (10 min unscaled) of the verdict; printed (docs/tpu.md)."""
     env, state, script = stub
+    # (the new slice finds no capacity: the launch ends there)
     env = dict(env, STUB_WORKERS="64", STUB_HOLD="100000", STUB_SILENT="63", STUB_SILENT_AT="2",
                LAUNCH_POLL_S="1", LAUNCH_LOST_S="2", LAUNCH_PROBE_S="1.5",
-               LAUNCH_SSH_DEADLINE_S="12")  # fmt: skip
-    out = _launch(script, env, "--retry", "1", "--logs", str(tmp_path / "l"), "--",
-                  "magic-jax", "train", *GS)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+               LAUNCH_SSH_DEADLINE_S="12", STUB_NO_CAPACITY="2")  # fmt: skip
+    out = _launch(script, env, "--retry", "1", "--create-tries", "1", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 1, out.stderr
     calls = _calls(state)
     times = [int(t) for t in (state / "times").read_text().split()]
     verbs = _verbs(calls, polls=True)

@@ -219,11 +219,12 @@ if [ -z "$STAGE" ] && [[ $out == gs://?* ]]; then out=${out#gs://}; STAGE=gs://$
 [ "$DRY" = 1 ] || command -v gcloud >/dev/null || die "gcloud not found on PATH (install the Google Cloud CLI)"
 # The decisions (what a node's state and health, the heartbeats, an error, an exit status
 # call for) are magic_jax/jobs/pod.py's, run with this machine's python3 (3.10 or newer,
-# the standard library only) from this checkout.
+# the standard library only) from this checkout. The plain case (READY and HEALTHY, a
+# status 0, every worker running and heard) needs no decision and asks no Python.
 HOST_PYTHON=${LAUNCH_HOST_PYTHON:-python3}
-[ "$DRY" = 1 ] || "$HOST_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null ||
+[ "$DRY" = 1 ] || command -v "$HOST_PYTHON" > /dev/null ||
   die "$HOST_PYTHON (3.10 or newer) not found on PATH: launch.sh's decisions are Python's"
-pod() { PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" -m magic_jax.jobs.pod "$@"; }
+pod() { PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" -S -m magic_jax.jobs.pod "$@"; }
 # Never a prompt (enabling an API, a new ssh key's passphrase): gcloud fails with its
 # message instead, which is shown.
 export CLOUDSDK_CORE_DISABLE_PROMPTS=1
@@ -333,7 +334,7 @@ slice_lost() {
   fi
   s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)')
   stop_if_fatal
-  v=$(pod node "$s" - "${r:--}")
+  v=wait; [ "$s" = READY ] || v=$(pod node "$s" - "${r:--}")
   case $v in lost*) LOST="$NAME is $s"; return 0 ;; esac
   STATE=$s; return 1
 }
@@ -463,6 +464,7 @@ wait_ready() {
     IFS=$'\t' read -r s health why < <(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
       --format='value(state,health,healthDescription)' || true)
     [ -n "${s:-}" ] || fatal_asked
+    [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
     v=$(pod node "${s:-}" "${health:--}")
     case $v in ready*) return 0 ;; esac
     [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
@@ -674,7 +676,7 @@ bring_down() {
 # for. A cycle with nothing to decide (READY, HEALTHY, every worker running and heard)
 # asks no Python.
 cycle() {
-  local node state health out w seq st boot t lines quiet=1 v action ws status alive why id
+  local node state health out w seq st boot t lines quiet=1 v action ws status alive why id re
   VERDICT=""
   node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
   stop_if_fatal
@@ -692,22 +694,27 @@ cycle() {
     [[ $st != [0-9]* ]] || ENDED[w]=1  # its last heartbeat: silent from now on
     ST_OF[w]=$st BOOT_OF[w]=${boot:-}
   done <<< "$out"
-  lines="node ${state:--} ${health:--} -"
-  for ((w = 0; w < WORKERS; w++)); do
-    st=${ST_OF[$w]:-running}
+  for ((w = 0; w < WORKERS && quiet; w++)); do
     [ -n "${ENDED[$w]:-}" ] || [ $((t - ${SEEN_AT[$w]:-$t})) -lt "$LOST_MS" ] || quiet=0
-    case $st in running|0|130|143) ;; *) quiet=0 ;; esac
-    lines+=$'\n'"worker $w $st $(secs $((t - ${SEEN_AT[$w]:-$t}))) $([ "${BOOT_OF[$w]:-}" != restarted ]; echo $?)"
+    case ${ST_OF[$w]:-running} in running|0|130|143) ;; *) quiet=0 ;; esac
   done
   [ "$quiet" = 0 ] || return 0
-  v=$(pod decide "$(secs "$LOST_MS")" <<< "$lines")
+  lines="node ${state:--} ${health:--} -"
+  for ((w = 0; w < WORKERS; w++)); do
+    secs $((t - ${SEEN_AT[$w]:-$t}))
+    re=0; [ "${BOOT_OF[$w]:-}" != restarted ] || re=1
+    lines+=$'\n'"worker $w ${ST_OF[$w]:-running} $SECS $re"
+  done
+  secs "$LOST_MS"
+  v=$(pod decide "$SECS" <<< "$lines")
   if [ "${v%%$'\t'*}" = probe ]; then  # ask every worker once: what became of the silent ones?
     lines+=$'\nasked'
     while read -r id st boot; do
       [[ ${id:-} =~ ^[0-9]+$ ]] || continue
-      lines+=$'\n'"answer $id $st $([ "${boot:-}" != restarted ]; echo $?)"
+      re=0; [ "${boot:-}" != restarted ] || re=1
+      lines+=$'\n'"answer $id $st $re"
     done < <(probe)
-    v=$(pod decide "$(secs "$LOST_MS")" <<< "$lines")
+    v=$(pod decide "$SECS" <<< "$lines")
   fi
   IFS=$'\t' read -r action ws status alive why <<< "$v"
   case $action in
@@ -728,7 +735,7 @@ cycle() {
         "old or more: are they reaching $BEATS?" ;;
   esac
 }
-secs() { printf '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }  # ms as seconds
+secs() { printf -v SECS '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }  # SECS: ms as seconds
 # Runs a status cycle every POLL_S while the stream $1 runs (or, with no stream, until
 # the time $2, in ms), until a cycle gives a verdict: a lost slice ends the stream, a
 # failure stops the job first.
@@ -971,7 +978,9 @@ while :; do
     why="worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still ran; the command was"
     why+=" stopped on every worker (logs: $LOGS)" st=$FAILED_STATUS
   fi
-  if [ -z "$LOST" ] && [ "$DRY" = 0 ] && [ "$(pod exit "$st")" = rerun ]; then
+  # (0 and 143 are never a rerun on this slice: no question)
+  if [ -z "$LOST" ] && [ "$DRY" = 0 ] && [ "$st" != 0 ] && [ "$st" != 143 ] &&
+    [ "$(pod exit "$st")" = rerun ]; then
     [ "$attempt" -lt "$ATTEMPTS" ] ||
       quit "$st" "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY)"
     note "$why, a status that restarts; rerunning it on $NAME (attempt $attempt of $ATTEMPTS)"
