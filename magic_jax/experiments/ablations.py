@@ -33,7 +33,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the noteboo
     World,
 )
 from magic_jax.experiments.prereg import head_state, late_runs, load_all
+from magic_jax.experiments.progress import confirm, estimate_minutes, watch
 from magic_jax.experiments.results import (  # noqa: F401 (re-exported: the notebooks' API)
     RESULTS_ENV,
     STEPS_ENV,
@@ -191,26 +191,25 @@ def run_one(
     ``world`` defaults to the ablation's.
 
     Raises:
-      RuntimeError: the run failed (its log is at ``<raw dir>/train.log``; the raw
-        directory is kept, so a second call resumes it).
+      RuntimeError: the run failed (its log is ``<results>/raw/<arm>/seed<k>.log``; the
+        raw directory is kept, so a second call resumes it).
     """
     world = world or ABLATIONS[ablation].world
     raw = raw_dir(results, arm, seed)
     raw.parent.mkdir(parents=True, exist_ok=True)
     cmd = train_command(arm, seed, raw, budget, config=train_config(world), world=world)
     cmd[0:1] = [sys.executable, "-m", "magic_jax.jobs.cli"]
-    log(f"[ablations] {ablation}/{arm.key} seed {seed}: training in {raw}")
+    logfile = raw.with_name(raw.name + ".log")
+    name = f"{ablation}/{arm.key} seed {seed}"
+    log(f"[ablations] {name}: training in {raw} (log {logfile})")
     origin = head_state()  # the code this run starts with
     t0 = time.perf_counter()
-    logfile = raw.with_name(raw.name + ".log")
-    with open(logfile, "ab") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
+    returncode = watch(cmd, raw, logfile, name, log)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if returncode != 0:
         tail = logfile.read_text(errors="replace").splitlines()[-5:]
         raise RuntimeError(
-            f"{ablation}/{arm.key} seed {seed}: magic-jax train exited {proc.returncode} "
-            f"(log {logfile}):\n" + "\n".join(tail)
+            f"{name}: magic-jax train exited {returncode} (log {logfile}):\n" + "\n".join(tail)
         )
     if WORLDS[world].statistics:
         measure_world(raw, num_samples=WORLD_SAMPLES if budget is None else 1)
@@ -288,19 +287,24 @@ def ensure(
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
     dry_run: bool = False,
+    yes: bool = False,
 ) -> Path:
     """Runs every missing (ablation, arm, seed) asked for; returns the results directory.
 
     With ``MAGIC_JAX_NOTEBOOK_STEPS`` set, each stage runs that many steps and only the
     first seed is run (unless ``seeds`` says otherwise). With ``dry_run``, logs each
     missing run's ``magic-jax train`` command (its world's config as typed in a checkout)
-    instead of running it.
+    instead of running it. More than a few runs start only with ``yes``,
+    ``$MAGIC_JAX_NOTEBOOK_YES=1`` or a terminal user's yes (``progress.confirm``).
     """
     budget = step_budget()
     where = results_dir(results)
     todo = [r for r in plan_runs(names, arms, seeds, budget) if not is_done(where, r[1], r[2])]
     if todo:
-        log(f"[ablations] {len(todo)} run(s) to do in {where}")
+        minutes = estimate_minutes([ABLATIONS[ab].world for ab, _, _ in todo], budget)
+        log(f"[ablations] {len(todo)} run(s) to do in {where}, about {minutes:.0f} min")
+        if not dry_run:
+            confirm(len(todo), minutes, where, yes=yes)
     for ab, arm, seed in todo:
         if dry_run:
             world = ABLATIONS[ab].world
@@ -377,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
     r.add_argument("--results", help="results directory (default notebooks/results)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    r.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
     t = sub.add_parser(
         "sft", help="carry world: supervised baseline for each finished seed of an arm"
     )
@@ -402,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seeds=args.seeds,
                 results=args.results,
                 dry_run=args.dry_run,
+                yes=args.yes,
             )
         elif args.cmd == "sft":
             ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
