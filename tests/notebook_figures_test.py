@@ -170,3 +170,44 @@ def test_show_saves_prints_and_displays_in_a_kernel(tmp_path, monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "IPython.display", display)
     figures.show(_figure(True), "x", tmp_path)
     assert shown == [("image", "png", png.read_bytes())]
+
+
+def test_a_new_arm_from_a_committed_one(tmp_path, monkeypatch, capsys):
+    from magic_jax.experiments import derived
+
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    made = []
+
+    def run_one(ab, arm, seed, where, *, budget, world, log):
+        made.append((ab, arm, seed, world))
+        dest = ablations.summary_dir(where, arm, seed)
+        dest.mkdir(parents=True)
+        (dest / "run.json").write_text(json.dumps({"rerun": "wrong"}))
+        return dest
+
+    monkeypatch.setattr(ablations, "run_one", run_one)
+    argv = ["run", "--from", "carry-clip-0.1", "--name", "clip-0.4", "--set"]
+    argv += ["loss.eps_high=0.4", "--seeds", "0-1", "3", "--results", str(tmp_path)]
+    assert ablations.main(argv) == 0
+    (ab, arm, _, world), seeds = made[0], [m[2] for m in made]
+    assert (ab, world, seeds) == ("clip_higher", "carry", [0, 1, 3])
+    base = derived.find_arm("carry-clip-0.1")[1]
+    assert arm.overrides == (*base.overrides, "loss.eps_high=0.4") and arm.stages == base.stages
+    rec = json.loads((tmp_path / "derived/runs/clip-0.4/seed3/run.json").read_text())
+    assert rec["rerun"] == derived.command("carry-clip-0.1", "clip-0.4", ["loss.eps_high=0.4"], 3)
+    assert rec["derived_from"] == "carry-clip-0.1"
+    # the runs' config as the runner would train it: the changed option applied last
+    cmd = ablations.train_command(arm, 0, tmp_path, world="carry")
+    assert cmd[-4:] == ["--set", "seed=0", "--set", f"output_dir={tmp_path}"]
+    assert "loss.eps_high=0.4" in cmd and cmd.index("loss.eps_high=0.4") > cmd.index(
+        "loss.eps_high=0.1"
+    )
+    # done seeds are skipped; a name keeps its definition; a bad option stops before any run
+    assert ablations.main(argv) == 0 and len(made) == 3
+    other = [*argv[:6], "loss.eps_high=0.5", *argv[7:]]
+    assert ablations.main(other) == 2
+    assert "already holds runs of" in capsys.readouterr().err
+    bad = [*argv[:4], "x", "--set", "loss.eps_hi=1", "--results", str(tmp_path)]
+    assert ablations.main(bad) == 2 and "loss.eps_hi: unknown option" in capsys.readouterr().err
+    assert ablations.main([*argv[:4], "carry-none", *argv[5:]]) == 2
+    assert "already a committed arm" in capsys.readouterr().err and len(made) == 3

@@ -370,6 +370,30 @@ def _status(results: Path) -> None:
         print(f"{'done' if done else 'todo'}  {ab:16s} {arm.key:24s} seed {seed}{wall}")
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds`` values: ``3`` or a range ``0-4`` (both ends included)."""
+    first, _, last = text.partition("-")
+    if not first.isdigit() or (last and not last.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a seed (3) or a range (0-4)")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def _run_derived(args: argparse.Namespace, seeds: list[int] | None) -> None:
+    from magic_jax.experiments.derived import find_arm, run_derived
+
+    if not (args.base and args.name and args.set) or args.ablation or args.arm:
+        raise ValueError("a new arm: --from ARM --name NEW --set KEY=VALUE, no --ablation/--arm")
+    run_derived(
+        args.base,
+        args.name,
+        args.set,
+        seeds if seeds is not None else list(ABLATIONS[find_arm(args.base)[0]].seeds),
+        results=args.results,
+        yes=args.yes,
+        dry_run=args.dry_run,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m magic_jax.experiments.ablations", description=__doc__.split("\n")[0]
@@ -378,7 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="train every missing (arm, seed)")
     r.add_argument("--ablation", action="append", help="only these ablations (repeatable)")
     r.add_argument("--arm", action="append", help="only these arms (repeatable)")
-    r.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
+    r.add_argument("--seeds", type=seed_list, nargs="+", help="only these seeds (3 4, or 0-4)")
+    r.add_argument("--from", dest="base", help="a new arm: this arm's runs with --set changes")
+    r.add_argument("--name", help="the new arm's name (with --from)")
+    r.add_argument("--set", action="append", default=[], help="key=value (with --from)")
     r.add_argument("--results", help="results directory (default notebooks/results)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     r.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
@@ -401,10 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
+            seeds = [s for group in args.seeds for s in group] if args.seeds else None
+        if args.cmd == "run" and (args.base or args.name or args.set):
+            _run_derived(args, seeds)
+        elif args.cmd == "run":
             ensure(
                 args.ablation,
                 arms=args.arm,
-                seeds=args.seeds,
+                seeds=seeds,
                 results=args.results,
                 dry_run=args.dry_run,
                 yes=args.yes,
