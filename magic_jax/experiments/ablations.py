@@ -378,8 +378,58 @@ def seed_list(text: str) -> list[int]:
     return list(range(int(first), int(last or first) + 1))
 
 
+def run_derived(
+    base: str,
+    name: str,
+    sets: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    results: str | os.PathLike | None = None,
+    yes: bool = False,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Trains every missing seed of the arm ``base`` + ``sets`` named ``name``
+    (``experiments.derived``); returns the directory whose ``runs/<name>/seed<k>/`` hold them.
+
+    Raises:
+      KeyError: no arm ``base``.
+      ValueError: a name already used (by a committed arm or another definition) or an
+        option the run's config refuses (checked before any run).
+      SystemExit: more than a few runs and nobody said yes (``progress.confirm``).
+    """
+    from magic_jax.experiments import derived
+    from magic_jax.run.config import load_config
+
+    ab, arm = derived.derive(base, name, sets)
+    where, budget, world = derived.derived_dir(results), step_budget(), ABLATIONS[ab].world
+    try:
+        load_config(train_config(world), [*overrides_for(arm, 0, budget, world), "output_dir=x"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--set {' '.join(sets)}: {e}") from e
+    spec = {"from": base, "ablation": ab, "world": world, "set": list(sets)}
+    derived.keep_definition(where, arm, spec)
+    todo = [s for s in seeds if not is_done(where, arm, s)]
+    if todo:
+        minutes = estimate_minutes([world] * len(todo), budget)
+        log(f"[ablations] {name}: {len(todo)} run(s) to do in {where}, about {minutes:.0f} min")
+        if not dry_run:
+            confirm(len(todo), minutes, where, yes=yes)
+    for seed in todo:
+        if dry_run:
+            log(
+                shlex.join(train_command(arm, seed, raw_dir(where, arm, seed), budget, world=world))
+            )
+            continue
+        dest = run_one(ab, arm, seed, where, budget=budget, world=world, log=log)
+        record = json.loads((dest / "run.json").read_text())
+        record.update(rerun=derived.command(base, name, sets, seed), derived_from=base)
+        (dest / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return where
+
+
 def _run_derived(args: argparse.Namespace, seeds: list[int] | None) -> None:
-    from magic_jax.experiments.derived import find_arm, run_derived
+    from magic_jax.experiments.derived import find_arm
 
     if not (args.base and args.name and args.set) or args.ablation or args.arm:
         raise ValueError("a new arm: --from ARM --name NEW --set KEY=VALUE, no --ablation/--arm")

@@ -1,4 +1,5 @@
-"""A new arm from the command line: a committed arm's runs with some options changed.
+"""A new arm from the command line: a committed arm's runs with some options changed
+(``ablations.run_derived`` trains it).
 
 ``python -m magic_jax.experiments.ablations run --from carry-clip-0.1 --name clip-0.4 --set
 loss.eps_high=0.4 --seeds 0-4`` trains the arm ``clip-0.4``: ``carry-clip-0.1``'s world,
@@ -14,13 +15,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from magic_jax.experiments import ablations
 from magic_jax.experiments.arms import ABLATIONS, Arm
-from magic_jax.experiments.progress import confirm, estimate_minutes
-from magic_jax.experiments.results import is_done, raw_dir, results_dir, step_budget
+from magic_jax.experiments.results import results_dir
 
 DERIVED = "derived"
 
@@ -62,17 +61,12 @@ def command(base: str, name: str, sets: Sequence[str], seed: int) -> str:
     return shlex.join(args)
 
 
-def _check(where: Path, ab: str, arm: Arm, base: str, sets: Sequence[str]) -> None:
-    """Refuses a bad option before any run (the config is loaded) and a reused name."""
-    from magic_jax.run.config import load_config
+def keep_definition(where: Path, arm: Arm, spec: dict) -> None:
+    """Records a derived arm's definition as ``<where>/runs/<name>/arm.json``.
 
-    world = ABLATIONS[ab].world
-    overrides = [*ablations.overrides_for(arm, 0, step_budget(), world), "output_dir=/tmp/x"]
-    try:
-        load_config(ablations.train_config(world), overrides)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"--set {' '.join(sets)}: {e}") from e
-    spec = {"from": base, "ablation": ab, "world": world, "set": list(sets)}
+    Raises:
+      ValueError: the name already holds runs of another definition.
+    """
     path = where / "runs" / arm.key / "arm.json"
     if path.exists() and json.loads(path.read_text()) != spec:
         raise ValueError(
@@ -81,44 +75,3 @@ def _check(where: Path, ab: str, arm: Arm, base: str, sets: Sequence[str]) -> No
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec, indent=1) + "\n")
-
-
-def run_derived(
-    base: str,
-    name: str,
-    sets: Sequence[str],
-    seeds: Sequence[int],
-    *,
-    results: str | os.PathLike | None = None,
-    yes: bool = False,
-    dry_run: bool = False,
-    log: Callable[[str], None] = print,
-) -> Path:
-    """Trains every missing seed of the arm ``base`` + ``sets`` named ``name``; returns the
-    directory whose ``runs/<name>/seed<k>/`` hold them (``derived_dir``).
-
-    Raises:
-      KeyError: no arm ``base``.
-      ValueError: a name already used (by a committed arm or another definition) or an
-        option the run's config refuses.
-      SystemExit: more than a few runs and nobody said yes (``progress.confirm``).
-    """
-    ab, arm = derive(base, name, sets)
-    where, budget, world = derived_dir(results), step_budget(), ABLATIONS[ab].world
-    _check(where, ab, arm, base, sets)
-    todo = [s for s in seeds if not is_done(where, arm, s)]
-    if todo:
-        minutes = estimate_minutes([world] * len(todo), budget)
-        log(f"[ablations] {name}: {len(todo)} run(s) to do in {where}, about {minutes:.0f} min")
-        if not dry_run:
-            confirm(len(todo), minutes, where, yes=yes)
-    for seed in todo:
-        if dry_run:
-            cmd = ablations.train_command(arm, seed, raw_dir(where, arm, seed), budget, world=world)
-            log(shlex.join(cmd))
-            continue
-        dest = ablations.run_one(ab, arm, seed, where, budget=budget, world=world, log=log)
-        record = json.loads((dest / "run.json").read_text())
-        record.update(rerun=command(base, name, sets, seed), derived_from=base)
-        (dest / "run.json").write_text(json.dumps(record, indent=1) + "\n")
-    return where
