@@ -13,11 +13,17 @@ seventh of the size): a small directory that
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
 built over several sessions::
 
-    python -m magic_jax.experiments.ablations run                  # every missing (arm, seed)
+    python -m magic_jax.experiments.ablations run --yes            # every missing (arm, seed)
     python -m magic_jax.experiments.ablations run --ablation temperature --seeds 0
     python -m magic_jax.experiments.ablations run --ablation staleness --seeds 0 --dry-run
     python -m magic_jax.experiments.ablations status
     python -m magic_jax.experiments.ablations pack                 # gzip records copied in plain
+    python -m magic_jax.experiments.ablations run --from carry-clip-0.1 --name clip-0.4 \
+        --set loss.eps_high=0.4 --seeds 0-4 --yes    # a new arm (experiments/derived.py)
+
+More than a few missing runs (``progress.FEW``) start only with ``--yes``,
+``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal; each run prints a progress line
+every 30 s and the path of its log, ``<results>/raw/<arm>/seed<k>.log``.
 
 A short budget for smoke runs (CI executes the notebooks this way):
 ``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
