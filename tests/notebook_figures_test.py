@@ -211,3 +211,15 @@ def test_a_new_arm_from_a_committed_one(tmp_path, monkeypatch, capsys):
     assert ablations.main(bad) == 2 and "loss.eps_hi: unknown option" in capsys.readouterr().err
     assert ablations.main([*argv[:4], "carry-none", *argv[5:]]) == 2
     assert "already a committed arm" in capsys.readouterr().err and len(made) == 3
+
+
+def test_budget_mode_hints_name_the_budget_folder(monkeypatch):
+    arm = ablations.ABLATIONS["kl"].arms[0]
+    monkeypatch.delenv(ablations.RESULTS_ENV, raising=False)
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    assert results.runs_folder_name() == "notebooks/results/runs"
+    assert ablations.rerun_command("kl", arm, 0).startswith("python -m ")
+    monkeypatch.setenv(ablations.STEPS_ENV, "1")
+    assert results.runs_folder_name() == "notebooks/results/budget-1/runs"
+    cmd = ablations.rerun_command("kl", arm, 0)
+    assert cmd.startswith(f"{ablations.STEPS_ENV}=1 python -m magic_jax.experiments.ablations")

@@ -7,6 +7,7 @@ directories, the command that rebuilds one, and the finished runs of an ablation
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from magic_jax.experiments.arms import ABLATIONS, WORLDS, Arm
@@ -73,9 +74,10 @@ def summary_dir(results: Path, arm: Arm, seed: int) -> Path:
 
 def rerun_command(ablation: str, arm: Arm, seed: int) -> str:
     """One shell command that (re)builds this arm's seed under ``notebooks/results`` (with a
-    step budget: the same budget, under ``notebooks/results/budget-N``)."""
-    budget = step_budget()
+    step budget or ``$MAGIC_JAX_NOTEBOOK_RESULTS``: the same, so the same folder)."""
+    budget, results = step_budget(), os.environ.get(RESULTS_ENV, "").strip()
     env = "" if budget is None else f"{STEPS_ENV}={budget} "
+    env += f"{RESULTS_ENV}={shlex.quote(results)} " if results else ""
     return (
         f"{env}python -m magic_jax.experiments.ablations run --ablation {ablation} "
         f"--arm {arm.key} --seeds {seed}"
