@@ -17,7 +17,8 @@ CENTRAL = ROOT / "notebooks" / "00_central.py"
 
 
 def _env(**extra):
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT), **extra)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=path, **extra)
     for k in (ablations.STEPS_ENV, ablations.RESULTS_ENV, progress.YES_ENV):
         if k not in extra:
             env.pop(k, None)
@@ -223,3 +224,25 @@ def test_budget_mode_hints_name_the_budget_folder(monkeypatch):
     assert results.runs_folder_name() == "notebooks/results/budget-1/runs"
     cmd = ablations.rerun_command("kl", arm, 0)
     assert cmd.startswith(f"{ablations.STEPS_ENV}=1 python -m magic_jax.experiments.ablations")
+
+
+@pytest.mark.heavy  # about 15 s: a Jupyter kernel executes the notebook (the notebooks extra)
+def test_jupyter_shows_the_figure_cells_image(tmp_path):
+    jupytext = pytest.importorskip("jupytext")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = jupytext.read(CENTRAL)
+    env = _env()
+    old = dict(os.environ)
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        nbclient.NotebookClient(
+            nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    figure_cells = [c for c in nb.cells if c.cell_type == "code" and "figures.show(" in c.source]
+    assert figure_cells
+    for cell in figure_cells:
+        assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source
