@@ -70,7 +70,9 @@ print(sweep.sweep_table(runs))
 
 # %%
 fig = sweep.sweep_figure(runs)
-figures.show(fig, "target_delta", sweep.sweep_dir(None, WORLD, sweep.step_budget() or STEPS))
+# saved beside the sweep's runs (results/sweeps/<world>/steps<N>/figures/, not committed)
+where = sweep.sweep_dir(None, WORLD, sweep.step_budget() or STEPS)
+figures.show(fig, "target_delta", where)
 
 # %% [markdown]
 # ## How to read it
