@@ -47,7 +47,7 @@
 # %%
 import json
 
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 from magic_jax.jobs.carry_world import CARRY_BUILD
 
 ABLATION = "central"
@@ -65,7 +65,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # The final models' strategies: how often they check the columns in a carry (all of which a

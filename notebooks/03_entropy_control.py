@@ -35,7 +35,7 @@
 # `results/budget-1/`).
 
 # %%
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "entropy_control"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -50,7 +50,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions

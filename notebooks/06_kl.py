@@ -39,7 +39,7 @@
 # `results/budget-1/`).
 
 # %%
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "kl"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -54,7 +54,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # Each arm's outcomes (mean +- standard deviation over seeds), the report's predictions

@@ -29,7 +29,7 @@
 # pilots have set the setting). `MAGIC_JAX_NOTEBOOK_STEPS=1` runs one step per stage.
 
 # %%
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "offpolicy_adaptive"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -43,7 +43,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # Where each final model's entropy sits, by token class (`world.json`: 4 samples per held-out

@@ -30,7 +30,7 @@
 # step per stage.
 
 # %%
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "central_choice"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -44,7 +44,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # Where each final model's entropy sits, by token class (`world.json`: 4 samples per held-out

@@ -41,7 +41,7 @@
 import numpy as np
 from matplotlib.figure import Figure
 
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 from magic_jax.experiments.pairing import ROLLOUT_KEYS, first_difference, identical_arms
 
 ABLATION = "staleness"
@@ -55,9 +55,6 @@ SMOKE = ablations.step_budget() is not None
 # the missing runs are listed below)
 results = ablations.ensure([ABLATION], dry_run=not SMOKE, log=print if SMOKE else lambda _: None)
 runs = ablations.load_arm_runs(ABLATION, results)
-# the committed results' figures go beside this page's others; any other results' in theirs
-committed = results == ablations.default_results()
-FIGURES = results.parent / "figures" if committed else results / "figures"
 done = {a.key: [s for s in AB.seeds if ablations.is_done(results, a, s)] for a in AB.arms}
 print(f"results: {results}")
 print(f"runs done: {sum(map(len, done.values()))} of {len(AB.arms) * len(AB.seeds)}")
@@ -82,14 +79,6 @@ def seed_of(run):
     return ablation_report.run_seed(run)
 
 
-def save(fig, name):
-    """Writes ``fig`` to the figures directory when any run exists."""
-    if any(runs.values()):
-        FIGURES.mkdir(parents=True, exist_ok=True)
-        fig.savefig(FIGURES / name)
-        print(f"wrote {FIGURES / name}")
-
-
 # %% [markdown]
 # Entropy, alpha, held-out accuracy, response length, truncated fraction and rollout reward
 # against steps, every arm (thick line: mean over seeds; thin lines: each seed; the same
@@ -97,7 +86,7 @@ def save(fig, name):
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-save(fig, f"{ABLATION}.png")
+figures.show(fig, ABLATION, results)
 fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
@@ -143,7 +132,7 @@ def by_staleness_figure():
 
 
 fig = by_staleness_figure()
-save(fig, f"{ABLATION}_by_s.png")
+figures.show(fig, f"{ABLATION}_by_s", results)
 fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
@@ -173,7 +162,7 @@ def curves_figure():
 
 
 fig = curves_figure()
-save(fig, f"{ABLATION}_curves.png")
+figures.show(fig, f"{ABLATION}_curves", results)
 fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
@@ -225,7 +214,7 @@ def overlap_figure():
 
 
 fig = overlap_figure()
-save(fig, f"{ABLATION}_overlap.png")
+figures.show(fig, f"{ABLATION}_overlap", results)
 fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]

@@ -35,7 +35,7 @@
 # first (about 6 min per run on 2 cores). `MAGIC_JAX_NOTEBOOK_STEPS=1` runs one step per stage.
 
 # %%
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "lockout_control"
 results = ablations.ensure([ABLATION])  # trains only the (arm, seed) runs not done yet
@@ -49,7 +49,7 @@ print({arm: len(r) for arm, r in runs.items()}, "seeds per arm")
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-fig
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # The lock-out probe at every evaluation, one line per seed coloured by arm: the mean log10
@@ -62,7 +62,7 @@ fig
 from magic_jax.experiments import lockout_report
 
 fig = lockout_report.probe_figure(runs)
-fig
+figures.show(fig, f"{ABLATION}_probe", results)
 
 # %% [markdown]
 # Where the entropy sits. Top: the mean entropy of the per-column choice tokens (check or
@@ -72,7 +72,7 @@ fig
 
 # %%
 fig = lockout_report.entropy_class_figure(runs)
-fig
+figures.show(fig, f"{ABLATION}_entropy_class", results)
 
 # %% [markdown]
 # The controller's path: alpha against the rollout entropy, one path per seed, each a moving
@@ -82,7 +82,7 @@ fig
 
 # %%
 fig = lockout_report.phase_figure(runs)
-fig
+figures.show(fig, f"{ABLATION}_phase", results)
 
 # %% [markdown]
 # pass@k at the last evaluation (64 samples per problem) against k, on the chains (left) and
@@ -91,7 +91,7 @@ fig
 
 # %%
 fig = lockout_report.pass_at_k_figure(runs)
-fig
+figures.show(fig, f"{ABLATION}_pass_at_k", results)
 
 # %% [markdown]
 # One row per seed: the full checks its 150 stage-2 steps are expected to sample (the probe's

@@ -37,7 +37,7 @@
 # %%
 import numpy as np
 
-from magic_jax.experiments import ablation_report, ablations
+from magic_jax.experiments import ablation_report, ablations, figures
 
 ABLATION = "staleness_lr"
 AB = ablations.ABLATIONS[ABLATION]
@@ -45,8 +45,6 @@ LABELS = {a.key: a.label for a in AB.arms}
 SMOKE = ablations.step_budget() is not None
 results = ablations.ensure([ABLATION], dry_run=not SMOKE, log=print if SMOKE else lambda _: None)
 runs = ablations.load_arm_runs(ABLATION, results)
-committed = results == ablations.default_results()
-FIGURES = results.parent / "figures" if committed else results / "figures"
 done = {a.key: [s for s in AB.seeds if ablations.is_done(results, a, s)] for a in AB.arms}
 print(f"results: {results}")
 print(f"runs done: {sum(map(len, done.values()))} of {len(AB.arms) * len(AB.seeds)}")
@@ -63,10 +61,7 @@ if any(len(v) < len(AB.seeds) for v in done.values()):
 
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
-if any(runs.values()):
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / f"{ABLATION}.png")
-fig  # noqa: B018 (the cell shows it)
+figures.show(fig, ABLATION, results)
 
 # %% [markdown]
 # What each objective did to the stale tokens, from the step records (mean over the steps,

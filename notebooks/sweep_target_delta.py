@@ -45,7 +45,7 @@
 # for a smoke run with one step per stage.
 
 # %%
-from magic_jax.experiments import sweep
+from magic_jax.experiments import figures, sweep
 
 TARGETS = [0.06, 0.09]  # entropy targets, nats
 DELTAS = [0.003, 0.03]  # coefficient step per training step
@@ -70,7 +70,9 @@ print(sweep.sweep_table(runs))
 
 # %%
 fig = sweep.sweep_figure(runs)
-fig
+# saved beside the sweep's runs (results/sweeps/<world>/steps<N>/figures/, not committed)
+where = sweep.sweep_dir(None, WORLD, sweep.step_budget() or STEPS)
+figures.show(fig, "target_delta", where)
 
 # %% [markdown]
 # ## How to read it

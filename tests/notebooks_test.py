@@ -364,6 +364,7 @@ def test_every_ablation_has_a_notebook_that_names_it():
 def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
     env = dict(os.environ, MPLBACKEND="Agg", **{ablations.STEPS_ENV: "1"})
     env[ablations.RESULTS_ENV] = str(tmp_path)
+    env["MAGIC_JAX_NOTEBOOK_YES"] = "1"  # a claim's arms are more than a few runs
     sweeps = sorted((ROOT / "notebooks").glob("sweep_*.py"))  # a table, no verdict
     for nb in [*NOTEBOOKS, *sweeps]:
         proc = subprocess.run(

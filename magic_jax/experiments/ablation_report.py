@@ -29,7 +29,7 @@ from magic_jax.experiments.pairing import (  # noqa: F401 (re-exported: the note
     identical_arms,
     identical_text,
 )
-from magic_jax.experiments.results import load_arm_runs, rerun_command
+from magic_jax.experiments.results import load_arm_runs, rerun_command, runs_folder_name
 from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the notebooks' API)
     ALPHA,
     CHECKS,
@@ -176,12 +176,17 @@ def ablation_figure(
     for ax in axes.flat:
         for s in _stage_changes(runs):
             ax.axvline(s, color="0.5", linestyle=":", linewidth=0.9)
-    axes.flat[0].legend(fontsize=7, loc="upper right")
+    # one legend under the panels, off every curve (in a panel it sat on the held entropy)
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    ncol = max(1, min(len(names), 4))
+    rows = -(-len(names) // ncol)
+    if names:
+        fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle(
         f"{ab.title}: seed mean (thick line) and each seed (thin lines); dotted: stage change",
         fontsize=11,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035 * rows, 1, 1))
     return fig
 
 
@@ -407,7 +412,7 @@ def describe(
         "",
         *_verdict_lines(ablation, runs, effs),
         "",
-        "re-run an arm (skips seeds already in notebooks/results/runs):",
+        f"re-run an arm (skips seeds already in {runs_folder_name()}):",
         *(f"  {rerun_command(ablation, a, s)}" for a in ab.arms for s in ab.seeds[:1]),
     ]
     return "\n".join(lines)

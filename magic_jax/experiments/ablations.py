@@ -13,11 +13,17 @@ seventh of the size): a small directory that
 skipped, and a run killed half-way resumes from its last checkpoint, so the set can be
 built over several sessions::
 
-    python -m magic_jax.experiments.ablations run                  # every missing (arm, seed)
+    python -m magic_jax.experiments.ablations run --yes            # every missing (arm, seed)
     python -m magic_jax.experiments.ablations run --ablation temperature --seeds 0
     python -m magic_jax.experiments.ablations run --ablation staleness --seeds 0 --dry-run
     python -m magic_jax.experiments.ablations status
     python -m magic_jax.experiments.ablations pack                 # gzip records copied in plain
+    python -m magic_jax.experiments.ablations run --from carry-clip-0.1 --name clip-0.4 \
+        --set loss.eps_high=0.4 --seeds 0-4 --yes    # a new arm (experiments/derived.py)
+
+More than a few missing runs (``progress.FEW``) start only with ``--yes``,
+``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal; each run prints a progress line
+every 30 s and the path of its log, ``<results>/raw/<arm>/seed<k>.log``.
 
 A short budget for smoke runs (CI executes the notebooks this way):
 ``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
@@ -33,7 +39,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +58,7 @@ from magic_jax.experiments.arms import (  # noqa: F401 (re-exported: the noteboo
     World,
 )
 from magic_jax.experiments.prereg import head_state, late_runs, load_all
+from magic_jax.experiments.progress import confirm, estimate_minutes, watch
 from magic_jax.experiments.results import (  # noqa: F401 (re-exported: the notebooks' API)
     RESULTS_ENV,
     STEPS_ENV,
@@ -191,26 +197,25 @@ def run_one(
     ``world`` defaults to the ablation's.
 
     Raises:
-      RuntimeError: the run failed (its log is at ``<raw dir>/train.log``; the raw
-        directory is kept, so a second call resumes it).
+      RuntimeError: the run failed (its log is ``<results>/raw/<arm>/seed<k>.log``; the
+        raw directory is kept, so a second call resumes it).
     """
     world = world or ABLATIONS[ablation].world
     raw = raw_dir(results, arm, seed)
     raw.parent.mkdir(parents=True, exist_ok=True)
     cmd = train_command(arm, seed, raw, budget, config=train_config(world), world=world)
     cmd[0:1] = [sys.executable, "-m", "magic_jax.jobs.cli"]
-    log(f"[ablations] {ablation}/{arm.key} seed {seed}: training in {raw}")
+    logfile = raw.with_name(raw.name + ".log")
+    name = f"{ablation}/{arm.key} seed {seed}"
+    log(f"[ablations] {name}: training in {raw} (log {logfile})")
     origin = head_state()  # the code this run starts with
     t0 = time.perf_counter()
-    logfile = raw.with_name(raw.name + ".log")
-    with open(logfile, "ab") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
+    returncode = watch(cmd, raw, logfile, name, log)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if returncode != 0:
         tail = logfile.read_text(errors="replace").splitlines()[-5:]
         raise RuntimeError(
-            f"{ablation}/{arm.key} seed {seed}: magic-jax train exited {proc.returncode} "
-            f"(log {logfile}):\n" + "\n".join(tail)
+            f"{name}: magic-jax train exited {returncode} (log {logfile}):\n" + "\n".join(tail)
         )
     if WORLDS[world].statistics:
         measure_world(raw, num_samples=WORLD_SAMPLES if budget is None else 1)
@@ -288,19 +293,24 @@ def ensure(
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
     dry_run: bool = False,
+    yes: bool = False,
 ) -> Path:
     """Runs every missing (ablation, arm, seed) asked for; returns the results directory.
 
     With ``MAGIC_JAX_NOTEBOOK_STEPS`` set, each stage runs that many steps and only the
     first seed is run (unless ``seeds`` says otherwise). With ``dry_run``, logs each
     missing run's ``magic-jax train`` command (its world's config as typed in a checkout)
-    instead of running it.
+    instead of running it. More than a few runs start only with ``yes``,
+    ``$MAGIC_JAX_NOTEBOOK_YES=1`` or a terminal user's yes (``progress.confirm``).
     """
     budget = step_budget()
     where = results_dir(results)
     todo = [r for r in plan_runs(names, arms, seeds, budget) if not is_done(where, r[1], r[2])]
     if todo:
-        log(f"[ablations] {len(todo)} run(s) to do in {where}")
+        minutes = estimate_minutes([ABLATIONS[ab].world for ab, _, _ in todo], budget)
+        log(f"[ablations] {len(todo)} run(s) to do in {where}, about {minutes:.0f} min")
+        if not dry_run:
+            confirm(len(todo), minutes, where, yes=yes)
     for ab, arm, seed in todo:
         if dry_run:
             world = ABLATIONS[ab].world
@@ -366,6 +376,80 @@ def _status(results: Path) -> None:
         print(f"{'done' if done else 'todo'}  {ab:16s} {arm.key:24s} seed {seed}{wall}")
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds`` values: ``3`` or a range ``0-4`` (both ends included)."""
+    first, _, last = text.partition("-")
+    if not first.isdigit() or (last and not last.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a seed (3) or a range (0-4)")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def run_derived(
+    base: str,
+    name: str,
+    sets: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    results: str | os.PathLike | None = None,
+    yes: bool = False,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Trains every missing seed of the arm ``base`` + ``sets`` named ``name``
+    (``experiments.derived``); returns the directory whose ``runs/<name>/seed<k>/`` hold them.
+
+    Raises:
+      KeyError: no arm ``base``.
+      ValueError: a name already used (by a committed arm or another definition) or an
+        option the run's config refuses (checked before any run).
+      SystemExit: more than a few runs and nobody said yes (``progress.confirm``).
+    """
+    from magic_jax.experiments import derived
+    from magic_jax.run.config import load_config
+
+    ab, arm = derived.derive(base, name, sets)
+    where, budget, world = derived.derived_dir(results), step_budget(), ABLATIONS[ab].world
+    try:
+        load_config(train_config(world), [*overrides_for(arm, 0, budget, world), "output_dir=x"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--set {' '.join(sets)}: {e}") from e
+    spec = {"from": base, "ablation": ab, "world": world, "set": list(sets)}
+    derived.keep_definition(where, arm, spec)
+    todo = [s for s in seeds if not is_done(where, arm, s)]
+    if todo:
+        minutes = estimate_minutes([world] * len(todo), budget)
+        log(f"[ablations] {name}: {len(todo)} run(s) to do in {where}, about {minutes:.0f} min")
+        if not dry_run:
+            confirm(len(todo), minutes, where, yes=yes)
+    for seed in todo:
+        if dry_run:
+            log(
+                shlex.join(train_command(arm, seed, raw_dir(where, arm, seed), budget, world=world))
+            )
+            continue
+        dest = run_one(ab, arm, seed, where, budget=budget, world=world, log=log)
+        record = json.loads((dest / "run.json").read_text())
+        record.update(rerun=derived.command(base, name, sets, seed), derived_from=base)
+        (dest / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return where
+
+
+def _run_derived(args: argparse.Namespace, seeds: list[int] | None) -> None:
+    from magic_jax.experiments.derived import find_arm
+
+    if not (args.base and args.name and args.set) or args.ablation or args.arm:
+        raise ValueError("a new arm: --from ARM --name NEW --set KEY=VALUE, no --ablation/--arm")
+    run_derived(
+        args.base,
+        args.name,
+        args.set,
+        seeds if seeds is not None else list(ABLATIONS[find_arm(args.base)[0]].seeds),
+        results=args.results,
+        yes=args.yes,
+        dry_run=args.dry_run,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m magic_jax.experiments.ablations", description=__doc__.split("\n")[0]
@@ -374,9 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="train every missing (arm, seed)")
     r.add_argument("--ablation", action="append", help="only these ablations (repeatable)")
     r.add_argument("--arm", action="append", help="only these arms (repeatable)")
-    r.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
+    r.add_argument("--seeds", type=seed_list, nargs="+", help="only these seeds (3 4, or 0-4)")
+    r.add_argument("--from", dest="base", help="a new arm: this arm's runs with --set changes")
+    r.add_argument("--name", help="the new arm's name (with --from)")
+    r.add_argument("--set", action="append", default=[], help="key=value (with --from)")
     r.add_argument("--results", help="results directory (default notebooks/results)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    r.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
     t = sub.add_parser(
         "sft", help="carry world: supervised baseline for each finished seed of an arm"
     )
@@ -396,12 +484,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
+            seeds = [s for group in args.seeds for s in group] if args.seeds else None
+        if args.cmd == "run" and (args.base or args.name or args.set):
+            _run_derived(args, seeds)
+        elif args.cmd == "run":
             ensure(
                 args.ablation,
                 arms=args.arm,
-                seeds=args.seeds,
+                seeds=seeds,
                 results=args.results,
                 dry_run=args.dry_run,
+                yes=args.yes,
             )
         elif args.cmd == "sft":
             ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)

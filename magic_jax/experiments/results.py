@@ -7,6 +7,7 @@ directories, the command that rebuilds one, and the finished runs of an ablation
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from magic_jax.experiments.arms import ABLATIONS, WORLDS, Arm
@@ -25,15 +26,24 @@ def step_budget() -> int | None:
     return int(text)
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout this package is imported from
+
+
 def default_results() -> Path:
-    """``notebooks/results`` of this checkout: found from the working directory upwards."""
-    here = Path.cwd().resolve()
-    for d in (here, *here.parents):
-        if d.name == "notebooks" and (d / "results").is_dir():
-            return d / "results"
-        if (d / "notebooks" / "results").is_dir():
-            return d / "notebooks" / "results"
-    return here / "notebooks" / "results"
+    """``notebooks/results`` of the checkout this package is imported from, wherever the
+    notebook or command runs (never the working directory's).
+
+    Raises:
+      SystemExit: no such folder (an installed package, not a checkout): one line naming
+        where it looked and how to name another.
+    """
+    where = CHECKOUT / "notebooks" / "results"
+    if not where.is_dir():
+        raise SystemExit(
+            f"no results folder at {where} (the checkout of the imported magic_jax); "
+            f"set {RESULTS_ENV}=DIR or pass --results DIR"
+        )
+    return where
 
 
 def results_dir(results: str | os.PathLike | None = None) -> Path:
@@ -63,11 +73,25 @@ def summary_dir(results: Path, arm: Arm, seed: int) -> Path:
 
 
 def rerun_command(ablation: str, arm: Arm, seed: int) -> str:
-    """One shell command that (re)builds this arm's seed under ``notebooks/results``."""
+    """One shell command that (re)builds this arm's seed under ``notebooks/results`` (with a
+    step budget or ``$MAGIC_JAX_NOTEBOOK_RESULTS``: the same, so the same folder)."""
+    budget, results = step_budget(), os.environ.get(RESULTS_ENV, "").strip()
+    env = "" if budget is None else f"{STEPS_ENV}={budget} "
+    env += f"{RESULTS_ENV}={shlex.quote(results)} " if results else ""
     return (
-        f"python -m magic_jax.experiments.ablations run --ablation {ablation} "
+        f"{env}python -m magic_jax.experiments.ablations run --ablation {ablation} "
         f"--arm {arm.key} --seeds {seed}"
     )
+
+
+def runs_folder_name() -> str:
+    """Where the runs a command skips are, as a reader types it: ``notebooks/results/runs``,
+    or ``notebooks/results/budget-N/runs`` with a step budget (``$MAGIC_JAX_NOTEBOOK_RESULTS``
+    named instead when set)."""
+    env = os.environ.get(RESULTS_ENV, "").strip()
+    budget = step_budget()
+    base = env or ("notebooks/results" if budget is None else f"notebooks/results/budget-{budget}")
+    return f"{base}/runs"
 
 
 def is_done(results: Path, arm: Arm, seed: int) -> bool:

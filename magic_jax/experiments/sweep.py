@@ -41,6 +41,7 @@ from typing import Any
 
 from magic_jax.experiments import ablations
 from magic_jax.experiments.arms import WORLDS, Arm
+from magic_jax.experiments.progress import confirm
 from magic_jax.experiments.results import is_done, results_dir, step_budget, summary_dir
 from magic_jax.experiments.verdicts import final_accuracy, final_chain_accuracy, late_entropy
 from magic_jax.jobs.report import Run, load_run
@@ -131,6 +132,7 @@ def run_sweep(
     seed: int | Sequence[int] = 0,
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
+    yes: bool = False,
 ) -> dict[str, list[Run]]:
     """Trains every grid point not done yet, then reads every point's runs.
 
@@ -142,6 +144,7 @@ def run_sweep(
       results: the results directory (see the module's docstring); the sweep's runs go to
         ``sweep_dir(results, world, steps)``.
       log: progress lines.
+      yes: start more than a few runs without asking (``progress.confirm``).
 
     Returns:
       ``{point key: [report.Run of each seed]}`` in grid order, each run named by its
@@ -162,7 +165,11 @@ def run_sweep(
     where = sweep_dir(results, world, steps)
     todo = [(a, s) for a in arms for s in seeds if not is_done(where, a, s)]
     if todo:
-        log(f"[sweep] {len(todo)} of {len(arms) * len(seeds)} run(s) to do in {where}")
+        # about 20 s to start and 1.1 s per step on 2 cores (the module's docstring)
+        minutes = len(todo) * (20 + 2.2 * steps) / 60
+        total = len(arms) * len(seeds)
+        log(f"[sweep] {len(todo)} of {total} run(s) to do in {where}, about {minutes:.0f} min")
+        confirm(len(todo), minutes, where, yes=yes)
     for arm, s in todo:
         dest = ablations.run_one(SWEEP, arm, s, where, budget=steps, world=world, log=log)
         _point_record(dest, sweep_command(arm, s, world, steps))
@@ -353,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, nargs="+", default=[0])
     p.add_argument("--world", default="lockout", choices=sorted(WORLDS))
     p.add_argument("--results", help="results directory (default notebooks/results)")
+    p.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
     args = p.parse_args(argv)
     try:
         runs = run_sweep(
@@ -362,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps_per_stage=args.steps,
             seed=args.seed,
             results=args.results,
+            yes=args.yes,
         )
     except (KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,248 @@
+"""What a notebook does for its reader: figures saved and shown, the checkout's results found
+from anywhere, no training without being asked, and progress while it trains."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from magic_jax.experiments import ablations, figures, progress, results
+
+ROOT = Path(__file__).resolve().parents[1]
+CENTRAL = ROOT / "notebooks" / "00_central.py"
+
+
+def _env(**extra):
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=path, **extra)
+    for k in (ablations.STEPS_ENV, ablations.RESULTS_ENV, progress.YES_ENV):
+        if k not in extra:
+            env.pop(k, None)
+    return env
+
+
+def test_a_notebook_run_as_a_script_writes_its_figure_and_trains_nothing():
+    # about 7 s on 2 cores: the notebook reads every committed run of its claim
+    png = ROOT / "notebooks" / "figures" / "central.png"
+    before = png.read_bytes()
+    proc = subprocess.run(
+        [sys.executable, "notebooks/00_central.py"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"figure: {png}" in proc.stdout and "training in" not in proc.stdout
+    # the committed figure, redrawn byte for byte
+    assert png.read_bytes() == before
+
+
+@pytest.mark.heavy  # about 7 s on 2 busy cores, like the one above: one in the default suite
+def test_a_notebook_run_from_elsewhere_reads_the_checkouts_results(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(CENTRAL)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"results: {ROOT / 'notebooks' / 'results'}" in proc.stdout
+    assert "training in" not in proc.stdout and not list(tmp_path.iterdir())
+
+
+def test_a_notebook_with_runs_missing_stops_with_one_line_and_trains_nothing(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(CENTRAL)],
+        cwd=tmp_path,
+        env=_env(**{ablations.RESULTS_ENV: str(tmp_path / "results")}),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "25 runs to train" in proc.stderr and f"{progress.YES_ENV}=1" in proc.stderr
+    assert "--yes" in proc.stderr and not (tmp_path / "results" / "raw").exists()
+
+
+def test_results_are_the_packages_checkouts_or_one_line_naming_where(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(ablations.RESULTS_ENV, raising=False)
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    assert ablations.results_dir() == ROOT / "notebooks" / "results"
+    monkeypatch.setattr(results, "CHECKOUT", tmp_path / "site-packages")
+    with pytest.raises(SystemExit, match="no results folder at .*site-packages/notebooks/results"):
+        ablations.results_dir()
+    monkeypatch.setenv(ablations.RESULTS_ENV, str(tmp_path))
+    assert ablations.results_dir() == tmp_path.resolve()
+
+
+def test_more_than_a_few_runs_start_only_when_told(monkeypatch, tmp_path):
+    monkeypatch.delenv(progress.YES_ENV, raising=False)
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    monkeypatch.setattr(sys, "stdin", None)
+    progress.confirm(progress.FEW, 1.0, tmp_path)  # a few: no question
+    with pytest.raises(SystemExit, match=r"5 runs to train in .*, about 9 min.*--yes"):
+        progress.confirm(5, 9.0, tmp_path)
+    progress.confirm(5, 9.0, tmp_path, yes=True)
+    tty = types.SimpleNamespace(isatty=lambda: True)
+    monkeypatch.setattr(sys, "stdin", tty)
+    monkeypatch.setattr("builtins.input", lambda _: "y")
+    progress.confirm(5, 9.0, tmp_path)
+    monkeypatch.setattr("builtins.input", lambda _: "")
+    with pytest.raises(SystemExit, match="nothing trained"):
+        progress.confirm(5, 9.0, tmp_path)
+    monkeypatch.setattr(sys, "stdin", None)
+    monkeypatch.setenv(progress.YES_ENV, "1")
+    progress.confirm(5, 9.0, tmp_path)
+    monkeypatch.delenv(progress.YES_ENV)
+    # the runner and its command line: the whole central claim is 25 runs, about 88 min
+    logs = []
+    with pytest.raises(SystemExit, match="25 runs to train"):
+        ablations.ensure(["central"], results=tmp_path, log=logs.append)
+    assert logs == [f"[ablations] 25 run(s) to do in {tmp_path}, about 88 min"]
+    with pytest.raises(SystemExit, match="25 runs"):
+        ablations.main(["run", "--ablation", "central", "--results", str(tmp_path)])
+    assert not (tmp_path / "raw").exists()
+
+
+def _fake_raw(raw: Path, steps: int) -> None:
+    raw.mkdir(parents=True)
+    (raw / "config.yaml").write_text("stages:\n- steps: 5\n- steps: 5\n")
+    rows = [{"step": s, "entropy": 0.5 - 0.01 * s} for s in range(steps)]
+    (raw / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"st')
+    (raw / "eval.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.25}) + "\n")
+
+
+def test_a_runs_progress_line(tmp_path):
+    assert progress.progress_line(tmp_path, 1.0) is None
+    _fake_raw(tmp_path / "r", 4)
+    line = progress.progress_line(tmp_path / "r", 60.0)
+    # 4 of 10 steps in a minute: 1.5 min left; the half-written last line is skipped
+    assert line == "step 4/10, entropy 0.470, accuracy 0.250 (step 0), about 1.5 min left"
+
+
+def test_watch_logs_progress_while_the_run_trains(tmp_path):
+    raw = tmp_path / "raw"
+    _fake_raw(raw, 2)
+    logs = []
+    cmd = [sys.executable, "-c", "import time; print('hello'); time.sleep(0.5)"]
+    rc = progress.watch(cmd, raw, tmp_path / "seed0.log", "x/arm seed 0", logs.append, 0.1)
+    assert rc == 0 and "hello" in (tmp_path / "seed0.log").read_text()
+    assert logs and logs[0].startswith("[ablations] x/arm seed 0: step 2/10, entropy 0.490")
+
+
+def _figure(data: bool):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 2), dpi=40)
+    ax = fig.subplots()
+    if data:
+        ax.plot([0, 1], [1, 0])
+    return fig
+
+
+def test_show_saves_prints_and_displays_in_a_kernel(tmp_path, monkeypatch, capsys):
+    figures.show(_figure(False), "empty", tmp_path)
+    assert not (tmp_path / "figures").exists()
+    figures.show(_figure(True), "x", tmp_path)
+    png = tmp_path / "figures" / "x.png"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert f"figure: {png}" in capsys.readouterr().out
+    # the committed results' figures go beside the notebooks, as ``ablations figures`` puts them
+    assert figures.figures_dir(ROOT / "notebooks" / "results") == ROOT / "notebooks" / "figures"
+    # in a Jupyter kernel the image itself is displayed (a bare Figure would only print its repr)
+    shown = []
+    shell = types.SimpleNamespace(kernel=object())
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: shell
+    display = types.ModuleType("IPython.display")
+    display.Image = lambda data, format: ("image", format, data)
+    display.display = shown.append
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    figures.show(_figure(True), "x", tmp_path)
+    assert shown == [("image", "png", png.read_bytes())]
+
+
+def test_a_new_arm_from_a_committed_one(tmp_path, monkeypatch, capsys):
+    from magic_jax.experiments import derived
+
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    made = []
+
+    def run_one(ab, arm, seed, where, *, budget, world, log):
+        made.append((ab, arm, seed, world))
+        dest = ablations.summary_dir(where, arm, seed)
+        dest.mkdir(parents=True)
+        (dest / "run.json").write_text(json.dumps({"rerun": "wrong"}))
+        return dest
+
+    monkeypatch.setattr(ablations, "run_one", run_one)
+    argv = ["run", "--from", "carry-clip-0.1", "--name", "clip-0.4", "--set"]
+    argv += ["loss.eps_high=0.4", "--seeds", "0-1", "3", "--results", str(tmp_path)]
+    assert ablations.main(argv) == 0
+    (ab, arm, _, world), seeds = made[0], [m[2] for m in made]
+    assert (ab, world, seeds) == ("clip_higher", "carry", [0, 1, 3])
+    base = derived.find_arm("carry-clip-0.1")[1]
+    assert arm.overrides == (*base.overrides, "loss.eps_high=0.4") and arm.stages == base.stages
+    rec = json.loads((tmp_path / "derived/runs/clip-0.4/seed3/run.json").read_text())
+    assert rec["rerun"] == derived.command("carry-clip-0.1", "clip-0.4", ["loss.eps_high=0.4"], 3)
+    assert rec["derived_from"] == "carry-clip-0.1"
+    # the runs' config as the runner would train it: the changed option applied last
+    cmd = ablations.train_command(arm, 0, tmp_path, world="carry")
+    assert cmd[-4:] == ["--set", "seed=0", "--set", f"output_dir={tmp_path}"]
+    assert "loss.eps_high=0.4" in cmd and cmd.index("loss.eps_high=0.4") > cmd.index(
+        "loss.eps_high=0.1"
+    )
+    # done seeds are skipped; a name keeps its definition; a bad option stops before any run
+    assert ablations.main(argv) == 0 and len(made) == 3
+    other = [*argv[:6], "loss.eps_high=0.5", *argv[7:]]
+    assert ablations.main(other) == 2
+    assert "already holds runs of" in capsys.readouterr().err
+    bad = [*argv[:4], "x", "--set", "loss.eps_hi=1", "--results", str(tmp_path)]
+    assert ablations.main(bad) == 2 and "loss.eps_hi: unknown option" in capsys.readouterr().err
+    assert ablations.main([*argv[:4], "carry-none", *argv[5:]]) == 2
+    assert "already a committed arm" in capsys.readouterr().err and len(made) == 3
+
+
+def test_budget_mode_hints_name_the_budget_folder(monkeypatch):
+    arm = ablations.ABLATIONS["kl"].arms[0]
+    monkeypatch.delenv(ablations.RESULTS_ENV, raising=False)
+    monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
+    assert results.runs_folder_name() == "notebooks/results/runs"
+    assert ablations.rerun_command("kl", arm, 0).startswith("python -m ")
+    monkeypatch.setenv(ablations.STEPS_ENV, "1")
+    assert results.runs_folder_name() == "notebooks/results/budget-1/runs"
+    cmd = ablations.rerun_command("kl", arm, 0)
+    assert cmd.startswith(f"{ablations.STEPS_ENV}=1 python -m magic_jax.experiments.ablations")
+
+
+@pytest.mark.heavy  # about 15 s: a Jupyter kernel executes the notebook (the notebooks extra)
+def test_jupyter_shows_the_figure_cells_image(tmp_path):
+    jupytext = pytest.importorskip("jupytext")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = jupytext.read(CENTRAL)
+    env = _env()
+    old = dict(os.environ)
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        nbclient.NotebookClient(
+            nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    figure_cells = [c for c in nb.cells if c.cell_type == "code" and "figures.show(" in c.source]
+    assert figure_cells
+    for cell in figure_cells:
+        assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source
