@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -360,11 +361,36 @@ def test_every_ablation_has_a_notebook_that_names_it():
         assert "RESULTS" not in text.split("## What the committed runs show")[1][:40], p
 
 
+def _trained_arms():
+    """The arms the budget test trains: the first of each world with a set of options (the
+    override keys) no earlier arm has; the others differ from one of these in values only,
+    and every arm's config is loaded and checked by the default suite (above)."""
+    keys, seen = [], set()
+    for ab in ablations.ABLATIONS.values():
+        for arm in ab.arms:
+            overrides = ablations.overrides_for(arm, 0, budget=1, world=ab.world)
+            options = (ab.world, frozenset(o.split("=")[0] for o in overrides))
+            if not arm.pending and options not in seen:
+                seen.add(options)
+                keys.append(arm.key)
+    return keys
+
+
 @pytest.mark.slow
 def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
+    """Every notebook top to bottom on a one-step budget: the arms of ``_trained_arms`` are
+    trained (each set of options once); the others' first seeds are the committed runs,
+    copied in, so the notebooks draw and judge real runs of every arm."""
     env = dict(os.environ, MPLBACKEND="Agg", **{ablations.STEPS_ENV: "1"})
     env[ablations.RESULTS_ENV] = str(tmp_path)
     env["MAGIC_JAX_NOTEBOOK_YES"] = "1"  # a claim's arms are more than a few runs
+    trained = _trained_arms()
+    for ab in ablations.ABLATIONS.values():
+        for arm in ab.arms:
+            src = ablations.summary_dir(COMMITTED, arm, ab.seeds[0])
+            dst = ablations.summary_dir(tmp_path, arm, ab.seeds[0])
+            if arm.key not in trained and src.exists() and not dst.exists():
+                shutil.copytree(src, dst)
     sweeps = sorted((ROOT / "notebooks").glob("sweep_*.py"))  # a table, no verdict
     for nb in [*NOTEBOOKS, *sweeps]:
         proc = subprocess.run(
@@ -377,6 +403,10 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
     named = _with_notebook()
     ran = {a.key for k, ab in ablations.ABLATIONS.items() if k in named for a in ab.arms}
     assert done == sorted({a.key for _, a in _all_arms()} & ran)
+    # the trained ones were trained here, on the budget (one step a stage)
+    for key in set(trained) & ran:
+        (run_json,) = tmp_path.glob(f"runs/{key}/seed*/run.json")
+        assert "stages.0.steps=1" in json.loads(run_json.read_text())["overrides"], key
 
 
 def test_sft_baseline_is_for_the_carry_world_and_compared_per_seed(tmp_path, monkeypatch):
