@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.qwen2 import Qwen2, sequence_attention
 from magic_jax.model.sharding import MeshConfig, make_mesh
-from magic_jax.model.splash import causal_tiles, splash_attention
+from magic_jax.model.splash import causal_tiles, running_tiles, splash_attention
 from magic_jax.run.config import ConfigError, load_config
 from magic_jax.run.stages import update_config
 from magic_jax.testing import Sample
@@ -33,18 +33,20 @@ def _inputs(seed=0):
     q = jnp.asarray(rng.normal(size=(B, T, K, G, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
     # row 0 packed: three sequences, the middle one across the tile edge, then padding (0);
-    # row 1 one plain causal sequence (an unpacked row: all zeros)
+    # row 1 one plain causal sequence (an unpacked row without padding: all ones)
     packed = np.repeat([1, 2, 3, 0], [70, 80, 30, 20])
-    segments = jnp.asarray(np.stack([packed, np.zeros(T, int)]), jnp.int32)
+    segments = jnp.asarray(np.stack([packed, np.ones(T, int)]), jnp.int32)
     weight = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     return (q, k, v), segments, weight
 
 
 def _dense(q, k, v, segments):
-    """The model's dense path over the same rows (one query block: ``chunk`` 0)."""
+    """The model's dense path over the same rows (one query block: ``chunk`` 0); padding
+    (segment 0) is no key, as ``Qwen2`` marks it."""
     slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    keys = jnp.where(segments > 0, slots, -1)
     out, _ = sequence_attention(
-        q, k, v, cache_kv=None, positions_BT=slots, q_slot_BT=slots, key_pos_BS=slots,
+        q, k, v, cache_kv=None, positions_BT=slots, q_slot_BT=slots, key_pos_BS=keys,
         write_at_B=jnp.zeros((B,), jnp.int32), window=None, chunk=0, segments_BT=segments,
     )  # fmt: skip
     return out
@@ -72,7 +74,7 @@ def test_splash_equals_the_dense_attention_and_its_gradients_on_packed_and_causa
     assert out.shape == dense.shape and out.dtype == jnp.float32
     assert_fp32_close(out, dense, terms=T)
     # the second sequence sees none of the first: not what one causal sequence gives
-    whole = _dense(*args, segments * 0)
+    whole = _dense(*args, jnp.ones_like(segments))
     assert not np.allclose(np.asarray(out[0, 70:150]), np.asarray(whole[0, 70:150]), atol=1e-3)
     for name, a, d in zip("qkv", grads, dense_grads):
         assert float(jnp.abs(d).max()) > 1e-3, name
@@ -145,9 +147,24 @@ def test_splash_off_tpu_is_refused_naming_the_option():
         model(jnp.zeros((1, 8), jnp.int32))
 
 
-def test_the_kernel_computes_the_causal_tiles_only():
-    """The score entries ``costs.py`` charges for a splash row: the tiles on and below the
-    diagonal of the row padded to its tile."""
+def test_the_kernel_runs_the_tiles_of_each_sequence_only():
+    """Packed sequences of 300, 500 and 180 slots and 44 of padding in 8 tiles of 128: the
+    tiles on and below the diagonal that hold a query and a key of one sequence run, the
+    ones between two sequences and among the padding (each slot its own) do not. With one
+    sequence, the causal tiles ``costs.py`` charges a splash row."""
+    ids = np.repeat([1, 2, 3, 0], [300, 500, 180, 44])
+    seg = jnp.asarray(np.where(ids > 0, ids, 2**30 + np.arange(1024)), jnp.int32)
+    run = np.asarray(running_tiles(seg, 128))
+    # tiles 0-2 hold sequence 1, 2-6 sequence 2, 6-7 sequence 3, 7 the padding too
+    first, second, third = {0, 1, 2}, {2, 3, 4, 5, 6}, {6, 7}
+    expect = np.array(
+        [[j <= i and any({i, j} <= s for s in (first, second, third)) for j in range(8)]
+         for i in range(8)]
+    )  # fmt: skip
+    np.testing.assert_array_equal(run, expect)
+    assert run.sum() == 6 + 15 + 3 - 2 < 8 * 9 // 2  # (2, 2) and (6, 6) shared
+    one = np.asarray(running_tiles(jnp.ones(1024, jnp.int32), 128))
+    assert one.sum() * 128**2 == causal_tiles(1024, 128)
     assert causal_tiles(512) == 512 * 512
     assert causal_tiles(1024) == 3 * 512 * 512
     assert causal_tiles(200) == 256 * 256  # one tile of 256 (a multiple of 128)

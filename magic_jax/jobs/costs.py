@@ -28,10 +28,10 @@ def update_row_flops(
     again in the backward), and the attention's scores. ``dense`` (``attention``, the
     model's ``attention``): every query against every key, L^2, its query chunks
     (``attention_chunk`` < L) checkpointed and so run forward once more. ``splash``:
-    the kernel's tiles on and below the diagonal only (``splash.causal_tiles``, about
-    L^2 / 2: a packed bin's sequences share its tiles below the diagonal, which the
-    kernel runs and masks by segment), and its backward's dq and dkv kernels each
-    compute the scores and dp again: 1.5 forwards more."""
+    the kernel's tiles on and below the diagonal (``splash.causal_tiles``, about L^2 / 2:
+    a row holding one sequence of L, as a padded row with every response at T; a packed
+    bin of several runs fewer, the tiles between them skipped), and its backward's dq and
+    dkv kernels each compute the scores and dp again: 1.5 forwards more."""
     from magic_jax.model.splash import causal_tiles  # jax: imported when a plan counts
 
     passes = 4.0 if remat == "full" else 3.0

@@ -79,7 +79,7 @@ class ModelConfig:
         the same values). The update sets it per platform (``UpdateConfig.mlp_kernel``).
       attention: how a forward without a cache attends: ``dense`` (the masked product
         in query chunks, ``kernels.masked_attention``), ``splash`` (``splash.py``: the
-        TPU kernel, causal tiles only; TPU only, no sliding-window layers) or
+        TPU kernel, each sequence's causal tiles only; TPU only, no sliding windows) or
         ``splash-interpret`` (that kernel in Pallas's interpreter: any platform, slow).
         The same values up to rounding. The update sets it (``UpdateConfig.attention``).
     """

@@ -451,7 +451,7 @@ class Qwen2(nnx.Module):
 
         splash = None
         if cache is None and self.config.attention != "dense":
-            # unpacked rows: the padding a segment of its own, as the dense mask keeps it apart
+            # unpacked rows: one segment; each padding slot (0) apart, as in the dense mask
             segs_BT = mask_BT.astype(jnp.int32) if segment_ids is None else segment_ids
             splash = splash_attend(self.config.attention, segs_BT, row_sharding)
 

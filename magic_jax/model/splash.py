@@ -2,12 +2,12 @@
 kernel (``ModelConfig.attention``): causal, with segment ids for packed rows.
 
 The dense path (``qwen2.sequence_attention``) computes every query block against every
-key of the row and masks the scores. Splash attention runs a grid of (query block, key
-block) tiles and skips the tiles above the diagonal (its mask is static: ``CausalMask``);
-segment ids (a packed row's sequences, or the padding of an unpacked row) are applied
-inside the tiles it runs. Its forward keeps only the output and each query's
-log-sum-exp, and its backward recomputes the scores tile by tile, so no [T, S] score
-array exists in HBM at any length.
+key of the row and masks the scores. Splash attention runs a grid of (query tile, key
+tile) pairs; its tile tables, built here at run time from each row's segment ids
+(``running_tiles``), skip the pairs above the diagonal and those between two sequences
+of a packed row (or padding), and the causal and segment masks apply inside the tiles
+that run. Its forward keeps only the output and each query's log-sum-exp, and its
+backward recomputes the scores tile by tile, so no [T, S] score array exists in HBM.
 
 Grouped-query attention runs as the kernel's multi-head form: query head n reads kv
 head n // G (the queries' [K, G] heads in order), so the K keys and values are never
@@ -33,6 +33,8 @@ from magic_jax.model.sharding import TRAIN_RULES
 # TPU's lane width, for a row shorter than a tile).
 BLOCK = 512
 _LANES = 128
+# The first padding id: above any segment's (a mini-batch's rows at most).
+_PADDING = 2**30
 
 
 def tile(length: int, block: int = BLOCK) -> int:
@@ -49,39 +51,100 @@ def causal_tiles(length: int, block: int = BLOCK) -> int:
     return b * b * n * (n + 1) // 2
 
 
-@functools.lru_cache(maxsize=16)
-def _kernel(heads: int, length: int, block: int, interpret: bool):
-    """The splash kernel for ``heads`` query heads over rows of ``length`` slots (cached:
-    the mask's tile tables take seconds to build at 32K slots, once per shape)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+def _causal(q_ids, kv_ids):
+    """The kernel's mask inside a tile it runs (with the segment ids): causal."""
+    return q_ids >= kv_ids
 
-    mask = sa.MultiHeadMask([sa.CausalMask((length, length))] * heads)
+
+def _next_running(run, axis: int):
+    """For each grid step along ``axis`` of the [query tile, key tile] table ``run``: the
+    next running tile's index at or after it, else the last running one before it, so
+    that a skipped step fetches a tile the grid reads anyway (no new copy)."""
+    n = run.shape[axis]
+    idx = jnp.arange(n, dtype=jnp.int32).reshape((n, 1) if axis == 0 else (1, n))
+    ahead = jax.lax.cummin(jnp.where(run, idx, n), axis=axis, reverse=True)
+    behind = jax.lax.cummax(jnp.where(run, idx, -1), axis=axis)
+    return jnp.where(ahead < n, ahead, behind)
+
+
+def running_tiles(seg_T: jax.Array, block: int) -> jax.Array:
+    """[n, n] bool: which (query tile, key tile) pairs of a row the kernel runs, from its
+    segment ids ``seg_T`` ([n * block] int32; each padding slot an id of its own): those
+    on and below the diagonal whose tiles' id ranges meet. A packed row's ids ascend, so
+    these are exactly the pairs holding a query and a key of one segment: the tiles
+    between two sequences are skipped too, not only those above the diagonal. The
+    diagonal always runs (every query sees itself)."""
+    n = seg_T.shape[0] // block
+    tiles = seg_T.reshape(n, block)
+    lo, hi = tiles.min(axis=1), tiles.max(axis=1)
+    idx = jnp.arange(n)
+    below = idx[None, :] <= idx[:, None]
+    return below & (lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None])
+
+
+def _row_kernel(seg_T, block: int, interpret: bool):
+    """The splash kernel for one row of segment ids ``seg_T``, its tile tables built at run
+    time (``running_tiles``; JAX's static ``CausalMask`` tables would run every tile
+    below the diagonal, the segment ids masking inside them)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import (
+        MaskInfo,
+    )
+
+    n = seg_T.shape[0] // block
+    run = running_tiles(seg_T, block)
+    # the tables live in the core's scalar memory: the smallest integer type that holds n
+    small = jnp.int8 if n <= 127 else jnp.int16
+    mask = run.astype(jnp.int8)[None]  # 1: run, masked inside (causal and segments)
+    q_sequence = jnp.arange(seg_T.shape[0], dtype=jnp.int32)
+
+    def info(data_next):
+        return MaskInfo(
+            data_next=data_next.astype(small)[None],
+            mask_next=None,
+            block_mask=mask,
+            partial_mask_blocks=None,
+            q_sequence=q_sequence,
+        )
+
+    fwd = info(_next_running(run, 1))  # the forward's and dq's grid walks key tiles
+    dkv = info(_next_running(run, 0))  # dkv's walks query tiles
     b = block
-    sizes = sa.BlockSizes(
+    # separate dq and dkv kernels: the fused backward keeps a dq per key tile
+    sizes = BlockSizes(
         block_q=b,
         block_kv=b,
         block_kv_compute=b,
         block_q_dkv=b,
         block_kv_dkv=b,
         block_kv_dkv_compute=b,
-        # separate dq and dkv kernels: the fused backward keeps a dq per key tile
         block_q_dq=b,
         block_kv_dq=b,
     )
-    # built once, outside any trace: its tile tables are constants, not the trace's values
-    with jax.ensure_compile_time_eval():
-        return sa.make_splash_mha(
-            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
-        )
+    return sk.SplashAttentionKernel(
+        fwd,
+        fwd,
+        dkv,
+        block_sizes=sizes,
+        is_mqa=False,
+        save_residuals=False,
+        mask_value=sk.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=None,
+        residual_checkpoint_name=None,
+        mask_function=_causal,
+        interpret=interpret,
+    )
 
 
 def _rows(q_BNTH, k_BKTH, v_BKTH, seg_BT, *, block: int, interpret: bool):
     """The kernel over the rows (and heads) one device holds."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-    kernel = _kernel(q_BNTH.shape[1], q_BNTH.shape[2], block, interpret)
-
     def one(q_NTH, k_KTH, v_KTH, seg_T):
+        kernel = _row_kernel(seg_T, block, interpret)
         return kernel(q_NTH, k_KTH, v_KTH, segment_ids=SegmentIds(q=seg_T, kv=seg_T))
 
     return jax.vmap(one)(q_BNTH, k_BKTH, v_BKTH, seg_BT)
@@ -118,7 +181,8 @@ def splash_attention(
     Args:
       q_BTKGH: [B, T, K, G, H] queries (G query heads share each of the K kv heads).
       k_BTKH / v_BTKH: [B, T, K, H] keys and values of the same T slots.
-      segments_BT: [B, T] int32: a query sees the keys at or before it with its id.
+      segments_BT: [B, T] int32: a query sees the keys at or before it with its id (> 0);
+        a slot of id <= 0 is padding and sees only itself (as in the dense mask).
       row_sharding: the rows' sharding (its first entry splits the rows); the kernel
         runs per device under its mesh. None: one device (or XLA gathers the operands).
       interpret: run the kernel's program in Pallas's interpreter (any platform).
@@ -134,13 +198,16 @@ def splash_attention(
     q = (q_BTKGH.astype(jnp.float32) * h**-0.5).astype(q_BTKGH.dtype)
     q_BNTH = q.transpose(0, 2, 3, 1, 4).reshape(b, kh * g, t, h)
     k_BKTH, v_BKTH = (x.transpose(0, 2, 1, 3).astype(q.dtype) for x in (k_BTKH, v_BTKH))
-    seg_BT = segments_BT.astype(jnp.int32)
     if pad:
-        # padded slots: a segment of their own (-1), after every real slot
         q_BNTH, k_BKTH, v_BKTH = (
             jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q_BNTH, k_BKTH, v_BKTH)
         )
-        seg_BT = jnp.pad(seg_BT, ((0, 0), (0, pad)), constant_values=-1)
+    seg_BT = jnp.pad(segments_BT.astype(jnp.int32), ((0, 0), (0, pad)))
+    # a padding slot (id <= 0, and those added here) is a segment of its own that sees only
+    # itself, as in the dense mask: ids above every sequence's, ascending, so that a packed
+    # row's ids ascend throughout and its padding's tiles run only on the diagonal
+    slot_T = jnp.arange(t + pad, dtype=jnp.int32)
+    seg_BT = jnp.where(seg_BT > 0, seg_BT, _PADDING + slot_T)
     fn = functools.partial(_rows, block=blk, interpret=interpret)
     if row_sharding is not None:
         mesh = row_sharding.mesh

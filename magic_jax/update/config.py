@@ -68,9 +68,10 @@ class UpdateOptions:
         (``step.default_update_mlp_kernel``). Same values; speed and memory change.
       attention: how the update's forwards attend (``ModelConfig.attention``): ``dense``
         (the masked product by query chunks of ``attention_chunk``, every key of the
-        row), ``splash`` (the TPU kernel: only the tiles on and below the diagonal,
-        no [T, S] scores; TPU only) or ``splash-interpret`` (that kernel interpreted, any
-        platform, slow); None = the model's own (``dense``). Same values up to rounding.
+        row), ``splash`` (the TPU kernel: only the score tiles on and below the diagonal
+        within each sequence, no [T, S] scores; TPU only) or ``splash-interpret`` (that
+        kernel interpreted, any platform, slow); None = the model's own (``dense``). Same
+        values up to rounding.
     """
 
     mini_batch_split: MiniBatchSplit = "even"
