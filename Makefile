@@ -46,7 +46,7 @@ $(TPU_VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 test-tpu: $(TPU_VENV)/.installed
-	$(TPU_VENV)/bin/pytest -q tests/plan_test.py tests/tpu_decode_test.py $(PYTEST_ARGS)
+	$(TPU_VENV)/bin/pytest -q tests/plan_test.py tests/tpu_decode_test.py tests/tpu_update_test.py $(PYTEST_ARGS)
 
 # The GPU tests, in an existing environment that has jax[cuda] (a GPU image may bring
 # its own Python and jax, lack grain / tensorflow-datasets / math-verify, and have no

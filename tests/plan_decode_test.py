@@ -95,6 +95,24 @@ def test_the_update_counts_remat_s_forward_and_the_attention_s_square():
     assert update_row_flops(mc, 256, "full", 512) == update_row_flops(mc, 256, "full", 0)
 
 
+def test_the_splash_update_counts_the_causal_tiles_and_its_backward_s_recomputes():
+    """``update.attention: splash``: the kernel's tiles on and below the diagonal of the
+    18K row (36 x 37 / 2 tiles of 512^2, about half of L^2), with the backward's dq and
+    dkv kernels each computing the scores and dp again (1.5 forwards more); no chunk."""
+    from magic_jax.jobs.costs import attention_flops, matmul_params, update_row_flops
+    from magic_jax.model.config import PRESETS
+
+    mc = PRESETS["r1-distill-qwen-7b"]
+    n = 16384 + 2048
+    linear = 4 * 2 * matmul_params(mc) * n  # remat full: four forwards' worth
+    dense = update_row_flops(mc, n, "full", 512) - linear
+    splash = update_row_flops(mc, n, "full", 512, "splash") - linear
+    assert dense == pytest.approx(5 * attention_flops(mc, n, n))
+    assert splash == pytest.approx(5.5 * attention_flops(mc, 36 * 37 // 2 * 512**2, 1))
+    assert 0.56 < splash / dense < 0.57
+    assert update_row_flops(mc, n, "full", 0, "splash") - linear == pytest.approx(splash)
+
+
 def test_a_decode_step_s_flops_are_its_rows_through_every_layer():
     from magic_jax.jobs.costs import decode_step_flops, matmul_params
     from magic_jax.model.config import PRESETS

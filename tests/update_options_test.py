@@ -284,6 +284,7 @@ def test_every_update_option_reaches_each_stages_update_config():
         "remat": "full",
         "compute_dtype": "bfloat16",
         "attention_chunk": 64,
+        "attention": "splash",
         "layer_unroll": 2,
         "mlp_kernel": False,
     }

@@ -20,15 +20,26 @@ def attention_flops(model_config: Any, queries: int, keys: int) -> float:
     return 4.0 * model_config.num_layers * heads * queries * keys
 
 
-def update_row_flops(model_config: Any, length: int, remat: str, chunk: int) -> float:
+def update_row_flops(
+    model_config: Any, length: int, remat: str, chunk: int, attention: str = "dense"
+) -> float:
     """Flops of one row (or packed bin) of ``length`` slots through the update: forward and
     backward (3 forwards' worth), one more forward with ``remat: full`` (each layer runs
-    again in the backward), and the attention's dense masked L^2 scores, whose query
-    chunks (``attention_chunk`` < L) are checkpointed and so run forward once more."""
+    again in the backward), and the attention's scores. ``dense`` (``attention``, the
+    model's ``attention``): every query against every key, L^2, its query chunks
+    (``attention_chunk`` < L) checkpointed and so run forward once more. ``splash``:
+    the kernel's tiles on and below the diagonal (``splash.causal_tiles``, about L^2 / 2:
+    a row holding one sequence of L, as a padded row with every response at T; a packed
+    bin of several runs fewer, the tiles between them skipped), and its backward's dq and
+    dkv kernels each compute the scores and dp again: 1.5 forwards more."""
+    from magic_jax.model.splash import causal_tiles  # jax: imported when a plan counts
+
     passes = 4.0 if remat == "full" else 3.0
-    attn = passes + (1.0 if chunk and length > chunk else 0.0)
     linear = 2.0 * matmul_params(model_config) * length
-    return passes * linear + attn * attention_flops(model_config, length, length)
+    if attention == "dense":
+        attn = passes + (1.0 if chunk and length > chunk else 0.0)
+        return passes * linear + attn * attention_flops(model_config, length, length)
+    return passes * linear + (passes + 1.5) * attention_flops(model_config, causal_tiles(length), 1)
 
 
 def decode_step_flops(model_config: Any, slots: int, cache_length: int) -> float:

@@ -171,7 +171,7 @@ def _decode_step_lines(p: StagePlan, bw: float, peak: float, base: float) -> lis
         f"{p.samples} samples all of length T: >= {full / 60:.1f} min",
         *_ragged_lines(p, base),
         f"  update mini-batch: {p.update_flops / 1e12:.1f} TFLOP per device (XLA, 0 if "
-        f"not compiled; counted, every row at P + T with remat and the attention's L^2: "
+        f"not compiled; counted, every row at P + T with remat and the attention's scores: "
         f"{p.model_flops / 1e12:.1f}) -> >= "
         f"{max(p.update_flops, p.model_flops) / peak:.1f} s at the bf16 peak; "
         f"x {p.sgd_steps} per step",

@@ -102,7 +102,7 @@ class StagePlan:
 
     Roofline inputs, per device: ``update_flops`` of one mini-batch (XLA),
     ``model_flops`` of one padded mini-batch counted (``costs.update_row_flops``: remat's
-    extra forward and the attention's L^2 included), ``decode_bytes`` and ``decode_flops``
+    extra forward and the attention's scores included), ``decode_bytes`` and ``decode_flops``
     of one decode step over the full cache (the bytes at least its weights and cache, each
     read once; the flops at least ``costs.decode_step_flops``: XLA counts the layer loop's
     body once); ``decode_cache_copies``, the copies of a layer's cache or more in the compiled
@@ -464,7 +464,8 @@ def _compiled_terms(
     out.decode_temps = max(decode.temp, prefill.temp + prefill.output)
     remat = ucfg.remat or model_config.remat
     chunk = model_config.attention_chunk if ucfg.attention_chunk is None else ucfg.attention_chunk
-    row = update_row_flops(model_config, out.row_length, remat, chunk)
+    attention = ucfg.attention or model_config.attention
+    row = update_row_flops(model_config, out.row_length, remat, chunk, attention)
     out.model_flops = row * rows / mesh.size
     if update.compiled is not None and micro_c.compiled is not None:
         # the optimizer's few flops per parameter are left out

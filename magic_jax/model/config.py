@@ -19,6 +19,12 @@ RematPolicy = Literal["none", "full", "dots_saveable"]
 _REMAT = ("none", "full", "dots_saveable")
 
 
+SequenceAttention = Literal["dense", "splash", "splash-interpret"]
+
+
+ATTENTIONS = ("dense", "splash", "splash-interpret")
+
+
 def check_unroll(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raises a ValueError naming ``name`` unless ``value`` is a scan unroll
     (``True``, ``False`` or an int >= 1; or None where ``allow_none``)."""
@@ -71,6 +77,11 @@ class ModelConfig:
         ``num_layers``, ``False`` 1).
       mlp_kernel: run the MLP as ``kernels.swiglu`` (a hand-written backward pass;
         the same values). The update sets it per platform (``UpdateConfig.mlp_kernel``).
+      attention: how a forward without a cache attends: ``dense`` (the masked product
+        in query chunks, ``kernels.masked_attention``), ``splash`` (``splash.py``: the
+        TPU kernel, each sequence's causal tiles only; TPU only, no sliding windows) or
+        ``splash-interpret`` (that kernel in Pallas's interpreter: any platform, slow).
+        The same values up to rounding. The update sets it (``UpdateConfig.attention``).
     """
 
     vocab_size: int
@@ -95,6 +106,7 @@ class ModelConfig:
     remat: RematPolicy = "none"
     layer_unroll: int | bool = 1
     mlp_kernel: bool = False
+    attention: SequenceAttention = "dense"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -128,6 +140,16 @@ class ModelConfig:
             )
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat must be one of {_REMAT}, got {self.remat!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}"
+            )
+        if self.attention != "dense" and self.sliding_layers:
+            raise ValueError(
+                f"ModelConfig.attention {self.attention!r} (update.attention) has no "
+                f"sliding-window mask; this model's layers {list(self.sliding_layers)} slide: "
+                f"use 'dense'"
+            )
         check_unroll("ModelConfig.layer_unroll", self.layer_unroll)
         # stored as an int (True == 1 in Python: configs and caches must not mix them up)
         if isinstance(self.layer_unroll, bool):

@@ -29,6 +29,7 @@ from flax import nnx
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.kernels import masked_attention, swiglu
 from magic_jax.model.kv_cache import KVCache, write_rows
+from magic_jax.model.splash import splash_attend
 
 LAYER_AXIS = "layers"
 # The window of a full-attention layer when windows are per-layer data: longer than
@@ -409,6 +410,9 @@ class Qwen2(nnx.Module):
           segment_ids: [B, T] int32, rows that hold several sequences packed
             (``update.packing``): a token attends only to earlier tokens of the same
             id (0 = padding); ``positions`` should restart at 0 for each. No cache.
+
+        Without a cache, ``config.attention`` other than ``dense`` attends by the splash
+        kernel (``splash.py``; ``splash`` raises a ValueError off TPU).
         """
         if cache is not None and cache.quantized:
             raise ValueError(
@@ -445,10 +449,16 @@ class Qwen2(nnx.Module):
             sh = layer_sharding if between_layers else row_sharding
             return x if sh is None else jax.lax.with_sharding_constraint(x, sh)
 
+        splash = None
+        if cache is None and self.config.attention != "dense":
+            # unpacked rows: one segment; each padding slot (0) apart, as in the dense mask
+            segs_BT = mask_BT.astype(jnp.int32) if segment_ids is None else segment_ids
+            splash = splash_attend(self.config.attention, segs_BT, row_sharding)
+
         def layer_fn(layer, x_BTD, xs):
             window, kv = xs
             x_BTD = rows(x_BTD, between_layers=True)
-            attend = functools.partial(
+            attend = splash or functools.partial(
                 sequence_attention,
                 cache_kv=kv,
                 positions_BT=positions,

@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from magic_jax.model.config import RematPolicy, check_unroll
+from magic_jax.model.config import ATTENTIONS, RematPolicy, SequenceAttention, check_unroll
 from magic_jax.update.buffer import MiniBatchSplit
 from magic_jax.update.entropy_control import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
@@ -66,6 +66,12 @@ class UpdateOptions:
       mlp_kernel: run the MLP's backward pass by hand (``model.kernels.swiglu``,
         ``ModelConfig.mlp_kernel``); None = the platform's measured default
         (``step.default_update_mlp_kernel``). Same values; speed and memory change.
+      attention: how the update's forwards attend (``ModelConfig.attention``): ``dense``
+        (the masked product by query chunks of ``attention_chunk``, every key of the
+        row), ``splash`` (the TPU kernel: only the score tiles on and below the diagonal
+        within each sequence, no [T, S] scores; TPU only) or ``splash-interpret`` (that
+        kernel interpreted, any platform, slow); None = the model's own (``dense``). Same
+        values up to rounding.
     """
 
     mini_batch_split: MiniBatchSplit = "even"
@@ -78,10 +84,12 @@ class UpdateOptions:
     attention_chunk: int | None = None
     layer_unroll: int | bool | None = None
     mlp_kernel: bool | None = None
+    attention: SequenceAttention | None = None
 
     def __post_init__(self):
         for name, allowed in (
             ("mini_batch_split", MINI_BATCH_SPLITS),
+            ("attention", (None, *ATTENTIONS)),
             ("remat", (None, *REMAT_POLICIES)),
             ("compute_dtype", (None, *COMPUTE_DTYPES)),
         ):

@@ -66,7 +66,7 @@ def with_platform_defaults(config: UpdateConfig, platform: str | None = None) ->
 
 def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -> nnx.GraphDef:
     """The policy's graph with the update's ``remat``, ``compute_dtype``,
-    ``attention_chunk``, ``layer_unroll`` and ``mlp_kernel`` options.
+    ``attention_chunk``, ``attention``, ``layer_unroll`` and ``mlp_kernel`` options.
 
     All are static fields of the model's ``ModelConfig``: the graph of a model
     built with the changed config takes the same parameters. Works inside a trace
@@ -89,6 +89,8 @@ def update_graphdef(graphdef: nnx.GraphDef, params: Any, config: UpdateConfig) -
         changes["dtype"] = config.compute_dtype
     if config.attention_chunk is not None:
         changes["attention_chunk"] = config.attention_chunk
+    if config.attention is not None:
+        changes["attention"] = config.attention
     wanted = dataclasses.replace(current, **changes)
     return graphdef if wanted == current else _graphdef_of(wanted)
 
