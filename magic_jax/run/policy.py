@@ -106,8 +106,7 @@ def load_tokenizer(path: str | os.PathLike) -> RunTokenizer:
         cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
         if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
             return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-        # transformers types decode for a batch too (str | list[str]): one sequence is a str
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)  # type: ignore[return-value]
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
 
