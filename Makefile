@@ -73,6 +73,7 @@ campaign: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff check --fix .
@@ -87,7 +88,7 @@ bench: setup
 ci: lint test test-slow test-tpu
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
 
 constraints: setup
 	(echo "# Versions CI installs (pip install -c constraints.txt). Regenerate with: make constraints"; \

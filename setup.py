@@ -72,6 +72,7 @@ setup(
             "pytest>=8",
             "pytest-xdist>=3",
             "ruff>=0.6",
+            "mypy>=2.4",
             "torch==2.13.0",
             "pyarrow>=15",
             "scipy>=1.11",

@@ -61,15 +61,15 @@ class CompileClock:
         """Seconds of real compilation (cache reads excluded)."""
         return max(self.seconds - self.read_seconds, 0.0)
 
-    def _on_duration(self, event: str, duration: float, **_) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **_: str | int) -> None:
         with self._lock:
             if event == _BACKEND_COMPILE_EVENT:
-                self.seconds += duration
+                self.seconds += duration_secs
                 self.compiles += 1
             elif event == _CACHE_READ_EVENT:
-                self.read_seconds += duration
+                self.read_seconds += duration_secs
 
-    def _on_event(self, event: str, **_) -> None:
+    def _on_event(self, event: str, **_: str | int) -> None:
         if event == _CACHE_HIT_EVENT:
             with self._lock:
                 self.cache_hits += 1

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypedDict
 
 import numpy as np
 
@@ -99,7 +99,8 @@ def preemption_notice(step: int) -> bool:
     return bool(multihost_utils.reached_preemption_sync_point(step))
 
 
-_FAILED = -(2**31)
+# what process 0 broadcasts when its ``on_primary`` function raised
+_PRIMARY_FAILED = -(2**31)
 
 
 def on_primary(fn: Callable[[], int]) -> int:
@@ -120,13 +121,13 @@ def on_primary(fn: Callable[[], int]) -> int:
         return fn()
     if not is_primary():
         value = broadcast_int(0)
-        if value == _FAILED:
+        if value == _PRIMARY_FAILED:
             raise ProcessError("process 0 stopped with an error (its log says which)")
         return value
     try:
         value = fn()
     except BaseException:
-        broadcast_int(_FAILED)
+        broadcast_int(_PRIMARY_FAILED)
         raise
     return broadcast_int(value)
 
@@ -236,7 +237,11 @@ _stop_watch = threading.Event()
 _on_peer_failure: list[Callable[[int, str], None]] = []
 
 
-def initialize_options() -> dict[str, int]:
+class InitializeOptions(TypedDict):
+    heartbeat_timeout_seconds: int
+
+
+def initialize_options() -> InitializeOptions:
     """``jax.distributed.initialize``'s timeouts for a run that must not hang.
 
     ``heartbeat_timeout_seconds`` bounds how long the other processes outlive one

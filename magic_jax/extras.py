@@ -11,6 +11,7 @@ extra to install instead of the bare "No module named 'flax'".
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 # top-level module -> the smallest extra that installs it
@@ -53,7 +54,7 @@ def message(name: str, importer: str | None = None, extra: str | None = None) ->
 def _importer() -> str | None:
     """The ``magic_jax`` module whose import statement is running, if any (None for a
     lookup such as ``importlib.util.find_spec``, which asks whether a module exists)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         mod = frame.f_globals.get("__name__", "")
         if mod == "importlib.util" and frame.f_code.co_name == "find_spec":

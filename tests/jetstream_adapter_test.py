@@ -48,8 +48,8 @@ def setup():
 
 
 async def _serve(driver, prompt, max_tokens):
-    pb2 = jetstream_adapter.js.orchestrator.jetstream_pb2
-    client = jetstream_adapter.js.orchestrator.LLMOrchestrator(driver=driver)
+    pb2 = jetstream_adapter.orchestrator.jetstream_pb2
+    client = jetstream_adapter.orchestrator.LLMOrchestrator(driver=driver)
     request = pb2.DecodeRequest(
         token_content=pb2.DecodeRequest.TokenContent(token_ids=prompt), max_tokens=max_tokens
     )

@@ -463,3 +463,13 @@ def test_class_entropy_table_reads_each_final_models_classes(tmp_path):
         "central_choice", ablations.load_arm_runs("central_choice", tmp_path)
     )
     assert "| 0 | 0.400 | 0.010 | 0.020 | 0.000 | 0.900 | 0.000 | 0.700 |" in text
+
+
+def test_seed_status_names_a_check_against_zero():
+    from magic_jax.jobs.report import Run
+
+    runs = {"carry-kl-0.1": [Run(f"s{s}", Path("."), [], [], {}) for s in range(2)]}
+    lines = ar.seed_status("kl", runs)
+    drift = next(line for line in lines if line.startswith("stage-2 KL drift"))
+    assert drift.endswith(" vs 0: provisional (seeds missing)"), drift
+    assert len(lines) == len(ar.CHECKS["kl"])

@@ -306,6 +306,7 @@ def offline_filter(
             continue
         n = num_samples if isinstance(num_samples, int) else num_samples.get(row.ability)
         if n is None:
+            assert not isinstance(num_samples, int)
             raise DataError(f"{row.uid}: no N for ability {row.ability!r} in {dict(num_samples)}")
         if 0 < d < n:
             out.append(row)

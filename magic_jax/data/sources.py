@@ -13,7 +13,9 @@ from magic_jax.data.rows import DataError, PromptRow, parse_row, raw_rows
 from magic_jax.data.tfds import NAME, is_tfds_dir, read_tfds_rows, write_dataset
 
 
-def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[PromptRow]:
+def read_rows(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+) -> list[PromptRow]:
     """Reads and checks every row of one or more files (or directories of them).
 
     Args:
@@ -31,8 +33,10 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
+    # a list, so that the error below still names them after the loop read a generator
+    names = [os.fspath(p) for p in paths]
     files: list[str] = []
-    for p in map(os.fspath, paths):
+    for p in names:
         storage.check(p, what="data")
         where = storage.path(p) if storage.is_gcs(p) else Path(p)
         if is_tfds_dir(p):
@@ -46,7 +50,7 @@ def read_rows(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pr
         else:
             raise DataError(f"{p}: no such file or directory")
     if not files:
-        raise DataError(f"no .parquet or .jsonl files in {list(map(os.fspath, paths))}")
+        raise DataError(f"no .parquet or .jsonl files in {names}")
     out: list[PromptRow] = []
     seen: dict[str, str] = {}
     for path in files:

@@ -366,7 +366,7 @@ def write_figures(
             continue
         fig = ablation_figure(key, runs)
         fig.savefig(out / f"{key}.png")
-    write_tables(results, out)
+    write_tables(os.fspath(results), out)
     return out
 
 
@@ -424,17 +424,17 @@ def seed_status(ablation: str, runs: Mapping[str, Sequence[Run]]) -> list[str]:
     ab = ABLATIONS[ablation]
     labels, full, lines = {a.key: a.label for a in ab.arms}, len(ab.seeds), []
     for c in CHECKS[ablation]:
-        n_ref, n_arm = len(runs.get(c.reference, [])), len(runs.get(c.arm, []))
+        n_arm = len(runs.get(c.arm, []))
+        # a check without a reference compares its arm with 0: the arm's seeds alone count
+        n_ref = n_arm if c.reference is None else len(runs.get(c.reference, []))
         if min(n_ref, n_arm) < 2:
             state = "pending (not enough seeds)"
         elif min(n_ref, n_arm) < full:
             state = "provisional (seeds missing)"
         else:
             state = "complete"
-        lines.append(
-            f"{c.outcome}: {labels[c.arm]} ({n_arm}/{full} seeds) vs {labels[c.reference]} "
-            f"({n_ref}/{full} seeds): {state}"
-        )
+        ref = "0" if c.reference is None else f"{labels[c.reference]} ({n_ref}/{full} seeds)"
+        lines.append(f"{c.outcome}: {labels[c.arm]} ({n_arm}/{full} seeds) vs {ref}: {state}")
     return lines
 
 

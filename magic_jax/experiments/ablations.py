@@ -169,7 +169,9 @@ def recorded_seconds(run_dir: Path, *, evals: bool = True) -> float:
     evaluations that a run's records (plain or compressed) account for."""
     from magic_jax.jobs.report import read_record_text
 
-    files = [("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s"))]
+    files: list[tuple[str, tuple[str, ...]]] = [
+        ("metrics.jsonl", ("t_rollout_s", "t_update_s", "t_other_s"))
+    ]
     if evals:
         files.append(("eval.jsonl", ("t_eval_s",)))
     total = 0.0

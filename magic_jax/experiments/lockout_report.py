@@ -55,8 +55,9 @@ def total_steps(run: Run) -> int:
     """The run's steps: the sum of its config's stage steps, else its last metrics step + 1."""
     stages = run.config.get("stages") or []
     steps = [s.get("steps") for s in stages if isinstance(s, Mapping)]
-    if steps and all(isinstance(s, int) for s in steps):
-        return sum(steps)
+    counts = [s for s in steps if isinstance(s, int)]
+    if steps and len(counts) == len(steps):
+        return sum(counts)
     last = [r["step"] for r in run.metrics] or [r["step"] for r in run.evals] or [-1]
     return max(last) + 1
 
@@ -71,8 +72,8 @@ def expected_left(run: Run) -> Series:
     """(steps, expected full checks over the steps left): ``expected_per_step`` x steps left
     at each evaluation; evaluations with no step left or a count of 0 are skipped."""
     n = total_steps(run)
-    pts = zip(*probe_series(run, "expected_per_step"))
-    pts = [(s, v * (n - s)) for s, v in pts if v * (n - s) > 0]
+    series = zip(*probe_series(run, "expected_per_step"))
+    pts = [(s, v * (n - s)) for s, v in series if v * (n - s) > 0]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -193,7 +194,11 @@ def entropy_class_figure(
     grid = fig.subplots(2, 3)
     top, bottom = list(grid[0]), list(grid[1])
     for ax, c in zip(top, CLASSES):
-        _seed_lines(ax, runs, lambda r, c=c: probe_series(r, "sampled", "entropy_by_class", c))
+
+        def of_class(r: Run, c: str = c) -> Series:
+            return probe_series(r, "sampled", "entropy_by_class", c)
+
+        _seed_lines(ax, runs, of_class)
         ax.set_yscale("log")
         ax.set_title(f"entropy of {c} tokens (nats)", fontsize=10)
         ax.set_xlabel("step")

@@ -107,7 +107,7 @@ class TwinResult:
     differ, outcome of a, outcome of b); and b - a over seeds."""
 
     twin: Twin
-    seeds: list[tuple[int, int | None, int | None, float, float]]
+    seeds: list[tuple[int | None, int | None, int | None, float, float]]  # seed None: no run.json
     diff: float
     low: float
     high: float

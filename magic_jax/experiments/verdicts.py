@@ -424,10 +424,9 @@ class Effect:
 
     def text(self, labels: Mapping[str, str] | None = None) -> str:
         lab = labels or {}
-        r, a = (
-            lab.get(self.check.reference, self.check.reference or "0"),
-            lab.get(self.check.arm, self.check.arm),
-        )
+        ref = self.check.reference
+        r = "0" if ref is None else lab.get(ref, ref)  # no reference: the arm against 0
+        a = lab.get(self.check.arm, self.check.arm)
         interval = "" if math.isnan(self.low) else f", 95% CI [{self.low:+.3f}, {self.high:+.3f}]"
         p = "" if math.isnan(self.p) else f", Welch p = {_p(self.p)}"
         return (

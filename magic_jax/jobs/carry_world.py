@@ -88,25 +88,27 @@ def world_statistics(
     if driver is None:
         driver = world_driver(model, temperature, max_response_length)
     _, groups = sample_heldout(driver, params, tok, rows, num_samples=num_samples, seed=seed)
-    by = defaultdict(list)  # key -> rewards
-    rate = {True: [], False: []}  # needed column? -> checked or not
-    ent = {True: [0.0, 0], False: [0.0, 0]}
+    by: defaultdict[str | tuple[str, int], list[float]] = defaultdict(list)  # key -> rewards
+    rate: dict[bool, list[bool]] = {True: [], False: []}  # needed column? -> checked or not
+    ent: dict[bool, list[float]] = {True: [0.0, 0], False: [0.0, 0]}  # right? -> (sum, count)
     lengths, truncated, lines_ok = [], [], []
-    by_class = {c: [] for c in carry.TOKEN_CLASSES}  # class -> token entropies
+    by_class: dict[str, list[float]] = {c: [] for c in carry.TOKEN_CLASSES}  # class -> entropies
     pieces = TokenPieces(tok.decode)
     for row, g in zip(rows, groups):
         a, b = carry.row_problem(row)
         c = carry.carries(a, b)
         need = carry.needed(a, b)
+        assert g.texts is not None, "sample_heldout keeps the texts"
         for s, text, r in zip(g.samples, g.texts, g.rewards):
             right = float(r) > 0.5
             by["all"].append(float(r))
             by[("carries", c)].append(float(r))
             checks = carry.read_checks(text)
-            lines_ok.append(checks is not None and len(checks) == len(need))
-            if lines_ok[-1]:
-                for n, k in zip(need, checks):
-                    rate[n].append(k)
+            formed = checks is not None and len(checks) == len(need)
+            lines_ok.append(formed)
+            if checks is not None and formed:
+                for needed, checked in zip(need, checks):
+                    rate[needed].append(checked)
             for cls, e in zip(carry.token_classes(pieces(s.tokens[: s.length])), s.entropies):
                 by_class[cls].append(float(e))
             ent[right][0] += float(np.sum(s.entropies[: s.length]))

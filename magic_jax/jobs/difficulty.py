@@ -96,7 +96,7 @@ def with_difficulty(raw: Mapping[str, Any], model: str, correct: int, *, parquet
     row = dict(raw)
     extra = row.get("extra_info") or {}
     extra_str = isinstance(extra, str)
-    extra = json.loads(extra) if extra_str else dict(extra)
+    extra = json.loads(extra) if isinstance(extra, str) else dict(extra)
     table = extra.get("model_difficulty")
     as_str = isinstance(table, str) or (table is None and parquet)
     table = json.loads(table) if isinstance(table, str) else dict(table or {})

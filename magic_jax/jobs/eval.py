@@ -73,7 +73,8 @@ def parse_n(values: Iterable[str]) -> tuple[dict[str, int], int | None]:
 
 def dataset_names(paths: Sequence[str]) -> list[tuple[str, str]]:
     """``(name, path)`` of each data argument; the name is the file (or directory) stem."""
-    out, seen = [], {}
+    out: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
     for p in paths:
         where = storage.path(p)
         name = where.stem if where.is_file() else where.name
@@ -101,6 +102,11 @@ class _Set:
     kept: list[int] = dataclasses.field(default_factory=list)
     log: ChunkLog | LogCopy | None = None  # LogCopy: not process 0 (it writes nothing)
 
+    def opened(self) -> ChunkLog | LogCopy:
+        """Its log (``open_logs``), which every read follows."""
+        assert self.log is not None, "opened by run_eval before the set is read"
+        return self.log
+
 
 def _read_sets(data: Sequence[str], options: EvalOptions) -> list[_Set]:
     sets = []
@@ -120,7 +126,7 @@ def _read_sets(data: Sequence[str], options: EvalOptions) -> list[_Set]:
 def _chunks(sets: Sequence[_Set], options: EvalOptions) -> Iterator[Chunk]:
     """The chunks not written yet; chunk c of a set draws from ``eval_seed(seed, c)``."""
     for s in sets:
-        size, have = options.chunk_size(s.n), {r["index"] for r in s.log.records}
+        size, have = options.chunk_size(s.n), {r["index"] for r in s.opened().records}
         for c in range(math.ceil(len(s.kept) / size)):
             part = range(c * size, min((c + 1) * size, len(s.kept)))
             if all(s.kept[i] in have for i in part):
@@ -153,11 +159,11 @@ def run_eval(
       ``{set name: summary table}`` (also in ``summary.json`` / ``summary.md``).
     """
     storage.check(out, what="--out")
-    out = storage.path(out)
+    out_dir = storage.path(out)
     sets = _read_sets(data, options)
     job = Scorer(model, options, log=log, bar=bar)
     protocol = job.check(
-        out / "eval.json",
+        out_dir / "eval.json",
         {
             "model": str(storage.path(model)),
             "checkpoint": job.loaded.checkpoint,
@@ -175,21 +181,24 @@ def run_eval(
         )
         if not s.kept:
             raise DataError(f"{s.name}: no prompt fits --max-prompt-length")
-    for s, log_ in zip(sets, open_logs([out / f"{s.name}.jsonl" for s in sets])):
+    for s, log_ in zip(sets, open_logs([out_dir / f"{s.name}.jsonl" for s in sets])):
         s.log = log_
     total = sum(len(s.kept) for s in sets)
-    done = sum(len({r["index"] for r in s.log.records}) for s in sets)
+    done = sum(len({r["index"] for r in s.opened().records}) for s in sets)
     if done:
-        log(f"[eval] resuming: {done} of {total} problems already in {out}")
+        log(f"[eval] resuming: {done} of {total} problems already in {out_dir}")
     tally = {
-        s.name: [sum(r["correct"] for r in s.log.records), sum(r["n"] for r in s.log.records)]
+        s.name: [
+            sum(r["correct"] for r in s.opened().records),
+            sum(r["n"] for r in s.opened().records),
+        ]
         for s in sets
     }
 
     def record(chunk: Chunk, results: list[ProblemResult]) -> tuple[int, dict[str, Any]]:
-        s, have = chunk.tag, {r["index"] for r in chunk.tag.log.records}
+        s, have = chunk.tag, {r["index"] for r in chunk.tag.opened().records}
         new = [r for r in results if r.index not in have]
-        s.log.append([r.to_json() for r in new])
+        s.opened().append([r.to_json() for r in new])
         tally[s.name][0] += sum(r.correct for r in new)
         tally[s.name][1] += s.n * len(new)
         return len(new), {"set": s.name, f"avg@{s.n}": tally[s.name][0] / tally[s.name][1]}
@@ -203,7 +212,7 @@ def run_eval(
         unit="problem",
         keep_responses=options.keep_responses,
     )
-    return _write_summary(out, sets, protocol, log)
+    return _write_summary(out_dir, sets, protocol, log)
 
 
 def _write_summary(
@@ -212,7 +221,7 @@ def _write_summary(
     tables = {}
     for s in sets:
         problems = sorted(
-            (ProblemResult.from_json(r) for r in s.log.records), key=lambda p: p.index
+            (ProblemResult.from_json(r) for r in s.opened().records), key=lambda p: p.index
         )
         tables[s.name] = {**summarize(problems), "skipped_long_prompts": len(s.rows) - len(s.kept)}
     if distributed.is_primary():  # process 0 alone writes

@@ -65,8 +65,9 @@ def _tally(rows, groups) -> dict[str, Any]:
         for s, text, r in zip(g.samples, g.texts, g.rewards):
             t[half].append(float(r))
             checks = carry.read_checks(text)
-            t["formed"].append(checks is not None and len(checks) == lockout.DIGITS)
-            if t["formed"][-1]:
+            formed = checks is not None and len(checks) == lockout.DIGITS
+            t["formed"].append(formed)
+            if checks is not None and formed:
                 t[f"checks_{half}"].extend(checks)
                 if chain:
                     t["full"].append(all(checks))

@@ -21,7 +21,10 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.typing import LineStyleType
 
 FIGSIZE = (6.4, 3.6)  # inches
 DPI = 100  # so each PNG is 640 x 360 pixels
@@ -51,9 +54,10 @@ class Run:
         pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), int | float)]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    def stage_starts(self) -> list[tuple[int, int]]:
-        """(step, stage) where each stage after the first begins."""
-        out, last = [], None
+    def stage_starts(self) -> list[tuple[int, int | None]]:
+        """(step, stage) where each stage after the first begins (None: a row without)."""
+        out: list[tuple[int, int | None]] = []
+        last = None
         for r in self.metrics:
             stage = r.get("stage")
             if last is not None and stage != last:
@@ -132,7 +136,7 @@ def plot_metric(
     key: str,
     *,
     evals: bool = False,
-    style: str = "-",
+    style: LineStyleType = "-",
     marker: str | None = None,
     label: bool = True,
 ) -> int:
@@ -181,7 +185,7 @@ def mark_stages(ax: Any, runs: Sequence[Run]) -> None:
             )
 
 
-def _styles_legend(ax: Any, entries: Sequence[tuple[str, str]]) -> None:
+def _styles_legend(ax: Any, entries: Sequence[tuple[LineStyleType, str]]) -> None:
     """Adds grey line-style entries (what each style means) to the run legend."""
     from matplotlib.lines import Line2D
 
@@ -201,7 +205,9 @@ def legend(ax: Any) -> None:
     )
 
 
-def _multi(keys: Sequence[tuple[str, str, str]]) -> Callable[[Any, Sequence[Run]], int]:
+def _multi(
+    keys: Sequence[tuple[str, LineStyleType, str]],
+) -> Callable[[Any, Sequence[Run]], int]:
     """A panel of several fields: (key, style, description) each."""
 
     def plot(ax: Any, runs: Sequence[Run]) -> int:

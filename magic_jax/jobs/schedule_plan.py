@@ -380,8 +380,10 @@ def stage_schedule(
         if ("carried", d) not in memo:
             more = prompts * (CARRIED_STEPS + 2) + -(-n // g)  # outlasts the carried steps
             stream = shape.draw(more * g, t, seed=1, group=g).reshape(more, g)
-            kw = dict(batch=p.samples, steps=CARRIED_STEPS, costs=costs(d), slots=n)
-            memo["carried", d] = carried(stream, decode_steps=steps, **kw)
+            c = costs(d)
+            memo["carried", d] = carried(
+                stream, decode_steps=steps, batch=p.samples, steps=CARRIED_STEPS, costs=c, slots=n
+            )
         return Mode(memo["carried", d], upd(d), 0.0, d, d == devices, n)
 
     held = _held_splits(memory, cost.tensor, devices)
@@ -469,8 +471,8 @@ def run_hours(per_stage: Sequence[StageSchedule]) -> dict[str, float | None]:
         if any(m is None for m in modes):
             out[label] = None
         else:
-            out[label] = sum(s.steps * m.step_s for s, m in zip(per_stage, modes, strict=True))
-            out[label] /= 3600
+            seconds = sum(s.steps * m.step_s for s, m in zip(per_stage, modes, strict=True))
+            out[label] = seconds / 3600
     return out
 
 

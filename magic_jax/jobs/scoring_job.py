@@ -16,12 +16,15 @@ import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from magic_jax import storage
 from magic_jax.data.rows import PromptRow
 from magic_jax.rollout.engine_config import EngineOptions
 from magic_jax.rollout.evaluate import ProblemResult
+
+if TYPE_CHECKING:
+    from magic_jax.run.policy import RunTokenizer
 
 # Samples per chunk when --chunk is not given: enough to keep a decode batch full.
 CHUNK_SAMPLES = 256
@@ -140,7 +143,7 @@ class ChunkLog:
         if not records:
             return
         if storage.is_gcs(self.path):  # no appends on GCS: the whole file, in one upload
-            self.records.extend(records)
+            self.records.extend(dict(r) for r in records)
             storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             return
         text = "".join(json.dumps(r) + "\n" for r in records)
@@ -148,7 +151,7 @@ class ChunkLog:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        self.records.extend(records)
+        self.records.extend(dict(r) for r in records)
 
 
 class LogCopy:
@@ -171,7 +174,9 @@ def open_logs(paths: Sequence[str | os.PathLike]) -> list[ChunkLog | LogCopy]:
 
     if distributed.process_count() == 1:
         return [ChunkLog(p) for p in paths]
-    logs = [ChunkLog(p) for p in paths] if distributed.is_primary() else []
+    logs: list[ChunkLog | LogCopy] = (
+        [ChunkLog(p) for p in paths] if distributed.is_primary() else []
+    )
     held = distributed.allgather_strings([json.dumps(log.records) for log in logs])
     return logs or [LogCopy(json.loads(text)) for text in held[: len(paths)]]
 
@@ -243,7 +248,7 @@ class Scorer:
         self.model, self.options, self.log, self.bar = model, options, log, bar
         self.mesh = mesh_from_text(options.mesh)
         self.loaded = load_model_any(model, dtype=options.param_dtype, mesh=self.mesh)
-        self._tokenizer = None
+        self._tokenizer: RunTokenizer | None = None
 
     def check(self, path: Path, protocol: Mapping[str, Any]) -> dict[str, Any]:
         """The job's whole protocol (``protocol`` and the options'), written to ``path``
@@ -256,7 +261,7 @@ class Scorer:
         return full
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> RunTokenizer:
         if self._tokenizer is None:
             from magic_jax.run.policy import load_tokenizer
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from magic_jax.jobs.costs import decode_step_flops, update_row_flops
 from magic_jax.jobs.topology import PlanError
 from magic_jax.jobs.xla_programs import Program, cache_copies, compile_program
 from magic_jax.rollout.engine_config import EngineOptions
 
+if TYPE_CHECKING:
+    from magic_jax.model.config import DType, ModelConfig
 
-def resolve_model(model: str, param_dtype: str, preset: str | None = None):
+
+def resolve_model(model: str, param_dtype: DType, preset: str | None = None) -> ModelConfig:
     """The ``ModelConfig`` a run loads, as the trainer builds it (compute dtype = param dtype;
     the update applies the run's ``remat`` and ``compute_dtype`` on top, see
     ``update.step.update_graphdef``).
@@ -27,21 +30,21 @@ def resolve_model(model: str, param_dtype: str, preset: str | None = None):
 
     from magic_jax.model.config import PRESETS, ModelConfig
 
-    dtypes = dict(param_dtype=param_dtype, dtype=param_dtype)
     if preset is not None:
         if preset not in PRESETS:
             raise PlanError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[preset], **dtypes)
+        return dataclasses.replace(PRESETS[preset], param_dtype=param_dtype, dtype=param_dtype)
     p = Path(model)
     if (p / "config.json").is_file():
-        return ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()), **dtypes)
+        hf = json.loads((p / "config.json").read_text())
+        return ModelConfig.from_hf_config(hf, param_dtype=param_dtype, dtype=param_dtype)
     if (p / "model_config.json").is_file():
         from magic_jax.run.checkpoint import read_model_config
 
         return read_model_config(p)
     key = p.name.lower().removeprefix("deepseek-")
     if key in PRESETS:
-        return dataclasses.replace(PRESETS[key], **dtypes)
+        return dataclasses.replace(PRESETS[key], param_dtype=param_dtype, dtype=param_dtype)
     raise PlanError(
         f"model: {model} is not a checkpoint directory here and its name matches no preset "
         f"({', '.join(sorted(PRESETS))}); pass --preset NAME"
@@ -220,13 +223,11 @@ def _train_state(config: Any, index: int, model_config: Any, mesh: Any) -> dict[
     # placed as init_train_state places it: moments like their parameters
     opt_sh = opt_state_shardings(tx, params, mesh)
     scalars = jax.eval_shape(lambda: init_entropy_control(ucfg.entropy))
-    state = TrainState(
-        params=params,
-        opt_state=_abstract(jax.eval_shape(tx.init, params), opt_sh),
-        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl),
-        skipped=jax.ShapeDtypeStruct((), jnp.int32, sharding=repl),
-        entropy=_abstract(scalars, jax.tree.map(lambda _: repl, scalars)),
-    )
+    opt_state = _abstract(jax.eval_shape(tx.init, params), opt_sh)
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=repl)
+    entropy = _abstract(scalars, jax.tree.map(lambda _: repl, scalars))
+    # an abstract train state (shapes, dtypes and shardings), which its array fields cannot say
+    state = TrainState(params, opt_state, count, count, entropy)  # type: ignore[arg-type]
     # The frozen reference policy (KL on) is a second copy of the weights, read only.
     ref = params if ucfg.loss.kl_beta > 0 else None
     return dict(graphdef=graphdef, config=ucfg, state=state, ref=ref)
@@ -452,8 +453,8 @@ def _compiled_terms(
     decode = _compile_decode(e, config.sampling)
     prompt = jax.ShapeDtypeStruct((config.data.max_prompt_length,), "int32", sharding=repl)
     length = jax.ShapeDtypeStruct((), "int32", sharding=repl)
-    prefill = jax.jit(functools.partial(prefill_fn, e["engine"].graphdef))
-    prefill = compile_program(prefill.lower(e["params"], prompt, length))
+    jitted_prefill = jax.jit(functools.partial(prefill_fn, e["engine"].graphdef))
+    prefill = compile_program(jitted_prefill.lower(e["params"], prompt, length))
 
     out.over_hbm = tuple(
         name

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 # Every world's base model: a 0.74M-parameter Qwen2 over a character vocabulary.
-MODEL = dict(
+# the worlds' model shape (ModelConfig's options); each world adds its vocabulary
+MODEL: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=352,
     num_layers=4,
@@ -109,7 +110,8 @@ def sft_examples(
     """
     from magic_jax.data.rows import render_r1
 
-    prompts, responses = [], []
+    prompts: list[np.ndarray] = []
+    responses: list[np.ndarray] = []
     while len(prompts) < n:
         a, b = task.sample(rng)
         if (a, b) in exclude:

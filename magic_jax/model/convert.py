@@ -120,18 +120,18 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", {}) or {}
         self._entries = header
         size = self.path.stat().st_size
-        for name, e in header.items():
-            if e.get("dtype") not in _ST_TO_NP:
+        for name, entry in header.items():
+            if entry.get("dtype") not in _ST_TO_NP:
                 raise CheckpointError(
-                    f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}"
+                    f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}"
                 )
-            begin, end = e["data_offsets"]
-            want = int(np.prod(e["shape"], dtype=np.int64)) * _ST_TO_NP[e["dtype"]].itemsize
+            begin, end = entry["data_offsets"]
+            want = int(np.prod(entry["shape"], dtype=np.int64)) * _ST_TO_NP[entry["dtype"]].itemsize
             if end - begin != want or self._data_start + end > size:
                 raise CheckpointError(
-                    f"{self.path}: tensor {name!r} byte range {begin}..{end} does not match its "
-                    f"shape {e['shape']} / dtype {e['dtype']} or the file size ({size} bytes); "
-                    f"the file may be truncated"
+                    f"{self.path}: tensor {name!r} byte range {begin}..{end} does not match "
+                    f"its shape {entry['shape']} / dtype {entry['dtype']} or the file size "
+                    f"({size} bytes); the file may be truncated"
                 )
 
     def keys(self) -> list[str]:
@@ -149,7 +149,7 @@ class SafetensorsFile:
         out = np.empty(self.shape(name), self.dtype(name))
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
-            got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+            got = f.readinto(out.reshape(-1).view(np.uint8).data)
         if got != end - begin:
             raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
         return out
@@ -192,7 +192,7 @@ def write_safetensors(
                 raise CheckpointError(
                     f"tensor {name!r}: produced shape {arr.shape}, expected {shape}"
                 )
-            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            f.write(arr.reshape(-1).view(np.uint8).data)
             del arr
     os.replace(tmp, path)
 
@@ -276,9 +276,11 @@ def _read_tensor(ckpt, name, transpose, shape, sharding, dt, path_t, config) -> 
         )
     raw = f.read(name)
     src = raw.T if transpose else raw
-    return jax.make_array_from_callback(
-        tuple(shape), sharding, lambda idx, s=src: np.asarray(s[idx], dtype=dt)
-    )
+
+    def shard(index: tuple[slice, ...] | None) -> np.ndarray:  # a device's slices
+        return np.asarray(src[index], dtype=dt)
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
 
 
 def _drop_leading_axis(sharding: Any) -> Any:

@@ -207,11 +207,11 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_size
         n, k = config.num_heads, config.num_kv_heads
-        kw = dict(config=config, rngs=rngs)
-        self.q_proj = Linear(d, n * h, bias=True, names=("embed", "q_heads"), **kw)
-        self.k_proj = Linear(d, k * h, bias=True, names=("embed", "kv_heads"), **kw)
-        self.v_proj = Linear(d, k * h, bias=True, names=("embed", "kv_heads"), **kw)
-        self.o_proj = Linear(n * h, d, bias=False, names=("q_heads", "embed"), **kw)
+        linear = functools.partial(Linear, config=config, rngs=rngs)
+        self.q_proj = linear(d, n * h, bias=True, names=("embed", "q_heads"))
+        self.k_proj = linear(d, k * h, bias=True, names=("embed", "kv_heads"))
+        self.v_proj = linear(d, k * h, bias=True, names=("embed", "kv_heads"))
+        self.o_proj = linear(n * h, d, bias=False, names=("q_heads", "embed"))
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
 
@@ -240,10 +240,10 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        kw = dict(bias=False, config=config, rngs=rngs)
-        self.gate_proj = Linear(d, f, names=("embed", "mlp"), **kw)
-        self.up_proj = Linear(d, f, names=("embed", "mlp"), **kw)
-        self.down_proj = Linear(f, d, names=("mlp", "embed"), **kw)
+        linear = functools.partial(Linear, bias=False, config=config, rngs=rngs)
+        self.gate_proj = linear(d, f, names=("embed", "mlp"))
+        self.up_proj = linear(d, f, names=("embed", "mlp"))
+        self.down_proj = linear(f, d, names=("mlp", "embed"))
         self.use_kernel = config.mlp_kernel
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -302,6 +302,8 @@ class Qwen2(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = Embed(config, rngs=rngs)
+        # under scan_layers one layer of stacked [L, ...] parameters, else L layers
+        self.layers: DecoderLayer | nnx.List[DecoderLayer]
         if config.scan_layers:
             self.layers = _stacked_layers(config, rngs)
         else:
@@ -369,6 +371,7 @@ class Qwen2(nnx.Module):
                 unroll=unroll,
             )
             return scan(self.layers, carry, per_layer)
+        assert isinstance(self.layers, nnx.List), "without scan_layers, one module per layer"
         ys = []
         for i, layer in enumerate(self.layers):
             carry, y = fn(layer, carry, jax.tree.map(lambda x, i=i: x[i], per_layer))

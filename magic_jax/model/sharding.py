@@ -97,7 +97,8 @@ class MeshConfig:
                 f"MeshConfig {self}: data*fsdp*tensor = {math.prod(sizes)} but there are "
                 f"{num_devices} devices"
             )
-        return tuple(sizes)  # type: ignore[return-value]
+        data, fsdp, tensor = sizes
+        return data, fsdp, tensor
 
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = None) -> Mesh:
@@ -225,9 +226,10 @@ def maybe_initialize_distributed() -> bool:
     kwargs = explicit_distributed_args()
     via = COORDINATOR_ENV
     if kwargs is None:
-        via = detected_cluster()
-        if via is None:
+        detected = detected_cluster()
+        if detected is None:
             return False
+        via = detected
         kwargs = {"cluster_detection_method": via}
     from magic_jax import distributed
 

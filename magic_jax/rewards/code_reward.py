@@ -142,11 +142,13 @@ class _Verdict:
             return self.fail(RewardStatus.TIMEOUT, f"test {i}: {detail}")
         if status != "ok":
             return self.fail(RewardStatus.WRONG, f"test {i} {status}: {detail}")
-        style, expected = self.tests.style, self.tests.outputs[i] if self.tests.outputs else None
-        if style == "stdio" and not stdio_output_matches(str(rec.get("output", "")), expected):
+        # stdio and call tests hold one expected output per test (code_tests._parse_io)
+        style = self.tests.style
+        outputs = self.tests.outputs
+        if style == "stdio" and not stdio_output_matches(str(rec.get("output", "")), outputs[i]):
             return self.fail(RewardStatus.WRONG, f"test {i}: wrong output")
         if style == "call" and (
-            "value" not in rec or not call_output_matches(rec["value"], expected)
+            "value" not in rec or not call_output_matches(rec["value"], outputs[i])
         ):
             return self.fail(RewardStatus.WRONG, f"test {i}: wrong return value")
         self.passed.add(i)

@@ -26,7 +26,7 @@ if __package__:
     from magic_jax.rewards.confine import confine, kill_others
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from confine import confine, kill_others  # type: ignore[no-redef]
+    from confine import confine, kill_others  # type: ignore[no-redef, import-not-found]
 
     del sys.path[0]
 

@@ -386,7 +386,7 @@ class VerifierPool:
                     self._log_notes(msg[2])
                 else:
                     self._held_notes += [m for m in msg[2] if m not in self._held_notes]
-            elif msg[0] == "result" and msg[1] == w.ticket:
+            elif msg[0] == "result" and w.ticket is not None and msg[1] == w.ticket:
                 self._log_notes(msg[3])
                 self._finish(w.ticket, msg[2])
                 w.ticket = None

@@ -181,7 +181,7 @@ def as_result(spec: RewardSpec, out: Any, uid: str | None) -> RewardResult:
     if isinstance(out, RewardResult):
         return out
     row = f"row {uid!r}" if uid else "an item"
-    if isinstance(out, numbers.Real) and 0.0 <= out <= 1.0:  # NaN is not
+    if isinstance(out, numbers.Real) and 0.0 <= float(out) <= 1.0:  # NaN is not
         return RewardResult.scored(float(out))
     what = repr(out) if isinstance(out, numbers.Real) else f"a {type(out).__name__}"
     raise RewardScoreError(

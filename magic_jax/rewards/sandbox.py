@@ -402,6 +402,7 @@ def _launch(
         start_new_session=True,
         preexec_fn=_set_pdeathsig if single else None,
     )
+    assert proc.stdout is not None and proc.stderr is not None, "both are opened as PIPEs"
     run = SandboxRun(records=[])
     deadline = time.monotonic() + config.max_wall_s + 2.0  # + harness start-up
     # JSON escapes a control character in 6 bytes.

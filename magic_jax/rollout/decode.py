@@ -375,8 +375,8 @@ def decode_forward(
         v=write(cache.v, new_L["v"]),
         pos=pos_BS,
         lengths=lengths_B,
-        k_scale=write(cache.k_scale, new_L["ks"]) if quantized else None,
-        v_scale=write(cache.v_scale, new_L["vs"]) if quantized else None,
+        k_scale=None if cache.k_scale is None else write(cache.k_scale, new_L["ks"]),
+        v_scale=None if cache.v_scale is None else write(cache.v_scale, new_L["vs"]),
     )
     return logits_BV, new
 

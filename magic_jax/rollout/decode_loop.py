@@ -31,6 +31,7 @@ from magic_jax.rollout.sampling import SamplingConfig
 def layer_modules(model: Qwen2) -> list:
     """The decoder layers as L modules: of stacked weights, static slices of them."""
     if not model.config.scan_layers:
+        assert isinstance(model.layers, nnx.List), "without scan_layers, one module per layer"
         return list(model.layers)
     graphdef, stacked = nnx.split(model.layers)
     return [
@@ -206,8 +207,14 @@ def decode_chunk_fn(
     zf = jnp.zeros((num_steps, b), jnp.float32)
     zb = jnp.zeros((num_steps, b), bool)
     outs0 = StepOutput(jnp.zeros((num_steps, b), jnp.int32), zf, zf, zf, zb, zb)
-    limits = dict(num_steps=num_steps, min_live=min_live, stop_on_free=stop_on_free)
-    cond = functools.partial(_runs_on, done0_b=sub.done, attend=attend, **limits)
+    cond = functools.partial(
+        _runs_on,
+        done0_b=sub.done,
+        attend=attend,
+        num_steps=num_steps,
+        min_live=min_live,
+        stop_on_free=stop_on_free,
+    )
 
     split = split_layers and not sub.cache.quantized and ragged is None
     kv0 = None
@@ -216,7 +223,9 @@ def decode_chunk_fn(
         layers = layer_modules(model)  # loop invariants: sliced once, outside the loop
         c = sub.cache
         kv0 = tuple((c.k[:, i], c.v[:, i]) for i in range(c.num_layers))
-        sub = dataclasses.replace(sub, cache=dataclasses.replace(c, k=None, v=None))
+        # the loop carries them apart (kv): the cache's own fields stay empty meanwhile
+        hollow = dataclasses.replace(c, k=None, v=None)  # type: ignore[arg-type]
+        sub = dataclasses.replace(sub, cache=hollow)
 
     def body(carry):
         i, sub, kv, outs = carry
@@ -251,6 +260,7 @@ def decode_chunk_fn(
         lambda carry: cond(*carry[:2]), body, (jnp.int32(0), sub, kv0, outs0)
     )
     if split:
+        assert kv is not None, "a split loop carries the layers' keys and values"
         k, v = (jnp.stack([x[j] for x in kv], axis=1) for j in (0, 1))
         sub = dataclasses.replace(sub, cache=dataclasses.replace(sub.cache, k=k, v=v))
     return _put_rows(state, sub, rows_b), outs, n

@@ -14,14 +14,14 @@ import numpy as np
 from flax import nnx
 
 from magic_jax import interrupt, watchdog
-from magic_jax.rollout.decode import DecodeState, Prefix, StepOutput
+from magic_jax.rollout.decode import DecodeState, Prefix
 from magic_jax.rollout.engine import Engine
 from magic_jax.rollout.engine_config import DECODE_LANES_DEFAULT as DECODE_LANES_DEFAULT
 from magic_jax.rollout.engine_config import EngineConfig, EngineOptions, compacts
 from magic_jax.rollout.engine_config import default_lanes as default_lanes
 from magic_jax.rollout.protocols import VersionSchedule
 from magic_jax.rollout.samples import RolloutStats, Sample, SlotBuffers, Truncation
-from magic_jax.rollout.sampling import SamplingConfig
+from magic_jax.rollout.sampling import Draw, SamplingConfig
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -110,7 +110,7 @@ class _Lane:
         limit = max(int(work.limits.max(initial=1)), 1)
         self.buffers = SlotBuffers(b_max, limit, versions=schedule is not None)
         # (samples, slots, first tokens, the version of their prompt's prefill)
-        self.first_draws: list[tuple[list[_Pending], list[int], StepOutput, int]] = []
+        self.first_draws: list[tuple[list[_Pending], list[int], Draw, int]] = []
         self.eos = set(engine.eos_ids)
         self.sizes = engine.compact_sizes()
         self.whole_groups = engine.light_cpu_step and work.num_samples <= b_max
@@ -259,7 +259,7 @@ class _Lane:
         watchdog.beat("decode chunk")
         stats, b_max = self.stats, self.b_max
         td = time.perf_counter()
-        self.state, outs, n = self.eng.generate_chunk(
+        self.state, outs, steps_run = self.eng.generate_chunk(
             self.params,
             self.state,
             unembed_VD=self.unembed_VD,
@@ -270,8 +270,8 @@ class _Lane:
             stop_on_free=min(len(self.queue), self.work.num_samples),
             min_live=min_live,
         )
-        n = int(n)
-        outs = StepOutput(*(np.asarray(x)[:n] for x in outs))
+        n = int(steps_run)
+        outs = jax.tree.map(lambda x: np.asarray(x)[:n], outs)  # the steps run, on the host
         dt = time.perf_counter() - td
         stats.decode_s += dt
         at = stats.by_batch.setdefault(b_max if rows is None else len(rows), [0, 0.0])
@@ -286,8 +286,8 @@ class _Lane:
         self.buffers.add(cols, outs, self.version)  # only live rows produce valid tokens
         for c in np.flatnonzero(outs.done.any(axis=0)):
             slot = int(cols[c])
-            if self.slot_of[slot] is not None:
-                self._finish(self.slot_of[slot], slot)
+            if (pend := self.slot_of[slot]) is not None:
+                self._finish(pend, slot)
         stats.host_s += time.perf_counter() - t1
 
     def _finish(self, pend: _Pending, slot: int) -> None:

@@ -6,7 +6,8 @@ import copy
 import dataclasses
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,21 +59,25 @@ def _compiled(
     name: str,
     graphdef: nnx.GraphDef,
     shardings: DecodeState | None,
+    mesh: Mesh | None,
     sampling: SamplingConfig,
     statics: tuple[tuple[str, object], ...],
 ) -> jax.stages.Wrapped:
     """The jitted engine functions, shared by every engine with the same model graph,
-    shardings and static settings (so a new engine per stage does not recompile)."""
-    kw = dict(statics)
+    shardings (``Engine.state_shardings``, on ``mesh``) and static settings (so a new
+    engine per stage does not recompile)."""
+    # the static options go on as keywords, of several types: each function checks its own
+    kw: dict[str, Any] = dict(statics)
     # What the host reads (sampled tokens, log-probs, step counts; a few KB) comes back
     # replicated on every device: with several processes, each one then holds all of
     # it and reads it locally (np.asarray of a slot-sharded output would need devices
     # of other processes), and every process makes the same scheduling decisions.
-    host = None if shardings is None else NamedSharding(shardings.tokens.mesh, PartitionSpec())
+    host = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     if name == "prefill":
         return jax.jit(functools.partial(prefill_fn, graphdef))
     if name == "unembed_VD":
         return jax.jit(lambda params: nnx.merge(graphdef, params).unembedding().T)
+    fn: Callable[..., Any]
     if name == "insert":
         fn = functools.partial(insert_fn, sampling=sampling)
         return jax.jit(fn, donate_argnums=1, out_shardings=(shardings, host))
@@ -122,9 +127,10 @@ class Engine:
         self.param_shardings = None if mesh is None else model_shardings(abstract, mesh, rules)
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()
-        self._cast = None
+        self._cast: Callable[[nnx.State], nnx.State] | None = None
         self._fns: dict[tuple, jax.stages.Wrapped] = {}
         eos_E = np.asarray(self.eos_ids, np.int32).reshape(-1)
+        self._eos_E: jax.Array | jax.ShapeDtypeStruct
         if mesh is not None and set(mesh.devices.flat).isdisjoint(jax.devices()):
             # A mesh of compile-only devices (magic_jax.jobs.plan) holds no data: shapes only.
             self._eos_E = jax.ShapeDtypeStruct(
@@ -145,8 +151,7 @@ class Engine:
         """The decode loop's layer unroll (the config's, or the platform default)."""
         u = self.config.layer_unroll
         if u is None:
-            platform = None if self._mesh is None else self._platform()
-            u = default_layer_unroll(platform)
+            u = default_layer_unroll(self._platform())
         return u
 
     @functools.cached_property
@@ -155,7 +160,7 @@ class Engine:
         a registered one is a static argument of the compiled decode programs."""
         mode = self.config.decode_attention
         if mode is None:
-            platform = jax.default_backend() if self._mesh is None else self._platform()
+            platform = self._platform() or jax.default_backend()
             mode = "ragged" if platform in ("tpu", "gpu") else "dense"
         return get_attention(mode)
 
@@ -165,21 +170,22 @@ class Engine:
         the kernel does not apply, ``ragged_attention.applies``, the step runs dense)."""
         if not self.attention.ragged:
             return None
-        platform = jax.default_backend() if self._mesh is None else self._platform()
+        platform = self._platform() or jax.default_backend()
         backend = platform if platform in ("tpu", "gpu") else "interpret"
-        if self._shardings is None:
+        kv = self._kv_sharding()
+        if kv is None:
             return RaggedSpec(backend)
-        spec = self._shardings.cache.k.spec  # [B, L, K, S, H]
-        spec = tuple(spec) + (None,) * (5 - len(spec))
+        spec = tuple(kv.spec) + (None,) * (5 - len(kv.spec))  # [B, L, K, S, H]
         return RaggedSpec(backend, self._mesh, spec[0], spec[2])
 
-    def _platform(self) -> str:
-        return self._mesh.devices.flat[0].platform
+    def _platform(self) -> str | None:
+        """The mesh's device platform; None without a mesh."""
+        return None if self._mesh is None else self._mesh.devices.flat[0].platform
 
     @functools.cached_property
     def light_cpu_step(self) -> bool:
         """Whether a decode step over all slots is light (``LIGHT_STEP_FLOPS``) on CPU."""
-        platform = jax.default_backend() if self._mesh is None else self._platform()
+        platform = self._platform() or jax.default_backend()
         rows = self.config.max_concurrent_decodes
         return platform == "cpu" and engine_config.light_step(self.model_config.num_params(), rows)
 
@@ -204,14 +210,15 @@ class Engine:
         """The decode step's static options: the layer unroll, the ragged kernel's
         settings (``ragged_spec``) and a registered attention's
         product (``attention``, only then: the built-ins' programs keep their keys)."""
-        statics = dict(layer_unroll=self.layer_unroll, ragged=self.ragged_spec)
+        statics: dict[str, object] = dict(layer_unroll=self.layer_unroll, ragged=self.ragged_spec)
         if self.attention.attend is not None:
             statics["attention"] = self.attention.attend
         return statics
 
     @property
-    def eos_array(self) -> jax.Array:
-        """[E] int32 ids that end a response, on device (E may be 0)."""
+    def eos_array(self) -> jax.Array | jax.ShapeDtypeStruct:
+        """[E] int32 ids that end a response, on device (E may be 0); on a mesh of
+        compile-only devices, their shape."""
         return self._eos_E
 
     def _fn(self, name: str, **statics: object) -> jax.stages.Wrapped:
@@ -224,7 +231,12 @@ class Engine:
                 fn = self._fns.get(key)
                 if fn is None:
                     fn = self._fns[key] = _compiled(
-                        name, self.graphdef, self._shardings, self.config.sampling, key[1]
+                        name,
+                        self.graphdef,
+                        self._shardings,
+                        self._mesh,
+                        self.config.sampling,
+                        key[1],
                     )
         return fn
 
@@ -247,37 +259,38 @@ class Engine:
             return None
         return NamedSharding(self._mesh, logical_to_spec(names, self._rules, self._mesh, shape))
 
+    def _kv_sharding(self) -> NamedSharding | None:
+        """The cache's keys' (and values') sharding, [B, L, K, S, H]."""
+        cfg, mc = self.config, self.model_config
+        return self._sharding(
+            ("batch", "layers", "kv_heads", None, None),
+            (
+                cfg.max_concurrent_decodes,
+                mc.num_layers,
+                mc.num_kv_heads,
+                cfg.cache_length,
+                mc.head_size,
+            ),
+        )
+
     def state_shardings(self) -> DecodeState | None:
-        """Shardings of the decode state: slots over the data axes, kv heads over tensor."""
+        """Shardings of the decode state: slots over the data axes, kv heads over tensor.
+
+        A ``DecodeState`` whose leaves are ``NamedSharding`` s (JAX's pytree of
+        shardings), which its array-typed fields cannot say: hence the ignore."""
         if self._mesh is None:
             return None
         cfg, mc = self.config, self.model_config
         b, s = cfg.max_concurrent_decodes, cfg.cache_length
-        kv = self._sharding(
-            ("batch", "layers", "kv_heads", None, None),
-            (b, mc.num_layers, mc.num_kv_heads, s, mc.head_size),
-        )
+        kv = self._kv_sharding()
         scale = None
         if cfg.kv_dtype == "int8":
             scale = self._sharding(
                 ("batch", "layers", "kv_heads", None), (b, mc.num_layers, mc.num_kv_heads, s)
             )
         vec = self._sharding(("batch",), (b,))
-        return DecodeState(
-            cache=KVCache(
-                k=kv,
-                v=kv,
-                pos=self._sharding(("batch", None), (b, s)),
-                lengths=vec,
-                k_scale=scale,
-                v_scale=scale,
-            ),
-            tokens=vec,
-            keys=vec,
-            steps=vec,
-            max_new=vec,
-            done=vec,
-        )
+        pos = self._sharding(("batch", None), (b, s))
+        return DecodeState(KVCache(kv, kv, pos, vec, scale, scale), vec, vec, vec, vec, vec)  # type: ignore[arg-type]
 
     @property
     def abstract_params(self) -> nnx.State:
@@ -328,11 +341,10 @@ class Engine:
             )
 
         shardings = self.state_shardings()
-        if shardings is None:
-            # Committed to the device, as every later state (an insert's or a chunk's
-            # output) is: an uncommitted first state compiled the first insert twice.
-            shardings = SingleDeviceSharding(jax.devices()[0])
-        return jax.jit(make, out_shardings=shardings)()
+        # Committed to the device, as every later state (an insert's or a chunk's
+        # output) is: an uncommitted first state compiled the first insert twice.
+        placed = SingleDeviceSharding(jax.devices()[0]) if shardings is None else shardings
+        return jax.jit(make, out_shardings=placed)()
 
     # ------------------------------------------------------------------ the contract
 

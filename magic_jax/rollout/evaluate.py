@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -109,12 +109,13 @@ class ProblemResult:
 
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> ProblemResult:
-        s = d["samples"]
+        line: dict[str, Any] = dict(d)  # to_json's line: its values read as written
+        s = line["samples"]
         texts = tuple(x["response"] for x in s) if s and "response" in s[0] else None
         return cls(
-            index=int(d["index"]),
-            uid=d["uid"],
-            data_source=d["data_source"],
+            index=int(line["index"]),
+            uid=line["uid"],
+            data_source=line["data_source"],
             rewards=tuple(float(x["reward"]) for x in s),
             statuses=tuple(x["status"] for x in s),
             lengths=tuple(int(x["length"]) for x in s),
@@ -182,7 +183,7 @@ def score_problems(
             uid=row.uid,
             data_source=row.data_source,
             rewards=tuple(float(r) for r in g.rewards),
-            statuses=tuple(r.status.value for r in g.results),
+            statuses=tuple(r.status.value for r in g.results or ()),
             lengths=tuple(int(s.length) for s in g.samples),
             truncated=tuple(bool(s.truncated) for s in g.samples),
             responses=None if g.texts is None else tuple(g.texts),
@@ -239,8 +240,9 @@ def summarize(problems: Sequence[ProblemResult]) -> JSON:
     }
 
 
-def format_summary(name: str, table: Mapping[str, object]) -> str:
+def format_summary(name: str, summary: Mapping[str, object]) -> str:
     """A data set's summary as aligned text lines."""
+    table: dict[str, Any] = dict(summary)  # summarize's JSON: its values read as written
     n = table["num_samples"]
     statuses = ", ".join(f"{k} {v}" for k, v in table["reward_status"].items() if v)
     skipped = table.get("skipped_long_prompts", 0)
@@ -310,7 +312,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         pool=pool,
     )
-    table = summarize(problems)
+    table: dict[str, Any] = summarize(problems)
     by_source: dict[str, list[float]] = collections.defaultdict(list)
     for p in problems:
         by_source[p.data_source].extend(p.rewards)

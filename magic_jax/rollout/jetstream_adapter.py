@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import sys
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import jax
@@ -43,42 +45,40 @@ def _install_shim() -> None:
             def __init__(self, *args: object, **kwargs: object):
                 raise ImportError("seqio is not installed; magic_jax supplies its own tokenizer")
 
-        vocabularies.Vocabulary = Vocabulary
-        vocabularies.SentencePieceVocabulary = SentencePieceVocabulary
+        vocabularies.__dict__.update(
+            Vocabulary=Vocabulary, SentencePieceVocabulary=SentencePieceVocabulary
+        )
         seqio = types.ModuleType("seqio")
-        seqio.vocabularies = vocabularies
+        seqio.__dict__["vocabularies"] = vocabularies
         sys.modules.setdefault("seqio", seqio)
         sys.modules.setdefault("seqio.vocabularies", vocabularies)
 
 
-def _import_jetstream() -> types.SimpleNamespace:
-    _install_shim()
+@contextlib.contextmanager
+def _root_logger_kept() -> Iterator[None]:
+    """Importing the orchestrator sets the root logger to DEBUG with a stdout handler:
+    undone on the way out."""
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+
+
+_install_shim()
+with _root_logger_kept():
     from jetstream.core import orchestrator
     from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
-
-    # Importing the orchestrator sets the root logger to DEBUG with a stdout handler.
-    root.setLevel(level)
-    for h in root.handlers[:]:
-        if h not in handlers:
-            root.removeHandler(h)
-    return types.SimpleNamespace(
-        orchestrator=orchestrator,
-        engine_api=engine_api,
-        token_utils=token_utils,
-        tokenizer_api=tokenizer_api,
-        tokenizer_pb2=tokenizer_pb2,
-    )
-
-
-js = _import_jetstream()
 
 
 # ----------------------------------------------------------------------------- tokenizer
 
 
-class TokenIdTokenizer(js.tokenizer_api.Tokenizer):
+class TokenIdTokenizer(tokenizer_api.Tokenizer):
     """JetStream tokenizer over token ids, optionally wrapping a Hugging Face tokenizer.
 
     Stop tokens are the EOS ids only: id 0 (JetStream's default pad, and a real
@@ -99,7 +99,7 @@ class TokenIdTokenizer(js.tokenizer_api.Tokenizer):
         if self.hf is None:
             raise ValueError("no Hugging Face tokenizer given: send token_content requests")
         ids = np.asarray(self.hf.encode(s, add_special_tokens=False), np.int32)
-        return js.token_utils.pad_tokens(
+        return token_utils.pad_tokens(
             ids,
             self._bos,
             self._pad,
@@ -165,7 +165,7 @@ def _mark_pending(state: AdapterState, slot):
     return dataclasses.replace(state, pending=state.pending.at[slot].set(True))
 
 
-class JetStreamEngine(js.engine_api.Engine):
+class JetStreamEngine(engine_api.Engine):
     """``jetstream.engine.engine_api.Engine`` over a magic_jax ``Engine``.
 
     One sample per slot. Request ``r`` (in prefill order) samples with key
@@ -223,9 +223,9 @@ class JetStreamEngine(js.engine_api.Engine):
 
     def generate(
         self, params: nnx.State, decode_state: AdapterState
-    ) -> tuple[AdapterState, js.engine_api.ResultTokens]:
+    ) -> tuple[AdapterState, engine_api.ResultTokens]:
         state, data = self._step(params, decode_state, self.engine.eos_array)
-        return state, js.engine_api.ResultTokens(
+        return state, engine_api.ResultTokens(
             data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
         )
 
@@ -239,10 +239,10 @@ class JetStreamEngine(js.engine_api.Engine):
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def get_tokenizer(self) -> js.tokenizer_pb2.TokenizerParameters:
-        return js.tokenizer_pb2.TokenizerParameters(path="magic_jax", extra_ids=0)
+    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+        return tokenizer_pb2.TokenizerParameters(path="magic_jax", extra_ids=0)
 
-    def build_tokenizer(self, metadata: js.tokenizer_pb2.TokenizerParameters) -> TokenIdTokenizer:
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> TokenIdTokenizer:
         return TokenIdTokenizer(bos_id=self._bos, eos_ids=self.engine.eos_ids, hf=self._hf)
 
     @property
@@ -270,10 +270,10 @@ class JetStreamEngine(js.engine_api.Engine):
         return None
 
 
-def make_driver(engine: JetStreamEngine) -> js.orchestrator.Driver:
+def make_driver(engine: JetStreamEngine) -> orchestrator.Driver:
     """JetStream's in-process orchestrator ``Driver`` with ``engine`` for prefill and generate."""
     params = engine.load_params()
-    return js.orchestrator.Driver(
+    return orchestrator.Driver(
         prefill_engines=[engine],
         generate_engines=[engine],
         prefill_params=[params],

@@ -105,7 +105,7 @@ def encode_group(
         "truncated": [bool(s.truncated) for s in samples],
         "texts": None if texts is None else list(texts),
     }
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8),
         "prompt_tokens": np.asarray(samples[0].prompt_tokens, np.int32),
         "lengths": np.asarray([s.length for s in samples], np.int32),
@@ -116,14 +116,16 @@ def encode_group(
     if all(s.versions is not None for s in samples):  # overlap mode: each token's version
         arrays["versions"] = np.concatenate([np.asarray(s.versions, np.int32) for s in samples])
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    # numpy's stubs take a ** dict's values for savez's own allow_pickle: bool
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
     return buf.getvalue()
 
 
 def decode_group(
     data: bytes, prompt: int
 ) -> tuple[dict[str, object], list[Sample], list[RewardResult]]:
-    """(meta, samples, results) of ``encode_group``'s bytes, the samples numbered ``prompt``."""
+    """(meta, samples, results) of ``encode_group``'s bytes, the samples numbered ``prompt``
+    (meta: the JSON header ``encode_group`` wrote)."""
     from magic_jax.rewards import RewardResult, RewardStatus
     from magic_jax.rollout.samples import Sample
 
@@ -235,7 +237,8 @@ class RoundStore:
             if got != want:
                 self.log(f"[resume] {f}: holds {got}, this step needs {want}; decoding it again")
                 continue
-            found[p] = (samples, results, meta.get("texts"))
+            texts = meta.get("texts")  # encode_group's: a list of str, or None
+            found[p] = (samples, results, texts if isinstance(texts, list) else None)
         if found:
             self.log(
                 f"[resume] {self.root}: {len(found)} of {len(uids)} groups finished before; "

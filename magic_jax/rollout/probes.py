@@ -147,6 +147,7 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
     from magic_jax.rollout.evaluate import eval_seed, k_values, pass_at_k
     from magic_jax.rollout.scoring import Scoring, score_groups
 
+    assert ctx.driver is not None and ctx.driver_params is not None, "a probe that samples"
     groups, _, _ = score_groups(
         ctx.driver,
         ctx.driver_params,
@@ -166,18 +167,20 @@ def lockout_samples(ctx: ProbeContext, num_samples: int) -> dict[str, object]:
     for row, g in zip(ctx.rows, groups):
         half = "chain" if lockout.probe_target(row) is not None else "plain"
         passed[half].append(sum(float(r) >= 1.0 for r in g.rewards))
+        assert g.texts is not None, "Scoring(keep_texts=True) keeps them"
         for s, text in zip(g.samples, g.texts):
             read = carry.read_checks(text)
-            checks["formed"].append(read is not None and len(read) == lockout.DIGITS)
-            if checks["formed"][-1]:
+            formed = read is not None and len(read) == lockout.DIGITS
+            checks["formed"].append(formed)
+            if read is not None and formed:
                 checks[half].extend(read)
                 if half == "chain":
                     checks["full"].append(all(read))
                     for col, c in zip(by_column, read):
                         col.append(c)
             classes = carry.token_classes(pieces(s.tokens[: s.length]))
-            for i, (c, e) in enumerate(zip(classes, s.entropies)):
-                ent[c].append(float(e))
+            for i, (token_class, e) in enumerate(zip(classes, s.entropies)):
+                ent[token_class].append(float(e))
                 pos.extend([] for _ in range(i + 1 - len(pos)))
                 pos[i].append(float(e))
         if sum(x["half"] == half for x in examples) < EXAMPLES:
@@ -221,8 +224,8 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, object]:
     """
     from magic_jax.data.tasks import lockout
 
-    chains = [(row, lockout.probe_target(row)) for row in ctx.rows]
-    chains = [(row, text) for row, text in chains if text is not None]
+    targets = [(row, lockout.probe_target(row)) for row in ctx.rows]
+    chains = [(row, text) for row, text in targets if text is not None]
     if not chains:  # nothing to probe: every figure but the counts is NaN
         nan = float("nan")
         figures = ("p_mean", "p_median", "p_min", "log10_p_mean", "expected_per_step")
@@ -230,7 +233,7 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, object]:
     logp = sequence_logprobs(
         ctx.graphdef,
         ctx.params,
-        [row.token_ids for row, _ in chains],
+        [np.asarray(row.token_ids, np.int32) for row, _ in chains],
         [response_ids(ctx.tokenizer, text, ctx.eos_ids) for _, text in chains],
         temperature=ctx.temperature,
     )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -423,18 +424,12 @@ def past_attention(
             else f"a multiple of {_BLOCKS[-1]}"
         )
         raise ValueError(f"ragged decode attention: the attended length {s} is not {need}")
-    interpret = spec.backend == "interpret"
+    fn = _kernel(spec.backend, quantized)
+    # the query and the cache operands: an int8 cache adds its scales
+    args: tuple[jax.Array, ...]
     if quantized:
-        if spec.backend == "gpu":
-            raise ValueError("ragged decode attention: the GPU kernel reads a float cache")
-        fn = functools.partial(_tpu_int8_past, interpret=interpret)
         args = (q_BKGH, k_BLKSH, v_BLKSH, ks_BLKS, vs_BLKS)
     else:
-        fn = (
-            _gpu_past
-            if spec.backend == "gpu"
-            else functools.partial(_tpu_past, interpret=interpret)
-        )
         args = (q_BKGH, k_BLKSH, v_BLKSH)
 
     layer = jnp.asarray(layer, jnp.int32)
@@ -453,6 +448,18 @@ def past_attention(
         out_specs=(P(rows, heads), P(rows, heads)),
         check_vma=False,
     )(*args, layer, lengths_B)
+
+
+def _kernel(backend: str, quantized: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``backend``'s kernel: (q, k, v[, k_scale, v_scale], layer, lengths) -> (out, lse)."""
+    interpret = backend == "interpret"
+    if quantized:
+        if backend == "gpu":
+            raise ValueError("ragged decode attention: the GPU kernel reads a float cache")
+        return functools.partial(_tpu_int8_past, interpret=interpret)
+    if backend == "gpu":
+        return _gpu_past
+    return functools.partial(_tpu_past, interpret=interpret)
 
 
 def _dividing(mesh, axes, size: int):

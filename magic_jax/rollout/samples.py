@@ -134,8 +134,11 @@ class SlotBuffers:
         newest (sampled, not yet fed)."""
         return np.concatenate([prompt, self.fields[0][slot, : int(self.length[slot]) - 1]])
 
-    def take(self, slot: int) -> tuple[np.ndarray, ...]:
+    def take(
+        self, slot: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """(tokens, logprobs, entropies, sampling_logprobs, versions or None) of ``slot``."""
         n = int(self.length[slot])
-        v = None if self.versions is None else self.versions[slot, :n].copy()
-        return (*(buf[slot, :n].copy() for buf in self.fields), v)
+        tokens, logprobs, entropies, sampling_logprobs = (b[slot, :n].copy() for b in self.fields)
+        versions = None if self.versions is None else self.versions[slot, :n].copy()
+        return tokens, logprobs, entropies, sampling_logprobs, versions

@@ -194,14 +194,18 @@ class Draw(NamedTuple):
     sampling_logprobs: jax.Array
 
 
-def sample_key(seed: int | jax.Array, step: int, prompt: int, sample: int) -> jax.Array:
+def sample_key(
+    seed: int | jax.Array, step: int | jax.Array, prompt: int | jax.Array, sample: int | jax.Array
+) -> jax.Array:
     """The base key of one sample: ``fold_in(seed, step, prompt, sample)``.
 
     Token ``t`` of the sample is drawn with ``fold_in(base, t)``, so a sample's
     randomness never depends on the decode slot or batch it ran in.
     """
-    is_key = isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
-    key = seed if is_key else jax.random.key(seed)  # an int, possibly traced (inside jit)
+    if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        key = seed
+    else:
+        key = jax.random.key(seed)  # an int, possibly traced (inside jit)
     for x in (step, prompt, sample):
         key = jax.random.fold_in(key, x)
     return key

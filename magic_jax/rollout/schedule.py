@@ -291,15 +291,17 @@ def carried(
     *,
     batch: int,
     steps: int,
+    slots: int,
+    decode_steps: int,
+    costs: Costs,
     warmup: int = 1,
-    **kw: object,
 ) -> float:
     """Seconds per step of a carried rollout: each step ends at ``batch`` finished
     responses and the unfinished ones go on into the next, so the slots never drain. The
     mean time between the marks of steps ``warmup`` and ``warmup + steps`` of a replay of
-    ``lengths`` (``simulate``'s other arguments in ``kw``), which must outlast them with
-    the queue not yet empty."""
-    s = simulate(lengths, batch=batch, **kw)  # type: ignore[arg-type]
+    ``lengths`` (``slots``, ``decode_steps``, ``costs``: ``simulate``'s), which must outlast
+    them with the queue not yet empty."""
+    s = simulate(lengths, batch=batch, slots=slots, decode_steps=decode_steps, costs=costs)
     end = warmup + steps
     if len(s.marks) < end or s.marks[end - 1] > s.total_s - s.drain_s:
         raise ValueError(f"lengths too few for {steps} carried steps of {batch} after {warmup}")

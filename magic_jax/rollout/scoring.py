@@ -252,10 +252,10 @@ class _Scorer:
             if self.keep_texts:
                 self.texts[p, s.sample_index] = text
             if self.saver is not None:
-                self._save_when_whole(p, s)
+                self._save_when_whole(self.saver, p, s)
         interrupt.kill_point("rollout")
 
-    def _save_when_whole(self, p: int, s: Sample) -> None:
+    def _save_when_whole(self, saver: _Saver, p: int, s: Sample) -> None:
         group = self._finished.setdefault(p, [])
         group.append(s)
         if len(group) < self.num_samples:
@@ -264,7 +264,7 @@ class _Scorer:
         keys = [(p, x.sample_index) for x in group]
         texts = [self.texts[k] for k in keys] if self.keep_texts else None
         uid = self.prompts.labels[p].uid
-        self.saver.add(p, uid, self._finished.pop(p), [self.tickets[k] for k in keys], texts)
+        saver.add(p, uid, self._finished.pop(p), [self.tickets[k] for k in keys], texts)
 
     def local(self, samples: Sequence[Sample]) -> list[Sample]:
         return [s for s in samples if s.prompt_index in self.prompts.mine]
@@ -301,14 +301,15 @@ def _grouped(
         by_prompt.setdefault(s.prompt_index, []).append(i)
     groups = []
     for p, idx in sorted(by_prompt.items()):
-        keep = texts is not None and p in prompts.mine
         groups.append(
             Group(
                 prompts.labels[p],
                 [samples[i] for i in idx],
                 np.asarray([results[i].reward for i in idx], np.float32),
                 [results[i] for i in idx],
-                [texts[p, samples[i].sample_index] for i in idx] if keep else None,
+                [texts[p, samples[i].sample_index] for i in idx]
+                if texts is not None and p in prompts.mine
+                else None,
             )
         )
     return groups
@@ -386,7 +387,7 @@ def _gather(
 
     from magic_jax import distributed
 
-    counts = [int(c[0]) for c in distributed.allgather_ragged([[len(ids)]], np.int32)]
+    counts = [int(c[0]) for c in distributed.allgather_ragged([np.asarray([len(ids)])], np.int32)]
     first = sum(counts[: jax.process_index()])
     all_ids = distributed.allgather_ragged(ids, np.int32)
     uids = distributed.allgather_strings([r.uid for r in rows])

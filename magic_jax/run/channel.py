@@ -55,13 +55,13 @@ class Refused(ConnectionError):
     """The other end did not prove it holds the run's key (or sent no proof in time)."""
 
 
-def key_path(out: Any) -> Any:
+def key_path(out: str | os.PathLike) -> Any:
     from magic_jax import storage
 
     return storage.path(out) / KEY
 
 
-def write_key(out: Any) -> bytes:
+def write_key(out: str | os.PathLike) -> bytes:
     """A fresh random key for this start of the run, written to ``out``'s ``KEY`` (0600
     locally, whole or not at all); returns it. The fence is asked first: a process that
     lost the run's lock writes nothing."""
@@ -84,7 +84,7 @@ def write_key(out: Any) -> bytes:
     return key
 
 
-def read_key(out: Any) -> bytes | None:
+def read_key(out: str | os.PathLike) -> bytes | None:
     """The run's key as its trainer wrote it, or None (none yet, or unreadable)."""
     try:
         return bytes.fromhex(key_path(out).read_text().strip())
@@ -92,7 +92,7 @@ def read_key(out: Any) -> bytes | None:
         return None
 
 
-def remove_key(out: Any) -> None:
+def remove_key(out: str | os.PathLike) -> None:
     """Deletes the key at the end of the trainer's run (best effort)."""
     from magic_jax.run.fence import check_fence
 

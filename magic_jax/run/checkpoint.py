@@ -24,16 +24,24 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from magic_jax import storage
 from magic_jax.run.manifest import MANIFEST, first_line, mismatch, write_manifest
 from magic_jax.run.rundir import RunDirError, write_atomic
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from magic_jax.model.config import ModelConfig
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.model.sharding import Rules
+    from magic_jax.run.versions import Checkpointed
+    from magic_jax.update.state import TrainState
+
+# what a checkpoint holds: a ``TrainState``, or a ``Checkpointed`` (overlap: the lagged
+# versions with it)
+Item = TypeVar("Item")
 
 CONFIG_FILE = "model_config.json"
 STATE_DIR = "state"
@@ -56,20 +64,20 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    path = storage.path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint")
+    ckpt = storage.path(path)
+    if ckpt.exists():
+        raise FileExistsError(f"{ckpt} exists; refusing to overwrite a checkpoint")
     cfg = json.dumps(dataclasses.asdict(model.config), indent=2)
-    if storage.is_gcs(path):
+    if storage.is_gcs(ckpt):
         # no directory renames on GCS: the config, which makes the directory a checkpoint
         # for read_model_config, is written after orbax has committed the parameters
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(path / STATE_DIR, nnx.state(model, nnx.Param))
+            ckptr.save(ckpt / STATE_DIR, nnx.state(model, nnx.Param))
             ckptr.wait_until_finished()
         if jax.process_index() == 0:
-            storage.write_text(path / CONFIG_FILE, cfg)
-        return path
-    tmp = path.with_name(path.name + ".partial")
+            storage.write_text(ckpt / CONFIG_FILE, cfg)
+        return ckpt
+    tmp = ckpt.with_name(ckpt.name + ".partial")
     if jax.process_index() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / CONFIG_FILE).write_text(cfg)
@@ -77,8 +85,8 @@ def save_model(model: Qwen2, path: str | os.PathLike) -> Path:
         ckptr.save(tmp / STATE_DIR, nnx.state(model, nnx.Param))
         ckptr.wait_until_finished()
     if jax.process_index() == 0:
-        os.replace(tmp, path)
-    return path
+        os.replace(tmp, ckpt)
+    return ckpt
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -109,7 +117,9 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{cfg_path}: does not describe a ModelConfig ({e})") from e
 
 
-def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None = None) -> Qwen2:
+def load_model(
+    path: str | os.PathLike, mesh: Mesh | None = None, *, rules: Rules | None = None
+) -> Qwen2:
     """Restores a model saved by ``save_model``, or the policy of a training checkpoint.
 
     Args:
@@ -131,13 +141,13 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
     from magic_jax.model.qwen2 import abstract_model
     from magic_jax.model.sharding import TRAIN_RULES, model_shardings
 
-    path = storage.path(path)
-    training = (path / TRAINER_STATE).exists()
+    ckpt = storage.path(path)
+    training = (ckpt / TRAINER_STATE).exists()
     if training:
-        reason = verify_checkpoint(path)
+        reason = verify_checkpoint(ckpt)
         if reason is not None:
-            raise CheckpointError(f"{path}: bad checkpoint: {reason}")
-    config = read_model_config(path)
+            raise CheckpointError(f"{ckpt}: bad checkpoint: {reason}")
+    config = read_model_config(ckpt)
     graphdef, abs_state = nnx.split(abstract_model(config))
     if mesh is not None:
         shardings = model_shardings(abs_state, mesh, rules or TRAIN_RULES)
@@ -160,7 +170,7 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
             restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), pure)
             with ocp.PyTreeCheckpointer() as ckptr:
                 got = ckptr.restore(
-                    path / STATE_DIR,
+                    ckpt / STATE_DIR,
                     args=ocp.args.PyTreeRestore(
                         item={"params": pure},
                         restore_args={"params": restore_args},
@@ -176,9 +186,9 @@ def load_model(path: str | os.PathLike, mesh: Any = None, *, rules: Rules | None
             state = target
         else:
             with ocp.StandardCheckpointer() as ckptr:
-                state = ckptr.restore(path / STATE_DIR, target)
+                state = ckptr.restore(ckpt / STATE_DIR, target)
     except Exception as e:  # orbax and tensorstore raise many types for damaged files
-        raise CheckpointError(f"{path}: cannot read the checkpoint: {first_line(e)}") from None
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint: {first_line(e)}") from None
     return nnx.merge(graphdef, state)
 
 
@@ -188,14 +198,14 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     Checks the manifest against every file (``manifest.mismatch``) and the contents
     of ``trainer.json``.
     """
-    path = storage.path(path)
-    wrong = mismatch(path)
+    ckpt = storage.path(path)
+    wrong = mismatch(ckpt)
     if wrong is not None:
         return wrong
     try:
-        read_trainer_state(path)
+        read_trainer_state(ckpt)
     except RunDirError as e:
-        return str(e).removeprefix(f"{path / TRAINER_STATE}: ")
+        return str(e).removeprefix(f"{ckpt / TRAINER_STATE}: ")
     except (OSError, KeyError, TypeError) as e:
         return f"cannot be read ({first_line(e)})"
     return None
@@ -384,7 +394,11 @@ class TrainCheckpoints:
         return self._manager
 
     def save(
-        self, step: int, state: Any, meta: Mapping[str, Any], model_config: Any = None
+        self,
+        step: int,
+        state: TrainState | Checkpointed,
+        meta: Mapping[str, Any],
+        model_config: ModelConfig | None = None,
     ) -> Path:
         """Starts checkpoint ``step``: the state (orbax, asynchronously), then, in a thread
         once orbax committed it, ``trainer.json``, the model config and the manifest that
@@ -405,7 +419,9 @@ class TrainCheckpoints:
         self._pending.start()
         return path
 
-    def _finish(self, mgr, step: int, path: Path, meta: dict, model_config: Any) -> None:
+    def _finish(
+        self, mgr, step: int, path: Path, meta: dict, model_config: ModelConfig | None
+    ) -> None:
         import jax
 
         from magic_jax import interrupt, watchdog
@@ -433,7 +449,7 @@ class TrainCheckpoints:
             e, self._error = self._error, None
             raise e
 
-    def restore(self, state: Any, path: str | os.PathLike) -> Any:
+    def restore(self, state: Item, path: str | os.PathLike) -> Item:
         """The train state of checkpoint ``path``, placed like ``state`` (a live or abstract
         state of this run).
 
@@ -443,7 +459,9 @@ class TrainCheckpoints:
         import jax
         import orbax.checkpoint as ocp
 
-        step = int(_STEP_NAME.match(storage.path(path).name).group(1))
+        named = _STEP_NAME.match(storage.path(path).name)
+        assert named is not None, f"{path}: checkpoints are named step_N"
+        step = int(named.group(1))
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )

@@ -58,7 +58,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {value!r} fits none of {names}")
     if value is None:
         raise ConfigError(f"{path}: must not be null")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, Sequence):

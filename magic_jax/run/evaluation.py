@@ -66,6 +66,7 @@ class Evaluator:
     ):
         if config.eval is None:
             raise ValueError("Evaluator: the config has no eval section")
+        self.eval = config.eval
         self.config, self.model, self.graphdef = config, model, graphdef
         self.tokenizer, self.make_driver, self.log = tokenizer, make_driver, log
         self.driver: RolloutDriver | None = None
@@ -74,7 +75,7 @@ class Evaluator:
         self.skipped = 0
 
     def _open(self) -> RolloutDriver:
-        cfg, ev = self.config, self.config.eval
+        cfg, ev = self.config, self.eval
         if self.driver is None:
             limit = cfg.data.max_prompt_length
             rows = read_rows(ev.data)
@@ -92,14 +93,14 @@ class Evaluator:
 
     def sampling_at(self, temperature: float) -> SamplingConfig:
         """The evaluation's own protocol at ``temperature``."""
-        return SamplingConfig(temperature=temperature, top_p=self.config.eval.top_p)
+        return SamplingConfig(temperature=temperature, top_p=self.eval.top_p)
 
     def __call__(self, params: Params, step: int, pool: Verifiers) -> dict[str, Any]:
         """The evaluation row of the policy ``params`` after ``step`` updates (``step``,
         the figures, ``by_temperature``, ``probe``, ``t_eval_s``)."""
         from magic_jax.rollout.evaluate import evaluate
 
-        cfg, ev = self.config, self.config.eval
+        cfg, ev = self.config, self.eval
         main = self._open()
         t0 = time.perf_counter()
 
@@ -144,9 +145,10 @@ class Evaluator:
             driver=d,
             driver_params=d.load_params(params),
             pool=pool,
-            num_samples=cfg.eval.num_samples,
+            num_samples=self.eval.num_samples,
             seed=cfg.seed,
             step=step,
             final=step >= cfg.total_steps,
         )
-        return get_probe(cfg.eval.probe)(ctx)
+        assert self.eval.probe is not None, "asked only when eval.probe names one"
+        return get_probe(self.eval.probe)(ctx)

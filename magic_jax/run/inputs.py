@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from magic_jax.data.rows import offline_filter
 from magic_jax.data.sources import read_rows
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.evaluation import tokenize_logged
-from magic_jax.run.policy import load_policy, load_tokenizer
+from magic_jax.run.policy import RunTokenizer, load_policy, load_tokenizer
 
 if TYPE_CHECKING:
+    from flax import nnx
+    from jax.sharding import Mesh
+
     from magic_jax.data.rows import PromptRow
     from magic_jax.model.qwen2 import Qwen2
-    from magic_jax.rollout.protocols import Params, Tokenizer
+    from magic_jax.rollout.protocols import Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,16 +36,19 @@ class RunInputs:
     """
 
     model: Qwen2
-    graphdef: Any
-    tokenizer: Tokenizer
+    graphdef: nnx.GraphDef
+    tokenizer: RunTokenizer
     pad_id: int
     rows: list[PromptRow]
-    mesh: Any
-    rollout_mesh: Any
+    mesh: Mesh | None
+    rollout_mesh: Mesh | None
 
 
 def load_inputs(
-    cfg: TrainConfig, *, log: Callable[[str], None] = print, meshes: tuple[Any, Any] | None = None
+    cfg: TrainConfig,
+    *,
+    log: Callable[[str], None] = print,
+    meshes: tuple[Mesh | None, Mesh | None] | None = None,
 ) -> tuple[RunInputs, Params]:
     """The run's policy, tokenizer, meshes and training prompts, and the initial weights.
     ``meshes``: (the update's, the rollout's) where not ``overlap.split_meshes``'.

@@ -57,15 +57,15 @@ def sha256(path: Any) -> str:
 def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Records every file of a finished checkpoint in ``manifest.json``: its size and
     SHA-256 (local), or its size and the CRC32C Cloud Storage computed (``gs://``)."""
-    path = storage.path(path)
+    ckpt = storage.path(path)
     files = {}
-    for rel, facts in listed_files(path).items():
-        if storage.is_gcs(path):
+    for rel, facts in listed_files(ckpt).items():
+        if storage.is_gcs(ckpt):
             files[rel] = {"size": facts["size"], "crc32c": facts["crc32c"]}
         else:
-            files[rel] = {"size": facts["size"], "sha256": sha256(path / rel)}
+            files[rel] = {"size": facts["size"], "sha256": sha256(ckpt / rel)}
     manifest = {"format": 1, "files": files}
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    write_atomic(ckpt / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

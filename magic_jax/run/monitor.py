@@ -247,7 +247,7 @@ class Monitor:
             "entropy": float(row.get("entropy", math.nan)),
             "tok/s": round(float(row.get("rollout_tokens_per_s", math.nan))),
         }
-        self._progress.update(1, postfix=postfix, line=line, desc=f"stage {stage} {k + 1}/{n}")
+        self._bar().update(1, postfix=postfix, line=line, desc=f"stage {stage} {k + 1}/{n}")
 
     def eval(self, row: Mapping[str, Any], line: str) -> None:
         """Records one evaluation: an ``eval.jsonl`` line, scalars and a printed line."""
@@ -255,12 +255,12 @@ class Monitor:
             return
         self._evals.append(row)
         self._scalars(row, "eval")
-        self._progress.write(line)
+        self._bar().write(line)
 
     def write(self, line: str) -> None:
         """Prints a line (above the bar on a terminal)."""
         if self.primary:
-            self._progress.write(line)
+            self._bar().write(line)
         else:
             self.log(line)
 
@@ -281,16 +281,21 @@ class Monitor:
         self._evals.flush()
         if self._tb_local is not None and self._writer is not None:
             self._writer.flush()
-            self._upload_events()
+            self._upload_events(self._tb_local)
         self._synced = time.monotonic()
 
-    def _upload_events(self) -> None:
+    def _bar(self) -> Progress:
+        assert self._progress is not None, "the primary process's monitor has a progress bar"
+        return self._progress
+
+    def _upload_events(self, local: Path) -> None:
+        """Uploads the TensorBoard event files of ``local`` (``_tb_local``)."""
         from magic_jax import storage
         from magic_jax.run.runlock import check_fence
 
         check_fence("TensorBoard event files")
         fs = storage.gcs_fs()
-        for f in sorted(self._tb_local.iterdir()):
+        for f in sorted(local.iterdir()):
             fs.put_file(str(f), str(self.out / f.name))
 
     def close(self) -> None:
@@ -307,7 +312,7 @@ class Monitor:
                     import shutil
 
                     try:
-                        self._upload_events()
+                        self._upload_events(self._tb_local)
                     finally:
                         shutil.rmtree(self._tb_local, ignore_errors=True)
                         self._tb_local = None

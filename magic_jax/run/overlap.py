@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -45,12 +45,19 @@ from magic_jax.run.versions import (
     ScheduledDriver,
     StepVersionSchedule,
     Versions,
+    VersionSource,
     copy_params,
     wait_for,
 )
 from magic_jax.update.losses import STALENESS_BUCKETS
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from jax.sharding import Mesh
+
+    from magic_jax.model.sharding import MeshConfig
+    from magic_jax.rollout.driver import RolloutDriver
     from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params
     from magic_jax.rollout.scoring import Group
@@ -60,7 +67,7 @@ if TYPE_CHECKING:
     from magic_jax.update.state import TrainState
 
 
-def step_store(out: Any, step: int, limit: int, log: Callable[[str], None]) -> StepStore:
+def step_store(out: Path, step: int, limit: int, log: Callable[[str], None]) -> StepStore:
     """Step ``step``'s groups kept as they finish (``rollout.partial``), behind the run
     directory's fence: the one store of every step, in either process of a job."""
     from magic_jax.rollout.partial import StepStore
@@ -89,7 +96,8 @@ class RolloutPipeline:
       rollout: (step, driver) -> ``Collected``: one step's ``collect_groups`` with
         the given driver (a ``ScheduledDriver``) and its start version's weights.
       driver: the stage's rollout driver.
-      versions: the published versions (the main thread publishes after each update).
+      versions: the policy versions (in one process, the main thread publishes one after
+        each update).
       first / end: the steps to generate.
       max_staleness / publish_chunks: ``rollout`` options.
       reprefill: ``rollout.publish_cache`` is ``reprefill``.
@@ -97,9 +105,9 @@ class RolloutPipeline:
 
     def __init__(
         self,
-        rollout: Callable[[int, Any, Any], Collected],
-        driver: Any,
-        versions: Versions,
+        rollout: Callable[[int, Driver, Params], Collected],
+        driver: RolloutDriver,
+        versions: VersionSource,
         *,
         first: int,
         end: int,
@@ -113,11 +121,11 @@ class RolloutPipeline:
         self._done: dict[int, Produced] = {}
         self._cond = threading.Condition()
         self._cancel = threading.Event()
-        self._engine: dict[int, Any] = {}  # version -> engine-layout weights
+        self._engine: dict[int, Params] = {}  # version -> engine-layout weights
         self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         self._thread.start()
 
-    def engine_params(self, version: int) -> Any:
+    def engine_params(self, version: int) -> Params:
         """Version ``version`` in the engine's layout (made once, from the producer)."""
         if version not in self._engine:
             self._engine = {v: p for v, p in self._engine.items() if v >= version - self.s}
@@ -168,7 +176,7 @@ class RolloutPipeline:
             return sorted(s for s, p in self._done.items() if p.got is not None)
 
 
-def staleness_metrics(groups: Any, step: int) -> dict[str, Any]:
+def staleness_metrics(groups: Sequence[Group], step: int) -> dict[str, Any]:
     """The step's tokens by staleness (``step`` minus the version that sampled each),
     their mean entropy per staleness, and tokens per version."""
     by_s: dict[int, list[float]] = {}
@@ -224,10 +232,14 @@ class OverlapRollouts:
         *,
         reprefill: bool = False,
         log: Callable[[str], None] = print,
+        source: VersionSource | None = None,
     ):
         self.s, self.every, self.log = max_staleness, publish_chunks, log
         self.reprefill = reprefill
+        # the versions this process publishes; the producer samples under ``source``, these
+        # unless given (the rollout process of two pulls them from the trainer's)
         self.versions = Versions(keep=max_staleness)
+        self.source: VersionSource = self.versions if source is None else source
         self.pipeline: RolloutPipeline | None = None
         self._stage: Stage | None = None
 
@@ -261,17 +273,18 @@ class OverlapRollouts:
             rollout.max_staleness, rollout.publish_chunks, reprefill=reprefill, log=log, **kw
         )
 
-    def checkpoint_template(self, state: TrainState) -> Any:
+    def checkpoint_template(self, state: TrainState) -> TrainState | Checkpointed:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
         return state if self.s == 0 else Checkpointed.of(state, (state.params,) * self.s)
 
-    def resume(self, restored: Any, step: int) -> TrainState:
+    def resume(self, restored: TrainState | Checkpointed, step: int) -> TrainState:
         """Publishes the versions a run resumed (or started) at ``step`` needs; returns
         the train state of ``restored`` (``checkpoint_template``'s shape)."""
-        if self.s == 0:
-            state, lagged = restored, ()
-        else:
+        lagged: tuple[Params, ...] = ()
+        if isinstance(restored, Checkpointed):  # max_staleness > 0
             state, lagged = restored.train_state(), restored.lagged
+        else:
+            state = restored
         for i, params in enumerate(lagged):
             v = max(0, step - self.s + i)
             if v < step:
@@ -283,7 +296,7 @@ class OverlapRollouts:
         # the steps in flight, ahead of this one, too
         return range(first, end + 1)
 
-    def checkpoint_item(self, state: TrainState, step: int) -> Any:
+    def checkpoint_item(self, state: TrainState, step: int) -> TrainState | Checkpointed:
         """What the checkpoint after ``step`` updates saves."""
         return state if self.s == 0 else Checkpointed.of(state, self.versions.lagged(step))
 
@@ -353,7 +366,7 @@ class OverlapRollouts:
         self.pipeline = RolloutPipeline(
             one,
             stage.driver,
-            self.versions,
+            self.source,
             first=step,
             end=end,
             max_staleness=self.s,
@@ -363,7 +376,9 @@ class OverlapRollouts:
 
     def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
         """Step ``step``'s rollout from this stage's producer, and its overlap metrics."""
+        assert self.pipeline is not None, "the stage's producer runs (``start``)"
         out, wait = self.pipeline.take(step)
+        assert out.got is not None, "take raises what the rollout raised"
         return out.got, self._metrics(out.got, step, wait, out.start_wait_s, out.seconds)
 
     def _metrics(
@@ -386,12 +401,12 @@ class OverlapRollouts:
 
 
 def split_meshes(
-    mesh: Any,
+    mesh: MeshConfig | None,
     rollout_devices: int | None,
     *,
     overlap: bool = False,
     log: Callable[[str], None] = print,
-) -> tuple[Any, Any]:
+) -> tuple[Mesh | None, Mesh | None]:
     """(the update's mesh, the rollout's mesh or None) for ``mesh`` (a ``MeshConfig`` or
     None) and ``rollout.devices``: the first ``rollout_devices`` devices generate (fsdp
     over them, ``mesh.tensor`` kept), the rest update with ``mesh``'s axes. ``overlap``:
@@ -427,7 +442,7 @@ def split_meshes(
     return update, rollout
 
 
-def with_staleness(buffer: Any, groups: Any, step: int) -> Any:
+def with_staleness(buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:
     """``buffer`` (packed from ``groups``: group i's sample j in row i * G + j) with its
     ``staleness``: ``step`` minus the version of each response token (0 on padding)."""
     g, r_len = buffer.group_size, buffer.response_len
@@ -440,7 +455,7 @@ def with_staleness(buffer: Any, groups: Any, step: int) -> Any:
     return dataclasses.replace(buffer, staleness=stale)
 
 
-def clip_by_staleness(metrics: Any) -> dict[str, Any]:
+def clip_by_staleness(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The update's clip fraction per token staleness (``losses.STALENESS_BUCKETS``; the
     last bucket counts that many or more), over its optimizer steps, and with
     ``loss.tis_cap`` the mean behaviour weight and the share of tokens past the cap per

@@ -9,19 +9,26 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from magic_jax import storage
+from magic_jax.rollout.protocols import Tokenizer
 from magic_jax.run.config import ConfigError
 
 if TYPE_CHECKING:
     from flax import nnx
-    from transformers import PreTrainedTokenizerBase
+    from jax.sharding import Mesh
+
+    from magic_jax.model.qwen2 import Qwen2
+    from magic_jax.rollout.protocols import Params
+    from magic_jax.run.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
-def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str = "model") -> Any:
+def load_policy(
+    path: str | os.PathLike, dtype: str, mesh: Mesh | None, *, option: str = "model"
+) -> Qwen2:
     """A ``Qwen2`` model from a checkpoint directory, placed on ``mesh`` (or one device).
 
     Args:
@@ -66,7 +73,17 @@ def load_policy(path: str | os.PathLike, dtype: str, mesh: Any, *, option: str =
     return load_model(p, mesh=mesh)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
+class RunTokenizer(Tokenizer, Protocol):
+    """The run's tokenizer (a Hugging Face one): the rollout's ``Tokenizer``, its padding
+    id, and saved beside an export."""
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
+
+
+def load_tokenizer(path: str | os.PathLike) -> RunTokenizer:
     """A Hugging Face tokenizer from a local or ``gs://`` directory.
 
     A directory whose ``tokenizer_config.json`` names the generic fast class
@@ -94,7 +111,7 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         raise ConfigError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
 
 
-def reference_params(config: Any, params: Any, mesh: Any) -> Any:
+def reference_params(config: TrainConfig, params: Params, mesh: Mesh | None) -> Params | None:
     """The frozen reference policy of the KL term, or None when no stage uses KL.
 
     Args:
@@ -126,9 +143,9 @@ def reference_params(config: Any, params: Any, mesh: Any) -> Any:
     model = load_policy(path, config.param_dtype, mesh, option="loss.kl_reference")
     _, ref = nnx.split(model, nnx.Param)
     shapes = [x.shape for x in jax.tree.leaves(params)]
-    if jax.tree.structure(ref) != jax.tree.structure(params) or shapes != [
-        x.shape for x in jax.tree.leaves(ref)
-    ]:
+    # jaxlib ships no type stubs for PyTreeDef (mypy cannot resolve it to compare)
+    same_tree = jax.tree.structure(ref) == jax.tree.structure(params)  # type: ignore[operator]
+    if not same_tree or shapes != [x.shape for x in jax.tree.leaves(ref)]:
         raise ConfigError(
             f"loss.kl_reference: {path} does not have the policy's parameter names and shapes"
         )
@@ -149,7 +166,7 @@ class LoadedModel:
       step: the training step of a run checkpoint (None otherwise).
     """
 
-    model: Any
+    model: Qwen2
     tokenizer_dir: str | None
     source: str
     checkpoint: str
@@ -157,7 +174,7 @@ class LoadedModel:
 
 
 def load_model_any(
-    path: str | os.PathLike, *, dtype: str = "float32", mesh: Any = None
+    path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None
 ) -> LoadedModel:
     """Loads a Hugging Face directory, a magic_jax model, or a run's (newest) checkpoint.
 
@@ -190,7 +207,7 @@ def export_policy(
     out: Path,
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: RunTokenizer,
     dtype: str,
 ) -> None:
     """The policy as a Hugging Face checkpoint in ``out`` (replacing an earlier export), with

@@ -105,6 +105,7 @@ class StepProfiler:
         if not self.active:
             return
         self._end_marker()
+        assert self.span is not None, "a trace runs only inside its span"
         if step >= self.span[1] - 1:
             if result is not None:
                 jax.block_until_ready(result)
@@ -137,7 +138,9 @@ class StepProfiler:
             self._annotation = None
 
     def _finish(self) -> None:
-        tmp, self._tmp = self._tmp, None
+        tmp = self._tmp
+        assert tmp is not None, "called while a trace runs"
+        self._tmp = None
         self.span = None  # one trace per run
         steps = f"{self._first}-{self._last}"
         run = f"{self.dest}/plugins/profile/steps_{steps}"

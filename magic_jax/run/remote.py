@@ -57,9 +57,23 @@ from magic_jax.run.overlap import OverlapRollouts
 from magic_jax.run.versions import Cancelled, wait_for
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from jax.experimental.transfer import TransferConnection, TransferServer
+    from jax.sharding import Mesh, PartitionSpec
+
+    from magic_jax.model.sharding import MeshConfig
     from magic_jax.rollout.collect import Collected
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Params
     from magic_jax.run.config import TrainConfig
     from magic_jax.run.stages import Stage
+    from magic_jax.run.step_rollouts import CollectFn
+    from magic_jax.run.versions import Checkpointed
+    from magic_jax.update.state import TrainState
+
+# one array of the policy as it lies: (shape, dtype, PartitionSpec or None on one device)
+Leaf = tuple[tuple[int, ...], str, "PartitionSpec | None"]
 
 CONNECT_S = 600.0  # how long either side waits for the other to appear
 
@@ -143,7 +157,7 @@ def silence(chan: Channel, who: str, what: str) -> None:
         )
 
 
-def transfer_server(local_ip: str) -> Any:
+def transfer_server(local_ip: str) -> TransferServer:
     from jax.experimental import transfer
 
     return transfer.start_transfer_server(
@@ -151,12 +165,13 @@ def transfer_server(local_ip: str) -> Any:
     )
 
 
-def layout(params: Any) -> tuple[list[tuple[Any, str, Any]], dict[str, int] | None]:
+def layout(params: Params) -> tuple[list[Leaf], dict[str, int] | None]:
     """Each leaf's (shape, dtype, PartitionSpec or None on one device) and the mesh's axis
     sizes: what the rollout side needs to pull the trainer's arrays as they lie."""
     from jax.sharding import NamedSharding
 
-    leaves, mesh = [], None
+    leaves: list[Leaf] = []
+    mesh = None
     for x in jax.tree.leaves(params):
         named = isinstance(x.sharding, NamedSharding)
         if named:
@@ -185,12 +200,12 @@ class RemoteRollouts(OverlapRollouts):
         self._threads: list[threading.Thread] = []
         self.connected = False  # the hello was sent
 
-    def resume(self, restored: Any, step: int) -> Any:
+    def resume(self, restored: TrainState | Checkpointed, step: int) -> TrainState:
         state = super().resume(restored, step)
         self._connect(state.params)
         return state
 
-    def _connect(self, params: Any) -> None:
+    def _connect(self, params: Params) -> None:
         """Connects to the rollout process and says hello.
 
         Raises:
@@ -204,7 +219,7 @@ class RemoteRollouts(OverlapRollouts):
             port,
             self.key or b"",
             deadline_s=CONNECT_S,
-            stopped=interrupt.requested,
+            stopped=lambda: bool(interrupt.requested()),
             log=self.log,
         )
         if chan is None:
@@ -227,16 +242,21 @@ class RemoteRollouts(OverlapRollouts):
             t.start()
             self._threads.append(t)
 
+    def _channel(self) -> Channel:
+        assert self.chan is not None, "connected on resume, before any stage"
+        return self.chan
+
     def _dispatch(self) -> None:
         """Reads the rollout process's messages (never blocks on anything else)."""
         from magic_jax.run import runlock
 
+        chan = self._channel()
         while True:
-            kind, body = self.chan.inbox.get()
+            kind, body = chan.inbox.get()
             if kind == "want":
                 self._wanted.put(body["version"])
             elif kind == "lease?":  # how long this process's run lock holds, from now
-                self.chan.try_send("lease", n=body["n"], left=runlock.lease_left())
+                chan.try_send("lease", n=body["n"], left=runlock.lease_left())
             elif kind == "rollout":
                 with self._cond:
                     self._results[body["epoch"], body["step"]] = body
@@ -255,14 +275,15 @@ class RemoteRollouts(OverlapRollouts):
         """Offers each version asked for once the update has published it, under the id
         both sides derive from the session (``Channel.pull_id``): the offer names only
         the version, and the transfer server serves an id once."""
+        chan = self._channel()
         while (version := self._wanted.get()) is not None:
             try:
                 params = self.versions.get(version, self._cancel)
             except (Cancelled, KeyError) as e:
-                self.chan.try_send("offer", version=version, error=str(e))
+                chan.try_send("offer", version=version, error=str(e))
                 continue
-            self.server.await_pull(self.chan.pull_id(version), params)
-            self.chan.try_send("offer", version=version, error=None)
+            self.server.await_pull(chan.pull_id(version), params)
+            chan.try_send("offer", version=version, error=None)
 
     def _end_stage(self) -> list[int]:
         with self._cond:
@@ -270,10 +291,18 @@ class RemoteRollouts(OverlapRollouts):
             self._results.clear()
         return dropped
 
-    def _begin(self, stage: Stage, step: int, k: int, end: int, collect: Any, store_at: Any):
+    def _begin(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        end: int,
+        collect: CollectFn,
+        store_at: Callable[[int], StepStore],
+    ) -> None:
         """Tells the rollout process to generate this stage's steps from ``step`` on."""
         self._epoch += 1
-        self.chan.send(
+        self._channel().send(
             "stage",
             epoch=self._epoch,
             index=stage.index,
@@ -308,7 +337,7 @@ class RemoteRollouts(OverlapRollouts):
                     f"the rollout process closed the connection during step {step}'s "
                     "rollout (it ended or was killed); its finished groups are kept"
                 )
-            silence(self.chan, "the rollout process", f"step {step}'s rollout")
+            silence(self._channel(), "the rollout process", f"step {step}'s rollout")
             interrupt.check("rollout")  # a stop of this process, while it waits
 
         with self._cond:
@@ -338,10 +367,17 @@ class RemoteRollouts(OverlapRollouts):
 
 
 class PulledVersions:
-    """The rollout process's ``versions.Versions``: version v is asked of the trainer when
+    """The rollout process's ``versions.VersionSource``: version v is asked of the trainer when
     first needed and pulled across (``jax.experimental.transfer``) in its layout."""
 
-    def __init__(self, chan: Channel, conn: Any, treedef: Any, specs: list[Any], log: Callable):
+    def __init__(
+        self,
+        chan: Channel,
+        conn: TransferConnection,
+        treedef: Any,  # a PyTreeDef, which jaxlib ships no type stubs for
+        specs: list[jax.ShapeDtypeStruct],
+        log: Callable[[str], None],
+    ):
         self.chan, self.conn, self.treedef, self.specs, self.log = chan, conn, treedef, specs, log
         self._offers: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
@@ -352,7 +388,7 @@ class PulledVersions:
             self._offers[body["version"]] = body
             self._cond.notify_all()
 
-    def get(self, version: int, cancel: threading.Event | None = None) -> Any:
+    def get(self, version: int, cancel: threading.Event | None = None) -> Params:
         self.chan.send("want", version=version)
 
         def lost() -> None:
@@ -397,7 +433,7 @@ class TrainerLease:
       out: the run directory (for the message).
     """
 
-    def __init__(self, chan: Channel, asked_at: float, left: float | None, out: Any):
+    def __init__(self, chan: Channel, asked_at: float, left: float | None, out: Path):
         self.chan, self.out = chan, out
         self.leased = left is not None
         self.deadline = math.inf if left is None else asked_at + left
@@ -440,18 +476,22 @@ class TrainerLease:
             self.deadline = max(self.deadline, asked + body["left"])
 
 
-def pull_specs(leaves: list[tuple[Any, str, Any]], mesh: Any) -> list[Any]:
+def pull_specs(leaves: list[Leaf], mesh: Mesh | None) -> list[jax.ShapeDtypeStruct]:
     """``jax.ShapeDtypeStruct``s of ``layout``'s leaves on this process's ``mesh``."""
-    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-    one = SingleDeviceSharding(jax.local_devices()[0])
-    return [
-        jax.ShapeDtypeStruct(s, d, sharding=one if p is None else NamedSharding(mesh, p))
-        for s, d, p in leaves
-    ]
+    specs = []
+    for shape, dtype, spec in leaves:
+        if spec is None:
+            sharding: Sharding = SingleDeviceSharding(jax.local_devices()[0])
+        else:
+            assert mesh is not None, "the hello's mesh matched this process's (_check_hello)"
+            sharding = NamedSharding(mesh, spec)
+        specs.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    return specs
 
 
-def worker_meshes(mesh: Any) -> tuple[Any, Any]:
+def worker_meshes(mesh: MeshConfig | None) -> tuple[Mesh | None, Mesh | None]:
     """The rollout process's (trainer-layout mesh, engine mesh) over its devices: ``mesh``'s
     axes, and fsdp over every device with ``mesh.tensor`` (a split's rollout mesh)."""
     from magic_jax.model.sharding import make_mesh

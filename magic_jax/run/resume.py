@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from magic_jax import distributed
 from magic_jax.run import rundir, runlock
@@ -26,7 +26,9 @@ from magic_jax.run.stages import LoopState
 
 if TYPE_CHECKING:
     from magic_jax.run.checkpoint import TrainCheckpoints
-    from magic_jax.update.state import TrainState
+
+# what a checkpoint of the run holds (``StepRollouts.checkpoint_template``)
+Item = TypeVar("Item")
 
 
 def open_run_dir(
@@ -81,12 +83,12 @@ def resume_from(
     out: Path,
     found: Path | None,
     ckpts: TrainCheckpoints,
-    state: TrainState,
+    state: Item,
     *,
     log: Callable[[str], None],
-) -> tuple[TrainState, LoopState]:
-    """The state and loop state of checkpoint ``found`` (None: ``state`` at step 0); the
-    records of the steps after it are dropped."""
+) -> tuple[Item, LoopState]:
+    """What checkpoint ``found`` holds, restored into ``state``'s shape, and its loop state
+    (None: ``state`` at step 0); the records of the steps after it are dropped."""
     loop = LoopState()
     if found is not None:
         loop = LoopState.from_meta(read_trainer_state(found))

@@ -42,15 +42,22 @@ from magic_jax.run.remote import (
 from magic_jax.run.versions import POLL_S, Cancelled
 
 if TYPE_CHECKING:
-    from magic_jax.rollout.protocols import Verifiers
+    from pathlib import Path
+
+    from jax.sharding import Mesh
+
+    from magic_jax.rollout.collect import Collected
+    from magic_jax.rollout.partial import StepStore
+    from magic_jax.rollout.protocols import Driver, Params, Verifiers
     from magic_jax.run.config import TrainConfig
     from magic_jax.run.inputs import RunInputs
+    from magic_jax.run.overlap import RolloutPipeline
 
 
 def serve(
     config: TrainConfig,
     side: Side,
-    load_inputs: Callable[..., tuple[RunInputs, Any]],
+    load_inputs: Callable[..., tuple[RunInputs, Params]],
     *,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -83,6 +90,7 @@ def _serve(
     try:
         inputs, params = load_inputs(config, log=log, meshes=worker_meshes(config.mesh))
         treedef = jax.tree.structure(params)
+        num_leaves = len(jax.tree.leaves(params))
         del params  # each version comes from the trainer
         log("[rollout] waiting for the trainer's process")
         refused = _RefusedDir(out)
@@ -113,7 +121,7 @@ def _serve(
         chan.close()
         raise RuntimeError(f"[rollout] the trainer's process did not say hello (got {got[0]})")
     hello = got[1]
-    _check_hello(config, hello, treedef.num_leaves, inputs.mesh)
+    _check_hello(config, hello, num_leaves, inputs.mesh)
     conn = transfer_server(chan.sock.getsockname()[0]).connect(hello["transfer"])
     specs = pull_specs(hello["leaves"], inputs.mesh)
     versions = PulledVersions(chan, conn, treedef, specs, log)
@@ -150,7 +158,7 @@ class _RefusedDir:
     for itself, looking every few seconds, twice in a row (a claim in progress is not a
     refusal)."""
 
-    def __init__(self, out: Any):
+    def __init__(self, out: Path):
         self.out, self.seen, self.next = out, 0, 0.0
 
     def check(self) -> bool:
@@ -174,7 +182,7 @@ class _RefusedDir:
         return False
 
 
-def _check_hello(config: TrainConfig, hello: dict, leaves: int, mesh: Any) -> None:
+def _check_hello(config: TrainConfig, hello: dict, leaves: int, mesh: Mesh | None) -> None:
     from magic_jax.run.config import ConfigError
     from magic_jax.run.config_dict import to_dict
 
@@ -212,8 +220,9 @@ class _Worker:
     ):
         self.config, self.inputs, self.chan, self.versions = config, inputs, chan, versions
         self.lease, self.pool, self.log = lease, pool, log
-        self.overlap = OverlapRollouts.of(config.rollout, log=log)
-        self.overlap.versions = versions
+        overlap = OverlapRollouts.of(config.rollout, log=log, source=versions)
+        assert overlap is not None, "rollout.hosts needs rollout.mode: overlap"
+        self.overlap = overlap
         self.sender: threading.Thread | None = None
         self.failed: BaseException | None = None
         self.told = False  # the trainer was told of this process's own stop
@@ -277,10 +286,12 @@ class _Worker:
         log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
         out, limit = storage.path(cfg.output_dir), stage.config.max_response_length
 
-        def store_at(j: int) -> Any:
+        def store_at(j: int) -> StepStore:
             return step_store(out, j, limit, log)
 
-        def collect(j: int, kj: int, driver: Any, params: Any, store: Any) -> Any:
+        def collect(
+            j: int, kj: int, driver: Driver, params: Params, store: StepStore | None
+        ) -> Collected:
             interrupt.at(j)  # the step the test hooks name
             tok = i.tokenizer
             return collect_step(cfg, stage, j, kj, driver, params, tok, self.pool, store)
@@ -293,7 +304,7 @@ class _Worker:
         )
         self.sender.start()
 
-    def _send(self, pipeline: Any, epoch: int, first: int, end: int) -> None:
+    def _send(self, pipeline: RolloutPipeline, epoch: int, first: int, end: int) -> None:
         """Hands each step's rollout to the trainer, in order."""
         for j in range(first, end):
             try:

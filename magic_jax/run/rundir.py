@@ -206,7 +206,7 @@ MAY_CHANGE = (
     "extensions",  # what they register is named by the options that use it
 )
 # Options added after runs were stored: a stored config without one ran with this value.
-ADDED_DEFAULTS = {
+ADDED_DEFAULTS: dict[str, Any] = {
     "advantage.estimator": "grpo",
     "entropy.tokens": None,
     "rewards.abilities": {},

@@ -323,6 +323,7 @@ class GcsRunLock:
             if left <= 0:
                 self._lose(self._unrenewed())
                 return
+            assert self._generation is not None, "a lease is renewed once it is held"
             try:
                 ok = self._write(self._generation, timeout=max(0.5, min(left, self.lease_s / 3)))
             except Exception as e:

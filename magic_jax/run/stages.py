@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.collect import Collected
+    from magic_jax.rollout.driver import RolloutDriver
     from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
     from magic_jax.update.buffer import RolloutBuffer
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
     from magic_jax.update.token_classes import TokenMask
     from magic_jax.update.updater import Updater
 
-# what ``StageProgress`` and ``LoopState`` store: plain JSON
-JSON = dict[str, object]
+# what ``StageProgress`` and ``LoopState`` store: plain JSON (values of any JSON type)
+JSON = dict[str, Any]
 
 
 class BatchSource(Protocol):
@@ -69,7 +70,7 @@ class Stage:
     rows: list[PromptRow]
     excluded: list[str]
     batches: BatchSource
-    driver: Driver
+    driver: RolloutDriver
     updater: Updater
     refill_batches: BatchSource | None = None
     entropy_tokens: TokenMask | None = None
@@ -202,6 +203,7 @@ def collect_step(
     st, ro = stage.config, config.rollout
     rounds = [stage.batches[k]]
     if ro.refill:
+        assert stage.refill_batches is not None, "built with rollout.refill"
         first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
         rounds += [stage.refill_batches[first + r] for r in range(n)]
     scoring = Scoring(tokenizer, pool, ro.truncation, per_host=jax.process_count() > 1)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params
+    from magic_jax.rollout.scoring import Group
     from magic_jax.run.stages import Stage
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
@@ -79,7 +80,7 @@ class StepRollouts(Protocol):
         checkpoint (its groups may be kept as they finish, in ``store_at(step)``)."""
         ...
 
-    def annotate(self, buffer: RolloutBuffer, groups: Sequence[Any], step: int) -> RolloutBuffer:
+    def annotate(self, buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:
         """``buffer`` (packed from ``groups``) with what the loss needs of its versions."""
         ...
 
@@ -126,7 +127,7 @@ class SyncRollouts:
         got = collect(step, k, stage.driver, params, store)
         return StepRollout(got, {}, got.wait_s, store is not None)
 
-    def annotate(self, buffer: RolloutBuffer, groups: Sequence[Any], step: int) -> RolloutBuffer:
+    def annotate(self, buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:
         return buffer
 
     def updated(self, version: int, params: Params) -> None:

@@ -58,12 +58,15 @@ from magic_jax.run.step_rollouts import StepRollouts, SyncRollouts
 from magic_jax.run.step_row import format_eval, format_row, step_row
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params, Verifiers
     from magic_jax.run.checkpoint import TrainCheckpoints
     from magic_jax.run.monitor import Monitor
     from magic_jax.run.profile import StepProfiler
+    from magic_jax.run.remote import Side
     from magic_jax.update.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ class Trainer:
         self.out = storage.path(config.output_dir, what="output_dir")
         self._print = log
         self.monitor: Monitor | None = None
+        self.remote: Side | None = None  # this process's side of a rollout.hosts job
+        self.seam_key: bytes | None = None  # the run's key for the rollout process
 
     def log(self, line: str) -> None:
         """One line of the run's output (above the progress bar once the run has one)."""
@@ -149,7 +154,8 @@ class Trainer:
         cfg = self.config
         if stop_after is not None and stop_after <= 0:
             raise ConfigError(f"stop_after must be a positive number of steps, got {stop_after}")
-        self.remote, self.seam_key = None, None
+        self.remote = None
+        self.seam_key = None
         if cfg.rollout.hosts is not None:  # two runtimes: process 0 generates, 1 updates
             from magic_jax.run import remote, rollout_worker
 
@@ -195,15 +201,27 @@ class Trainer:
                 self._farewell(None, None, None, e.signum)
                 return {"stopped_by": signal.Signals(e.signum).name}
 
+    def _monitor(self) -> Monitor:
+        assert self.monitor is not None, "made by _open"
+        return self.monitor
+
     def _said_hello(self) -> bool:
         return getattr(getattr(self, "rollouts", None), "connected", False)
 
-    def _farewell(self, _type: Any, error: BaseException | None, _tb: Any, signum: int = 0):
+    def _farewell(
+        self,
+        _type: type[BaseException] | None,
+        error: BaseException | None,
+        _tb: TracebackType | None,
+        signum: int = 0,
+    ) -> bool:
         """Tells the rollout process of a ``rollout.hosts`` job that this one ends before
         its hello: the run had finished, a stop, or ``error`` (an exit callback of the run
         directory's stack: said before its key goes and its lock is released)."""
         from magic_jax.run.remote import farewell
 
+        if self.remote is None:  # one process: no rollout process to tell
+            return False
         if not self._said_hello() and not getattr(self, "_said_farewell", False):
             self._said_farewell = True
             farewell(self.remote, self.seam_key, error, signum)
@@ -228,7 +246,8 @@ class Trainer:
             self.log(f"[kl] reference policy: {cfg.loss.kl_reference or 'the initial weights'}")
         state = init_train_state(params, update_config(cfg, 0), mesh=self.inputs.mesh)
         del params  # the train state owns the weights now
-        source, kw = OverlapRollouts, {}
+        source: type[OverlapRollouts] = OverlapRollouts
+        kw: dict[str, Any] = {}
         if self.remote is not None:  # another process generates
             from magic_jax.run.remote import RemoteRollouts
 
@@ -241,7 +260,9 @@ class Trainer:
             log=self.log,
             **kw,
         )
-        self.rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
+        # the protocol, not the class: the checkpoint item's shape is the source's own
+        rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
+        self.rollouts = rollouts
         self.ckpts: TrainCheckpoints = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         found = newest_good_checkpoint(self.out, log=self.log)
         restore_into = self.rollouts.checkpoint_template(state)
@@ -279,7 +300,7 @@ class Trainer:
             stop = distributed.max_int(signals.received or 0)
             counts = _counts(state)  # what the summary says of the state (an update may consume it)
             with (
-                self.monitor,
+                self._monitor(),
                 VerifierPool(cfg.rewards) as pool,
                 self.profiler,
                 watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
@@ -374,7 +395,7 @@ class Trainer:
         ended = schedule.after_step(cfg, step, row["truncated_fraction"])
         if ended is not None:
             row["stage_end"] = ended
-        self.monitor.step(row, format_row(row))
+        self._monitor().step(row, format_row(row))
         interrupt.kill_point("step", step)
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
@@ -393,7 +414,7 @@ class Trainer:
 
         jax.block_until_ready(state)
         # the records up to this step are durable before the checkpoint that implies them
-        self.monitor.flush()
+        self._monitor().flush()
         item = self.rollouts.checkpoint_item(state, loop.step)
         path = self.ckpts.save(loop.step, item, loop.meta(), self.inputs.model.config)
         self.saved = loop.step
@@ -403,11 +424,12 @@ class Trainer:
         self, state: TrainState, step: int, pool: Verifiers, loop: LoopState, *, until: bool
     ) -> dict[str, Any]:
         """avg@n on the eval set, recorded; ``until``: the stage's until rule sees it."""
+        assert self.evaluator is not None, "made by _open when the config has eval"
         row = self.evaluator(state.params, step, pool)
         ended = loop.schedule.after_eval(self.config, row["accuracy"]) if until else None
         if ended is not None:
             row["stage_end"] = ended
-        self.monitor.eval(row, format_eval(row, self.config.eval.num_samples))
+        self._monitor().eval(row, format_eval(row, self.evaluator.eval.num_samples))
         return row
 
     def _step(
@@ -474,6 +496,6 @@ class Trainer:
         return collect_step(self.config, stage, step, k, driver, params, tok, pool, store)
 
 
-def _counts(state: Any) -> dict[str, Any]:
+def _counts(state: TrainState) -> dict[str, float]:
     s, skipped, coef = int(state.step), int(state.skipped), float(state.entropy.coef)
     return {"optimizer_steps": s, "skipped_updates": skipped, "entropy_coef": coef}

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from magic_jax.model.qwen2 import Qwen2
+    from magic_jax.rollout.driver import RolloutDriver
+    from magic_jax.rollout.protocols import Params
+    from magic_jax.rollout.samples import RolloutStats, Sample
+    from magic_jax.update.entropy_control import EntropyControlState
+    from magic_jax.update.state import TrainState
 
 POLL_S = 0.2  # how often a wait that can end otherwise (a stop, a lost peer) looks
 
@@ -48,28 +57,46 @@ class Checkpointed:
     level as in a sync checkpoint (so ``checkpoint.load_model`` reads its ``params``),
     and the s versions before it (``lagged[i]`` is version ``max(0, step - s + i)``)."""
 
-    params: Any
-    opt_state: Any
-    step: Any
-    skipped: Any
-    entropy: Any
-    lagged: tuple[Any, ...]
+    params: Params
+    opt_state: Any  # optax's state: a pytree optax does not type
+    step: jax.Array
+    skipped: jax.Array
+    entropy: EntropyControlState
+    lagged: tuple[Params, ...]
 
     @classmethod
-    def of(cls, state: Any, lagged: tuple[Any, ...]) -> Checkpointed:
+    def of(cls, state: TrainState, lagged: tuple[Params, ...]) -> Checkpointed:
         return cls(
             **{f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, lagged=lagged
         )
 
-    def train_state(self) -> Any:
+    def train_state(self) -> TrainState:
         from magic_jax.update.state import TrainState
 
         return TrainState(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainState)})
 
 
-def copy_params(params: Any) -> Any:
+def copy_params(params: Params) -> Params:
     """A copy of ``params`` that no donating update can overwrite."""
     return jax.tree.map(lambda x: x.copy(), params)
+
+
+class VersionSource(Protocol):
+    """Where a rollout gets the policy versions it samples under: ``Versions`` in one
+    process, ``remote.PulledVersions`` in the rollout process of two."""
+
+    def get(self, version: int, cancel: threading.Event | None = None) -> Params:
+        """Version ``version``'s weights (master layout), waiting until they are there.
+
+        Raises:
+          Cancelled: ``cancel`` was set first.
+          KeyError: the version is no longer kept.
+        """
+        ...
+
+    def wake(self) -> None:
+        """Wakes the waiters (to see a cancel)."""
+        ...
 
 
 class Versions:
@@ -78,17 +105,17 @@ class Versions:
 
     def __init__(self, keep: int):
         self.keep = keep
-        self._params: dict[int, Any] = {}
+        self._params: dict[int, Params] = {}
         self._cond = threading.Condition()
 
-    def publish(self, version: int, params: Any) -> None:
+    def publish(self, version: int, params: Params) -> None:
         with self._cond:
             self._params[version] = params
             for v in [v for v in self._params if v < version - self.keep]:
                 del self._params[v]
             self._cond.notify_all()
 
-    def get(self, version: int, cancel: threading.Event | None = None) -> Any:
+    def get(self, version: int, cancel: threading.Event | None = None) -> Params:
         """Version ``version``'s weights, waiting until it is published (or ``cancel``)."""
 
         def kept() -> None:
@@ -102,7 +129,7 @@ class Versions:
             )
             return self._params[version]
 
-    def lagged(self, step: int) -> tuple[Any, ...]:
+    def lagged(self, step: int) -> tuple[Params, ...]:
         """The versions a checkpoint after ``step`` updates keeps (``Checkpointed``)."""
         return tuple(self.get(max(0, step - self.keep + i)) for i in range(self.keep))
 
@@ -122,7 +149,7 @@ class StepVersionSchedule:
         step: int,
         max_staleness: int,
         publish_chunks: int | None,
-        engine_params: Callable[[int], Any],
+        engine_params: Callable[[int], Params],
         cancelled: threading.Event,
         reprefill: bool = False,
     ):
@@ -137,18 +164,21 @@ class StepVersionSchedule:
             return self.start
         return min(self.step, self.start + chunks // self.every)
 
-    def params(self, version: int) -> Any:
+    def params(self, version: int) -> Params:
         return self._engine_params(version)
 
 
 class ScheduledDriver:
     """A driver whose ``run`` samples under ``schedule`` (what ``collect_groups`` calls)."""
 
-    def __init__(self, driver: Any, schedule: StepVersionSchedule):
-        self.driver, self.schedule = driver, schedule
+    def __init__(self, driver: RolloutDriver, schedule: StepVersionSchedule):
+        self.driver = driver
+        self.schedule = schedule
 
-    def load_params(self, params: Any) -> Any:
-        return self.driver.load_params(params)
+    def load_params(self, model_or_params: Qwen2 | Params) -> Params:
+        return self.driver.load_params(model_or_params)
 
-    def run(self, params: Any, prompts: Any, **kw: Any) -> Any:
+    def run(
+        self, params: Params, prompts: Sequence[np.ndarray], **kw: Any
+    ) -> tuple[list[Sample], RolloutStats]:
         return self.driver.run(params, prompts, schedule=self.schedule, **kw)

@@ -14,18 +14,27 @@ from magic_jax.update.advantages import AdvantageConfig, estimate_advantages, gr
 
 
 class SampleRecord(Protocol):
-    """What the sampler returns per response (duck-typed)."""
+    """What the sampler returns per response (duck-typed; read only, so a frozen
+    dataclass such as ``rollout.samples.Sample`` fits)."""
 
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: np.ndarray  # [P_i] int32
-    tokens: np.ndarray  # [R_i] int32 response ids, EOS included if any
-    logprobs: np.ndarray  # [R_i] float32 behaviour log-prob of each response token
+    @property
+    def prompt_index(self) -> int: ...
+    @property
+    def sample_index(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> np.ndarray: ...  # [P_i] int32
+    @property
+    def tokens(self) -> np.ndarray: ...  # [R_i] int32 response ids, EOS included if any
+    @property
+    def logprobs(self) -> np.ndarray: ...  # [R_i] float32 behaviour log-prob of each token
     # optional: [R_i] float32 log-prob under the top-k / top-p truncated distribution
     # sampling_logprobs: np.ndarray
-    entropies: np.ndarray  # [R_i] float32 full-distribution entropy at each response token
-    truncated: bool
-    length: int
+    @property
+    def entropies(self) -> np.ndarray: ...  # [R_i] float32 full-distribution entropy
+    @property
+    def truncated(self) -> bool: ...
+    @property
+    def length(self) -> int: ...
 
 
 @jax.tree_util.register_dataclass
@@ -360,6 +369,7 @@ class _Rows:
         self.samp_logp[row, :k] = np.asarray(getattr(s, "sampling_logprobs", s.logprobs)[:k])
         self.ents[row, :k] = np.asarray(s.entropies[:k], np.float32)
         if entropy_tokens is not None:
+            assert self.ent_mask is not None, "rows made by empty(ent_mask=True)"
             self.ent_mask[row, :k] = entropy_tokens(np.asarray(s.tokens[:k], np.int32))
         self.rew[row] = reward
         if advantage is not None:

@@ -180,7 +180,8 @@ def entropy_coefficient(
     if config.mode == "fixed":
         return jnp.asarray(config.init_coef, jnp.float32)
     if config.gate == "reference-code":
-        return (state.coef * _switch(state)).astype(jnp.float32)
+        switch, _ = _reference_words(state)
+        return (state.coef * switch).astype(jnp.float32)
     on = entropy <= config.target if config.gate == "<=" else entropy < config.target
     return jnp.where(on, state.coef, 0.0).astype(jnp.float32)
 
@@ -203,8 +204,8 @@ def update_entropy_control(
       The state holding c_{k+1} (unchanged coefficient in fixed mode).
     """
     if config.mode == "adaptive" and config.gate == "reference-code":
-        _switch(state)
-        value = float(_local(state.coef64).astype(np.uint32).view(np.float64)[0])
+        _, coef64 = _reference_words(state)
+        value = float(_local(coef64).astype(np.uint32).view(np.float64)[0])
         below = float(_local(entropy)) < config.target
         value = value + config.delta if below else value - config.delta
         hi = np.inf if config.max_coef is None else config.max_coef
@@ -235,10 +236,11 @@ def _local(x: jax.Array | float) -> np.ndarray:
     return np.asarray(x)
 
 
-def _switch(state: EntropyControlState) -> jax.Array:
+def _reference_words(state: EntropyControlState) -> tuple[jax.Array, jax.Array]:
+    """``gate: reference-code``'s (lagged switch, float64 coefficient words)."""
     if state.switch is None or state.coef64 is None:
         raise ValueError(
             "entropy.gate 'reference-code' needs the controller state's lagged switch; this "
             "state was made for another gate (init_entropy_control with this config makes one)"
         )
-    return state.switch
+    return state.switch, state.coef64

@@ -162,27 +162,25 @@ def aggregate(
     m_BT = jnp.asarray(mask_BT, jnp.float32)
     xm_BT = jnp.where(m_BT > 0, x_BT, 0.0) * m_BT
     if mode is Aggregation.TOKEN_MEAN:
-        _need(num_tokens, "num_tokens", mode)
-        return xm_BT.sum() / jnp.maximum(num_tokens, 1.0)
+        return xm_BT.sum() / jnp.maximum(_need(num_tokens, "num_tokens", mode), 1.0)
     if mode is Aggregation.SEQ_MEAN_TOKEN_SUM:
-        _need(num_seqs, "num_seqs", mode)
-        return xm_BT.sum() / jnp.maximum(num_seqs, 1.0)
+        return xm_BT.sum() / jnp.maximum(_need(num_seqs, "num_seqs", mode), 1.0)
     if mode is Aggregation.SEQ_MEAN_TOKEN_MEAN:
-        _need(num_seqs, "num_seqs", mode)
         per_seq_B = xm_BT.sum(-1) / jnp.maximum(m_BT.sum(-1), 1.0)
-        return per_seq_B.sum() / jnp.maximum(num_seqs, 1.0)
-    _need(nominal_seqs, "nominal_seqs", mode)
+        return per_seq_B.sum() / jnp.maximum(_need(num_seqs, "num_seqs", mode), 1.0)
+    nominal = _need(nominal_seqs, "nominal_seqs", mode)
     local_seqs = (m_BT.sum(-1) > 0).sum()
-    return xm_BT.sum() / jnp.maximum(m_BT.sum(), 1.0) * local_seqs / nominal_seqs
+    return xm_BT.sum() / jnp.maximum(m_BT.sum(), 1.0) * local_seqs / nominal
 
 
 # clip fractions per token staleness: 0, 1, ..., K-2 and K-1 or more versions
 STALENESS_BUCKETS = 5
 
 
-def _need(value, name: str, mode: Aggregation) -> None:
+def _need(value: jax.Array | float | None, name: str, mode: Aggregation) -> jax.Array | float:
     if value is None:
         raise ValueError(f"aggregation {mode.value!r} needs {name}")
+    return value
 
 
 def policy_loss(
@@ -266,7 +264,7 @@ def policy_loss(
     # rollout/trainer mismatch, pi_theta / pi_behaviour (pi_theta is the trainer's pi_old
     # at the first optimizer step of a buffer)
     log_s_BT = jnp.where(on_BT, logp_BT - behaviour_logp_BT, 0.0)
-    weight_BT, log_w_BT = _tis_weight(config, on_BT, old_logp_BT, behaviour_logp_BT)
+    weight_BT, capped_BT = _tis_weight(config, on_BT, old_logp_BT, behaviour_logp_BT)
     if weight_BT is not None:
         surr_BT = surr_BT * weight_BT
     surr_BT, behaviour_clipped_BT = _behaviour_clip(config, surr_BT, log_s_BT, a_BT, lo, hi)
@@ -274,6 +272,7 @@ def policy_loss(
     term_BT = -surr_BT - alpha * bonus_BT
     ref_kl_BT = None
     if config.kl_beta > 0:
+        assert ref_logp_BT is not None, "_check_inputs asks for it with kl_beta > 0"
         ref_kl_BT = k3_kl(logp_BT, jnp.where(on_BT, ref_logp_BT, logp_BT), config.kl_clamp)
         term_BT = term_BT + config.kl_beta * ref_kl_BT
     loss = aggregate(
@@ -302,7 +301,7 @@ def policy_loss(
     }
     if weight_BT is not None:
         metrics["tis_weight_mean"] = tmean(weight_BT)
-        metrics["tis_capped"] = tmean(jnp.exp(log_w_BT) > config.tis_cap)
+        metrics["tis_capped"] = tmean(capped_BT)
     if behaviour_clipped_BT is not None:
         metrics["behaviour_clipfrac"] = tmean(behaviour_clipped_BT)
     if ref_kl_BT is not None:
@@ -316,7 +315,7 @@ def policy_loss(
             clipped_BT = clipped_BT | behaviour_clipped_BT
         metrics.update(_by_staleness(staleness_BT, w_BT, clipped_BT))
         if weight_BT is not None:
-            metrics.update(_weight_by_staleness(config, staleness_BT, w_BT, weight_BT, log_w_BT))
+            metrics.update(_weight_by_staleness(staleness_BT, w_BT, weight_BT, capped_BT))
     return loss, metrics
 
 
@@ -350,14 +349,15 @@ def _sampler_metrics(tmean, on_BT, log_s_BT) -> dict:
 def _tis_weight(config: LossConfig, on_BT, old_logp_BT, behaviour_logp_BT) -> tuple[Any, Any]:
     """The behaviour weights (constants): min(pi_old / pi_behaviour, cap), or with
     ``tis_rule: mask`` the ratio itself where it is at most the cap and 0 above it; and
-    their log ratio. (None, None) without ``tis_cap``."""
+    where the ratio is past the cap. (None, None) without ``tis_cap``."""
     if config.tis_cap is None:
         return None, None
     log_w_BT = jax.lax.stop_gradient(jnp.where(on_BT, old_logp_BT - behaviour_logp_BT, 0.0))
     w_BT = jnp.exp(log_w_BT)
+    capped_BT = w_BT > config.tis_cap
     if config.tis_rule == "mask":
-        return jnp.where(w_BT > config.tis_cap, 0.0, w_BT), log_w_BT
-    return jnp.minimum(w_BT, config.tis_cap), log_w_BT
+        return jnp.where(capped_BT, 0.0, w_BT), capped_BT
+    return jnp.minimum(w_BT, config.tis_cap), capped_BT
 
 
 def _check_inputs(config: LossConfig, ref_logp: Any, behaviour_logp: Any) -> None:
@@ -379,14 +379,14 @@ def _by_staleness(staleness_BT: jax.Array, w_BT: jax.Array, clipped_BT: jax.Arra
     }
 
 
-def _weight_by_staleness(config: LossConfig, staleness_BT, w_BT, weight_BT, log_w_BT) -> dict:
+def _weight_by_staleness(staleness_BT, w_BT, weight_BT, capped_BT) -> dict:
     """``stale_weight`` and ``stale_capped``: [K] sums per staleness bucket (token weights
-    ``w_BT``) of the behaviour weight as applied and of the tokens past the cap (truncated,
-    or dropped under ``tis_rule: mask``); divided by ``stale_tokens``, their means."""
+    ``w_BT``) of the behaviour weight as applied and of the tokens past the cap
+    (``capped_BT``: truncated, or dropped under ``tis_rule: mask``); divided by
+    ``stale_tokens``, their means."""
     k = STALENESS_BUCKETS
     b_BTK = jax.lax.stop_gradient(jax.nn.one_hot(jnp.clip(staleness_BT, 0, k - 1), k))
     w_BT = jax.lax.stop_gradient(w_BT)
-    capped_BT = jax.lax.stop_gradient(jnp.exp(log_w_BT) > config.tis_cap)
     return {
         "stale_weight": jnp.einsum("bt,btk->k", w_BT * jax.lax.stop_gradient(weight_BT), b_BTK),
         "stale_capped": jnp.einsum("bt,btk->k", w_BT * capped_BT, b_BTK),

@@ -167,7 +167,10 @@ def packed_logprobs(
         chunk_size=config.logit_chunk,
         compute_dtype=model.config.dtype,
     )
-    return tuple(rows_of(x, packed.row_start, response_len) for x in (logp_KS, ent_KS))
+    return (
+        rows_of(logp_KS, packed.row_start, response_len),
+        rows_of(ent_KS, packed.row_start, response_len),
+    )
 
 
 def micro_batches(batch: RolloutBuffer, size: int, sharding: NamedSharding | None):

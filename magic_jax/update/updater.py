@@ -4,6 +4,7 @@ mini-batches through the compiled ``train_step`` and advances the entropy contro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -66,8 +67,9 @@ class PolicyUpdater:
         self.config = config
         self.mesh = mesh
         self.batch_sharding = None if mesh is None else batch_sharding(mesh)
-        self._jitted: dict[bool, Any] = {}
-        self._logprobs = None
+        # by (old_from_current, micro_rows): one compiled step each
+        self._jitted: dict[tuple[bool, int | None], Callable[..., Any]] = {}
+        self._logprobs: Callable[..., jax.Array] | None = None
 
     def init_state(self, params: Any) -> TrainState:
         """See ``init_train_state``."""
@@ -166,16 +168,9 @@ class PolicyUpdater:
         if self.batch_sharding is not None:
             batch = jax.device_put(batch, self.batch_sharding)
             if packed is not None:
-                packed = jax.device_put(packed, self._packed_sharding(packed))
+                packed = jax.device_put(packed, _packed_sharding(self.batch_sharding))
         live = None if live_micro is None else jnp.int32(live_micro)
         return self._jitted[key](state, batch, jnp.float32(alpha), ref_params, live, packed)
-
-    def _packed_sharding(self, packed: PackedRows) -> PackedRows:
-        """The packed micro-batches' bins split over the data shards (as the rows are);
-        the per-row indices follow the rows."""
-        spec = self.batch_sharding.spec
-        bins = NamedSharding(self.mesh, PartitionSpec(None, *spec))
-        return PackedRows(bins, bins, bins, self.batch_sharding, self.batch_sharding)
 
     def logprobs(self, params: Any, buffer: RolloutBuffer) -> np.ndarray:
         """[B, R] float32 log-probs of the buffer's response tokens under ``params``.
@@ -243,7 +238,7 @@ class PolicyUpdater:
             packed, n_live = pack_rows(batch, self.packed_bins(g, batch.tokens.shape[1]))
             if self.batch_sharding is not None:
                 batch = jax.device_put(batch, self.batch_sharding)
-                packed = jax.device_put(packed, self._packed_sharding(packed))
+                packed = jax.device_put(packed, _packed_sharding(self.batch_sharding))
             logp = np.asarray(self._logprobs(params, batch, packed, jnp.int32(n_live)))
             take = min(d_t, n - start) * g
             out[start * g : start * g + take] = logp[:take]
@@ -411,3 +406,10 @@ def buffer_entropy(
         "buffer_entropy_selected": e_sel,
         "selected_token_fraction": float(sel_BR.sum() / max(all_BR.sum(), 1.0)),
     }
+
+
+def _packed_sharding(rows: NamedSharding) -> PackedRows:
+    """The packed micro-batches' bins split over the data shards as the rows are (``rows``:
+    the batch's sharding); the per-row indices follow the rows."""
+    bins = NamedSharding(rows.mesh, PartitionSpec(None, *rows.spec))
+    return PackedRows(bins, bins, bins, rows, rows)

@@ -18,7 +18,7 @@ def distinct_problems(
 ) -> list[Problem]:
     """``n`` distinct problems drawn with ``sample``, none of them in ``exclude``."""
     seen = set(exclude)
-    out = []
+    out: list[Problem] = []
     while len(out) < n:
         p = sample(rng)
         if p not in seen:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 from magic_jax.data.rows import R1_ASSISTANT, R1_BOS, R1_EOS, R1_USER
 
@@ -55,7 +55,7 @@ class TokenPieces:
         self._decode = decode
         self._pieces: dict[int, str] = {}
 
-    def __call__(self, ids: Sequence[int]) -> list[str]:
+    def __call__(self, ids: Iterable[int]) -> list[str]:
         out = []
         for i in (int(x) for x in ids):
             if i not in self._pieces:
