@@ -29,11 +29,14 @@ test: setup
 	$(BIN)/pytest -q -m "serial and not slow and not heavy" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The `heavy` tests (default-suite tests of 10 s or more) in parallel as `make test` would run
-# them, then the `slow` ones, with the 25 longest named (what CI's time goes to); pytest exits 5
-# when no test carries the mark: not a failure
+# them, then the `slow` ones two at a time (a file's tests on one worker, so its fixtures run
+# once), with the 25 longest named (what CI's time goes to), then the slow `serial` ones alone;
+# pytest exits 5 when no test carries the mark: not a failure
 test-slow: setup
 	$(BIN)/pytest -q -n auto --maxprocesses=4 -m "heavy and not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	MAGIC_JAX_TEST_FAST_COMPILE=0 $(BIN)/pytest -q -m slow --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	MAGIC_JAX_TEST_FAST_COMPILE=0 $(BIN)/pytest -q -n 2 --dist loadfile -m "slow and not serial" \
+	  --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	MAGIC_JAX_TEST_FAST_COMPILE=0 $(BIN)/pytest -q -m "slow and serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # `magic-jax plan` compiles for TPU slices here through libtpu; jax[tpu] lives in its own
 # venv so that .venv stays the CPU build.
