@@ -12,7 +12,8 @@ Useful tokens/s = response tokens that were asked for / wall time. The peer
 runs ``generate`` (sampling, top_k=0) on batches of 32 in request order, each
 to its longest member. W2's four peer batches have identical shapes (each
 holds a 512-token sample), so by default one is timed and multiplied by four
-(``--peer-batches 4`` times them all).
+(``--peer-batches 4`` times them all). ``ours CPU s``: this process's CPU seconds over
+our timed run (steadier than wall time on a shared machine).
 
     .venv/bin/python benchmarks/rollout.py            # both workloads, with peer
     .venv/bin/python benchmarks/rollout.py --quick    # tiny smoke run
@@ -175,7 +176,9 @@ def main() -> None:
         t0 = time.perf_counter()
         driver.run(params, list(prompts), step=0, **kw)  # compiles
         first = time.perf_counter() - t0
+        cpu0 = time.process_time()
         _, st = driver.run(params, list(prompts), step=1, profile=True, **kw)
+        cpu = time.process_time() - cpu0
         useful = int(limits.sum())
         assert st.tokens == useful, (st.tokens, useful)
         row = dict(
@@ -183,6 +186,7 @@ def main() -> None:
             useful=useful,
             ours=useful / st.wall_s,
             wall=st.wall_s,
+            cpu=cpu,
             compile=first - st.wall_s,
             steps=st.steps,
             ms_step=1e3 * st.decode_s / max(st.steps, 1),
@@ -206,16 +210,18 @@ def main() -> None:
 
     print()
     print(
-        "| workload | useful tok | ours tok/s | generate tok/s | ratio | ours s | compile s "
-        "| steps | ms/step | batch fill | host ms/chunk (chunks) | prefill s | insert s |"
+        "| workload | useful tok | ours tok/s | generate tok/s | ratio | ours s | ours CPU s "
+        "| compile s | steps | ms/step | batch fill | host ms/chunk (chunks) | prefill s "
+        "| insert s |"
     )
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 14)
     for r in rows:
         peer = f"{r['peer']:.0f} ({r['peer_note']} batches timed)" if "peer" in r else "-"
         ratio = f"{r['ours'] / r['peer']:.2f}x" if "peer" in r else "-"
         print(
             f"| {r['name']} | {r['useful']} | {r['ours']:.0f} | {peer} | {ratio} | "
-            f"{r['wall']:.1f} | {r['compile']:.1f} | {r['steps']} | {r['ms_step']:.1f} | "
+            f"{r['wall']:.1f} | {r['cpu']:.1f} | {r['compile']:.1f} | {r['steps']} | "
+            f"{r['ms_step']:.1f} | "
             f"{r['fill']:.0%} | {r['host_ms']:.1f} ({r['chunks']}) | {r['prefill']:.2f} | "
             f"{r['insert']:.2f} |"
         )
