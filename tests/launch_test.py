@@ -1561,6 +1561,7 @@ def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(fait
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_a_maintenance_event_in_real_time_is_rerun_within_a_minute_scaled(faithful, tmp_path):
     """The maintenance event above with real waits at 1/10 scale (status cycle 1 s,
     silence 2 s, probe 1.5 s, heartbeat 1 s, ssh backoff from 3 s): the status cycles

@@ -81,7 +81,9 @@ def test_a_raise_on_one_host_ends_both_within_seconds(tmp_path):
 
 
 # killing process 1 takes 12 s to end process 0 (measured): the slow suite; 0 stays default
-@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow), 0])
+@pytest.mark.parametrize(
+    "killed", [pytest.param(1, marks=[pytest.mark.slow, pytest.mark.serial]), 0]
+)
 def test_a_killed_host_ends_the_other(tmp_path, killed):
     # The other is not in a collective (as a TPU host waiting on the interconnect, whose
     # collective never errors): only the coordination service can tell. A killed process
@@ -177,6 +179,7 @@ def _train_with_fault(train_files, cache, tmp_path, process, fault, *more):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_train_a_raise_on_process_1_at_step_2_ends_both(train_files, cache, tmp_path):
     out, codes, ended, logs = _train_with_fault(
         train_files, cache, tmp_path, 1, "raise:decode chunk:2"
@@ -198,6 +201,7 @@ def test_train_a_raise_on_process_1_at_step_2_ends_both(train_files, cache, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_train_a_hang_on_process_0_ends_both_by_the_watchdog(train_files, cache, tmp_path):
     limit = 30
     out, codes, ended, logs = _train_with_fault(

@@ -78,6 +78,7 @@ def _stop_then_resume(files, out, at, *more, resume=()):
 
 
 @pytest.mark.slow  # two subprocess runs (~15 s each cold)
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exact_reference):
     out = files / "stop_rollout"
     # step 2 (stage 1): 8 slots hold one group of 8, so the second chunk's check comes
@@ -96,6 +97,7 @@ def test_sigterm_mid_rollout_resumes_with_only_the_unfinished_groups(files, exac
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_sigterm_in_overlap_mode_keeps_the_groups_the_rollouts_in_flight_finished(files):
     """rollout.mode overlap, staleness 1: the stop comes while the producer generates
     ahead of the update; the groups its rollouts finished are on disk, the resumed run
@@ -113,6 +115,7 @@ def test_sigterm_in_overlap_mode_keeps_the_groups_the_rollouts_in_flight_finishe
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
     metrics = rundir.read_records(exact_reference / "metrics.jsonl")
     step = next(r["step"] for r in metrics if r["step"] >= 1 and r["sgd_steps"] >= 1)
@@ -130,6 +133,7 @@ def test_sigterm_mid_update_redoes_only_the_update(files, exact_reference):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a signal or heartbeat timed against the clock
 def test_sigterm_mid_rollout_and_mid_update_on_the_bucket(files, exact_reference, tmp_path):
     from conftest import GcsEmulator
     from gcs_test import _download, _upload
