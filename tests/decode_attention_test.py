@@ -4,8 +4,8 @@ engine's compiled decode programs.
 
 XLA's CPU dot repacks its right operand. With a layer's keys there, a float32 decode
 step repacked every layer's keys in every step (the scores' product 3x slower at 320
-slots, 5x at 1024; ``benchmarks/rollout.py``'s W1 decode step about a fifth slower),
-which the compiled HLO shows only as the operands' order: that order is pinned here."""
+slots, 5x at 1024; ``benchmarks/rollout.py``'s W1 decode step 8-10% slower), which the
+compiled HLO shows only as the operands' order: that order is pinned here."""
 
 import re
 
