@@ -1528,7 +1528,10 @@ def test_a_two_process_eval_under_launch_writes_once_and_equals_one_process(fait
     opts = ["--n", "2", "--max-response-length", "4", "--chunk", "2", "--workers", "1",
             "--mesh", "fsdp=-1", "--set", "rollout.max_concurrent_decodes=8",
             "--set", "rollout.decode_steps=4"]  # fmt: skip
-    job = [sys.executable, "-m", "magic_jax.jobs.cli", "eval", str(tmp_path / "model"), str(data)]
+    # -P: the worker's copy of the small repo holds only launch.sh's own modules of
+    # magic_jax, which must not shadow this checkout's package from the working directory
+    job = [sys.executable, "-P", "-m", "magic_jax.jobs.cli", "eval", str(tmp_path / "model"),
+           str(data)]  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
