@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from magic_jax.experiments import ablation_report as ar
-from magic_jax.experiments import ablations, prereg
+from magic_jax.experiments import ablations, prereg, runner
 from magic_jax.jobs.report import load_run
 from magic_jax.run.config import MOVED_OPTIONS, load_config
 
@@ -264,7 +264,7 @@ def test_records_are_stored_compressed_and_read_back_the_same(tmp_path):
     raw.mkdir()
     (raw / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain.metrics))
     (raw / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain.evals))
-    ablations._collect(raw, where, {"arm": arm.key})
+    runner._collect(raw, where, {"arm": arm.key})
     assert (where / "metrics.jsonl.gz").read_bytes() == first
     assert not (where / "metrics.jsonl").exists() and ablations.pack_records(tmp_path) == 0
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from magic_jax.experiments import ablations, claims_table, corrected, pairing, prereg
+from magic_jax.experiments import ablations, claims_table, corrected, pairing, prereg, progress
 from magic_jax.experiments.verdicts import CHECKS, OUTCOMES
 from magic_jax.jobs.report import Run
 
@@ -305,7 +305,7 @@ def test_the_disclosed_measure_changes_came_after_their_runs():
 
 
 def test_the_runner_records_the_commit(tmp_path, monkeypatch):
-    monkeypatch.setattr(ablations, "watch", lambda *a, **k: 0)  # the training run
+    monkeypatch.setattr(progress, "watch", lambda *a, **k: 0)  # the training run
     arm = ablations.Arm("x-arm", "x")
     dest = ablations.run_one("x", arm, 0, tmp_path, world="default", log=lambda _: None)
     rec = json.loads((dest / "run.json").read_text())
