@@ -121,3 +121,47 @@ def test_report_of_two_runs(tmp_path):
           if line.get_linestyle() == ":"}  # fmt: skip
     assert xs == {2, 3}
     assert main(["report", str(tmp_path), "-o", str(tmp_path / "x.html")]) == 2
+
+
+def test_report_groups_seeds_and_draws_only_what_it_names(tmp_path):
+    """Runs in ``<arm>/seed<k>`` are one arm: one legend entry with the seed count, the mean
+    thick over each seed thin; the summary gives mean +- std; entropy spanning decades goes
+    on a log axis; a reference line or style not drawn gets no legend entry."""
+    from magic_jax.jobs.report import _summary_rows, load_run, make_figures
+
+    for k in range(3):
+        (tmp_path / "clip").mkdir(exist_ok=True)
+        _write_run(tmp_path / "clip" / f"seed{k}", k)
+    _write_run(tmp_path / "fixed", 9, stage_steps=(5, 6))
+    cfg = tmp_path / "fixed" / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"entropy": {"mode": "fixed", "coef": 0.0}}))
+    rows = [json.loads(x) for x in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("accuracy_not_truncated")
+    (tmp_path / "fixed" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [load_run(tmp_path / "clip" / f"seed{k}") for k in range(3)]
+    runs.append(load_run(tmp_path / "fixed"))
+    assert [r.name for r in runs] == ["clip", "clip", "clip", "fixed"]
+    figs = make_figures(runs)
+    ax = figs["reward"].axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels == ["clip (n=3)", "fixed"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["clip (n=3)", "fixed", "all responses", "untruncated"]
+    solid = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+    assert len(solid) == 1 + 3 + 1  # clip's mean and 3 seeds, fixed's one line
+    mean = [ln for ln in solid if ln.get_label() == "clip (n=3)"][0]
+    seeds = [r.series("reward") for r in runs[:3]]
+    assert np.allclose(mean.get_ydata(), np.mean([s[1] for s in seeds], axis=0))
+    ent = figs["entropy"].axes[0]
+    assert ent.get_yscale() == "log"  # 1 down to 1/11: more than a decade
+    assert {t.get_text() for t in ent.get_legend().get_texts()} >= {"target"}
+    only_fixed = make_figures(runs[3:])["entropy"].axes[0]
+    assert "target" not in [t.get_text() for t in only_fixed.get_legend().get_texts()]
+    assert make_figures(runs[:1])["entropy"].axes[0].get_yscale() == "linear"  # 1 to 0.2
+    (clip, fixed) = _summary_rows(runs)
+    last = [r.metrics[-1]["reward"] for r in runs[:3]]
+    assert clip[:3] == ["clip", "3", "5"] and clip[3] == (
+        f"{np.mean(last):.3f} +- {np.std(last, ddof=1):.3f}"
+    )
+    assert fixed[:3] == ["fixed", "1", "11"] and "+-" not in fixed[3]

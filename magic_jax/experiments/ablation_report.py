@@ -46,7 +46,7 @@ from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the not
     welch,
     world_record,
 )
-from magic_jax.jobs.report import Run, colors
+from magic_jax.jobs.report import Run, colors, seed_mean
 
 
 def outcome_table(
@@ -102,9 +102,7 @@ def _seed_series(
     """Each run's ``{step: value}`` of ``key``, and the steps every run has with the seed
     mean at each of them: ``(per run, steps, mean)``."""
     per = [_series(r, key, evals) for r in runs]
-    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
-    mean = [mean_of([p[s] for p in per]) for s in steps]
-    return per, steps, mean
+    return (per, *seed_mean(per))
 
 
 def plot_arms(

@@ -1,9 +1,13 @@
 """Curves of training runs: one PNG per quantity and a self-contained HTML page.
 
-Each run is one colour (legend: its name); where a panel shows several
-quantities, line styles tell them apart (second legend); dotted vertical lines
-mark where a run's stages change. The plotting functions take matplotlib axes
-and a list of ``Run``, so notebooks can overlay runs their own way::
+Runs with the same name are the seeds of one arm: one colour, their mean over the steps
+every seed has as a thick line and each seed as a thin one (legend: the name and the
+number of seeds). A run's name is its directory's, or for ``<arm>/seed<k>`` the arm's
+(``--name`` gives others, and groups runs it names alike). Where a panel shows several
+quantities, line styles tell them apart (second legend, only for what was drawn); dotted
+vertical lines mark where an arm's stages change; entropy goes on a log axis where it
+spans a decade or more. The plotting functions take matplotlib axes and a list of
+``Run``, so notebooks can overlay runs their own way::
 
     from magic_jax.jobs import report
     runs = [report.load_run("runs/a"), report.load_run("runs/b", name="clip-higher")]
@@ -18,7 +22,9 @@ import base64
 import dataclasses
 import html
 import json
+import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,7 +122,22 @@ def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
         raise FileNotFoundError(f"{p}: no metrics.jsonl or eval.jsonl (not a run directory?)")
     cfg_path = p / "config.yaml"
     config = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.exists() else {}
-    return Run(name or p.name, p, metrics, evals, config)
+    default = p.parent.name if re.fullmatch(r"seed\d+", p.name) and p.parent.name else p.name
+    return Run(name or default, p, metrics, evals, config)
+
+
+def group(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs by name, in order of first appearance: an arm's seeds."""
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.name, []).append(run)
+    return out
+
+
+def seed_mean(per: Sequence[Mapping[int, float]]) -> tuple[list[int], list[float]]:
+    """The steps every seed has, and the seeds' mean at each: ``(steps, mean)``."""
+    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    return steps, [sum(p[s] for p in per) / len(per) for s in steps]
 
 
 def colors(n: int) -> list[Any]:
@@ -140,38 +161,41 @@ def plot_metric(
     marker: str | None = None,
     label: bool = True,
 ) -> int:
-    """One line per run of ``key`` against steps; returns how many runs had it.
+    """One line per arm (``group``) of ``key`` against steps: a lone run's values, or the
+    seeds' mean (thick) with each seed (thin); returns how many arms had it.
 
     Args:
       ax: matplotlib axes.
-      runs: the runs (colour i for run i).
+      runs: the runs (colour i for arm i).
       key: a field of the metric (or, with ``evals``, evaluation) rows.
       style / marker: line style and marker.
-      label: label lines with run names (for the legend).
+      label: label lines with arm names and seed counts (for the legend).
     """
+    arms = group(runs)
     found = 0
-    for run, color in zip(runs, colors(len(runs))):
-        x, y = run.series(key, evals=evals)
-        if not x:
+    for (name, seeds), color in zip(arms.items(), colors(len(arms))):
+        per = [dict(zip(*r.series(key, evals=evals))) for r in seeds]
+        per = [p for p in per if p]
+        steps, mean = seed_mean(per)
+        if not steps:
             continue
         found += 1
-        ax.plot(
-            x,
-            y,
-            style,
-            color=color,
-            marker=marker,
-            markersize=4,
-            linewidth=1.4,
-            label=run.name if label else None,
-        )
+        many = len(per) > 1
+        text = f"{name} (n={len(per)})" if many else name
+        width = 2.0 if many else 1.4
+        line = {"color": color, "marker": marker, "markersize": 4, "linewidth": width}
+        ax.plot(steps, mean, style, label=text if label else None, zorder=3, **line)
+        for p in per if many else []:
+            xs = sorted(p)
+            ax.plot(xs, [p[x] for x in xs], style, color=color, linewidth=0.7, alpha=0.35)
     return found
 
 
 def mark_stages(ax: Any, runs: Sequence[Run]) -> None:
-    """Dotted vertical lines where each run's stages begin, labelled with the stage."""
-    for run, color in zip(runs, colors(len(runs))):
-        for step, stage in run.stage_starts():
+    """Dotted vertical lines where each arm's stages begin (its first run's), labelled."""
+    arms = group(runs)
+    for seeds, color in zip(arms.values(), colors(len(arms))):
+        for step, stage in seeds[0].stage_starts():
             ax.axvline(step, color=color, linestyle=":", linewidth=1.0, alpha=0.8)
             ax.annotate(
                 f"stage {stage}",
@@ -212,24 +236,33 @@ def _multi(
 
     def plot(ax: Any, runs: Sequence[Run]) -> int:
         found = 0
-        for i, (key, style, _) in enumerate(keys):
-            found = max(found, plot_metric(ax, runs, key, style=style, label=i == 0))
+        drawn: list[tuple[LineStyleType, str]] = []
+        for key, style, what in keys:
+            n = plot_metric(ax, runs, key, style=style, label=not drawn)
+            if n:
+                found, drawn = max(found, n), [*drawn, (style, what)]
         if found:
-            _styles_legend(ax, [(s, d) for _, s, d in keys])
+            _styles_legend(ax, drawn)
         return found
 
     return plot
 
 
 def plot_entropy(ax: Any, runs: Sequence[Run]) -> int:
-    """Token entropy e_k, with each adaptive run's target tgt_ent as a dashed line."""
+    """Token entropy e_k, with each adaptive arm's target tgt_ent as a dashed line; a log
+    axis where the values span a decade or more."""
     found = plot_metric(ax, runs, "entropy")
-    for run, color in zip(runs, colors(len(runs))):
-        ent = run.config.get("entropy") or {}
-        if ent.get("mode", "adaptive") == "adaptive" and "target" in ent:
+    arms, targets = group(runs), 0
+    for seeds, color in zip(arms.values(), colors(len(arms))):
+        ent = seeds[0].config.get("entropy") or {}
+        if found and ent.get("mode", "adaptive") == "adaptive" and "target" in ent:
             ax.axhline(float(ent["target"]), color=color, linestyle="--", linewidth=1.0)
-    if found:
+            targets += 1
+    if targets:
         _styles_legend(ax, [("-", "entropy"), ("--", "target")])
+    values = [v for r in runs for v in r.series("entropy")[1] if v > 0]
+    if values and max(values) >= 10 * min(values):
+        ax.set_yscale("log")
     return found
 
 
@@ -335,19 +368,35 @@ def make_figures(runs: Sequence[Run]) -> dict[str, Any]:
     return figures
 
 
+def _spread(values: Sequence[float]) -> str:
+    """``mean`` of one value, ``mean +- sample std`` of several, "" of none."""
+    if not values:
+        return ""
+    m = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{m:.3f}"
+    return f"{m:.3f} +- {math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)):.3f}"
+
+
 def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
+    """One row per arm: seeds, steps, last reward, entropy and evaluation (seed mean +- std)."""
     rows = []
-    for run in runs:
-        last = run.metrics[-1] if run.metrics else {}
-        ev = run.evals[-1] if run.evals else {}
-        n = ev.get("num_samples", "n")
+    for name, seeds in group(runs).items():
+        last = [r.metrics[-1] for r in seeds if r.metrics]
+        evs = [r.evals[-1] for r in seeds if r.evals and "accuracy" in r.evals[-1]]
+        n = evs[0].get("num_samples", "n") if evs else "n"
+        at = sorted({e["step"] for e in evs})
         rows.append(
             [
-                run.name,
-                str(len(run.metrics)),
-                f"{last['reward']:.3f}" if "reward" in last else "",
-                f"{last['entropy']:.3f}" if "entropy" in last else "",
-                f"avg@{n} {ev['accuracy']:.3f} (step {ev['step']})" if "accuracy" in ev else "",
+                name,
+                str(len(seeds)),
+                "/".join(sorted({str(len(r.metrics)) for r in seeds})),
+                _spread([float(m["reward"]) for m in last if "reward" in m]),
+                _spread([float(m["entropy"]) for m in last if "entropy" in m]),
+                f"avg@{n} {_spread([float(e['accuracy']) for e in evs])} (step "
+                f"{'/'.join(map(str, at))})"
+                if evs
+                else "",
             ]
         )
     return rows
@@ -392,7 +441,7 @@ def write_report(
 
 
 def _html(runs: Sequence[Run], images: Mapping[str, bytes]) -> str:
-    head = ["run", "steps", "last reward", "last entropy", "last evaluation"]
+    head = ["run", "seeds", "steps", "last reward", "last entropy", "last evaluation"]
     table = "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
     for row in _summary_rows(runs):
         table += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
