@@ -25,6 +25,7 @@ from magic_jax.experiments.claims_table import (  # noqa: F401 (re-exported)
     write_tables,
 )
 from magic_jax.experiments.corrected import claim_rows, correct, label, primary_verdict
+from magic_jax.experiments.outcomes import finished_runs, write_csv
 from magic_jax.experiments.pairing import (  # noqa: F401 (re-exported: the notebooks' API)
     identical_arms,
     identical_text,
@@ -154,19 +155,23 @@ def ablation_figure(
     ablation: str, runs: Mapping[str, Sequence[Run]] | None = None, results: Any = None
 ) -> Any:
     """A 2 x 3 matplotlib figure (Agg) of one ablation: every arm's seed mean and each seed."""
-    from matplotlib.figure import Figure
-
     runs = load_arm_runs(ablation, results) if runs is None else runs
     ab = ABLATIONS[ablation]
-    labels = {a.key: a.label for a in ab.arms}
+    return arms_figure(runs, {a.key: a.label for a in ab.arms}, ab.title)
+
+
+def arms_figure(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str], title: str) -> Any:
+    """The ablations' 2 x 3 panels (Agg) for any arms: ``runs`` by arm key, in order."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(13.5, 6.6), dpi=90)
     axes = fig.subplots(2, 3)
     panels = PANELS
     if any(_series(r, AT_06[0], True) for rs in runs.values() for r in rs):
         panels = tuple(AT_06 if p[0] == "alpha" else p for p in PANELS)
-    for ax, (key, title, evals) in zip(axes.flat, panels):
+    for ax, (key, name, evals) in zip(axes.flat, panels):
         plot_arms(ax, runs, labels, key, evals=evals)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(name, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if key == "entropy":
@@ -181,7 +186,7 @@ def ablation_figure(
     if names:
         fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle(
-        f"{ab.title}: seed mean (thick line) and each seed (thin lines); dotted: stage change",
+        f"{title}: seed mean (thick line) and each seed (thin lines); dotted: stage change",
         fontsize=11,
     )
     fig.tight_layout(rect=(0, 0.035 * rows, 1, 1))
@@ -353,9 +358,9 @@ LIMITS: dict[str, str] = {
 def write_figures(
     results: str | os.PathLike, out: str | os.PathLike, names: Sequence[str] | None = None
 ) -> Path:
-    """``<ablation>.png`` per ablation with finished runs, and the claims' tables
+    """``<ablation>.png`` per ablation with finished runs, the claims' tables
     (``claims_table.write_tables``: ``summary.md``, ``effects.md``, ``runs.md``,
-    ``self_noise.md``); returns ``out``."""
+    ``self_noise.md``) and every run's outcomes (``outcomes.csv``); returns ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for key in names or ABLATIONS:
@@ -365,6 +370,7 @@ def write_figures(
         fig = ablation_figure(key, runs)
         fig.savefig(out / f"{key}.png")
     write_tables(os.fspath(results), out)
+    write_csv(finished_runs(results), out / "outcomes.csv")
     return out
 
 

@@ -272,6 +272,57 @@ def run_derived(
     return where
 
 
+def run_sweep(
+    base: str,
+    sets: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    results: str | os.PathLike | None = None,
+    yes: bool = False,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path | None:
+    """One derived arm of ``base`` per value of the one ``--set key=v1,v2,...`` (named
+    ``<base>-<last part of key>-<value>``, the other ``--set`` in each), trained on ``seeds``
+    like ``run_derived``, then compared with ``base`` (``compare.compare``) and drawn value
+    by value (``sweep.png``); returns the comparison's directory (None for a dry run).
+
+    Raises:
+      ValueError: not exactly one option with several values, or what ``run_derived`` raises.
+    """
+    from magic_jax.experiments import compare, derived
+
+    swept = [s for s in sets if "," in s.partition("=")[2]]
+    if len(swept) != 1:
+        raise ValueError("sweep: give exactly one --set KEY=V1,V2,... (the option swept)")
+    key, _, values = swept[0].partition("=")
+    fixed = [s for s in sets if s != swept[0]]
+    points = [
+        (f"{base}-{key.rsplit('.', 1)[-1]}-{v}", [*fixed, f"{key}={v}"]) for v in values.split(",")
+    ]
+    where, budget = derived.derived_dir(results), step_budget()
+    todo = [
+        (n, s)
+        for n, sets_ in points
+        for s in seeds
+        if not is_done(where, derived.derive(base, n, sets_)[1], s)
+    ]
+    world = ABLATIONS[derived.find_arm(base)[0]].world
+    if todo and not dry_run:
+        confirm(len(todo), estimate_minutes([world] * len(todo), budget), where, yes=yes)
+    for name, point in points:
+        run_derived(base, name, point, seeds, results=results, yes=True, dry_run=dry_run, log=log)
+    if dry_run:
+        return None
+    names = [base, *(n for n, _ in points)]
+    png, text = compare.compare(names, results)
+    compare.sweep_figure(base, key, compare.load(names, results)).savefig(
+        png.with_name("sweep.png")
+    )
+    log(f"{text}\n[ablations] sweep of {key}: {png.parent}")
+    return png.parent
+
+
 def _run_derived(args: argparse.Namespace, seeds: list[int] | None) -> None:
     from magic_jax.experiments.derived import find_arm
 
@@ -303,6 +354,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--results", help="results directory (default notebooks/results)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     r.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
+    w = sub.add_parser("sweep", help="a derived arm per value of one option, then compare")
+    w.add_argument("--from", dest="base", required=True, help="the arm the values change")
+    w.add_argument("--set", action="append", required=True, help="KEY=V1,V2,... and KEY=VALUE")
+    w.add_argument("--seeds", type=seed_list, nargs="+", help="these seeds (default the base's)")
+    for q in (w, c := sub.add_parser("compare", help="arms' panels, outcomes and exact tests")):
+        q.add_argument("--results", help="results directory (default notebooks/results)")
+    w.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    w.add_argument("--yes", action="store_true", help="train more than a few runs unasked")
+    c.add_argument(
+        "arms", nargs="+", help="arm keys, committed or derived; the first is the reference"
+    )
+    c.add_argument("--out", help="directory (default <results>/compare/<arms>)")
     t = sub.add_parser(
         "sft", help="carry world: supervised baseline for each finished seed of an arm"
     )
@@ -334,6 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dry_run=args.dry_run,
                 yes=args.yes,
             )
+        elif args.cmd == "sweep":
+            from magic_jax.experiments.derived import find_arm
+
+            seeds = [s for g in args.seeds for s in g] if args.seeds else None
+            default = list(ABLATIONS[find_arm(args.base)[0]].seeds)
+            opts = {"results": args.results, "yes": args.yes, "dry_run": args.dry_run}
+            run_sweep(args.base, args.set, seeds or default, **opts)
+        elif args.cmd == "compare":
+            from magic_jax.experiments.compare import compare
+
+            png, text = compare(args.arms, args.results, args.out)
+            print(f"{text}\n[ablations] compare: {png} and {png.with_name('compare.md')}")
         elif args.cmd == "sft":
             ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
         elif args.cmd == "status":
