@@ -339,7 +339,7 @@ def _run_derived(args: argparse.Namespace, seeds: list[int] | None) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m magic_jax.experiments.ablations", description=__doc__.split("\n")[0]
     )
@@ -382,7 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     f = sub.add_parser("figures", help="one PNG per ablation and the summary table")
     f.add_argument("--results")
     f.add_argument("--out", default=None, help="figure directory (default <results>/../figures)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         if args.cmd == "run":
             seeds = [s for group in args.seeds for s in group] if args.seeds else None
