@@ -99,7 +99,7 @@ def test_a_sweep_trains_a_derived_arm_per_value_and_compares(tmp_path, monkeypat
 
 def test_outcomes_csv_has_a_row_per_run_from_its_records(tmp_path):
     _copy_arm("carry-adaptive-0.08", tmp_path, seeds=[0, 1])
-    _copy_arm("carry-clip-0.1", tmp_path / "derived", name="mine", seeds=[3])
+    _copy_arm("carry-clip-0.1", tmp_path, name="mine", seeds=[3])
     runs = outcomes.finished_runs(tmp_path)
     path = outcomes.write_csv(runs, tmp_path / "outcomes.csv")
     rows = list(csv.DictReader(path.open()))

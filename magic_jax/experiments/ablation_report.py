@@ -360,7 +360,8 @@ def write_figures(
 ) -> Path:
     """``<ablation>.png`` per ablation with finished runs, the claims' tables
     (``claims_table.write_tables``: ``summary.md``, ``effects.md``, ``runs.md``,
-    ``self_noise.md``) and every run's outcomes (``outcomes.csv``); returns ``out``."""
+    ``self_noise.md``) and every run's outcomes (``outcomes.csv``; the derived arms' in
+    ``<results>/derived/outcomes.csv``); returns ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for key in names or ABLATIONS:
@@ -371,6 +372,8 @@ def write_figures(
         fig.savefig(out / f"{key}.png")
     write_tables(os.fspath(results), out)
     write_csv(finished_runs(results), out / "outcomes.csv")
+    if mine := finished_runs(Path(results) / "derived"):  # arms made with run --from
+        write_csv(mine, Path(results) / "derived" / "outcomes.csv")
     return out
 
 

@@ -1,8 +1,8 @@
 """Every finished run's outcomes as one table a researcher can filter: ``outcomes.csv``.
 
-One row per run under ``<results>/runs/<arm>/seed<k>/`` (and the derived arms' under
-``<results>/derived/runs/``), rewritten with the figures
-(``python -m magic_jax.experiments.ablations figures``)::
+One row per run under ``<results>/runs/<arm>/seed<k>/``, rewritten with the figures
+(``python -m magic_jax.experiments.ablations figures``: ``notebooks/figures/outcomes.csv``,
+and the derived arms' in ``<results>/derived/outcomes.csv``)::
 
     import pandas as pd
     df = pd.read_csv("notebooks/figures/outcomes.csv")
@@ -77,12 +77,11 @@ def run_outcomes(run: Run) -> dict[str, Any]:
 
 
 def finished_runs(results: str | os.PathLike) -> list[Run]:
-    """Every finished run (a ``run.json``) under ``<results>/runs`` and
-    ``<results>/derived/runs``, by arm and seed."""
+    """Every finished run (a ``run.json``) under ``<results>/runs``, by arm and seed (for
+    the derived arms', ``results`` is ``<results>/derived``)."""
     from magic_jax.jobs.report import load_run
 
-    where = Path(results)
-    found = [*where.glob("runs/*/seed*/run.json"), *where.glob("derived/runs/*/seed*/run.json")]
+    found = list(Path(results).glob("runs/*/seed*/run.json"))
 
     def order(p: Path) -> tuple[str, int]:
         seed = p.parent.name.removeprefix("seed")
