@@ -435,3 +435,27 @@ def test_mean_sampler_kl_leaves_out_steps_that_did_not_update():
     run = Run("r", Path("."), rows, [], {})
     assert OUTCOMES["mean sampler KL"](run) == pytest.approx(0.15)
     assert math.isnan(OUTCOMES["mean sampler KL"](Run("r", Path("."), [{"step": 0}], [], {})))
+
+
+def test_the_readmes_headline_counts_use_each_claims_declared_test():
+    """notebooks/README.md's counts of predictions reaching raw p < 0.05 are taken at each
+    claim's declared test (Welch's t for every claim would give 29 and 11, not 26 and 8)."""
+    text = " ".join((PREREG.parent / "README.md").read_text().split())
+    pres = prereg.load_all(PREREG)
+    rows = corrected.judge_all(pres, COMMITTED)
+
+    def counts(status):
+        names = [c for c in rows if status is None or pres[c].status == status]
+        return corrected.headline(rows, names)
+
+    total, raw, within, table = counts(None)
+    assert f"Of its {total} predictions, {raw} reach a raw p < 0.05 with the predicted sign" in text
+    assert f"Holm within each claim keeps {within}, Holm across the table keeps {table}" in text
+    n, r, _, t = counts("retrospective")
+    assert f"Of the eight retrospective claims' {n}, {r} reach it and {t} survive" in text
+    n, r, _, t = counts("prospective")
+    pre_registered = rf"Of the six pre-registered claims' {n}, {r} reach it \([^)]*\) and {t}"
+    assert re.search(pre_registered, text)
+    # the declared test is what differs: at Welch's t for all the count is another
+    welch_raw = sum(x.effect.verdict == "reproduced" for rs in rows.values() for x in rs)
+    assert welch_raw != raw

@@ -15,6 +15,7 @@ from magic_jax.experiments import prereg
 from magic_jax.experiments.corrected import (
     Row,
     detectable_effect,
+    headline,
     judge_all,
     label,
     primary_verdict,
@@ -141,7 +142,7 @@ def tables(results: str | Path | None = None, where: str | Path | None = None) -
     summary = format_table(SUMMARY_HEADER, summary_rows(ran, rows, first))
     return {
         "summary": summary,
-        "effects": effects_table(rows, first),
+        "effects": effects_table(rows, first, pres),
         "runs": runs_table(pres, results),
     }
 
@@ -199,21 +200,30 @@ EFFECT_HEADER = (
 )
 
 
-def effects_table(rows: Mapping[str, Sequence[Row]], first: Mapping[str, Sequence[Row]]) -> str:
-    """Every prediction as now measured, then the changed ones as first declared (their
-    Holm families recomputed with the first-declared measures)."""
+def effects_table(
+    rows: Mapping[str, Sequence[Row]],
+    first: Mapping[str, Sequence[Row]],
+    pres: Mapping[str, prereg.Prereg],
+) -> str:
+    """The headline counts (all claims, retrospective, pre-registered; each prediction at
+    its declared test), every prediction as now measured, then the changed ones as first
+    declared (their Holm families recomputed with the first-declared measures)."""
     now = [_effect_row(r) for rs in rows.values() for r in rs]
     changed = {(r.claim, r.measure) for rs in first.values() for r in rs} - {
         (r.claim, r.measure) for rs in rows.values() for r in rs
     }
     then = [_effect_row(r) for rs in first.values() for r in rs if (r.claim, r.measure) in changed]
-    n = sum(1 for r in now if r[-2] == "reproduced")
-    m = sum(1 for r in now if r[-1] == "reproduced")
-    raw = sum(1 for rs in rows.values() for r in rs if r.effect.verdict == "reproduced")
+    counts = []
+    for status in (None, "retrospective", "prospective"):
+        claims = [c for c in rows if status is None or pres[c].status == status]
+        total, raw, n, m = headline(rows, claims)
+        counts.append(
+            f"{status or 'all'}: {total} predictions; reproduced at the declared test's raw "
+            f"p < 0.05: {raw}; after Holm within each claim: {n}; across the table: {m}."
+        )
     return "\n".join(
         [
-            f"{len(now)} predictions; reproduced at raw p < 0.05: {raw}; after Holm within "
-            f"each claim: {n}; after Holm across the table: {m}.",
+            *counts,
             "",
             format_table(EFFECT_HEADER, now),
             "",

@@ -212,6 +212,25 @@ def correct(by_claim: Mapping[str, Sequence[Row]]) -> dict[str, list[Row]]:
     return out
 
 
+def raw_verdict(r: Row) -> str:
+    """The verdict at the declared test's raw p (``Row.p``), before any correction."""
+    return adjusted_verdict(r.effect, r.p)
+
+
+def headline(
+    rows: Mapping[str, Sequence[Row]], claims: Sequence[str] | None = None
+) -> tuple[int, int, int, int]:
+    """``(predictions, reproduced at the declared test's raw p < 0.05, after Holm within
+    each claim, after Holm across the table)`` over ``claims`` (default: every claim)."""
+    rs = [r for c, x in rows.items() if claims is None or c in claims for r in x]
+    return (
+        len(rs),
+        sum(raw_verdict(r) == "reproduced" for r in rs),
+        sum(r.verdict == "reproduced" for r in rs),
+        sum(r.verdict_table == "reproduced" for r in rs),
+    )
+
+
 def judge_all(
     pres: Mapping[str, Prereg], results: str | Path | None = None, *, first_declared: bool = False
 ) -> dict[str, list[Row]]:
