@@ -168,3 +168,14 @@ def test_engine_options_are_the_rollout_sections(tmp_path):
     config = EngineConfig.of(cfg.rollout, max_prefill_length=16, max_decode_length=8)
     assert (config.cache_bucket, config.layer_unroll, config.decode_steps) == (32, 2, 8)
     assert EngineOptions().max_concurrent_decodes == RolloutConfig().max_concurrent_decodes
+
+
+def test_the_embedded_default_is_named_as_help_names_it(capsys):
+    """With no config the error names ``configs/default.yaml`` (as ``--help`` does), not
+    the package's copy of it, whichever path the run takes."""
+    from magic_jax.jobs.cli import main
+
+    for argv in (["train"], ["train", "--stop-after", "1"]):
+        assert main([*argv, "--set", "loss.bogus=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("magic-jax train: error: configs/default.yaml: loss.bogus:"), err

@@ -68,6 +68,7 @@ def naive_attention(q_BKGH, k_BSKH, v_BSKH, allowed_BS):
 
 
 MINP_TRACES: list[tuple] = []
+RUN_LOG: list[str] = []  # the fixture run's log lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +286,8 @@ def run(tmp_path_factory, registered):
     MINP_TRACES.clear()
     with contextlib.chdir(root):
         cfg = load_config("run.yaml")
-        Trainer(cfg, log=lambda s: None).run()
+        RUN_LOG.clear()
+        Trainer(cfg, log=RUN_LOG.append).run()
     lines = (root / "run" / "metrics.jsonl").read_text().splitlines()
     return root, cfg, [json.loads(line) for line in lines]
 
@@ -300,6 +302,9 @@ def test_the_run_uses_all_four(run):
     assert NAIVE_TRACES and MINP_TRACES
     saved = yaml.safe_load((root / "run" / "config.yaml").read_text())["sampling"]
     assert (saved["method"], saved["options"]) == ("min-p", {"p": 0.3})
+    # the method in use is named in the run's first log line and in every metrics row
+    assert RUN_LOG[0] == "[sampling] min-p (p=0.3) at temperature 1"
+    assert {r["sampling"] for r in rows} == {"min-p"}
     # and it attends correctly: the trainer's recomputed log-probs match the sampler's
     trained = [r for r in rows if r["sgd_steps"] > 0]
     assert trained and all(abs(r["sampler_ratio_mean"] - 1) < 1e-3 for r in trained)

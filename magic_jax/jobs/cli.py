@@ -120,7 +120,8 @@ def _train(args: argparse.Namespace) -> int:
 
         summary = run_default(args.set or ())
     else:
-        config = load_config(args.config or _default_config(), args.set or ())
+        shown = None if args.config else "configs/default.yaml"  # as --help names it
+        config = load_config(args.config or _default_config(), args.set or (), name=shown)
         hosts.RUN_DIR[0] = config.output_dir
         if config.mesh is not None and config.rollout.hosts is None:
             hosts.start()

@@ -148,7 +148,8 @@ def run_default(
     from magic_jax.run.trainer import Trainer
 
     t0 = time.perf_counter()
-    config = load_config(config_path or CONFIG_FILE, list(overrides))
+    shown = None if config_path else "configs/default.yaml"  # as --help names it
+    config = load_config(config_path or CONFIG_FILE, list(overrides), name=shown)
     check_shipped_model(config.model)
     check_task(config)
     out = Path(config.output_dir)

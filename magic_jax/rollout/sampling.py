@@ -171,6 +171,23 @@ class SamplingConfig:
         return strategy
 
     @property
+    def name(self) -> str:
+        """The method in use by its registered name (the shorthand's built-in when none is
+        named): what the run's first log line and every ``metrics.jsonl`` row record."""
+        if self.method is not None:
+            return self.method
+        builtin = {Greedy: "greedy", TopKTopP: "top-k-top-p"}
+        return builtin.get(type(self.strategy), "full")
+
+    def describe(self) -> str:
+        """One line: the method, its options and the temperature."""
+        names: list[str] = []
+        if dataclasses.is_dataclass(self.strategy):  # as extending.md asks; hashable suffices
+            names = [f.name for f in dataclasses.fields(self.strategy)]
+        given = ", ".join(f"{n}={getattr(self.strategy, n)}" for n in names)
+        return f"{self.name}{f' ({given})' if given else ''} at temperature {self.temperature:g}"
+
+    @property
     def truncates(self) -> bool:
         """Whether the method can remove tokens from the distribution (not greedy)."""
         return not isinstance(self.strategy, Full | Greedy)

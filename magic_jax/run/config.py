@@ -431,8 +431,12 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     raw: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
 ) -> TrainConfig:
-    """Reads a YAML run configuration (or a raw mapping), applies overrides, checks it.
+    """Reads a YAML run configuration (or a raw mapping), applies overrides, checks it;
+    errors name the file ``name`` (default: its path; the embedded default's is
+    ``configs/default.yaml``, as ``--help`` says, wherever the package is installed).
 
     Every path option (``model``, ``tokenizer``, ``output_dir``, ``data.train``,
     ``eval.data``) is resolved once, here, to an absolute path: a relative one
@@ -447,17 +451,19 @@ def load_config(
 
     import yaml
 
+    shown = name or (str(path) if path is not None else None)
     if path is not None:
         path = Path(path)
         try:
             loaded = yaml.safe_load(path.read_text())
         except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config: {e}") from None
+            raise ConfigError(f"{shown}: cannot read the config: {e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{shown}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, Mapping):
             raise ConfigError(
-                f"{path}: the top level must be a mapping of options, got a {type(loaded).__name__}"
+                f"{shown}: the top level must be a mapping of options, "
+                f"got a {type(loaded).__name__}"
             )
         raw = loaded
     raw = copy.deepcopy(dict(raw or {}))
@@ -465,7 +471,7 @@ def load_config(
         apply_override(raw, o)
     moved = [k for k in MOVED_OPTIONS if k in raw]
     if moved:
-        where = f"{path}: " if path is not None else ""
+        where = f"{shown}: " if shown is not None else ""
         raise ConfigError(f"{where}{moved[0]} moved: use {MOVED_OPTIONS[moved[0]]}")
     import_extensions(raw.get("extensions"), near=path.parent if path is not None else None)
     # The trainer recomputes the sampler's log-probs: one temperature for both.
@@ -480,4 +486,4 @@ def load_config(
     try:
         return from_dict(TrainConfig, raw)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+        raise ConfigError(f"{shown}: {e}" if shown is not None else str(e)) from None

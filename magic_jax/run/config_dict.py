@@ -151,10 +151,10 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
 
 def import_extensions(names: Any, near: str | os.PathLike | None = None) -> None:
     """Imports the modules a config's ``extensions`` lists, before the config is checked,
-    so that what they register (rewards, advantage estimators, decode attentions) can be
-    named in it. A name is looked up on ``sys.path``, then in ``near`` (the config file's
-    folder), then in the working directory; the folder it is found in joins ``sys.path``
-    (the verifier workers import a reward from there too).
+    so that what they register (rewards, advantage estimators, decode attentions, sampling
+    methods, token classifiers) can be named in it. A name is looked up on ``sys.path``,
+    then in ``near`` (the config file's folder), then in the working directory; the folder
+    it is found in joins ``sys.path`` (the verifier workers import a reward from there too).
 
     Raises:
       ConfigError: not a list of module names, or a module that does not import.

@@ -60,6 +60,7 @@ def load_inputs(
 
     from magic_jax.run.overlap import split_meshes
 
+    log(f"[sampling] {cfg.sampling.describe()}")  # the run's first line names the method
     ro = cfg.rollout
     ov = ro.mode == "overlap"
     if meshes is None:

@@ -40,6 +40,7 @@ def step_row(
         "stage": stage,
         "stage_step": k,
         "max_response_length": st.max_response_length,
+        "sampling": cfg.sampling.name,  # the sampling method by its registered name
         "prompts": len(got.every),
         "reward": float(all_rewards.mean()),
         "accuracy_not_truncated": (
