@@ -171,6 +171,8 @@ def arms_figure(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str], ti
         panels = tuple(AT_06 if p[0] == "alpha" else p for p in PANELS)
     for ax, (key, name, evals) in zip(axes.flat, panels):
         plot_arms(ax, runs, labels, key, evals=evals)
+        if key == "entropy" and not any(ln.get_linestyle() == "--" for ln in ax.get_lines()):
+            name = name.split(";")[0]  # no adaptive arm: no target line to name
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

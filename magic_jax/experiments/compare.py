@@ -105,11 +105,14 @@ def effect_rows(runs: Mapping[str, Sequence[Run]]) -> list[list[str]]:
             if any(math.isnan(x) for x in a + b):
                 continue
             _, low, high, p = welch(a, b)
+            # one value everywhere (alpha never on in either arm): nothing to test, and no
+            # place in the Holm family
+            mw = rank_p(a, b) if len(set(a + b)) > 1 else math.nan
             pp = math.nan
             if paired:
                 by = {run_seed(r): f(r) for r in rs}
                 pp = paired_p(a, [by[run_seed(r)] for r in ref])
-            found.append((arm, name, mean_of(b) - mean_of(a), low, high, p, rank_p(a, b), pp))
+            found.append((arm, name, mean_of(b) - mean_of(a), low, high, p, mw, pp))
     adjusted = holm([row[6] for row in found])
 
     def g(x: float) -> str:
