@@ -243,7 +243,8 @@ def test_figures_table_and_verdicts_from_summaries(tmp_path):
     assert "| reproduced | mean entropy: reproduced; final accuracy: reproduced;" in table
     assert "| 05-clip-higher |" not in table  # no run of its arms yet: no row
     effects = (out / "effects.md").read_text()
-    assert effects.startswith("3 predictions; reproduced at raw p < 0.05: 3;")
+    head = "all: 3 predictions; reproduced at the declared test's raw p < 0.05: 3;"
+    assert effects.startswith(head)
     assert "| 01-temperature | final accuracy (evaluated at 0.6) |" in effects
 
 
