@@ -144,13 +144,13 @@ def test_report_groups_seeds_and_draws_only_what_it_names(tmp_path):
     assert [r.name for r in runs] == ["clip", "clip", "clip", "fixed"]
     figs = make_figures(runs)
     ax = figs["reward"].axes[0]
-    handles, labels = ax.get_legend_handles_labels()
+    _handles, labels = ax.get_legend_handles_labels()
     assert labels == ["clip (n=3)", "fixed"]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["clip (n=3)", "fixed", "all responses", "untruncated"]
     solid = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
     assert len(solid) == 1 + 3 + 1  # clip's mean and 3 seeds, fixed's one line
-    mean = [ln for ln in solid if ln.get_label() == "clip (n=3)"][0]
+    mean = next(ln for ln in solid if ln.get_label() == "clip (n=3)")
     seeds = [r.series("reward") for r in runs[:3]]
     assert np.allclose(mean.get_ydata(), np.mean([s[1] for s in seeds], axis=0))
     ent = figs["entropy"].axes[0]
