@@ -261,12 +261,9 @@ class OverlapRollouts:
         if tis_cap is not None and rollout.max_staleness > 0 and not behaviour_clip:
             log(
                 f"[overlap] decoupled PPO (loss.tis_cap {tis_cap}) at staleness "
-                f"{rollout.max_staleness}: in the carry world, at one optimizer step per batch, "
-                "staleness 4 and lr 3e-4, it drifted from the sampler (KL 0.058 against naive "
-                "PPO's 0.010) and ended at 0.21 held-out against naive's 0.48, 5 seeds each "
-                "(notebooks/README.md, section 13); loss.behaviour_clip: true keeps naive "
-                "PPO's clip against the sampler, the only trust region at one optimizer step "
-                "per batch (0.49, KL 0.011)"
+                f"{rollout.max_staleness} without loss.behaviour_clip: at one optimizer step "
+                "per batch it has no trust region against the sampler; what that cost in the "
+                "carry world: notebooks/README.md, section 13"
             )
         reprefill = rollout.publish_cache == "reprefill"
         return cls(
