@@ -151,7 +151,7 @@ def test_decoupled_ppo_under_staleness_logs_what_the_ablation_measured():
     assert lines(2.0) == (None, [])  # sync: no overlap, nothing said
     for s, cap, said in ((1, 2.0, True), (4, 3.0, True), (0, 2.0, False), (2, None, False)):
         ov, out = lines(cap, mode="overlap", max_staleness=s)
-        assert ov is not None and ov.s == s
+        assert ov is not None and ov.max_staleness == s
         assert bool(out) == said, (s, cap, out)
         if said:
             assert f"tis_cap {cap}" in out[0] and f"staleness {s} without" in out[0]

@@ -117,7 +117,9 @@ class RolloutPipeline:
     ):
         self.rollout, self.driver, self.versions = rollout, driver, versions
         self.first, self.end = first, end
-        self.s, self.every, self.reprefill = max_staleness, publish_chunks, reprefill
+        self.max_staleness = max_staleness
+        self.every = publish_chunks
+        self.reprefill = reprefill
         self._done: dict[int, Produced] = {}
         self._cond = threading.Condition()
         self._cancel = threading.Event()
@@ -128,7 +130,9 @@ class RolloutPipeline:
     def engine_params(self, version: int) -> Params:
         """Version ``version`` in the engine's layout (made once, from the producer)."""
         if version not in self._engine:
-            self._engine = {v: p for v, p in self._engine.items() if v >= version - self.s}
+            self._engine = {
+                v: p for v, p in self._engine.items() if v >= version - self.max_staleness
+            }
             master = self.versions.get(version, self._cancel)
             self._engine[version] = self.driver.load_params(master)
         return self._engine[version]
@@ -138,7 +142,12 @@ class RolloutPipeline:
             out = Produced(step)
             try:
                 sched = StepVersionSchedule(
-                    step, self.s, self.every, self.engine_params, self._cancel, self.reprefill
+                    step,
+                    self.max_staleness,
+                    self.every,
+                    self.engine_params,
+                    self._cancel,
+                    self.reprefill,
                 )
                 t0 = time.perf_counter()
                 params = self.engine_params(sched.start)
@@ -234,7 +243,9 @@ class OverlapRollouts:
         log: Callable[[str], None] = print,
         source: VersionSource | None = None,
     ):
-        self.s, self.every, self.log = max_staleness, publish_chunks, log
+        self.max_staleness = max_staleness
+        self.every = publish_chunks
+        self.log = log
         self.reprefill = reprefill
         # the versions this process publishes; the producer samples under ``source``, these
         # unless given (the rollout process of two pulls them from the trainer's)
@@ -272,7 +283,11 @@ class OverlapRollouts:
 
     def checkpoint_template(self, state: TrainState) -> TrainState | Checkpointed:
         """What a checkpoint of this run holds, shaped like ``state`` (to restore into)."""
-        return state if self.s == 0 else Checkpointed.of(state, (state.params,) * self.s)
+        return (
+            state
+            if self.max_staleness == 0
+            else Checkpointed.of(state, (state.params,) * self.max_staleness)
+        )
 
     def resume(self, restored: TrainState | Checkpointed, step: int) -> TrainState:
         """Publishes the versions a run resumed (or started) at ``step`` needs; returns
@@ -283,7 +298,7 @@ class OverlapRollouts:
         else:
             state = restored
         for i, params in enumerate(lagged):
-            v = max(0, step - self.s + i)
+            v = max(0, step - self.max_staleness + i)
             if v < step:
                 self.versions.publish(v, copy_params(params))
         self.versions.publish(step, copy_params(state.params))
@@ -295,7 +310,9 @@ class OverlapRollouts:
 
     def checkpoint_item(self, state: TrainState, step: int) -> TrainState | Checkpointed:
         """What the checkpoint after ``step`` updates saves."""
-        return state if self.s == 0 else Checkpointed.of(state, self.versions.lagged(step))
+        return (
+            state if self.max_staleness == 0 else Checkpointed.of(state, self.versions.lagged(step))
+        )
 
     def updated(self, version: int, params: Params) -> None:
         """The main thread's update made ``version``: the producer may use it."""
@@ -366,7 +383,7 @@ class OverlapRollouts:
             self.source,
             first=step,
             end=end,
-            max_staleness=self.s,
+            max_staleness=self.max_staleness,
             publish_chunks=self.every,
             reprefill=self.reprefill,
         )
