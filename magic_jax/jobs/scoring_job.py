@@ -245,7 +245,10 @@ class Scorer:
         from magic_jax.model.sharding import mesh_from_text
         from magic_jax.run.policy import load_model_any
 
-        self.model, self.options, self.log, self.bar = model, options, log, bar
+        self.model = model
+        self.options = options
+        self.log = log
+        self.bar = bar
         self.mesh = mesh_from_text(options.mesh)
         self.loaded = load_model_any(model, dtype=options.param_dtype, mesh=self.mesh)
         self._tokenizer: RunTokenizer | None = None

@@ -212,7 +212,9 @@ class Attention(nnx.Module):
         self.k_proj = linear(d, k * h, bias=True, names=("embed", "kv_heads"))
         self.v_proj = linear(d, k * h, bias=True, names=("embed", "kv_heads"))
         self.o_proj = linear(n * h, d, bias=False, names=("q_heads", "embed"))
-        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.num_heads = n
+        self.num_kv_heads = k
+        self.head_dim = h
         self.rope_theta = config.rope_theta
 
     def __call__(self, x_BTD, positions_BT, attend):

@@ -35,7 +35,9 @@ class _Pending:
     __slots__ = ("j", "limit", "p")
 
     def __init__(self, p: int, j: int, limit: int):
-        self.p, self.j, self.limit = p, j, limit
+        self.p = p
+        self.j = j
+        self.limit = limit
 
 
 @dataclasses.dataclass
@@ -97,13 +99,21 @@ class _Lane:
         profile: bool,
         schedule: VersionSchedule | None = None,
     ):
-        self.eng, self.cfg = engine, engine.config
+        self.eng = engine
+        self.cfg = engine.config
         self.schedule = schedule
         self.version = 0 if schedule is None else schedule.start
         self.reprefill = getattr(schedule, "reprefill", False)
-        self.queue, self.params, self.state, self.unembed_VD = queue, params, state, unembed_VD
-        self.work, self.stats = work, stats
-        self.seed, self.step, self.truncation, self.profile = seed, step, truncation, profile
+        self.queue = queue
+        self.params = params
+        self.state = state
+        self.unembed_VD = unembed_VD
+        self.work = work
+        self.stats = stats
+        self.seed = seed
+        self.step = step
+        self.truncation = truncation
+        self.profile = profile
         self.b_max = b_max = self.cfg.max_concurrent_decodes
         self.slot_of: list[_Pending | None] = [None] * b_max
         self.prompt_len = np.zeros(b_max, np.int64)

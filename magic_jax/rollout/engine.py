@@ -123,7 +123,8 @@ class Engine:
         self._abstract_params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract
         )
-        self._mesh, self._rules = mesh, rules
+        self._mesh = mesh
+        self._rules = rules
         self.param_shardings = None if mesh is None else model_shardings(abstract, mesh, rules)
         self.eos_ids = tuple(config.eos_ids if config.eos_ids is not None else model.config.eos_ids)
         self._shardings = self.state_shardings()

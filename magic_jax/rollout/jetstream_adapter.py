@@ -93,7 +93,10 @@ class TokenIdTokenizer(tokenizer_api.Tokenizer):
         pad_id: int = 0,
         hf: Tokenizer | None = None,
     ):
-        self._bos, self._eos, self._pad, self.hf = bos_id, tuple(eos_ids), pad_id, hf
+        self._bos = bos_id
+        self._eos = tuple(eos_ids)
+        self._pad = pad_id
+        self.hf = hf
 
     def encode(self, s: str, **kwargs: object) -> tuple[jax.Array | np.ndarray, int]:
         if self.hf is None:
@@ -188,7 +191,9 @@ class JetStreamEngine(engine_api.Engine):
                 f"EngineConfig.max_prefill_length must be a power of two >= 16 for JetStream's "
                 f"padding, got {n}"
             )
-        self.engine, self._params, self._seed = engine, params, seed
+        self.engine = engine
+        self._params = params
+        self._seed = seed
         self._requests = 0
         bos = bos_id if bos_id is not None else engine.model_config.bos_token_id
         self._bos = 0 if bos is None else int(bos)

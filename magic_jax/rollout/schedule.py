@@ -133,7 +133,9 @@ class _Lane:
         self.qi = 0  # the queue: samples in prompt order from qi on
         self.left = np.full(slots, -1, np.int64)  # decode steps left; -1: an empty slot
         self.length = np.zeros(slots, np.int64)
-        self.slots, self.decode_steps, self.costs = slots, decode_steps, costs
+        self.slots = slots
+        self.decode_steps = decode_steps
+        self.costs = costs
         self.sizes = sorted(set(sizes) | {slots})
         self.compact, self.whole_groups, self.publish, self.batch = (
             compact,

@@ -234,8 +234,12 @@ class _Scorer:
         keep_texts: bool,
         saver: _Saver | None,
     ):
-        self.prompts, self.tokenizer, self.pool = prompts, tokenizer, pool
-        self.num_samples, self.keep_texts, self.saver = num_samples, keep_texts, saver
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.num_samples = num_samples
+        self.keep_texts = keep_texts
+        self.saver = saver
         self.tickets: dict[tuple[int, int], int] = {}
         self.texts: dict[tuple[int, int], str] = {}
         self._finished: dict[int, list[Sample]] = {}
@@ -321,7 +325,8 @@ class _Saver:
     for the caller, which collects only the rest."""
 
     def __init__(self, pool: Verifiers, store: RoundStore):
-        self.pool, self.store = pool, store
+        self.pool = pool
+        self.store = store
         self.results: dict[tuple[int, int], RewardResult] = {}
         self.errors: list[BaseException] = []
         self._queue: queue.Queue[_SaveItem | None] = queue.Queue()

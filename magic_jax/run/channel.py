@@ -180,7 +180,8 @@ class Channel:
     """
 
     def __init__(self, sock: socket.socket, session: bytes, *, trainer: bool, name: str):
-        self.sock, self._session = sock, session
+        self.sock = sock
+        self._session = session
         self._out, self._in = (b"T", b"R") if trainer else (b"R", b"T")
         self._sent = self._read_n = 0
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
@@ -274,7 +275,8 @@ class Listener:
     def __init__(
         self, host: str, port: int, key_of: Callable[[], bytes | None], log: Callable[[str], None]
     ):
-        self.key_of, self.log = key_of, log
+        self.key_of = key_of
+        self.log = log
         try:
             self.sock = socket.create_server((host, port))
             self.where = f"{host}:{port}"

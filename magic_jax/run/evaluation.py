@@ -67,8 +67,12 @@ class Evaluator:
         if config.eval is None:
             raise ValueError("Evaluator: the config has no eval section")
         self.eval = config.eval
-        self.config, self.model, self.graphdef = config, model, graphdef
-        self.tokenizer, self.make_driver, self.log = tokenizer, make_driver, log
+        self.config = config
+        self.model = model
+        self.graphdef = graphdef
+        self.tokenizer = tokenizer
+        self.make_driver = make_driver
+        self.log = log
         self.driver: RolloutDriver | None = None
         self.extra_drivers: dict[float, RolloutDriver] = {}
         self.rows: list[PromptRow] = []

@@ -70,7 +70,10 @@ class Progress:
         log: Callable[[str], None] = print,
         bar: bool | None = None,
     ):
-        self.total, self.desc, self.unit, self.log = total, desc, unit, log
+        self.total = total
+        self.desc = desc
+        self.unit = unit
+        self.log = log
         self.done = self._start = initial
         self._t0 = time.monotonic()
         self._bar = None

@@ -115,8 +115,11 @@ class RolloutPipeline:
         publish_chunks: int | None,
         reprefill: bool = False,
     ):
-        self.rollout, self.driver, self.versions = rollout, driver, versions
-        self.first, self.end = first, end
+        self.rollout = rollout
+        self.driver = driver
+        self.versions = versions
+        self.first = first
+        self.end = end
         self.max_staleness = max_staleness
         self.every = publish_chunks
         self.reprefill = reprefill

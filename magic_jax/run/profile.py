@@ -88,7 +88,8 @@ class StepProfiler:
                 self.log(f"[profile] not started at step {step}: {e}")
                 self.span = None
                 return
-            self._tmp, self._first = tmp, step
+            self._tmp = tmp
+            self._first = step
         if self.active:
             self._end_marker()
             self._last = step

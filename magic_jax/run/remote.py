@@ -189,7 +189,9 @@ class RemoteRollouts(OverlapRollouts):
         self, *args: Any, side: Side, config: dict[str, Any], key: bytes | None = None, **kw: Any
     ):
         super().__init__(*args, **kw)
-        self.side, self.config, self.key = side, config, key
+        self.side = side
+        self.config = config
+        self.key = key
         self.chan: Channel | None = None
         self._results: dict[tuple[int, int], dict[str, Any]] = {}
         self._cond = threading.Condition()
@@ -378,7 +380,11 @@ class PulledVersions:
         specs: list[jax.ShapeDtypeStruct],
         log: Callable[[str], None],
     ):
-        self.chan, self.conn, self.treedef, self.specs, self.log = chan, conn, treedef, specs, log
+        self.chan = chan
+        self.conn = conn
+        self.treedef = treedef
+        self.specs = specs
+        self.log = log
         self._offers: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
         self.pulled: list[tuple[int, int, float]] = []  # (version, bytes, seconds), not yet sent
@@ -434,7 +440,8 @@ class TrainerLease:
     """
 
     def __init__(self, chan: Channel, asked_at: float, left: float | None, out: Path):
-        self.chan, self.out = chan, out
+        self.chan = chan
+        self.out = out
         self.leased = left is not None
         self.deadline = math.inf if left is None else asked_at + left
         self.every = BEAT_S if left is None else min(BEAT_S, max(0.05, left / 6))

@@ -159,7 +159,9 @@ class _RefusedDir:
     refusal)."""
 
     def __init__(self, out: Path):
-        self.out, self.seen, self.next = out, 0, 0.0
+        self.out = out
+        self.seen = 0
+        self.next = 0.0
 
     def check(self) -> bool:
         if time.monotonic() < self.next:
@@ -218,8 +220,13 @@ class _Worker:
         pool: Verifiers,
         log: Callable[[str], None],
     ):
-        self.config, self.inputs, self.chan, self.versions = config, inputs, chan, versions
-        self.lease, self.pool, self.log = lease, pool, log
+        self.config = config
+        self.inputs = inputs
+        self.chan = chan
+        self.versions = versions
+        self.lease = lease
+        self.pool = pool
+        self.log = log
         overlap = OverlapRollouts.of(config.rollout, log=log, source=versions)
         assert overlap is not None, "rollout.hosts needs rollout.mode: overlap"
         self.overlap = overlap

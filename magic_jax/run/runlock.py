@@ -237,11 +237,13 @@ class GcsRunLock:
             gen, holder = self._read(timeout)
             if gen is None or holder.get("owner") != self._owner:
                 return False
-            self._generation, self._renewed_at = gen, self._unconfirmed_since
+            self._generation = gen
+            self._renewed_at = self._unconfirmed_since
             self._unconfirmed_since = None
             return True
         # this request succeeded on the generation we last wrote: no earlier send landed
-        self._generation, self._renewed_at = blob.generation, sent
+        self._generation = blob.generation
+        self._renewed_at = sent
         self._unconfirmed_since = None
         return True
 

@@ -154,8 +154,11 @@ class StepVersionSchedule:
         reprefill: bool = False,
     ):
         self.start = max(0, step - max_staleness)
-        self.step, self.every, self.reprefill = step, publish_chunks, reprefill
-        self._engine_params, self._cancelled = engine_params, cancelled
+        self.step = step
+        self.every = publish_chunks
+        self.reprefill = reprefill
+        self._engine_params = engine_params
+        self._cancelled = cancelled
 
     def version_at(self, chunks: int) -> int:
         if self._cancelled.is_set():

@@ -127,7 +127,8 @@ class SFTTrainer:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, params: Any, config: SFTConfig):
-        self.graphdef, self.config = graphdef, config
+        self.graphdef = graphdef
+        self.config = config
         warmup = max(config.warmup_steps, 1)
         schedule = optax.linear_schedule(0.0, config.learning_rate, warmup)
         if config.decay_steps:
