@@ -4,8 +4,8 @@ relative link resolves, and the README stays short.
 Markers (docs/testing.md, "The code blocks of these pages"): an HTML comment on the line
 before a fenced block.
 
-- ``<!-- test: run -->`` before a ``python`` block: the block runs as a script in a fresh
-  Python process from the checkout root, on one CPU device, and must exit 0.
+- ``<!-- test: run -->`` before a ``python`` block: the block is imported as a module in a
+  fresh Python process from the checkout root, on one CPU device, and must not raise.
 - ``<!-- test: cli -->`` before a ``bash`` block: every command in it is checked without
   running a job: ``make T`` (T is a target of the Makefile), ``magic-jax ...`` (parsed by
   the CLI's own argparse; a config and its ``--set`` overrides are loaded and checked),
@@ -110,9 +110,13 @@ def _run_params():
 
 @pytest.mark.parametrize(("page", "info", "code"), _run_params(), ids=_ids("run"))
 def test_python_block_runs(page, info, code, tmp_path):
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    proc = _python([str(script)], timeout=300)
+    # imported as a module (not run as __main__), as a page's extension module is: a
+    # registered reward must live where the verifier workers can import it
+    (tmp_path / "block.py").write_text(code)
+    env = _cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-c", "import block"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
