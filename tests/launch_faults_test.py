@@ -145,11 +145,14 @@ def test_a_lost_terminal_leaves_the_run_and_the_slice_going(stub, tmp_path):
     env, state, script = stub
     env = dict(env, STUB_HOLD="10")
     logs = tmp_path / "l"
+    # as from a terminal: SIGHUP not ignored (a shell started with it ignored, under nohup
+    # or a harness that ignores it, cannot trap it, and the supervisor just goes on)
     proc = subprocess.Popen(
         ["bash", str(script), "--delete-on-exit", "--logs", str(logs), "--",
          "magic-jax", "train", *GS],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while not (state / "streams").exists():
