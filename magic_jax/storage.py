@@ -240,18 +240,49 @@ def describe_disk_full(e: BaseException) -> str | None:
         )
         if full:
             where = getattr(x, "filename", None) or _local_file(text) or _path_local(x)
+            run_dir = next((d for y in _chain(e) if (d := getattr(y, _RUN_DIR, None))), None)
+            if where is None and run_dir is not None:  # e.g. a write in another thread
+                usage = shutil.disk_usage(_existing(Path(run_dir)))
+                if usage.free < max(64 * 2**20, usage.total // 100):  # that disk is full
+                    where = run_dir
+                else:
+                    return (
+                        f"no space left on a local disk (the run directory {run_dir} has "
+                        f"{usage.free / 2**30:.1f} GiB free); free some and run the same "
+                        "command to resume"
+                    )
             if where is None:
                 return "no space left on a local disk; free some and run the same command to resume"
             where = Path(os.fspath(where))
-            probe = where
-            while not probe.exists() and probe != probe.parent:
-                probe = probe.parent
-            free = shutil.disk_usage(probe).free
+            free = shutil.disk_usage(_existing(where)).free
             return (
                 f"no space left on the disk holding {where} ({free / 2**20:.1f} MiB free); "
                 "free some and run the same command to resume"
             )
     return None
+
+
+_RUN_DIR = "_magic_jax_run_dir"
+
+
+@contextlib.contextmanager
+def writing_into(run_dir: Path) -> Iterator[Path]:
+    """Marks an error escaping the block with the local run directory it was writing
+    into, for ``describe_disk_full`` when the error names no file (a buffered write
+    that failed in a checkpointer's thread, say)."""
+    try:
+        yield run_dir
+    except Exception as e:
+        if not is_gcs(run_dir):
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                setattr(e, _RUN_DIR, os.fspath(run_dir))
+        raise
+
+
+def _existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 def _chain(e: BaseException | None) -> Iterator[BaseException]:

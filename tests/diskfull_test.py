@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 from resume_test import OVERRIDES, assert_same_run
@@ -84,7 +85,7 @@ def test_a_buffered_write_that_finds_no_space_at_close_names_its_file(tmp_path):
     assert copied.startswith("no space left on the disk holding /dev/full ("), copied
 
 
-def test_a_full_disk_is_named_by_the_error_or_the_write_it_stopped(tmp_path):
+def test_a_full_disk_is_named_by_the_error_or_the_write_it_stopped(tmp_path, monkeypatch):
     named = storage.describe_disk_full(_raised(_enospc, str(tmp_path / "run" / "a.json")))
     assert named.startswith(f"no space left on the disk holding {tmp_path}/run/a.json ("), named
     # TensorStore (orbax's arrays) says it in text, naming the local file
@@ -98,6 +99,22 @@ def test_a_full_disk_is_named_by_the_error_or_the_write_it_stopped(tmp_path):
             raise RuntimeError("commit failed") from inner
     except RuntimeError as outer:
         assert f"holding {tmp_path}/ckpt (" in storage.describe_disk_full(outer)
+
+    # nothing names a path (a write in a checkpointer's thread): the run directory it
+    # was written in is named when its disk is the full one, else its free space shown
+    def _unnamed():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run = tmp_path / "run"
+    with pytest.raises(OSError) as got, storage.writing_into(run):
+        _unnamed()
+    roomy = storage.describe_disk_full(got.value)
+    assert roomy.startswith(f"no space left on a local disk (the run directory {run} has "), roomy
+    full = types.SimpleNamespace(total=2**40, used=2**40 - 2**20, free=2**20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: full)
+    assert storage.describe_disk_full(got.value).startswith(
+        f"no space left on the disk holding {run} (1.0 MiB free)"
+    )
     # nothing names a path: the line says so rather than guess
     anywhere = storage.describe_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
     assert anywhere.startswith("no space left on a local disk;"), anywhere

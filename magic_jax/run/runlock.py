@@ -389,8 +389,9 @@ def run_directory(
       what: how error messages name it.
     """
     if not primary:
-        yield storage.path(path)
+        with storage.writing_into(storage.path(path)) as p:
+            yield p
         return
     p = claim_run_dir(path, what=what)
-    with GcsRunLock(p) if storage.is_gcs(p) else RunLock(p):
+    with GcsRunLock(p) if storage.is_gcs(p) else RunLock(p), storage.writing_into(p):
         yield p
