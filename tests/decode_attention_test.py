@@ -3,9 +3,9 @@ reference in each of its two product orders, and on CPU the order it takes in th
 engine's compiled decode programs.
 
 XLA's CPU dot repacks its right operand. With a layer's keys there, a float32 decode
-step repacked every layer's keys in every step (the scores' product 3x slower at 320
-slots, 5x at 1024; ``benchmarks/rollout.py``'s W1 decode step 8-10% slower), which the
-compiled HLO shows only as the operands' order: that order is pinned here."""
+step repacks every layer's keys in every step, which costs more than it saves in long
+caches only (``decode.KEYS_LEFT_FROM``); the compiled HLO shows it only as the
+operands' order: that order is pinned here."""
 
 import re
 
@@ -18,7 +18,7 @@ from flax import nnx
 from magic_jax.model.config import ModelConfig
 from magic_jax.model.kv_cache import quantize_kv
 from magic_jax.model.qwen2 import Qwen2
-from magic_jax.rollout.decode import decode_attention
+from magic_jax.rollout.decode import KEYS_LEFT_FROM, decode_attention
 from magic_jax.rollout.engine import Engine, EngineConfig
 
 # an HLO dot's result, operands and contracting dims; an instruction's name and shape
@@ -85,17 +85,22 @@ def score_operands(hlo: str, layer_shape: tuple[int, ...]) -> list[str]:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU programs")
 @pytest.mark.parametrize(
-    "dtype, kv_dtype, side",
-    [("float32", None, "left"), ("float32", "int8", "left"), ("bfloat16", None, "right")],
+    "dtype, kv_dtype, length, side",
+    [
+        ("float32", None, 32, "right"),
+        ("float32", None, KEYS_LEFT_FROM, "left"),
+        ("float32", "int8", KEYS_LEFT_FROM, "left"),
+        ("bfloat16", None, KEYS_LEFT_FROM, "right"),
+    ],
 )
 @pytest.mark.parametrize("decode_layers", ["scan", "split"])
-def test_the_cpu_decode_programs_take_float32_keys_on_the_left(
-    dtype, kv_dtype, side, decode_layers
+def test_the_cpu_decode_programs_take_float32_keys_on_the_left_in_long_caches(
+    dtype, kv_dtype, length, side, decode_layers
 ):
     """The engine's decode step and decode chunk (both loops over the layers): a float32
-    scores product (a float32 cache, or an int8 one computing in float32) takes the
-    layer's keys as its left operand; a bfloat16 one, faster the other way round, as
-    its right."""
+    scores product (a float32 cache, or an int8 one computing in float32) over a cache
+    of ``KEYS_LEFT_FROM`` slots or more takes the layer's keys as its left operand, over
+    a shorter one as its right; a bfloat16 one always as its right."""
     cfg = ModelConfig(
         vocab_size=64,
         hidden_size=96,
@@ -110,7 +115,7 @@ def test_the_cpu_decode_programs_take_float32_keys_on_the_left(
         EngineConfig(
             max_concurrent_decodes=6,
             max_prefill_length=8,
-            max_decode_length=32,
+            max_decode_length=length,
             dtype=dtype,
             kv_dtype=kv_dtype,
             decode_layers=decode_layers,

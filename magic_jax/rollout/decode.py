@@ -199,17 +199,24 @@ def reprefill_fn(prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeS
     return dataclasses.replace(state, cache=_write_rows(prefix, state.cache, slot[None]))
 
 
+# From this many cache slots a float32 decode product takes the keys on its left (see
+# ``decode_attention``). Measured on CPU (2-core Zen 3, 2026-11-29), keys right / left:
+# the default world's rollout (80 slots) 1.35x faster, benchmarks/rollout.py's W1 (320)
+# even, its W2 (576) 0.96x and 0.72x (two runs each).
+KEYS_LEFT_FROM = 384
+
+
 def decode_attention(q_BKGH, k_BKSH, v_BKSH, allowed_BS, k_scale_BKS=None, v_scale_BKS=None):
     """One query per row against a layer's whole cache, batched over (B, K): each query
     head against its own kv head's [S, H] keys and values as the cache holds them (no
     transpose, and no kv head gathered from another device when they are split over
     ``tensor``).
 
-    A float32 product holds its scores as [B, K, S, G], which puts the keys on the left
-    of their product: XLA's CPU dot repacks its right operand, and with the keys there
-    it repacked a layer's keys every layer and step (the product 3x slower at 320
-    slots, 5x at 1024). In bfloat16 XLA's CPU dot is faster with the keys on the right
-    (2x at 320 slots), so a bfloat16 product (what TPUs and GPUs run) keeps [B, K, G, S].
+    The scores are [B, K, G, S] (the keys the right operand of their product) except
+    for a float32 product over a cache of ``KEYS_LEFT_FROM`` slots or more, which holds
+    them as [B, K, S, G]: XLA's CPU dot repacks its right operand, a layer's keys every
+    layer and step, which costs more than it saves in long caches only. A bfloat16
+    product (what TPUs and GPUs run) keeps [B, K, G, S] at every length.
 
     An int8 cache (``k_scale_BKS`` / ``v_scale_BKS`` given) is dequantized inside
     the products: the int8 values enter the dots, each score is multiplied by its
@@ -220,7 +227,8 @@ def decode_attention(q_BKGH, k_BKSH, v_BKSH, allowed_BS, k_scale_BKS=None, v_sca
     # The query takes the cache's dtype (the compute dtype for an int8 cache), so the
     # program holds no float32 copy of a bf16 cache; both products accumulate in fp32.
     dt = q_BKGH.dtype if k_scale_BKS is not None else k_BKSH.dtype
-    dims = "bksg" if dt == jnp.float32 else "bkgs"  # the scores' dims, as said above
+    left = dt == jnp.float32 and k_BKSH.shape[2] >= KEYS_LEFT_FROM
+    dims = "bksg" if left else "bkgs"  # the scores' dims, as said above
     scores = jnp.einsum(
         f"bkgh,bksh->{dims}",
         q_BKGH.astype(dt),
