@@ -14,6 +14,7 @@ import stat
 import struct
 import threading
 import time
+import types
 
 import pytest
 
@@ -274,7 +275,7 @@ def test_weights_are_pulled_by_the_job_alone_and_once():
 
 
 def test_after_a_takeover_the_rollout_process_writes_nothing(tmp_path, monkeypatch):
-    """The rollout process's store is the trainer's (``overlap.step_store``, fenced), and
+    """The rollout process's store is the trainer's (``stages.StepSampler.store``, fenced), and
     its fence follows the trainer's lease as the trainer says it (asked over the channel,
     counted from the asking): once the lease is lost, or no answer confirms it in time,
     or the trainer's process is gone, no group is written into the run directory."""
@@ -282,7 +283,7 @@ def test_after_a_takeover_the_rollout_process_writes_nothing(tmp_path, monkeypat
     from stop_resume_test import _group
 
     from magic_jax.run import fence, remote, runlock
-    from magic_jax.run.overlap import step_store
+    from magic_jax.run.stages import StepSampler
 
     left = [2.0]  # the trainer's lease, as its runlock.lease_left says
     monkeypatch.setattr(runlock, "lease_left", lambda: left[0])
@@ -292,9 +293,12 @@ def test_after_a_takeover_the_rollout_process_writes_nothing(tmp_path, monkeypat
     threading.Thread(target=rr._dispatch, daemon=True).start()
     lease = remote.TrainerLease(rollout_end, time.monotonic(), left[0], tmp_path)
     rng, lines = np.random.default_rng(0), []
+    # the rollout process's sampler (its store needs only the run directory and T)
+    sampler = StepSampler(None, None, None, tmp_path, lines.append, names_step=True)
+    stage = types.SimpleNamespace(config=types.SimpleNamespace(max_response_length=3))
 
     def put(step: int) -> bool:  # one finished group of ``step``, as the rollout keeps it
-        store = step_store(tmp_path, step, 3, lines.append).round(0)
+        store = sampler.store(step, stage).round(0)
         store.put(0, "u", *_group(0, [2, 3], rng))
         return store.path(0).exists()
 

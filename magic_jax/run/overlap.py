@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from magic_jax.rollout.collect import Collected
-from magic_jax.run.step_rollouts import CollectFn, StepRollout
+from magic_jax.run.step_rollouts import StepRollout
 from magic_jax.run.versions import (
     Checkpointed,
     ScheduledDriver,
@@ -52,28 +52,16 @@ from magic_jax.run.versions import (
 from magic_jax.update.losses import STALENESS_BUCKETS
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from jax.sharding import Mesh
 
     from magic_jax.model.sharding import MeshConfig
     from magic_jax.rollout.driver import RolloutDriver
-    from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params
     from magic_jax.rollout.scoring import Group
     from magic_jax.run.config import RolloutConfig
-    from magic_jax.run.stages import Stage
+    from magic_jax.run.stages import Stage, StepSampler
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
-
-
-def step_store(out: Path, step: int, limit: int, log: Callable[[str], None]) -> StepStore:
-    """Step ``step``'s groups kept as they finish (``rollout.partial``), behind the run
-    directory's fence: the one store of every step, in either process of a job."""
-    from magic_jax.rollout.partial import StepStore
-    from magic_jax.run.fence import check_fence
-
-    return StepStore(out, step, limit=limit, log=log, fence=check_fence)
 
 
 @dataclasses.dataclass
@@ -231,7 +219,7 @@ class OverlapRollouts:
     Example (the trainer's step, in outline):
       ov = OverlapRollouts.of(cfg.rollout)
       state = ov.resume(ckpts.restore(ov.checkpoint_template(state), path), step)
-      r = ov.rollout(stage, step, k, state, collect, store_at, resumed=False, end=end)
+      r = ov.rollout(stage, step, k, state, sampler, resumed=False, end=end)
       state = update(state, ov.annotate(pack(r.got), r.got.groups, step))
       ov.updated(step + 1, state.params)
       ckpts.save(step + 1, ov.checkpoint_item(state, step + 1), ...)
@@ -331,8 +319,7 @@ class OverlapRollouts:
         step: int,
         k: int,
         state: TrainState,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
         *,
         resumed: bool,
         end: int,
@@ -341,7 +328,7 @@ class OverlapRollouts:
         metrics. Groups are kept as they finish unless ``publish_chunks`` is set (a
         partial rollout is redone whole: its tokens' versions follow its chunk counts)."""
         if self._stage is not stage:
-            self.start(stage, step, k, min(step - k + stage.config.steps, end), collect, store_at)
+            self.start(stage, step, k, min(step - k + stage.config.steps, end), sampler)
         got, metrics = self._take(step)
         # t_rollout_s is the wait for the producer
         return StepRollout(got, metrics, 0.0, False)
@@ -352,8 +339,7 @@ class OverlapRollouts:
         step: int,
         k: int,
         end: int,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
     ) -> None:
         """The stage change, at the stage's first step taken (stage step ``k``): the old
         stage's rollouts not taken are dropped, and steps ``step`` to ``end - 1`` are
@@ -363,7 +349,7 @@ class OverlapRollouts:
         if dropped:  # a stage that ended on an ``until`` rule: sampled for the old one
             self.log(f"[overlap] the stage changed: rollouts of steps {dropped} discarded")
         self._stage = stage
-        self._begin(stage, step, k, end, collect, store_at)
+        self._begin(stage, step, k, end, sampler)
 
     def _begin(
         self,
@@ -371,14 +357,13 @@ class OverlapRollouts:
         step: int,
         k: int,
         end: int,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
     ) -> None:
         """Starts this stage's producer."""
 
         def one(j: int, driver: Driver, params: Params) -> Collected:
-            saved = store_at(j) if self.every is None else None
-            return collect(j, j - step + k, driver, params, saved)
+            saved = sampler.store(j, stage) if self.every is None else None
+            return sampler.collect(stage, j, j - step + k, driver, params, saved)
 
         self.pipeline = RolloutPipeline(
             one,

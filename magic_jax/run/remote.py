@@ -64,11 +64,9 @@ if TYPE_CHECKING:
 
     from magic_jax.model.sharding import MeshConfig
     from magic_jax.rollout.collect import Collected
-    from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Params
     from magic_jax.run.config import TrainConfig
-    from magic_jax.run.stages import Stage
-    from magic_jax.run.step_rollouts import CollectFn
+    from magic_jax.run.stages import Stage, StepSampler
     from magic_jax.run.versions import Checkpointed
     from magic_jax.update.state import TrainState
 
@@ -299,8 +297,7 @@ class RemoteRollouts(OverlapRollouts):
         step: int,
         k: int,
         end: int,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
     ) -> None:
         """Tells the rollout process to generate this stage's steps from ``step`` on."""
         self._epoch += 1

@@ -27,7 +27,7 @@ import jax
 
 from magic_jax import interrupt, storage
 from magic_jax.run import channel, fence, rundir
-from magic_jax.run.overlap import OverlapRollouts, step_store
+from magic_jax.run.overlap import OverlapRollouts
 from magic_jax.run.remote import (
     CONNECT_S,
     Channel,
@@ -46,9 +46,7 @@ if TYPE_CHECKING:
 
     from jax.sharding import Mesh
 
-    from magic_jax.rollout.collect import Collected
-    from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Params, Verifiers
+    from magic_jax.rollout.protocols import Params, Verifiers
     from magic_jax.run.config import TrainConfig
     from magic_jax.run.inputs import RunInputs
     from magic_jax.run.overlap import RolloutPipeline
@@ -225,8 +223,12 @@ class _Worker:
         self.chan = chan
         self.versions = versions
         self.lease = lease
-        self.pool = pool
+        from magic_jax.run.stages import StepSampler
+
         self.log = log
+        out = storage.path(config.output_dir)
+        # the step it generates is this process's step (its test hooks name it)
+        self.sampler = StepSampler(config, inputs.tokenizer, pool, out, log, names_step=True)
         overlap = OverlapRollouts.of(config.rollout, log=log, source=versions)
         assert overlap is not None, "rollout.hosts needs rollout.mode: overlap"
         self.overlap = overlap
@@ -275,7 +277,7 @@ class _Worker:
 
     def _stage(self, body: dict[str, Any]) -> None:
         """Starts generating steps ``first`` to ``end - 1`` of stage ``index``."""
-        from magic_jax.run.stages import build_stage, collect_step
+        from magic_jax.run.stages import build_stage
 
         self._close()
         cfg, i, log = self.config, self.inputs, self.log
@@ -291,19 +293,7 @@ class _Worker:
         )
         first, k0, end, epoch = body["first"], body["k"], body["end"], body["epoch"]
         log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
-        out, limit = storage.path(cfg.output_dir), stage.config.max_response_length
-
-        def store_at(j: int) -> StepStore:
-            return step_store(out, j, limit, log)
-
-        def collect(
-            j: int, kj: int, driver: Driver, params: Params, store: StepStore | None
-        ) -> Collected:
-            interrupt.at(j)  # the step the test hooks name
-            tok = i.tokenizer
-            return collect_step(cfg, stage, j, kj, driver, params, tok, self.pool, store)
-
-        self.overlap.start(stage, first, k0, end, collect, store_at)
+        self.overlap.start(stage, first, k0, end, self.sampler)
         self.sender = threading.Thread(
             target=self._send,
             args=(self.overlap.pipeline, epoch, first, end),

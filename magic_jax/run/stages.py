@@ -13,13 +13,15 @@ checkpoint, so a resumed run switches stages at the same steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flax import nnx
     from jax.sharding import Mesh
 
@@ -181,36 +183,75 @@ def build_stage(
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
 
 
-def collect_step(
-    config: TrainConfig,
-    stage: Stage,
-    step: int,
-    k: int,
-    driver: Driver,
-    params: Params,
-    tokenizer: Tokenizer,
-    pool: Verifiers,
-    store: StepStore | None,
-) -> Collected:
-    """Global step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its
-    rounds (the step's own prompts, then its refill rounds' with ``rollout.refill``),
-    sampled by ``driver`` with ``params`` and scored by ``pool``."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class StepSampler:
+    """How a step's groups are made and kept, the same in every rollout source and in
+    either process of a two-process job: the step's rounds sampled and scored
+    (``collect``), its groups kept as they finish behind the run directory's fence
+    (``store``).
 
-    from magic_jax.rollout.collect import CollectSpec, collect_groups
-    from magic_jax.rollout.scoring import Scoring
+    Attributes:
+      config: the run's.
+      tokenizer: decodes responses for the verifiers.
+      pool: the verifiers.
+      out: the run directory (where finished groups are kept).
+      log: where the store's lines go.
+      names_step: ``collect`` names its step to ``interrupt.at`` (a rollout process,
+        whose test hooks name the step it generates; the trainer names its own).
+    """
 
-    st, ro = stage.config, config.rollout
-    rounds = [stage.batches[k]]
-    if ro.refill:
-        assert stage.refill_batches is not None, "built with rollout.refill"
-        first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
-        rounds += [stage.refill_batches[first + r] for r in range(n)]
-    scoring = Scoring(tokenizer, pool, ro.truncation, per_host=jax.process_count() > 1)
-    spec = CollectSpec(
-        scoring, st.group_size, st.prompts_per_step, config.advantage, config.seed, ro.refill
-    )
-    return collect_groups(driver, params, rounds, spec, step=step, saved=store)
+    config: TrainConfig
+    tokenizer: Tokenizer
+    pool: Verifiers
+    out: Path
+    log: Callable[[str], None]
+    names_step: bool = False
+
+    def store(self, step: int, stage: Stage) -> StepStore:
+        """Step ``step``'s groups kept as they finish (``rollout.partial``)."""
+        from magic_jax.rollout.partial import StepStore
+        from magic_jax.run.fence import check_fence
+
+        limit = stage.config.max_response_length
+        return StepStore(self.out, step, limit=limit, log=self.log, fence=check_fence)
+
+    def collect(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        driver: Driver,
+        params: Params,
+        store: StepStore | None,
+    ) -> Collected:
+        """Global step ``step``'s (stage step ``k``'s) groups: ``collect_groups`` of its
+        rounds (the step's own prompts, then its refill rounds' with ``rollout.refill``),
+        sampled by ``driver`` with ``params``, scored by the pool, kept in ``store``."""
+        import jax
+
+        from magic_jax import interrupt
+        from magic_jax.rollout.collect import CollectSpec, collect_groups
+        from magic_jax.rollout.scoring import Scoring
+
+        if self.names_step:
+            interrupt.at(step)
+        st, ro = stage.config, self.config.rollout
+        rounds = [stage.batches[k]]
+        if ro.refill:
+            assert stage.refill_batches is not None, "built with rollout.refill"
+            first, n = k * ro.refill_max_rounds, ro.refill_max_rounds
+            rounds += [stage.refill_batches[first + r] for r in range(n)]
+        per_host = jax.process_count() > 1
+        scoring = Scoring(self.tokenizer, self.pool, ro.truncation, per_host=per_host)
+        spec = CollectSpec(
+            scoring,
+            st.group_size,
+            st.prompts_per_step,
+            self.config.advantage,
+            self.config.seed,
+            ro.refill,
+        )
+        return collect_groups(driver, params, rounds, spec, step=step, saved=store)
 
 
 def planned_stage(config: TrainConfig, step: int) -> StageConfig:
@@ -332,12 +373,16 @@ class LoopState:
       schedule: the stage and its ``until`` rules' counters.
       tracker: the current stage's per-prompt accuracy (for online filtering).
       excluded: uids dropped by online filtering so far.
+      saved: the newest checkpoint's step (a resumed loop's: the step it resumes at).
+      kept_from: the oldest step whose groups, kept as they finished, are still needed.
     """
 
     step: int = 0
     schedule: StageProgress = dataclasses.field(default_factory=StageProgress)
     tracker: AccuracyTracker = dataclasses.field(default_factory=AccuracyTracker)
     excluded: list[str] = dataclasses.field(default_factory=list)
+    saved: int = 0
+    kept_from: int = 0
 
     def end_stage(self, config: TrainConfig, reason: str) -> None:
         """The stage switch at ``step``: online filtering, fresh statistics."""
@@ -360,8 +405,11 @@ class LoopState:
     def from_meta(cls, meta: JSON) -> LoopState:
         """The loop state of a checkpoint's ``trainer.json`` (checked by
         ``checkpoint.read_trainer_state``)."""
+        step = meta["next_step"]
         return cls(
-            step=meta["next_step"],
+            step=step,
+            saved=step,
+            kept_from=step,
             schedule=StageProgress.from_state_dict(meta["schedule"]),
             tracker=AccuracyTracker.from_state_dict(meta["tracker"]),
             excluded=list(meta["excluded"]),

@@ -12,21 +12,16 @@ checkpoint holds what ``checkpoint_item`` gives and is restored into
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from magic_jax.rollout.collect import Collected
-    from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Params
+    from magic_jax.rollout.protocols import Params
     from magic_jax.rollout.scoring import Group
-    from magic_jax.run.stages import Stage
+    from magic_jax.run.stages import Stage, StepSampler
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
-
-# (global step j, its stage step, the driver, the driver's params, where its groups are
-# kept as they finish or None) -> the step's groups (the trainer's ``collect_groups`` call)
-CollectFn = Callable[[int, int, "Driver", "Params", "StepStore | None"], "Collected"]
 
 
 class StepRollout(NamedTuple):
@@ -70,14 +65,14 @@ class StepRollouts(Protocol):
         step: int,
         k: int,
         state: TrainState,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
         *,
         resumed: bool,
         end: int,
     ) -> StepRollout:
-        """Step ``step``'s (stage step ``k``'s) groups; ``resumed``: the step follows a
-        checkpoint (its groups may be kept as they finish, in ``store_at(step)``)."""
+        """Step ``step``'s (stage step ``k``'s) groups, made by ``sampler``; ``resumed``:
+        the step follows a checkpoint (its groups may be kept as they finish, in
+        ``sampler.store``)."""
         ...
 
     def annotate(self, buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:
@@ -116,15 +111,14 @@ class SyncRollouts:
         step: int,
         k: int,
         state: TrainState,
-        collect: CollectFn,
-        store_at: Callable[[int], StepStore],
+        sampler: StepSampler,
         *,
         resumed: bool,
         end: int,
     ) -> StepRollout:
-        store = store_at(step) if resumed else None
+        store = sampler.store(step, stage) if resumed else None
         params = stage.driver.load_params(state.params)
-        got = collect(step, k, stage.driver, params, store)
+        got = sampler.collect(stage, step, k, stage.driver, params, store)
         return StepRollout(got, {}, got.wait_s, store is not None)
 
     def annotate(self, buffer: RolloutBuffer, groups: Sequence[Group], step: int) -> RolloutBuffer:

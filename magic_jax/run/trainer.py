@@ -49,8 +49,8 @@ from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_fr
 from magic_jax.run.stages import (
     LoopState,
     Stage,
+    StepSampler,
     build_stage,
-    collect_step,
     pack_step,
     update_config,
 )
@@ -60,9 +60,7 @@ from magic_jax.run.step_row import format_eval, format_row, step_row
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from magic_jax.rollout.collect import Collected
-    from magic_jax.rollout.partial import StepStore
-    from magic_jax.rollout.protocols import Driver, Params, Verifiers
+    from magic_jax.rollout.protocols import Verifiers
     from magic_jax.run.checkpoint import TrainCheckpoints
     from magic_jax.run.monitor import Monitor
     from magic_jax.run.profile import StepProfiler
@@ -268,8 +266,6 @@ class Trainer:
         restore_into = self.rollouts.checkpoint_template(state)
         restored, loop = resume_from(self.out, found, self.ckpts, restore_into, log=self.log)
         state = self.rollouts.resume(restored, loop.step)
-        # the newest checkpoint's step, and the oldest step whose saved groups are kept
-        self.saved = self.kept_from = loop.step
         self.end = end
         self.stage: Stage | None = None
         self.monitor = Monitor(
@@ -306,7 +302,9 @@ class Trainer:
                 watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
             ):
                 if not stop:
-                    state, stop, counts = self._train(state, loop, pool, signals)
+                    i = self.inputs
+                    sampler = StepSampler(cfg, i.tokenizer, pool, self.out, self.log)
+                    state, stop, counts = self._train(state, loop, sampler, signals)
         finally:
             self.rollouts.close()
             self.ckpts.close()
@@ -316,7 +314,7 @@ class Trainer:
         self,
         state: TrainState,
         loop: LoopState,
-        pool: Verifiers,
+        sampler: StepSampler,
         signals: rundir.StopSignals,
     ) -> tuple[TrainState, int, dict[str, float]]:
         """Steps until ``self.end``, the last stage's end or a stop, checkpointing as due;
@@ -326,14 +324,14 @@ class Trainer:
         while loop.step < self.end and not schedule.finished(cfg):
             try:
                 if cfg.eval is not None and loop.step == 0:
-                    self._evaluate(state, 0, pool, loop, until=True)
-                state, ended = self._one_step(loop.step, state, loop, pool)
+                    self._evaluate(state, 0, sampler.pool, loop, until=True)
+                state, ended = self._one_step(loop.step, state, loop, sampler)
                 counts = _counts(state)
             except interrupt.Interrupted as e:
                 # Only a rollout or an update with its groups saved is cut short
                 # (``_step``): the state is that of `step` steps, or checkpointed.
                 self.log(f"[stop] {e}: step {loop.step} is redone on resume")
-                if self.saved < loop.step:  # a rollout without saved groups: keep the state
+                if loop.saved < loop.step:  # a rollout without saved groups: keep the state
                     self._save(state, loop)
                 return state, e.signum, counts
             stop = distributed.max_int(signals.received or 0)
@@ -363,7 +361,7 @@ class Trainer:
             name = signal.Signals(stop).name
             summary["stopped_by"] = name
             self.log(
-                f"[stop] {name}: stopped at step {step} (checkpoint at step {self.saved}); "
+                f"[stop] {name}: stopped at step {step} (checkpoint at step {loop.saved}); "
                 f"run the same command to resume"
             )
         elif schedule.finished(cfg) and cfg.export_hf:
@@ -376,7 +374,7 @@ class Trainer:
         return summary
 
     def _one_step(
-        self, step: int, state: TrainState, loop: LoopState, pool: Verifiers
+        self, step: int, state: TrainState, loop: LoopState, sampler: StepSampler
     ) -> tuple[TrainState, str | None]:
         """Global step ``step``: rollouts, update, its record, evaluation when due and the
         stage switch (``loop.step`` becomes the next step); returns (the new state, how
@@ -390,7 +388,8 @@ class Trainer:
             self.stage = self._stage(schedule.index, loop.excluded)
         interrupt.at(step)
         with self.profiler.step(step):  # profile_steps: a trace of steps A to B-1
-            state, row = self._step(state, self.stage, step, schedule.stage_step(step), pool, loop)
+            k = schedule.stage_step(step)
+            state, row = self._step(state, self.stage, step, k, sampler, loop)
         step = loop.step = step + 1
         ended = schedule.after_step(cfg, step, row["truncated_fraction"])
         if ended is not None:
@@ -400,7 +399,7 @@ class Trainer:
         last = ended is not None and schedule.index == len(cfg.stages) - 1
         if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
             with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
-                ev = self._evaluate(state, step, pool, loop, until=ended is None)
+                ev = self._evaluate(state, step, sampler.pool, loop, until=ended is None)
             ended = ended or ev.get("stage_end")
         if ended is not None:
             # the stage switch: online filtering, fresh statistics (checkpointed)
@@ -417,7 +416,7 @@ class Trainer:
         self._monitor().flush()
         item = self.rollouts.checkpoint_item(state, loop.step)
         path = self.ckpts.save(loop.step, item, loop.meta(), self.inputs.model.config)
-        self.saved = loop.step
+        loop.saved = loop.step
         return path
 
     def _evaluate(
@@ -433,30 +432,29 @@ class Trainer:
         return row
 
     def _step(
-        self, state: TrainState, stage: Stage, step: int, k: int, pool: Verifiers, loop: LoopState
+        self,
+        state: TrainState,
+        stage: Stage,
+        step: int,
+        k: int,
+        sampler: StepSampler,
+        loop: LoopState,
     ) -> tuple[TrainState, dict[str, Any]]:
         """Step ``step`` (stage step ``k``): its rollouts, their buffer, the update and
         the step's metrics line; returns (the new state, the line)."""
         import jax
 
         from magic_jax.rollout import partial
-        from magic_jax.run.overlap import clip_by_staleness, step_store
+        from magic_jax.run.overlap import clip_by_staleness
 
-        cfg, st, source = self.config, stage.config, self.rollouts
+        cfg, source = self.config, self.rollouts
         t0, cpu0 = time.perf_counter(), time.process_time()
-
-        def store_at(j: int) -> StepStore:  # step j's groups, kept as they finish
-            return step_store(self.out, j, st.max_response_length, self.log)
-
-        def collect(j: int, kj: int, driver: Driver, params: Params, store) -> Collected:
-            return self._collect(stage, j, kj, driver, params, pool, store)
-
-        resumed = step == self.saved  # a stop resumes here: keep the groups as they finish
+        resumed = step == loop.saved  # a stop resumes here: keep the groups as they finish
         if resumed:
             if jax.process_index() == 0:
-                partial.prune(self.out, keep=source.kept_steps(step, self.kept_from, self.end))
-            self.kept_from = step
-        r = source.rollout(stage, step, k, state, collect, store_at, resumed=resumed, end=self.end)
+                partial.prune(self.out, keep=source.kept_steps(step, loop.kept_from, self.end))
+            loop.kept_from = step
+        r = source.rollout(stage, step, k, state, sampler, resumed=resumed, end=self.end)
         t1 = time.perf_counter()
         for g in r.got.every:
             loop.tracker.record(g.row.uid, g.rewards)
@@ -478,22 +476,9 @@ class Trainer:
             "t_other_s": t2 - t1 + r.other_s,
             "t_cpu_s": time.process_time() - cpu0,  # every thread's, verifiers apart
         }
+        st = stage.config
         row = step_row(cfg, stage.index, st, step, k, r.got, m, int(state.skipped), times)
         return state, row | r.metrics | clip_by_staleness(m)
-
-    def _collect(
-        self,
-        stage: Stage,
-        step: int,
-        k: int,
-        driver: Driver,
-        params: Params,
-        pool: Verifiers,
-        store: StepStore | None,
-    ) -> Collected:
-        """Step ``step``'s (stage step ``k``'s) groups (``stages.collect_step``)."""
-        tok = self.inputs.tokenizer
-        return collect_step(self.config, stage, step, k, driver, params, tok, pool, store)
 
 
 def _counts(state: TrainState) -> dict[str, float]:
