@@ -44,6 +44,11 @@ DISK_FULL_EXIT = 74
 UNAVAILABLE_EXIT = 69
 
 
+# What ``path`` gives: an ``epath.Path`` for ``gs://`` (etils ships no types, so mypy reads
+# it as Any) or a ``pathlib.Path``; the run's modules name storage paths by this.
+StoragePath = Any
+
+
 class StorageError(ValueError):
     """A ``gs://`` path that cannot be used; the message names it and why, in one line."""
 
@@ -82,7 +87,7 @@ def _configure_once(emulator: str) -> None:
             conf.setdefault("token", "anon")  # emulators take no credentials
 
 
-def path(p: str | os.PathLike, *, what: str | None = None) -> Any:
+def path(p: str | os.PathLike, *, what: str | None = None) -> StoragePath:
     """``p`` as a path object: ``epath.Path`` for ``gs://``, else an absolute ``pathlib.Path``.
 
     Args:

@@ -39,7 +39,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from magic_jax.storage import StoragePath
 
 KEY = ".seam-key"  # in the run directory: the per-run secret of the two processes
 MAGIC = b"MJSEAM01"
@@ -51,11 +54,18 @@ MAX_BODY = 1 << 36  # a message larger than this is not read (a broken or hostil
 _HEAD = struct.Struct("!Q32s")
 
 
+# A message's fields as they cross: pickled values of any kind (arrays, numbers, lists, the
+# stage's options), read by name by the side that knows what each kind of message holds
+Body = dict[str, Any]
+# (its kind, its fields)
+Message = tuple[str, Body]
+
+
 class Refused(ConnectionError):
     """The other end did not prove it holds the run's key (or sent no proof in time)."""
 
 
-def key_path(out: str | os.PathLike) -> Any:
+def key_path(out: str | os.PathLike) -> StoragePath:
     from magic_jax import storage
 
     return storage.path(out) / KEY
@@ -184,7 +194,7 @@ class Channel:
         self._session = session
         self._out, self._in = (b"T", b"R") if trainer else (b"R", b"T")
         self._sent = self._read_n = 0
-        self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.heard = time.monotonic()
         self.closed = threading.Event()
         self._lock = threading.Lock()
@@ -198,14 +208,14 @@ class Channel:
         it never crosses, and no one without the session key can guess it."""
         return int.from_bytes(_mac(self._session, b"pull", struct.pack("!q", version))[:8], "big")
 
-    def send(self, kind: str, **body: Any) -> None:
+    def send(self, kind: str, **body: object) -> None:
         data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             seq, self._sent = self._sent, self._sent + 1
             mac = _mac(self._session, self._out, struct.pack("!QQ", seq, len(data)), data)
             self.sock.sendall(_HEAD.pack(len(data), mac) + data)
 
-    def try_send(self, kind: str, **body: Any) -> bool:
+    def try_send(self, kind: str, **body: object) -> bool:
         """``send``, False where the peer is gone."""
         try:
             self.send(kind, **body)
@@ -213,7 +223,7 @@ class Channel:
         except OSError:
             return False
 
-    def get(self, timeout: float) -> tuple[str, dict[str, Any]] | None:
+    def get(self, timeout: float) -> Message | None:
         try:
             return self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -318,7 +328,7 @@ class Listener:
                 return
             threading.Thread(target=self._prove, args=(sock, addr), daemon=True).start()
 
-    def _prove(self, sock: socket.socket, addr: Any) -> None:
+    def _prove(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         try:
             session = accept_handshake(sock, self.key_of)
         except Refused as e:

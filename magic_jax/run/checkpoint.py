@@ -24,7 +24,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from magic_jax import storage
 from magic_jax.run.manifest import MANIFEST, first_line, mismatch, write_manifest
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from magic_jax.model.config import ModelConfig
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.model.sharding import Rules
+    from magic_jax.run.rundir import JSON
     from magic_jax.run.versions import Checkpointed
     from magic_jax.update.state import TrainState
 
@@ -97,7 +98,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     if not cfg_path.exists():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; not a magic_jax model checkpoint")
     try:
-        raw: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
+        raw: JSON = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{cfg_path}: not a JSON model config ({e})") from None
     if not isinstance(raw, dict):
@@ -211,7 +212,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
-def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+def read_trainer_state(path: str | os.PathLike) -> JSON:
     """The loop state of a training checkpoint, checked field by field.
 
     Raises:
@@ -224,7 +225,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         raise RunDirError(f"{file}: missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunDirError(f"{file}: not a JSON trainer state ({first_line(e)})") from None
-    checks: dict[str, Callable[[Any], bool]] = {
+    checks: dict[str, Callable[[object], bool]] = {
         "next_step": lambda v: isinstance(v, int) and v > 0,
         "stage": lambda v: isinstance(v, int) and v >= 0,
         "excluded": lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v),
@@ -241,7 +242,9 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def checkpoint_kind(path: str | os.PathLike, *, option: str = "model") -> tuple[str, Any]:
+def checkpoint_kind(
+    path: str | os.PathLike, *, option: str = "model"
+) -> tuple[str, storage.StoragePath]:
     """What ``path`` names, without loading it: ``(kind, checkpoint directory)``.
 
     The one answer to "what kind of checkpoint is this", for training
@@ -397,7 +400,7 @@ class TrainCheckpoints:
         self,
         step: int,
         state: TrainState | Checkpointed,
-        meta: Mapping[str, Any],
+        meta: Mapping[str, object],
         model_config: ModelConfig | None = None,
     ) -> Path:
         """Starts checkpoint ``step``: the state (orbax, asynchronously), then, in a thread

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from magic_jax.model.sharding import MeshConfig
 from magic_jax.rewards.pool import RewardsConfig
@@ -27,6 +27,9 @@ from magic_jax.update.config import UpdateOptions
 from magic_jax.update.entropy_control import EntropyControlConfig
 from magic_jax.update.losses import LossConfig
 from magic_jax.update.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from magic_jax.run.rundir import JSON
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -404,11 +407,11 @@ MOVED_OPTIONS = {
 PATH_OPTIONS = ("model", "tokenizer", "output_dir", "data.train", "eval.data", "loss.kl_reference")
 
 
-def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
+def _resolve_path_option(raw: JSON, dotted: str) -> None:
     """Makes the option at ``dotted`` absolute (relative to the working directory);
     ``gs://`` URIs stay as they are."""
 
-    def absolute(p: Any) -> Any:
+    def absolute(p: object) -> object:
         if isinstance(p, str) and p.startswith(PACKAGE_PREFIX):
             return str(Path(__file__).resolve().parents[1] / p[len(PACKAGE_PREFIX) :])
         if isinstance(p, str) and p.startswith("gs://"):
@@ -418,7 +421,7 @@ def _resolve_path_option(raw: dict[str, Any], dotted: str) -> None:
         return p
 
     *parents, last = dotted.split(".")
-    node: Any = raw
+    node: object = raw
     for part in parents:
         node = node.get(part) if isinstance(node, dict) else None
     if not isinstance(node, dict) or last not in node:

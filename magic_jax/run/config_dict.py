@@ -12,18 +12,26 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from magic_jax.run.rundir import JSON
+
+# a config dataclass
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the option's path."""
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _same_kind(tp: Any, value: Any) -> bool:
+def _same_kind(tp: object, value: object) -> bool:
     """Whether ``value`` is the container kind ``tp`` takes (mapping or list)."""
     origin = typing.get_origin(tp)
     if isinstance(value, Mapping):
@@ -33,7 +41,7 @@ def _same_kind(tp: Any, value: Any) -> bool:
     return False
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: object, value: object, path: str) -> object:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -66,12 +74,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 value = [value]  # a single path where a list is expected
             else:
                 raise ConfigError(f"{path}: expected a list, got {value!r}")
-        item = args[0] if args else Any
+        item = args[0] if args else object  # a bare ``tuple``: items as they are
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        key_tp, value_tp = args if args else (Any, Any)
+        key_tp, value_tp = args if args else (object, object)
         return {
             _convert(key_tp, k, f"{path}.{k}"): _convert(value_tp, v, f"{path}.{k}")
             for k, v in value.items()
@@ -109,7 +117,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
+def from_dict(cls: type[T], data: object, path: str = "") -> T:
     """Builds dataclass ``cls`` from a nested mapping, checking keys, types and values.
 
     Raises:
@@ -149,7 +157,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{where}: {e}" if path else str(e)) from None
 
 
-def import_extensions(names: Any, near: str | os.PathLike | None = None) -> None:
+def import_extensions(names: object, near: str | os.PathLike | None = None) -> None:
     """Imports the modules a config's ``extensions`` lists, before the config is checked,
     so that what they register (rewards, advantage estimators, decode attentions, sampling
     methods, token classifiers) can be named in it. A name is looked up on ``sys.path``,
@@ -185,7 +193,7 @@ def import_extensions(names: Any, near: str | os.PathLike | None = None) -> None
             ) from None
 
 
-def to_dict(obj: Any) -> Any:
+def to_dict(obj: object) -> Any:
     """A dataclass tree as plain YAML/JSON values (enums as their strings)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
@@ -198,7 +206,7 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def apply_override(raw: dict[str, Any], assignment: str) -> None:
+def apply_override(raw: JSON, assignment: str) -> None:
     """Applies ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place.
 
     List items are addressed by index: ``stages.1.steps=100``.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from magic_jax.data.rows import tokenize_rows
 from magic_jax.data.sources import read_rows
@@ -19,10 +19,13 @@ from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run.config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
+    from flax import nnx
+
     from magic_jax.data.rows import PromptRow
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.driver import RolloutDriver
     from magic_jax.rollout.protocols import Params, Tokenizer, Verifiers
+    from magic_jax.run.rundir import JSON
 
 # (max response length, sampling) -> a driver over the run's engine options and mesh
 MakeDriver = Callable[[int, SamplingConfig], "RolloutDriver"]
@@ -58,7 +61,7 @@ class Evaluator:
         self,
         config: TrainConfig,
         model: Qwen2,
-        graphdef: Any,
+        graphdef: nnx.GraphDef,
         tokenizer: Tokenizer,
         make_driver: MakeDriver,
         *,
@@ -99,7 +102,7 @@ class Evaluator:
         """The evaluation's own protocol at ``temperature``."""
         return SamplingConfig(temperature=temperature, top_p=self.eval.top_p)
 
-    def __call__(self, params: Params, step: int, pool: Verifiers) -> dict[str, Any]:
+    def __call__(self, params: Params, step: int, pool: Verifiers) -> JSON:
         """The evaluation row of the policy ``params`` after ``step`` updates (``step``,
         the figures, ``by_temperature``, ``probe``, ``t_eval_s``)."""
         from magic_jax.rollout.evaluate import evaluate
@@ -108,7 +111,7 @@ class Evaluator:
         main = self._open()
         t0 = time.perf_counter()
 
-        def run(driver: RolloutDriver) -> dict[str, Any]:
+        def run(driver: RolloutDriver) -> JSON:
             return evaluate(
                 driver,
                 driver.load_params(params),

@@ -12,10 +12,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from magic_jax import storage
 from magic_jax.run.rundir import write_atomic
+
+if TYPE_CHECKING:
+    from magic_jax.run.rundir import JSON
+    from magic_jax.storage import StoragePath
 
 MANIFEST = "manifest.json"
 
@@ -26,7 +30,7 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
-def listed_files(path: Any) -> dict[str, dict[str, Any]]:
+def listed_files(path: StoragePath) -> dict[str, JSON]:
     """Every file under ``path`` except the manifest: relative POSIX path -> facts.
 
     Locally the facts are the size; on GCS the size and the CRC32C that Cloud
@@ -45,7 +49,7 @@ def listed_files(path: Any) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-def sha256(path: Any) -> str:
+def sha256(path: StoragePath) -> str:
     """The SHA-256 of a file's content (read in 4 MiB pieces)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -54,7 +58,7 @@ def sha256(path: Any) -> str:
     return h.hexdigest()
 
 
-def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def write_manifest(path: str | os.PathLike) -> JSON:
     """Records every file of a finished checkpoint in ``manifest.json``: its size and
     SHA-256 (local), or its size and the CRC32C Cloud Storage computed (``gs://``)."""
     ckpt = storage.path(path)
@@ -69,7 +73,7 @@ def write_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def mismatch(path: Any) -> str | None:
+def mismatch(path: StoragePath) -> str | None:
     """How the files under ``path`` differ from its manifest (None: they match): a
     missing or unreadable manifest, a file missing, of another size or checksum, or
     a file the manifest does not list."""

@@ -25,7 +25,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from magic_jax.run.rundir import JSON
+    from magic_jax.storage import StoragePath
 
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
@@ -95,7 +99,7 @@ class Progress:
         self,
         n: int = 1,
         *,
-        postfix: Mapping[str, Any] | None = None,
+        postfix: Mapping[str, object] | None = None,
         line: str | None = None,
         desc: str | None = None,
     ) -> None:
@@ -140,17 +144,17 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.3g}"
     return str(v)
 
 
-def scalars(row: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, float]]:
+def scalars(row: Mapping[str, object], prefix: str) -> Iterator[tuple[str, float]]:
     """The numeric fields of a metrics row as ``(tag, value)``; nested dicts become ``a/b``."""
     for key, value in row.items():
         if key == "step":
@@ -235,7 +239,7 @@ class Monitor:
             sum(self.stage_steps), desc="train", unit="step", initial=start_step, log=log, bar=bar
         )
 
-    def step(self, row: Mapping[str, Any], line: str) -> None:
+    def step(self, row: JSON, line: str) -> None:
         """Records one training step: a ``metrics.jsonl`` line, scalars, the bar / a plain line."""
         if not self.primary:
             return
@@ -252,7 +256,7 @@ class Monitor:
         }
         self._bar().update(1, postfix=postfix, line=line, desc=f"stage {stage} {k + 1}/{n}")
 
-    def eval(self, row: Mapping[str, Any], line: str) -> None:
+    def eval(self, row: JSON, line: str) -> None:
         """Records one evaluation: an ``eval.jsonl`` line, scalars and a printed line."""
         if not self.primary:
             return
@@ -267,7 +271,7 @@ class Monitor:
         else:
             self.log(line)
 
-    def _scalars(self, row: Mapping[str, Any], prefix: str) -> None:
+    def _scalars(self, row: JSON, prefix: str) -> None:
         if self._writer is None:
             return
         step = int(row["step"])
@@ -325,7 +329,7 @@ class Monitor:
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
 
@@ -339,7 +343,7 @@ class Records:
     checkpoint). Every write is fenced by the run lock (``runlock.check_fence``).
     """
 
-    def __init__(self, path: Any):
+    def __init__(self, path: StoragePath):
         from magic_jax import storage
         from magic_jax.run import rundir
 
@@ -350,7 +354,7 @@ class Records:
         if self.remote:
             self._lines = [json.dumps(r) + "\n" for r in rundir.read_records(path)]
 
-    def append(self, row: Mapping[str, Any]) -> None:
+    def append(self, row: Mapping[str, object]) -> None:
         line = json.dumps(row) + "\n"
         if not self.remote:
             from magic_jax.run.runlock import check_fence

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -59,9 +59,11 @@ if TYPE_CHECKING:
     from magic_jax.rollout.protocols import Driver, Params
     from magic_jax.rollout.scoring import Group
     from magic_jax.run.config import RolloutConfig
+    from magic_jax.run.rundir import JSON
     from magic_jax.run.stages import Stage, StepSampler
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
+    from magic_jax.update.updater import Metrics
 
 
 @dataclasses.dataclass
@@ -176,7 +178,7 @@ class RolloutPipeline:
             return sorted(s for s, p in self._done.items() if p.got is not None)
 
 
-def staleness_metrics(groups: Sequence[Group], step: int) -> dict[str, Any]:
+def staleness_metrics(groups: Sequence[Group], step: int) -> JSON:
     """The step's tokens by staleness (``step`` minus the version that sampled each),
     their mean entropy per staleness, and tokens per version."""
     by_s: dict[int, list[float]] = {}
@@ -203,7 +205,7 @@ def staleness_metrics(groups: Sequence[Group], step: int) -> dict[str, Any]:
 
 def overlap_metrics(
     got: Collected, step: int, wait_s: float, start_wait_s: float, seconds: float
-) -> dict[str, Any]:
+) -> JSON:
     """Step ``step``'s overlap metrics: ``staleness_metrics`` and the waits (the trainer's
     for the rollout, the rollout's for its versions) and the rollout's own time."""
     out = staleness_metrics(got.groups, step)
@@ -376,7 +378,7 @@ class OverlapRollouts:
             reprefill=self.reprefill,
         )
 
-    def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
+    def _take(self, step: int) -> tuple[Collected, JSON]:
         """Step ``step``'s rollout from this stage's producer, and its overlap metrics."""
         assert self.pipeline is not None, "the stage's producer runs (``start``)"
         out, wait = self.pipeline.take(step)
@@ -385,7 +387,7 @@ class OverlapRollouts:
 
     def _metrics(
         self, got: Collected, step: int, wait: float, start_wait_s: float, seconds: float
-    ) -> dict[str, Any]:
+    ) -> JSON:
         extra = overlap_metrics(got, step, wait, start_wait_s, seconds)
         if self.reprefill:
             extra["reprefills"] = sum(st.reprefills for st in got.stats)
@@ -457,7 +459,7 @@ def with_staleness(buffer: RolloutBuffer, groups: Sequence[Group], step: int) ->
     return dataclasses.replace(buffer, staleness=stale)
 
 
-def clip_by_staleness(metrics: Mapping[str, Any]) -> dict[str, Any]:
+def clip_by_staleness(metrics: Metrics) -> dict[str, dict[str, float]]:
     """The update's clip fraction per token staleness (``losses.STALENESS_BUCKETS``; the
     last bucket counts that many or more), over its optimizer steps, and with
     ``loss.tis_cap`` the mean behaviour weight and the share of tokens past the cap per

@@ -15,12 +15,12 @@ package (the Profile tab).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import jax
 
@@ -61,14 +61,14 @@ class StepProfiler:
     """
 
     def __init__(
-        self, out_dir: Any, spec: str | None, *, log: Callable[[str], None] = print
+        self, out_dir: str | os.PathLike, spec: str | None, *, log: Callable[[str], None] = print
     ) -> None:
         self.span = None if spec is None else parse_profile_steps(spec)
         self.dest = f"{str(out_dir).rstrip('/')}/profile"
         self.log = log
         self._tmp: Path | None = None
         self._first = self._last = -1
-        self._annotation: Any = None
+        self._annotation: jax.profiler.StepTraceAnnotation | None = None
 
     @property
     def active(self) -> bool:
@@ -97,7 +97,7 @@ class StepProfiler:
             self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
             self._annotation.__enter__()
 
-    def after(self, step: int, result: Any = None) -> None:
+    def after(self, step: int, result: object = None) -> None:
         """Ends the step's marker; after step B-1 stops the trace and writes it.
 
         ``result`` (any pytree of arrays) is waited for first, so the trace holds
@@ -130,7 +130,7 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _end_marker(self) -> None:

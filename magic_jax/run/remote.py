@@ -47,7 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -61,13 +61,16 @@ if TYPE_CHECKING:
 
     from jax.experimental.transfer import TransferConnection, TransferServer
     from jax.sharding import Mesh, PartitionSpec
+    from jax.tree_util import PyTreeDef
 
     from magic_jax.model.sharding import MeshConfig
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.protocols import Params
+    from magic_jax.run.channel import Body, Message
     from magic_jax.run.config import TrainConfig
+    from magic_jax.run.rundir import JSON
     from magic_jax.run.stages import Stage, StepSampler
-    from magic_jax.run.versions import Checkpointed
+    from magic_jax.run.versions import Checkpointed, VersionSource
     from magic_jax.update.state import TrainState
 
 # one array of the policy as it lies: (shape, dtype, PartitionSpec or None on one device)
@@ -184,17 +187,26 @@ class RemoteRollouts(OverlapRollouts):
     process. ``key``: the run's key (``channel.write_key``)."""
 
     def __init__(
-        self, *args: Any, side: Side, config: dict[str, Any], key: bytes | None = None, **kw: Any
+        self,
+        max_staleness: int,
+        publish_chunks: int | None,
+        *,
+        side: Side,
+        config: JSON,
+        key: bytes | None = None,
+        reprefill: bool = False,
+        log: Callable[[str], None] = print,
+        source: VersionSource | None = None,
     ):
-        super().__init__(*args, **kw)
+        super().__init__(max_staleness, publish_chunks, reprefill=reprefill, log=log, source=source)
         self.side = side
         self.config = config
         self.key = key
         self.chan: Channel | None = None
-        self._results: dict[tuple[int, int], dict[str, Any]] = {}
+        self._results: dict[tuple[int, int], Body] = {}
         self._cond = threading.Condition()
         self._epoch = 0
-        self._peer: tuple[str, dict[str, Any]] | None = None  # how the rollout side ended
+        self._peer: Message | None = None  # how the rollout side ended
         self._wanted: queue.Queue[int | None] = queue.Queue()
         self._cancel = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -311,7 +323,7 @@ class RemoteRollouts(OverlapRollouts):
             end=end,
         )
 
-    def _take(self, step: int) -> tuple[Collected, dict[str, Any]]:
+    def _take(self, step: int) -> tuple[Collected, JSON]:
         t0 = time.perf_counter()
         body = self._wait(step)
         got = body["got"]
@@ -322,7 +334,7 @@ class RemoteRollouts(OverlapRollouts):
         metrics["t_publish_s"] = sum(s for _, _, s in pulled)
         return got, metrics
 
-    def _wait(self, step: int) -> dict[str, Any]:
+    def _wait(self, step: int) -> Body:
         key = (self._epoch, step)
 
         def ended() -> None:
@@ -373,7 +385,7 @@ class PulledVersions:
         self,
         chan: Channel,
         conn: TransferConnection,
-        treedef: Any,  # a PyTreeDef, which jaxlib ships no type stubs for
+        treedef: PyTreeDef,
         specs: list[jax.ShapeDtypeStruct],
         log: Callable[[str], None],
     ):
@@ -382,11 +394,11 @@ class PulledVersions:
         self.treedef = treedef
         self.specs = specs
         self.log = log
-        self._offers: dict[int, dict[str, Any]] = {}
+        self._offers: dict[int, Body] = {}
         self._cond = threading.Condition()
         self.pulled: list[tuple[int, int, float]] = []  # (version, bytes, seconds), not yet sent
 
-    def offered(self, body: dict[str, Any]) -> None:
+    def offered(self, body: Body) -> None:
         with self._cond:
             self._offers[body["version"]] = body
             self._cond.notify_all()
@@ -470,7 +482,7 @@ class TrainerLease:
         self._asked[n] = now
         self.chan.try_send("lease?", n=n)
 
-    def answered(self, body: dict[str, Any]) -> None:
+    def answered(self, body: Body) -> None:
         asked = self._asked.pop(body["n"], None)
         if asked is None or body["left"] is None:
             return

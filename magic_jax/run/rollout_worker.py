@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -132,7 +132,7 @@ def _serve(
         fence.release(lease)
 
 
-def _first(chan: Channel) -> tuple[str, dict[str, Any]] | None:
+def _first(chan: Channel) -> channel.Message | None:
     """The trainer's first message (``hello``, or ``stop`` / ``error`` when it ended
     before), or None on a stop of this process while it waited."""
     deadline = time.monotonic() + CONNECT_S
@@ -275,7 +275,7 @@ class _Worker:
         sig = stop or interrupt.requested()
         return {"stopped_by": signal.Signals(sig).name} if sig else {}
 
-    def _stage(self, body: dict[str, Any]) -> None:
+    def _stage(self, body: channel.Body) -> None:
         """Starts generating steps ``first`` to ``end - 1`` of stage ``index``."""
         from magic_jax.run.stages import build_stage
 

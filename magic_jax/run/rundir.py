@@ -23,12 +23,15 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from magic_jax import interrupt, storage
 from magic_jax.run.fence import check_fence
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 MARKER = ".magic-jax-run"
 LOCK = ".lock"
@@ -36,6 +39,15 @@ CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 EVALS = "eval.jsonl"
+
+# A JSON object as a run directory stores it (a record line, a summary, a config): its
+# values are of any JSON type, which no static type narrows further. Named once here
+# for the run's modules.
+JSON = dict[str, Any]
+
+# A signal's handler as ``signal.signal`` takes and gives it back (the default and ignore
+# handlers are ints)
+SignalHandler = Callable[[int, "FrameType | None"], object] | int | None
 
 # Exit status of a run stopped by a signal: the shell convention 128 + signal number.
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -98,7 +110,7 @@ def claim_run_dir(path: str | os.PathLike, *, what: str = "output directory") ->
     return p
 
 
-def _claim_gcs(path: str | os.PathLike, what: str) -> Any:
+def _claim_gcs(path: str | os.PathLike, what: str) -> storage.StoragePath:
     """``claim_run_dir`` for a ``gs://`` prefix: the same rules, asked of the bucket."""
     storage.check(path, what=what)
     p = storage.path(path, what=what)
@@ -120,7 +132,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def write_atomic(path: Any, text: str) -> None:
+def write_atomic(path: storage.StoragePath, text: str) -> None:
     """Writes ``text`` to ``path`` whole or not at all (a reader never sees half a file).
 
     Fenced: a process whose run lock on Cloud Storage is lost, or may be, writes
@@ -149,11 +161,11 @@ class StopSignals:
     Only the main thread can install handlers; elsewhere this does nothing.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int | None = None
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, SignalHandler] = {}
 
-    def _handle(self, signum: int, _frame: Any) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         # os.write, not print: the handler may run in the middle of a print to stdout
         if self.received is not None:
@@ -173,7 +185,7 @@ class StopSignals:
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
@@ -206,7 +218,7 @@ MAY_CHANGE = (
     "extensions",  # what they register is named by the options that use it
 )
 # Options added after runs were stored: a stored config without one ran with this value.
-ADDED_DEFAULTS: dict[str, Any] = {
+ADDED_DEFAULTS: JSON = {
     "advantage.estimator": "grpo",
     "entropy.tokens": None,
     "rewards.abilities": {},
@@ -217,10 +229,10 @@ ADDED_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(value: object, prefix: str = "") -> dict[str, object]:
     """Dotted paths -> leaves; lists of mappings (stages) are indexed ``stages[1].steps``."""
     if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for k, v in value.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out or {prefix: {}}
@@ -314,7 +326,7 @@ def check_resume_config(
 # --------------------------------------------------------------------------- records
 
 
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_records(path: str | os.PathLike) -> list[JSON]:
     """The JSON lines of a record file (``[]`` if absent); a torn last line is skipped."""
     p = storage.path(path)
     if not p.exists():
@@ -357,8 +369,8 @@ def trim_records(out: str | os.PathLike, next_step: int) -> dict[str, int]:
 
 
 def build_summary(
-    out: str | os.PathLike, *, total_steps: int, planned_steps: int | None = None, **fields: Any
-) -> dict[str, Any]:
+    out: str | os.PathLike, *, total_steps: int, planned_steps: int | None = None, **fields: object
+) -> JSON:
     """A run's summary from its records: every step's metrics and evaluation on disk.
 
     Args:
@@ -382,12 +394,12 @@ def build_summary(
     }
 
 
-def write_summary(out: str | os.PathLike, summary: Mapping[str, Any]) -> None:
+def write_summary(out: str | os.PathLike, summary: Mapping[str, object]) -> None:
     """Writes ``summary.json`` whole or not at all."""
     write_atomic(storage.path(out) / SUMMARY, json.dumps(dict(summary), indent=2) + "\n")
 
 
-def finished_summary(out: str | os.PathLike, planned_steps: int) -> dict[str, Any] | None:
+def finished_summary(out: str | os.PathLike, planned_steps: int) -> JSON | None:
     """The stored summary of a finished run planned for ``planned_steps``, else None
     (a run given more steps since it finished goes on)."""
     path = storage.path(out) / SUMMARY
@@ -402,7 +414,7 @@ def finished_summary(out: str | os.PathLike, planned_steps: int) -> dict[str, An
     return summary if summary.get("planned_steps", summary.get("steps")) == planned_steps else None
 
 
-def stored_config(out: str | os.PathLike) -> dict[str, Any] | None:
+def stored_config(out: str | os.PathLike) -> JSON | None:
     """The ``config.yaml`` a run directory holds (None if it has none)."""
     import yaml
 
@@ -418,7 +430,7 @@ def stored_config(out: str | os.PathLike) -> dict[str, Any] | None:
     return raw
 
 
-def write_config(out: str | os.PathLike, raw: Mapping[str, Any]) -> None:
+def write_config(out: str | os.PathLike, raw: Mapping[str, object]) -> None:
     """Stores a run's resolved config as ``config.yaml``."""
     import yaml
 

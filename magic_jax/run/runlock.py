@@ -24,12 +24,17 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from magic_jax import storage
 from magic_jax.run import fence
 from magic_jax.run.fence import check_fence as check_fence  # re-exported: the writers' fence
 from magic_jax.run.rundir import LOCK, RunDirError, claim_run_dir, now, stderr_line
+
+if TYPE_CHECKING:
+    from google.cloud.storage import Blob  # read as Any: google-cloud-storage ships no types
+
+    from magic_jax.run.rundir import JSON
 
 
 class RunLock:
@@ -87,7 +92,7 @@ class RunLock:
         self.acquire()
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.release()
 
 
@@ -159,7 +164,9 @@ class GcsRunLock:
       RunDirError: another live run holds the lock; the message names it.
     """
 
-    def __init__(self, path: Any, *, lease_s: float | None = None, exit_on_loss: bool = True):
+    def __init__(
+        self, path: storage.StoragePath, *, lease_s: float | None = None, exit_on_loss: bool = True
+    ):
         self.uri = str(path).rstrip("/") + "/" + LOCK
         self.lease_s = float(lease_s or os.environ.get(LEASE_ENV) or LEASE_S)
         self.exit_on_loss = exit_on_loss
@@ -182,7 +189,7 @@ class GcsRunLock:
         """Monotonic time after which this holder writes nothing more."""
         return self._renewed_at + self.lease_s * (1 - MARGIN)
 
-    def _blob(self) -> Any:
+    def _blob(self) -> Blob:
         bucket, key = storage.split(self.uri)
         return storage.client().bucket(bucket).blob(key)
 
@@ -199,7 +206,7 @@ class GcsRunLock:
             }
         ).encode()
 
-    def _read(self, timeout: float | None = None) -> tuple[int | None, dict[str, Any]]:
+    def _read(self, timeout: float | None = None) -> tuple[int | None, JSON]:
         """(generation, holder) of the lock object; (None, {}) when there is none."""
         blob = self._blob()
         kw = {} if timeout is None else {"timeout": timeout, "retry": None}
@@ -353,7 +360,7 @@ class GcsRunLock:
         self.acquire()
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.release()
 
 
@@ -365,7 +372,7 @@ def lease_left() -> float | None:
     return held.left() if isinstance(held, GcsRunLock) else None
 
 
-def _holder(h: Mapping[str, Any]) -> str:
+def _holder(h: Mapping[str, object]) -> str:
     return f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')}"
 
 

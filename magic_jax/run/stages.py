@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from magic_jax.data.rows import AccuracyTracker, PromptRow, online_filter, prompt_batches
 from magic_jax.run.config import StageConfig, TrainConfig
+from magic_jax.run.rundir import JSON  # what ``StageProgress`` and ``LoopState`` store
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
     from magic_jax.update.config import UpdateConfig
     from magic_jax.update.token_classes import TokenMask
     from magic_jax.update.updater import Updater
-
-# what ``StageProgress`` and ``LoopState`` store: plain JSON (values of any JSON type)
-JSON = dict[str, Any]
 
 
 class BatchSource(Protocol):

@@ -13,13 +13,15 @@ checkpoint holds what ``checkpoint_item`` gives and is restored into
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.protocols import Params
     from magic_jax.rollout.scoring import Group
+    from magic_jax.run.rundir import JSON
     from magic_jax.run.stages import Stage, StepSampler
+    from magic_jax.run.versions import Checkpointed
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
 
@@ -37,7 +39,7 @@ class StepRollout(NamedTuple):
     """
 
     got: Collected
-    metrics: dict[str, Any]
+    metrics: JSON
     other_s: float
     saved: bool
 
@@ -45,11 +47,11 @@ class StepRollout(NamedTuple):
 class StepRollouts(Protocol):
     """What the trainer's step needs of a source of rollouts (sync or overlap)."""
 
-    def checkpoint_template(self, state: TrainState) -> Any:
+    def checkpoint_template(self, state: TrainState) -> TrainState | Checkpointed:
         """What a checkpoint holds, shaped like ``state`` (to restore into)."""
         ...
 
-    def resume(self, restored: Any, step: int) -> TrainState:
+    def resume(self, restored: TrainState | Checkpointed, step: int) -> TrainState:
         """The train state of ``restored`` (``checkpoint_template``'s shape), with the
         source ready to give step ``step``'s rollouts."""
         ...
@@ -83,7 +85,7 @@ class StepRollouts(Protocol):
         """The update made ``version`` (the weights after that many updates)."""
         ...
 
-    def checkpoint_item(self, state: TrainState, step: int) -> Any:
+    def checkpoint_item(self, state: TrainState, step: int) -> TrainState | Checkpointed:
         """What the checkpoint after ``step`` updates saves."""
         ...
 
@@ -98,8 +100,11 @@ class SyncRollouts:
     def checkpoint_template(self, state: TrainState) -> TrainState:
         return state
 
-    def resume(self, restored: TrainState, step: int) -> TrainState:
-        return restored
+    def resume(self, restored: TrainState | Checkpointed, step: int) -> TrainState:
+        from magic_jax.run.versions import Checkpointed
+
+        # what comes back has the template's shape: the train state itself
+        return restored.train_state() if isinstance(restored, Checkpointed) else restored
 
     def kept_steps(self, step: int, first: int, end: int) -> Sequence[int]:
         # this step's and, until its checkpoint is whole, the previous checkpoint's

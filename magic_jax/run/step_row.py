@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from magic_jax.rewards import status_counts
 
+if TYPE_CHECKING:
+    from magic_jax.rollout.collect import Collected
+    from magic_jax.run.config import StageConfig, TrainConfig
+    from magic_jax.run.rundir import JSON
+    from magic_jax.update.updater import Metrics
+
 
 def step_row(
-    cfg: Any,
+    cfg: TrainConfig,
     stage: int,
-    st: Any,
+    st: StageConfig,
     step: int,
     k: int,
-    got: Any,
-    m: dict[str, Any],
+    got: Collected,
+    m: Metrics,
     skipped: int,
     times: dict[str, float],
-) -> dict[str, Any]:
+) -> JSON:
     """The record of global step ``step`` (stage ``stage``'s step ``k``, stage config ``st``):
     ``got`` the rollout's ``Collected``, ``m`` the update's metrics, ``skipped`` the updates
     skipped so far, ``times`` the step's wall-clock split."""
@@ -94,7 +100,7 @@ def step_row(
     }
 
 
-def format_row(row: dict[str, Any]) -> str:
+def format_row(row: JSON) -> str:
     """A step record's log line."""
     return (
         "[step {step}] stage {stage} reward {reward:.3f} trunc {truncated_fraction:.2f} "
@@ -105,7 +111,7 @@ def format_row(row: dict[str, Any]) -> str:
     ).format(**row)
 
 
-def format_eval(row: dict[str, Any], n: int) -> str:
+def format_eval(row: JSON, n: int) -> str:
     """An evaluation record's log line (avg@``n``)."""
     return (
         f"[eval step {row['step']}] avg@{n} {row['accuracy']:.3f} "

@@ -35,7 +35,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from magic_jax import distributed, interrupt, storage, watchdog
 from magic_jax.rollout.sampling import SamplingConfig
@@ -46,6 +46,7 @@ from magic_jax.run.evaluation import Evaluator
 from magic_jax.run.inputs import load_inputs
 from magic_jax.run.policy import export_policy, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
+from magic_jax.run.rundir import JSON
 from magic_jax.run.stages import (
     LoopState,
     Stage,
@@ -125,7 +126,7 @@ class Trainer:
         self.log(stage.describe())
         return stage
 
-    def run(self, *, stop_after: int | None = None) -> dict[str, Any]:
+    def run(self, *, stop_after: int | None = None) -> JSON:
         """Trains to the end of the last stage; returns a summary (also in ``summary.json``).
 
         The output directory is claimed (``rundir.claim_run_dir``) and locked
@@ -166,7 +167,7 @@ class Trainer:
             maybe_initialize_distributed()
         return self._in_run_dir(stop_after)
 
-    def _in_run_dir(self, stop_after: int | None) -> dict[str, Any]:
+    def _in_run_dir(self, stop_after: int | None) -> JSON:
         """``run`` once this process's runtime is up: claims the directory and trains."""
         cfg = self.config
         raw = to_dict(cfg)
@@ -245,7 +246,7 @@ class Trainer:
         state = init_train_state(params, update_config(cfg, 0), mesh=self.inputs.mesh)
         del params  # the train state owns the weights now
         source: type[OverlapRollouts] = OverlapRollouts
-        kw: dict[str, Any] = {}
+        kw: dict[str, object] = {}
         if self.remote is not None:  # another process generates
             from magic_jax.run.remote import RemoteRollouts
 
@@ -421,7 +422,7 @@ class Trainer:
 
     def _evaluate(
         self, state: TrainState, step: int, pool: Verifiers, loop: LoopState, *, until: bool
-    ) -> dict[str, Any]:
+    ) -> JSON:
         """avg@n on the eval set, recorded; ``until``: the stage's until rule sees it."""
         assert self.evaluator is not None, "made by _open when the config has eval"
         row = self.evaluator(state.params, step, pool)
@@ -439,7 +440,7 @@ class Trainer:
         k: int,
         sampler: StepSampler,
         loop: LoopState,
-    ) -> tuple[TrainState, dict[str, Any]]:
+    ) -> tuple[TrainState, JSON]:
         """Step ``step`` (stage step ``k``): its rollouts, their buffer, the update and
         the step's metrics line; returns (the new state, the line)."""
         import jax
