@@ -118,6 +118,7 @@ def test_outcomes_csv_has_a_row_per_run_from_its_records(tmp_path):
     assert rows[2]["derived_from"] == "carry-clip-0.1"
 
 
+@pytest.mark.heavy  # 10-16 s on 2 cores
 def test_the_committed_outcomes_csv_is_the_committed_runs(tmp_path):
     from magic_jax.experiments.ablation_report import write_csv
 

@@ -218,6 +218,7 @@ def _write_big_checkpoint(path):
     return 8192 * 1024 * 4
 
 
+@pytest.mark.heavy  # 10-16 s on 2 cores
 def test_streaming_load_peak_memory(tmp_path):
     largest = _write_big_checkpoint(tmp_path / "big")
     size = (tmp_path / "big" / "model.safetensors").stat().st_size

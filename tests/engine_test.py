@@ -211,6 +211,7 @@ def test_decode_forward_equals_model_forward():
         np.testing.assert_allclose(a[rows], b[rows], atol=1e-6)
 
 
+@pytest.mark.heavy  # 10-16 s on 2 cores
 def test_bf16_engine_casts_the_weights_and_cache_and_stays_within_bf16_of_fp32(hf_and_model):
     """EngineConfig.dtype: the fp32 policy's weights become bf16 when the engine takes
     them, the KV cache is bf16, and the engine's logits (prefill and one decode step)

@@ -146,6 +146,7 @@ def test_eval_on_the_aime_files_resumes_and_checks_its_protocol(files, tmp_path)
     assert {n: (out / f"{n}.jsonl").read_bytes() for n in straight} == straight
 
 
+@pytest.mark.heavy  # 10-16 s on 2 cores
 def test_eval_command_reports_what_the_trainers_evaluation_does(files, tmp_path):
     """``evaluate`` (the trainer's in-run call) and the command give one table."""
     from magic_jax.data.sources import prepare_dataset, read_rows
