@@ -383,9 +383,6 @@ def test_notebooks_run_top_to_bottom_with_a_step_budget(tmp_path):
     trained (each set of options once); the others' first seeds are the committed runs,
     copied in, so the notebooks draw and judge real runs of every arm."""
     env = dict(os.environ, MPLBACKEND="Agg", **{ablations.STEPS_ENV: "1"})
-    # one-step runs are nearly all compiling, and nothing here is timed or learns: LLVM at
-    # -O0, as in the default suite (tests/conftest.py), whatever the slow target says
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     env[ablations.RESULTS_ENV] = str(tmp_path)
     env["MAGIC_JAX_NOTEBOOK_YES"] = "1"  # a claim's arms are more than a few runs
     trained = _trained_arms()
