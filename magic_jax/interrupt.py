@@ -108,7 +108,13 @@ def check(where: str) -> None:
             sys.stderr.write(f"[test] SIGTERM at {time.time():.3f} ({want})\n")
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # the handler runs in the main thread
+            # The handler runs in the main thread, which may be inside a compiled update
+            # (overlap mode: this check is the rollout thread's); wait for it, so the stop
+            # lands at this check whatever the load, as a signal from outside would once
+            # the handler ran.
+            deadline = time.monotonic() + 30.0
+            while not _requested and time.monotonic() < deadline:
+                time.sleep(0.01)
     global _checks
     _checks += 1
     from magic_jax import distributed
