@@ -258,7 +258,7 @@ def test_evaluation_samples_at_its_own_temperature(files, tmp_path):
     temp = ("sampling.temperature=0.5", "loss.temperature=0.5", evals)
     trainer = Trainer(_config(files, tmp_path / "t", *temp), log=lambda s: None)
     trainer.run(stop_after=1)
-    assert trainer._driver(5).engine.config.sampling.temperature == 0.5
+    assert trainer.stage.driver.engine.config.sampling.temperature == 0.5  # the rollouts
     assert trainer.evaluator.driver.engine.config.sampling.temperature == 1.0
     assert _config(files, tmp_path / "u", *temp, "eval.temperature=0.7").eval.temperature == 0.7
     with pytest.raises(ConfigError, match="eval.*temperature must be > 0"):

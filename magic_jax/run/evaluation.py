@@ -19,16 +19,11 @@ from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run.config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
-    from flax import nnx
-
     from magic_jax.data.rows import PromptRow
-    from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.driver import RolloutDriver
     from magic_jax.rollout.protocols import Params, Tokenizer, Verifiers
+    from magic_jax.run.inputs import RunInputs
     from magic_jax.run.rundir import JSON
-
-# (max response length, sampling) -> a driver over the run's engine options and mesh
-MakeDriver = Callable[[int, SamplingConfig], "RolloutDriver"]
 
 
 def tokenize_logged(
@@ -58,23 +53,16 @@ class Evaluator:
     """
 
     def __init__(
-        self,
-        config: TrainConfig,
-        model: Qwen2,
-        graphdef: nnx.GraphDef,
-        tokenizer: Tokenizer,
-        make_driver: MakeDriver,
-        *,
-        log: Callable[[str], None] = print,
+        self, config: TrainConfig, inputs: RunInputs, *, log: Callable[[str], None] = print
     ):
         if config.eval is None:
             raise ValueError("Evaluator: the config has no eval section")
         self.eval = config.eval
         self.config = config
-        self.model = model
-        self.graphdef = graphdef
-        self.tokenizer = tokenizer
-        self.make_driver = make_driver
+        self.model = inputs.model
+        self.graphdef = inputs.graphdef
+        self.tokenizer = inputs.tokenizer
+        self.mesh = inputs.mesh
         self.log = log
         self.driver: RolloutDriver | None = None
         self.extra_drivers: dict[float, RolloutDriver] = {}
@@ -82,6 +70,8 @@ class Evaluator:
         self.skipped = 0
 
     def _open(self) -> RolloutDriver:
+        from magic_jax.rollout.driver import make_driver
+
         cfg, ev = self.config, self.eval
         if self.driver is None:
             limit = cfg.data.max_prompt_length
@@ -92,7 +82,14 @@ class Evaluator:
             if not self.rows:
                 raise ConfigError("eval.data: no problem fits data.max_prompt_length")
             longest = ev.max_response_length or max(s.max_response_length for s in cfg.stages)
-            self.driver = self.make_driver(longest, self.sampling_at(ev.temperature))
+            self.driver = make_driver(
+                self.model,
+                cfg.rollout,
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=longest,
+                sampling=self.sampling_at(ev.temperature),
+                mesh=self.mesh,
+            )
             self.extra_drivers = {
                 t: self.driver.with_sampling(self.sampling_at(t)) for t in ev.extra_temperatures
             }

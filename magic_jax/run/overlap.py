@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from magic_jax.rollout.collect import Collected
-from magic_jax.run.step_rollouts import StepRollout
+from magic_jax.run.step_rollouts import RolloutSource, StepAt, StepRollout
 from magic_jax.run.versions import (
     Checkpointed,
     ScheduledDriver,
@@ -214,18 +214,20 @@ def overlap_metrics(
     return out
 
 
-class OverlapRollouts:
-    """Overlap mode's ``step_rollouts.StepRollouts``: the published versions, one
+class OverlapRollouts(RolloutSource):
+    """Overlap mode's ``step_rollouts.RolloutSource``: the published versions, one
     producer per stage, the checkpoint item and each step's overlap metrics.
 
     Example (the trainer's step, in outline):
       ov = OverlapRollouts.of(cfg.rollout)
       state = ov.resume(ckpts.restore(ov.checkpoint_template(state), path), step)
-      r = ov.rollout(stage, step, k, state, sampler, resumed=False, end=end)
-      state = update(state, ov.annotate(pack(r.got), r.got.groups, step))
+      r = ov.rollout(StepAt(stage, step, k, end, resumed=False), state, sampler)
+      state = update(state, with_staleness(pack(r.got), r.got.groups, step))
       ov.updated(step + 1, state.params)
       ckpts.save(step + 1, ov.checkpoint_item(state, step + 1), ...)
     """
+
+    keeps_ahead = True  # the producer generates the steps ahead of the update
 
     def __init__(
         self,
@@ -297,10 +299,6 @@ class OverlapRollouts:
         self.versions.publish(step, copy_params(state.params))
         return state
 
-    def kept_steps(self, step: int, first: int, end: int) -> Sequence[int]:
-        # the steps in flight, ahead of this one, too
-        return range(first, end + 1)
-
     def checkpoint_item(self, state: TrainState, step: int) -> TrainState | Checkpointed:
         """What the checkpoint after ``step`` updates saves."""
         return (
@@ -315,22 +313,13 @@ class OverlapRollouts:
         """Each token's staleness: the loss counts clipping per staleness."""
         return with_staleness(buffer, groups, step)
 
-    def rollout(
-        self,
-        stage: Stage,
-        step: int,
-        k: int,
-        state: TrainState,
-        sampler: StepSampler,
-        *,
-        resumed: bool,
-        end: int,
-    ) -> StepRollout:
-        """Step ``step``'s groups, generated during the last updates, and its overlap
+    def rollout(self, at: StepAt, state: TrainState, sampler: StepSampler) -> StepRollout:
+        """Step ``at.step``'s groups, generated during the last updates, and its overlap
         metrics. Groups are kept as they finish unless ``publish_chunks`` is set (a
         partial rollout is redone whole: its tokens' versions follow its chunk counts)."""
+        stage, step, k = at.stage, at.step, at.k
         if self._stage is not stage:
-            self.start(stage, step, k, min(step - k + stage.config.steps, end), sampler)
+            self.start(stage, step, k, min(step - k + stage.config.steps, at.end), sampler)
         got, metrics = self._take(step)
         # t_rollout_s is the wait for the producer
         return StepRollout(got, metrics, 0.0, False)

@@ -182,7 +182,7 @@ def layout(params: Params) -> tuple[list[Leaf], dict[str, int] | None]:
 
 
 class RemoteRollouts(OverlapRollouts):
-    """The trainer's ``StepRollouts`` when another process generates: ``OverlapRollouts``'
+    """The trainer's ``RolloutSource`` when another process generates: ``OverlapRollouts``'
     versions, checkpoint item and stage change, its rollouts received from the rollout
     process. ``key``: the run's key (``channel.write_key``)."""
 

@@ -27,7 +27,7 @@ from magic_jax.run.stages import LoopState
 if TYPE_CHECKING:
     from magic_jax.run.checkpoint import TrainCheckpoints
 
-# what a checkpoint of the run holds (``StepRollouts.checkpoint_template``)
+# what a checkpoint of the run holds (``RolloutSource.checkpoint_template``)
 Item = TypeVar("Item")
 
 

@@ -10,15 +10,15 @@ from magic_jax.rewards import status_counts
 
 if TYPE_CHECKING:
     from magic_jax.rollout.collect import Collected
-    from magic_jax.run.config import StageConfig, TrainConfig
+    from magic_jax.run.config import TrainConfig
     from magic_jax.run.rundir import JSON
+    from magic_jax.run.stages import Stage
     from magic_jax.update.updater import Metrics
 
 
 def step_row(
     cfg: TrainConfig,
-    stage: int,
-    st: StageConfig,
+    stage: Stage,
     step: int,
     k: int,
     got: Collected,
@@ -26,9 +26,10 @@ def step_row(
     skipped: int,
     times: dict[str, float],
 ) -> JSON:
-    """The record of global step ``step`` (stage ``stage``'s step ``k``, stage config ``st``):
-    ``got`` the rollout's ``Collected``, ``m`` the update's metrics, ``skipped`` the updates
-    skipped so far, ``times`` the step's wall-clock split."""
+    """The record of global step ``step`` (``stage``'s step ``k``): ``got`` the rollout's
+    ``Collected``, ``m`` the update's metrics, ``skipped`` the updates skipped so far,
+    ``times`` the step's wall-clock split."""
+    st = stage.config
     every = [s for g in got.every for s in g.samples]
     all_rewards = np.concatenate([g.rewards for g in got.every])
     lengths = np.asarray([s.length for s in every])
@@ -43,7 +44,7 @@ def step_row(
 
     return {
         "step": step,
-        "stage": stage,
+        "stage": stage.index,
         "stage_step": k,
         "max_response_length": st.max_response_length,
         "sampling": cfg.sampling.name,  # the sampling method by its registered name
@@ -78,7 +79,7 @@ def step_row(
         "clipfrac_high": mean("clipfrac_high"),
         "ratio_max": float(np.max(m["ratio_max"])) if np.size(m.get("ratio_max", [])) else 0.0,
         "approx_kl": mean("approx_kl"),
-        "kl_beta": cfg.kl_beta(stage),
+        "kl_beta": cfg.kl_beta(stage.index),
         "ref_kl": mean("ref_kl"),
         "sampler_ratio_mean": first("sampler_ratio_mean"),
         "sampler_ratio_max": first("sampler_ratio_max"),

@@ -1,30 +1,21 @@
 """The MAGIC training loop: stages, rollouts, rewards, updates, metrics, checkpoints, resume.
 
-One training step k (SPEC items 1-12): take step k's D_R prompts, sample G
-responses each with the continuous-batching engine (each finished response goes
-to the verifier pool at once; ``collect`` adds refill rounds when asked), pack
-the rollout buffer with group advantages and rejection sampling, run the N_SGD
-optimizer steps of ``PolicyUpdater.update`` (which measures e_k, applies the
-adaptive entropy coefficient and, with KL on, reads the frozen reference
-policy), then log one line of metrics. Stages (``stages``) change the response
-limit T, the batch sizes and the KL weight, and end on their step budget or
-``until`` rules; the train state (weights, optimizer, entropy controller, step)
-carries across them, and at each new stage the prompts solved every time in
-the previous one are dropped (online filtering).
+One training step (SPEC items 1-12, ``Trainer._step``): take step k's D_R prompts,
+sample G responses each (each finished response goes to the verifier pool at
+once), pack the rollout buffer with group advantages and rejection sampling, run
+the N_SGD optimizer steps of ``PolicyUpdater.update`` (the adaptive entropy
+coefficient, the KL reference), make the step's record. Then the hooks due after
+it (``hooks``): the record written, evaluation, the stage switch (online
+filtering), a checkpoint. Stages change the response limit, the batch sizes and
+the KL weight, and end on their step budget or ``until`` rules.
 
-Checkpoints (``magic_jax.run.checkpoint``) hold the whole train state plus the
-loop's own state (``trainer.json``: next step, stage, per-prompt accuracy of the
-stage, the filtered prompt set) and a manifest of checksums. A run started in a
-directory that has checkpoints resumes from the newest one that verifies, and
-because step k's prompts and sampling keys are functions of k alone, the
-resumed run computes what the uninterrupted one would have. The run directory
-is claimed and locked for the run's life (``magic_jax.run.rundir``); SIGINT and
-SIGTERM stop the loop after the current step with a checkpoint.
-
-Multi-host (``mesh`` set, under ``jax.distributed``): every process runs this
-same loop (``magic_jax.distributed`` says what they agree on and how); process
-0 alone owns the run directory and writes records, all take part in
-checkpoints and the export.
+A checkpoint holds the train state and the loop's own state (``LoopState``:
+``trainer.json``); a run started in a directory with checkpoints resumes from the
+newest one that verifies, and computes what the uninterrupted run would have
+(step k's prompts and sampling keys are functions of k alone). The run directory
+is claimed and locked for the run (``rundir``); SIGINT and SIGTERM stop the loop
+at its next safe point with a checkpoint. Multi-host (``mesh`` set): every
+process runs this loop (``magic_jax.distributed``); process 0 alone writes records.
 """
 
 from __future__ import annotations
@@ -38,11 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from magic_jax import distributed, interrupt, storage, watchdog
-from magic_jax.rollout.sampling import SamplingConfig
 from magic_jax.run import rundir
 from magic_jax.run.config import ConfigError, TrainConfig
 from magic_jax.run.config_dict import to_dict
 from magic_jax.run.evaluation import Evaluator
+from magic_jax.run.hooks import StepDone, StepHooks
 from magic_jax.run.inputs import load_inputs
 from magic_jax.run.policy import export_policy, reference_params
 from magic_jax.run.resume import newest_good_checkpoint, open_run_dir, resume_from
@@ -55,18 +46,21 @@ from magic_jax.run.stages import (
     pack_step,
     update_config,
 )
-from magic_jax.run.step_rollouts import StepRollouts, SyncRollouts
+from magic_jax.run.step_rollouts import RolloutSource, StepAt, StepRollout, SyncRollouts
 from magic_jax.run.step_row import format_eval, format_row, step_row
 
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.protocols import Verifiers
     from magic_jax.run.checkpoint import TrainCheckpoints
     from magic_jax.run.monitor import Monitor
     from magic_jax.run.profile import StepProfiler
     from magic_jax.run.remote import Side
+    from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.state import TrainState
+    from magic_jax.update.updater import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +73,7 @@ class Trainer:
 
     Everything a run holds beyond its config is made in ``_open``, once, before the
     first step; each step is ``_step``, the same code in sync and overlap mode (the
-    difference is the ``step_rollouts.StepRollouts`` it takes its groups from).
+    difference is the ``step_rollouts.RolloutSource`` it takes its groups from).
 
     Example:
       summary = Trainer(load_config("configs/default.yaml")).run()
@@ -92,24 +86,12 @@ class Trainer:
         self.monitor: Monitor | None = None
         self.remote: Side | None = None  # this process's side of a rollout.hosts job
         self.seam_key: bytes | None = None  # the run's key for the rollout process
+        self.rollouts: RolloutSource = SyncRollouts()  # until ``_open`` makes the run's
+        self.said_farewell = False
 
     def log(self, line: str) -> None:
         """One line of the run's output (above the progress bar once the run has one)."""
         (self._print if self.monitor is None else self.monitor.write)(line)
-
-    def _driver(self, max_response_length: int, sampling: SamplingConfig | None = None):
-        """A rollout driver with the run's slots and sampling (or ``sampling``), for one limit."""
-        from magic_jax.rollout.driver import make_driver
-
-        cfg = self.config
-        return make_driver(
-            self.inputs.model,
-            cfg.rollout,
-            max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=max_response_length,
-            sampling=cfg.sampling if sampling is None else sampling,
-            mesh=self.inputs.mesh,
-        )
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:
         i = self.inputs
@@ -205,7 +187,10 @@ class Trainer:
         return self.monitor
 
     def _said_hello(self) -> bool:
-        return getattr(getattr(self, "rollouts", None), "connected", False)
+        """This trainer said hello to the rollout process of a ``rollout.hosts`` job."""
+        from magic_jax.run.remote import RemoteRollouts
+
+        return isinstance(self.rollouts, RemoteRollouts) and self.rollouts.connected
 
     def _farewell(
         self,
@@ -221,8 +206,8 @@ class Trainer:
 
         if self.remote is None:  # one process: no rollout process to tell
             return False
-        if not self._said_hello() and not getattr(self, "_said_farewell", False):
-            self._said_farewell = True
+        if not self._said_hello() and not self.said_farewell:
+            self.said_farewell = True
             farewell(self.remote, self.seam_key, error, signum)
         return False
 
@@ -259,8 +244,8 @@ class Trainer:
             log=self.log,
             **kw,
         )
-        # the protocol, not the class: the checkpoint item's shape is the source's own
-        rollouts: StepRollouts = SyncRollouts() if overlap is None else overlap
+        # the base class: the checkpoint item's shape is the source's own
+        rollouts: RolloutSource = SyncRollouts() if overlap is None else overlap
         self.rollouts = rollouts
         self.ckpts: TrainCheckpoints = TrainCheckpoints(self.out, keep=cfg.keep_checkpoints)
         found = newest_good_checkpoint(self.out, log=self.log)
@@ -279,10 +264,7 @@ class Trainer:
         self.profiler: StepProfiler = StepProfiler(self.out, cfg.profile_steps, log=self.log)
         self.evaluator: Evaluator | None = None
         if cfg.eval is not None:
-            i = self.inputs
-            self.evaluator = Evaluator(
-                cfg, i.model, i.graphdef, i.tokenizer, self._driver, log=self.log
-            )
+            self.evaluator = Evaluator(cfg, self.inputs, log=self.log)
         return state, loop
 
     def _run(self, end: int, signals: rundir.StopSignals) -> dict[str, object]:
@@ -318,15 +300,18 @@ class Trainer:
         sampler: StepSampler,
         signals: rundir.StopSignals,
     ) -> tuple[TrainState, int, dict[str, float]]:
-        """Steps until ``self.end``, the last stage's end or a stop, checkpointing as due;
-        returns (the state, the stop signal or 0, the summary's counts of the state)."""
+        """The loop: each step (``_step``), then the hooks due after it (``_hooks``),
+        until ``self.end``, the last stage's end or a stop; returns (the state, the stop
+        signal or 0, the summary's counts of the state)."""
         cfg, schedule = self.config, loop.schedule
+        hooks = self._hooks()
         counts, stop = _counts(state), 0
         while loop.step < self.end and not schedule.finished(cfg):
             try:
                 if cfg.eval is not None and loop.step == 0:
                     self._evaluate(state, 0, sampler.pool, loop, until=True)
-                state, ended = self._one_step(loop.step, state, loop, sampler)
+                state, done = self._step(state, loop, sampler)
+                hooks.run(done)
                 counts = _counts(state)
             except interrupt.Interrupted as e:
                 # Only a rollout or an update with its groups saved is cut short
@@ -339,12 +324,30 @@ class Trainer:
             if not stop and distributed.preemption_notice(loop.step):
                 self.log(f"[stop] preemption notice at step {loop.step}")
                 stop = int(signal.SIGTERM)
-            due = loop.step % cfg.checkpoint_every == 0 or ended is not None
-            if due or loop.step == self.end or stop:
-                self._save(state, loop)
             if stop:
+                if loop.saved < loop.step:
+                    self._save(state, loop)
                 break
         return state, stop, counts
+
+    def _hooks(self) -> StepHooks:
+        """What runs after a step, in order: its record; evaluation every ``eval.every``
+        steps and at the last stage's end; the stage switch; a checkpoint every
+        ``checkpoint_every`` steps, at a stage's end and at the run's."""
+        cfg = self.config
+        hooks = StepHooks()
+        hooks.add(self._record)
+        if cfg.eval is not None:
+            hooks.add(
+                self._evaluate_after, every=cfg.eval.every, also=lambda d: _ends(d) and d.last_stage
+            )
+        hooks.add(self._switch_stage, every=None, also=_ends)
+        hooks.add(
+            self._checkpoint,
+            every=cfg.checkpoint_every,
+            also=lambda d: _ends(d) or d.step == self.end,
+        )
+        return hooks
 
     def _summary(
         self, state: TrainState, loop: LoopState, stop: int, counts: dict[str, float]
@@ -374,40 +377,122 @@ class Trainer:
             rundir.write_summary(self.out, summary)
         return summary
 
-    def _one_step(
-        self, step: int, state: TrainState, loop: LoopState, sampler: StepSampler
-    ) -> tuple[TrainState, str | None]:
-        """Global step ``step``: rollouts, update, its record, evaluation when due and the
-        stage switch (``loop.step`` becomes the next step); returns (the new state, how
-        its stage ended or None).
+    def _step(
+        self, state: TrainState, loop: LoopState, sampler: StepSampler
+    ) -> tuple[TrainState, StepDone]:
+        """One training step, ``loop.step``: its rollouts (scored as they finish), their
+        buffer, the update, the step's record; ``loop.step`` becomes the next step.
+        Returns (the new state, the finished step for the hooks).
 
         Raises:
-          interrupt.Interrupted: a stop came during the rollout, update or evaluation.
+          interrupt.Interrupted: a stop came during the rollout or the update.
         """
+        from magic_jax.run.overlap import clip_by_staleness
+
         cfg, schedule = self.config, loop.schedule
         if self.stage is None or self.stage.index != schedule.index:
             self.stage = self._stage(schedule.index, loop.excluded)
+        stage, step = self.stage, loop.step
+        k = schedule.stage_step(step)
         interrupt.at(step)
         with self.profiler.step(step):  # profile_steps: a trace of steps A to B-1
-            k = schedule.stage_step(step)
-            state, row = self._step(state, self.stage, step, k, sampler, loop)
-        step = loop.step = step + 1
-        ended = schedule.after_step(cfg, step, row["truncated_fraction"])
-        if ended is not None:
-            row["stage_end"] = ended
-        self._monitor().step(row, format_row(row))
-        interrupt.kill_point("step", step)
-        last = ended is not None and schedule.index == len(cfg.stages) - 1
-        if cfg.eval is not None and (step % cfg.eval.every == 0 or last):
-            with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
-                ev = self._evaluate(state, step, sampler.pool, loop, until=ended is None)
-            ended = ended or ev.get("stage_end")
-        if ended is not None:
-            # the stage switch: online filtering, fresh statistics (checkpointed)
-            self.log(f"[stage {schedule.index}] ends at step {step}: {ended}")
-            interrupt.kill_point("stage", step)  # the switch is made, not yet checkpointed
-            loop.end_stage(cfg, ended)
-        return state, ended
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            rollout = self._rollout(stage, step, k, state, sampler, loop)
+            t1 = time.perf_counter()
+            buffer = self._buffer(stage, step, rollout.got)
+            t2 = time.perf_counter()
+            state, metrics = self._update(stage, step, state, buffer, rollout.saved)
+            t3 = time.perf_counter()
+        times = {
+            "t_rollout_s": t1 - t0 - rollout.other_s,
+            "t_update_s": t3 - t2,
+            "t_other_s": t2 - t1 + rollout.other_s,
+            "t_cpu_s": time.process_time() - cpu0,  # every thread's, verifiers apart
+        }
+        skipped = int(state.skipped)
+        record = step_row(cfg, stage, step, k, rollout.got, metrics, skipped, times)
+        record |= rollout.metrics | clip_by_staleness(metrics)
+        loop.step = step + 1
+        ended = schedule.after_step(cfg, loop.step, record["truncated_fraction"])
+        last_stage = schedule.index == len(cfg.stages) - 1
+        return state, StepDone(loop.step, state, record, ended, last_stage, loop, sampler.pool)
+
+    def _rollout(
+        self,
+        stage: Stage,
+        step: int,
+        k: int,
+        state: TrainState,
+        sampler: StepSampler,
+        loop: LoopState,
+    ) -> StepRollout:
+        """Step ``step``'s (stage step ``k``'s) groups from the run's rollout source, each
+        prompt's rewards counted for online filtering."""
+        from magic_jax.rollout import partial
+
+        resumed = step == loop.saved  # a stop resumes here: keep the groups as they finish
+        if resumed:
+            # this step's groups and, until its checkpoint is whole, the previous one's;
+            # with a producer ahead of the update, the steps in flight too
+            first, ahead = loop.kept_from, self.rollouts.keeps_ahead
+            if distributed.is_primary():
+                partial.prune(self.out, keep=range(first, self.end + 1) if ahead else (step, first))
+            loop.kept_from = step
+        at = StepAt(stage, step, k, self.end, resumed)
+        rollout = self.rollouts.rollout(at, state, sampler)
+        for group in rollout.got.every:
+            loop.tracker.record(group.row.uid, group.rewards)
+        return rollout
+
+    def _buffer(self, stage: Stage, step: int, got: Collected) -> RolloutBuffer:
+        """The update's buffer of ``got``: advantages and padding, and the staleness of
+        each token where its samples say which version drew it (overlap mode)."""
+        inputs = self.inputs
+        buffer = pack_step(self.config, stage, got, inputs.tokenizer, inputs.pad_id)
+        from magic_jax.run.overlap import with_staleness
+
+        versioned = any(s.versions is not None for g in got.groups for s in g.samples)
+        return with_staleness(buffer, got.groups, step) if versioned else buffer
+
+    def _update(
+        self, stage: Stage, step: int, state: TrainState, buffer: RolloutBuffer, saved: bool
+    ) -> tuple[TrainState, Metrics]:
+        """Step ``step``'s optimizer steps on ``buffer``; the rollout source is told the
+        new version. Cut short by a stop only when the step's groups are ``saved``."""
+        import jax
+
+        rng = jax.random.fold_in(jax.random.key(self.config.seed), step)
+        with contextlib.nullcontext() if saved else interrupt.deferred():
+            state, metrics = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
+        interrupt.kill_point("update", step)  # the update is dispatched, not yet done
+        self.rollouts.updated(step + 1, state.params)
+        jax.block_until_ready(state.params)
+        return state, metrics
+
+    def _record(self, done: StepDone) -> None:
+        """The hook of every step: its record in ``metrics.jsonl`` and the progress line."""
+        if done.ended is not None:
+            done.record["stage_end"] = done.ended
+        self._monitor().step(done.record, format_row(done.record))
+        interrupt.kill_point("step", done.step)
+
+    def _evaluate_after(self, done: StepDone) -> None:
+        """The evaluation hook; its ``until`` rule may end the stage."""
+        with interrupt.deferred():  # a stop waits for the evaluation, then checkpoints
+            row = self._evaluate(done.state, done.step, done.pool, done.loop, until=not _ends(done))
+        done.ended = done.ended or row.get("stage_end")
+
+    def _switch_stage(self, done: StepDone) -> None:
+        """The stage switch (the hook of a stage's end): online filtering, fresh statistics
+        (checkpointed by the next hook)."""
+        assert done.ended is not None, "a hook of a stage's end"
+        self.log(f"[stage {done.loop.schedule.index}] ends at step {done.step}: {done.ended}")
+        interrupt.kill_point("stage", done.step)  # the switch is made, not yet checkpointed
+        done.loop.end_stage(self.config, done.ended)
+
+    def _checkpoint(self, done: StepDone) -> None:
+        """The checkpoint hook."""
+        self._save(done.state, done.loop)
 
     def _save(self, state: TrainState, loop: LoopState) -> Path:
         import jax
@@ -432,54 +517,10 @@ class Trainer:
         self._monitor().eval(row, format_eval(row, self.evaluator.eval.num_samples))
         return row
 
-    def _step(
-        self,
-        state: TrainState,
-        stage: Stage,
-        step: int,
-        k: int,
-        sampler: StepSampler,
-        loop: LoopState,
-    ) -> tuple[TrainState, JSON]:
-        """Step ``step`` (stage step ``k``): its rollouts, their buffer, the update and
-        the step's metrics line; returns (the new state, the line)."""
-        import jax
 
-        from magic_jax.rollout import partial
-        from magic_jax.run.overlap import clip_by_staleness
-
-        cfg, source = self.config, self.rollouts
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        resumed = step == loop.saved  # a stop resumes here: keep the groups as they finish
-        if resumed:
-            if jax.process_index() == 0:
-                partial.prune(self.out, keep=source.kept_steps(step, loop.kept_from, self.end))
-            loop.kept_from = step
-        r = source.rollout(stage, step, k, state, sampler, resumed=resumed, end=self.end)
-        t1 = time.perf_counter()
-        for g in r.got.every:
-            loop.tracker.record(g.row.uid, g.rewards)
-        i = self.inputs
-        buffer = pack_step(cfg, stage, r.got, i.tokenizer, i.pad_id)
-        buffer = source.annotate(buffer, r.got.groups, step)
-        t2 = time.perf_counter()
-        rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-        # an update is cut short only where its groups and the state before it are kept
-        with contextlib.nullcontext() if r.saved else interrupt.deferred():
-            state, m = stage.updater.update(state, buffer, rng, ref_params=self.ref_params)
-        interrupt.kill_point("update", step)  # the update is dispatched, not yet done
-        source.updated(step + 1, state.params)
-        jax.block_until_ready(state.params)
-        t3 = time.perf_counter()
-        times = {
-            "t_rollout_s": t1 - t0 - r.other_s,
-            "t_update_s": t3 - t2,
-            "t_other_s": t2 - t1 + r.other_s,
-            "t_cpu_s": time.process_time() - cpu0,  # every thread's, verifiers apart
-        }
-        st = stage.config
-        row = step_row(cfg, stage.index, st, step, k, r.got, m, int(state.skipped), times)
-        return state, row | r.metrics | clip_by_staleness(m)
+def _ends(done: StepDone) -> bool:
+    """The finished step ends its stage."""
+    return done.ended is not None
 
 
 def _counts(state: TrainState) -> dict[str, float]:
