@@ -10,7 +10,7 @@ verifier of ``scoring``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack
 
 import numpy as np
 from flax import nnx
@@ -42,6 +42,20 @@ class Verifiers(Protocol):
     def collect(self, tickets: Sequence[int]) -> list[RewardResult]: ...
 
 
+class RunOptions(TypedDict, total=False):
+    """A rollout's options beside its weights and prompts (``RolloutDriver.run`` says
+    what each means): what a driver that wraps another passes through."""
+
+    num_samples: int
+    seed: int
+    step: int
+    max_new_tokens: int | np.ndarray | None
+    truncation: Truncation
+    profile: bool
+    on_sample: Callable[[Sample], None] | None
+    prompt_indices: Sequence[int] | None
+
+
 class Driver(Protocol):
     """Samples G responses to each prompt on an engine (``driver.RolloutDriver``)."""
 
@@ -50,18 +64,7 @@ class Driver(Protocol):
         ...
 
     def run(
-        self,
-        params: Params,
-        prompts: Sequence[np.ndarray],
-        *,
-        num_samples: int = 1,
-        seed: int = 0,
-        step: int = 0,
-        max_new_tokens: int | np.ndarray | None = None,
-        truncation: Truncation = "no_eos",
-        profile: bool = False,
-        on_sample: Callable[[Sample], None] | None = None,
-        prompt_indices: Sequence[int] | None = None,
+        self, params: Params, prompts: Sequence[np.ndarray], **options: Unpack[RunOptions]
     ) -> tuple[list[Sample], RolloutStats]:
         """The samples ordered by (prompt, sample), and where the time went."""
         ...

@@ -280,20 +280,10 @@ class _Worker:
         from magic_jax.run.stages import build_stage
 
         self._close()
-        cfg, i, log = self.config, self.inputs, self.log
-        stage = build_stage(
-            cfg,
-            body["index"],
-            i.rows,
-            body["excluded"],
-            policy=i.model,
-            graphdef=i.graphdef,
-            mesh=i.mesh,
-            rollout_mesh=i.rollout_mesh,
-        )
-        first, k0, end, epoch = body["first"], body["k"], body["end"], body["epoch"]
-        log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
-        self.overlap.start(stage, first, k0, end, self.sampler)
+        stage = build_stage(self.config, body["index"], self.inputs, body["excluded"])
+        first, end, epoch = body["first"], body["end"], body["epoch"]
+        self.log(f"[rollout] {stage.describe()}: steps {first} to {end - 1}")
+        self.overlap.start(stage, first, body["k"], end, self.sampler)
         self.sender = threading.Thread(
             target=self._send,
             args=(self.overlap.pipeline, epoch, first, end),

@@ -23,14 +23,11 @@ from magic_jax.run.rundir import JSON  # what ``StageProgress`` and ``LoopState`
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from flax import nnx
-    from jax.sharding import Mesh
-
-    from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.collect import Collected
     from magic_jax.rollout.driver import RolloutDriver
     from magic_jax.rollout.partial import StepStore
     from magic_jax.rollout.protocols import Driver, Params, Tokenizer, Verifiers
+    from magic_jax.run.inputs import RunInputs
     from magic_jax.update.buffer import RolloutBuffer
     from magic_jax.update.config import UpdateConfig
     from magic_jax.update.token_classes import TokenMask
@@ -132,36 +129,25 @@ def pack_step(
 
 
 def build_stage(
-    config: TrainConfig,
-    index: int,
-    rows: Sequence[PromptRow],
-    excluded: Sequence[str],
-    *,
-    policy: Qwen2,
-    graphdef: nnx.GraphDef,
-    mesh: Mesh | None,
-    rollout_mesh: Mesh | None = None,
+    config: TrainConfig, index: int, inputs: RunInputs, excluded: Sequence[str]
 ) -> Stage:
     """Builds stage ``index``: its prompts, prompt order, rollout driver and updater.
 
     Args:
       config: the run.
       index: the stage.
-      rows: every training prompt of the run (after offline filtering).
+      inputs: the run's prompts (after offline filtering), policy (the engine takes its
+        graph and shapes, not its weights), training mesh and, when other devices
+        generate (``rollout.devices``), the rollout mesh.
       excluded: uids online filtering has dropped so far.
-      policy: the policy model (the engine takes its graph and shapes, not its weights).
-      graphdef: the policy's ``nnx.GraphDef``.
-      mesh: the training mesh, or None.
-      rollout_mesh: the devices that generate, when they are not the training mesh's
-        (``rollout.devices``); None: ``mesh``.
     """
     import jax
 
     from magic_jax.rollout.driver import make_driver
     from magic_jax.update.updater import PolicyUpdater
 
-    st = config.stages[index]
-    kept = online_filter(rows, set(excluded))
+    st, mesh = config.stages[index], inputs.mesh
+    kept = online_filter(inputs.rows, set(excluded))
     seed = config.seed + 1000 * index
     # each host reads its own slice of every step's prompts (scoring.score_groups gathers)
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -170,14 +156,14 @@ def build_stage(
     if config.rollout.refill:
         refill = prompt_batches(kept, st.prompts_per_step, seed=seed + 500, **hosts)
     driver = make_driver(
-        policy,
+        inputs.model,
         config.rollout,
         max_prompt_length=config.data.max_prompt_length,
         max_response_length=st.max_response_length,
         sampling=config.sampling,
-        mesh=mesh if rollout_mesh is None else rollout_mesh,
+        mesh=mesh if inputs.rollout_mesh is None else inputs.rollout_mesh,
     )
-    updater = PolicyUpdater(graphdef, update_config(config, index), mesh=mesh)
+    updater = PolicyUpdater(inputs.graphdef, update_config(config, index), mesh=mesh)
     return Stage(index, st, kept, list(excluded), batches, driver, updater, refill)
 
 

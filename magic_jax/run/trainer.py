@@ -94,17 +94,7 @@ class Trainer:
         (self._print if self.monitor is None else self.monitor.write)(line)
 
     def _stage(self, index: int, excluded: list[str]) -> Stage:
-        i = self.inputs
-        stage = build_stage(
-            self.config,
-            index,
-            i.rows,
-            excluded,
-            policy=i.model,
-            graphdef=i.graphdef,
-            mesh=i.mesh,
-            rollout_mesh=i.rollout_mesh,
-        )
+        stage = build_stage(self.config, index, self.inputs, excluded)
         self.log(stage.describe())
         return stage
 
@@ -285,8 +275,8 @@ class Trainer:
                 watchdog.Watchdog(cfg.watchdog_s, self.out),  # watchdog_s: stacks, then exit
             ):
                 if not stop:
-                    i = self.inputs
-                    sampler = StepSampler(cfg, i.tokenizer, pool, self.out, self.log)
+                    tokenizer = self.inputs.tokenizer
+                    sampler = StepSampler(cfg, tokenizer, pool, self.out, self.log)
                     state, stop, counts = self._train(state, loop, sampler, signals)
         finally:
             self.rollouts.close()

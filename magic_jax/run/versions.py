@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Unpack
 
 import jax
 import numpy as np
@@ -15,8 +15,8 @@ import numpy as np
 if TYPE_CHECKING:
     from magic_jax.model.qwen2 import Qwen2
     from magic_jax.rollout.driver import RolloutDriver
-    from magic_jax.rollout.protocols import Params
-    from magic_jax.rollout.samples import RolloutStats, Sample, Truncation
+    from magic_jax.rollout.protocols import Params, RunOptions
+    from magic_jax.rollout.samples import RolloutStats, Sample
     from magic_jax.update.entropy_control import EntropyControlState
     from magic_jax.update.state import TrainState
 
@@ -182,29 +182,6 @@ class ScheduledDriver:
         return self.driver.load_params(model_or_params)
 
     def run(
-        self,
-        params: Params,
-        prompts: Sequence[np.ndarray],
-        *,
-        num_samples: int = 1,
-        seed: int = 0,
-        step: int = 0,
-        max_new_tokens: int | np.ndarray | None = None,
-        truncation: Truncation = "no_eos",
-        profile: bool = False,
-        on_sample: Callable[[Sample], None] | None = None,
-        prompt_indices: Sequence[int] | None = None,
+        self, params: Params, prompts: Sequence[np.ndarray], **options: Unpack[RunOptions]
     ) -> tuple[list[Sample], RolloutStats]:
-        return self.driver.run(
-            params,
-            prompts,
-            num_samples=num_samples,
-            seed=seed,
-            step=step,
-            max_new_tokens=max_new_tokens,
-            truncation=truncation,
-            profile=profile,
-            on_sample=on_sample,
-            prompt_indices=prompt_indices,
-            schedule=self.schedule,
-        )
+        return self.driver.run(params, prompts, schedule=self.schedule, **options)
