@@ -360,9 +360,9 @@ class Trainer:
             )
         elif schedule.finished(cfg) and cfg.export_hf:
             # every process gathers the weights tensor by tensor; process 0 writes them
-            out, i = self.out / "hf_final", self.inputs
-            export_policy(out, i.graphdef, state.params, i.tokenizer, cfg.export_dtype)
-            summary["hf_export"] = str(out)
+            export, inputs = self.out / "hf_final", self.inputs
+            export_policy(export, inputs.graphdef, state.params, inputs.tokenizer, cfg.export_dtype)
+            summary["hf_export"] = str(export)
         if distributed.is_primary():
             rundir.write_summary(self.out, summary)
         return summary
