@@ -1,6 +1,7 @@
 """What a notebook does for its reader: figures saved and shown, the checkout's results found
 from anywhere, no training without being asked, and progress while it trains."""
 
+import ast
 import json
 import os
 import subprocess
@@ -160,17 +161,140 @@ def test_show_saves_prints_and_displays_in_a_kernel(tmp_path, monkeypatch, capsy
     # the committed results' figures go beside the notebooks, as ``ablations figures`` puts them
     assert figures.figures_dir(ROOT / "notebooks" / "results") == ROOT / "notebooks" / "figures"
     # in a Jupyter kernel the image itself is displayed (a bare Figure would only print its repr)
-    shown = []
+    shown = _fake_kernel(monkeypatch)
+    figures.show(_figure(True), "x", tmp_path)
+    assert shown == [("image", "png", png.read_bytes())]
+
+
+def _fake_kernel(monkeypatch) -> list:
+    """IPython as a Jupyter kernel has it (a shell with a kernel, ``display``), without
+    Jupyter; returns the list every displayed object is appended to."""
+    shown: list = []
     shell = types.SimpleNamespace(kernel=object())
     ipython = types.ModuleType("IPython")
     ipython.get_ipython = lambda: shell
+    ipython.version_info = (9, 0, 0)  # matplotlib reads it when it makes a canvas
     display = types.ModuleType("IPython.display")
     display.Image = lambda data, format: ("image", format, data)
     display.display = shown.append
     monkeypatch.setitem(sys.modules, "IPython", ipython)
     monkeypatch.setitem(sys.modules, "IPython.display", display)
-    figures.show(_figure(True), "x", tmp_path)
-    assert shown == [("image", "png", png.read_bytes())]
+    return shown
+
+
+def test_a_script_opens_each_figure_in_a_window_where_one_can_open(tmp_path, monkeypatch):
+    import atexit
+
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    assert not figures.windows()  # Agg, as tests run: a file, no window
+    calls = []
+    monkeypatch.setattr(matplotlib, "get_backend", lambda **_: "TkAgg")  # as with a display
+    monkeypatch.setattr(plt, "show", lambda **kw: calls.append(("show", kw)))
+    monkeypatch.setattr(plt, "pause", lambda s: calls.append(("pause", s)))
+    monkeypatch.setattr(atexit, "register", lambda fn: calls.append(("at exit", fn)))
+    assert figures.windows()
+    try:
+        first, again = _figure(True), _figure(True)
+        figures.show(first, "x", tmp_path)
+        # pyplot manages the very figure drawn (its window), and the script's end waits on it
+        assert plt.get_figlabels() == ["x"] and plt.figure("x") is first
+        assert calls == [("show", {"block": False}), ("pause", 0.001), ("at exit", plt.show)]
+        figures.show(again, "x", tmp_path)  # drawn again: the new figure replaces the window
+        assert plt.get_figlabels() == ["x"] and plt.figure("x") is again
+        assert [c[0] for c in calls].count("at exit") == 1
+        figures.show(_figure(False), "empty", tmp_path)  # nothing drawn: no window
+        assert plt.get_figlabels() == ["x"]
+    finally:
+        plt.close("all")
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.py"))
+
+
+def _code_cells(path: Path) -> list[str]:
+    """The code cells of a jupytext percent notebook, in order."""
+    cells, current = [], None
+    for line in path.read_text().splitlines(keepends=True):
+        if line.startswith("# %%"):
+            if current is not None:
+                cells.append("".join(current))
+            current = None if "[markdown]" in line else []
+        elif current is not None:
+            current.append(line)
+    if current is not None:
+        cells.append("".join(current))
+    return cells
+
+
+def _top_level_calls(tree: ast.Module, test) -> int:
+    """Calls in a cell outside its function definitions whose callee's name passes ``test``."""
+    count, todo = 0, list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.Call):
+            f = node.func
+            count += test(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+        todo.extend(ast.iter_child_nodes(node))
+    return count
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_figure_cell_shows_its_figure_and_ends_in_no_bare_figure(path):
+    """Read, not run: each figure a cell draws (a ``*_figure(...)`` call) goes to
+    ``figures.show``, and no cell ends in a bare name, which Jupyter would display as its
+    value (a figure only as ``<Figure size ...>``, or twice beside the shown image)."""
+    cells = _code_cells(path)
+    assert cells, path
+    drawn = 0
+    for source in cells:
+        tree = ast.parse(source)
+        last = tree.body[-1] if tree.body else None
+        assert not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Name)), source
+        draws = _top_level_calls(tree, lambda name: name.endswith("_figure"))
+        shows = _top_level_calls(tree, lambda name: name == "show")
+        assert draws == shows, f"{path.name}: {draws} figures drawn, {shows} shown in\n{source}"
+        drawn += draws
+    assert drawn, f"{path.name} draws no figure"
+
+
+@pytest.mark.heavy  # 8-12 s each on 2 cores: the notebook reads every committed run of its claim
+@pytest.mark.parametrize("name", ["08_central_lockout", "11_staleness"])
+def test_a_kernel_running_the_notebook_shows_every_figure_it_draws(name, monkeypatch, capsys):
+    """The notebook's cells run one by one as a Jupyter kernel runs them (its last expression
+    displayed); every figure a cell draws with data is displayed as a PNG image in that cell."""
+    from matplotlib.figure import Figure
+
+    for k in (ablations.STEPS_ENV, ablations.RESULTS_ENV, progress.YES_ENV):
+        monkeypatch.delenv(k, raising=False)
+    shown = _fake_kernel(monkeypatch)
+    made: list = []
+    init = Figure.__init__
+
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Figure, "__init__", counted)
+    scope: dict = {"__name__": "__main__"}
+    images = 0
+    for i, source in enumerate(_code_cells(ROOT / "notebooks" / f"{name}.py")):
+        made.clear()
+        shown.clear()
+        tree = ast.parse(source)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, f"{name} cell {i}", "exec"), scope)
+        if last is not None:  # what Jupyter displays after the cell: it must be no figure
+            value = eval(compile(ast.Expression(last.value), f"{name} cell {i}", "eval"), scope)
+            assert not isinstance(value, Figure), f"cell {i} ends in a bare figure"
+        with_data = [f for f in made if any(ax.has_data() for ax in f.axes)]
+        assert [s[:2] for s in shown] == [("image", "png")] * len(with_data), (i, source)
+        images += len(with_data)
+    assert "training in" not in capsys.readouterr().out
+    assert images == {"08_central_lockout": 5, "11_staleness": 4}[name]
 
 
 def test_a_new_arm_from_a_committed_one(tmp_path, monkeypatch, capsys):
