@@ -370,3 +370,38 @@ def test_jupyter_shows_the_figure_cells_image(tmp_path):
     assert figure_cells
     for cell in figure_cells:
         assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source
+
+
+def test_supervised_baselines_beyond_a_few_start_only_when_told(tmp_path, monkeypatch):
+    import magic_jax.jobs.carry_world as carry_world
+
+    for k in (progress.YES_ENV, ablations.STEPS_ENV, ablations.RESULTS_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(sys, "stdin", None)
+    arm = ablations.ABLATIONS["central"].arm("carry-adaptive-0.08")
+    for seed in range(5):  # five finished runs of 120 s of steps each, no baseline yet
+        d = ablations.summary_dir(tmp_path, arm, seed)
+        d.mkdir(parents=True)
+        (d / "run.json").write_text("{}")
+        row = {"step": 0, "t_rollout_s": 100.0, "t_update_s": 20.0, "t_eval_s": 50.0}
+        (d / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    made = []
+
+    def sft_continuation(seconds, *, seed, num_samples):
+        made.append((seed, seconds))
+        return {"after": {"accuracy": 0.2}}
+
+    monkeypatch.setattr(carry_world, "sft_continuation", sft_continuation)
+    logs = []
+    opts = {"results": tmp_path, "log": logs.append}
+    with pytest.raises(SystemExit, match=r"^\[ablations\] 5 runs to train in .*, about 15 min"):
+        ablations.ensure_sft("central", "carry-adaptive-0.08", **opts)
+    assert not made and not (tmp_path / "sft").exists()
+    assert logs == ["[ablations] 5 SFT continuation(s) of carry-adaptive-0.08 to do, about 15 min"]
+    out = ablations.ensure_sft("central", "carry-adaptive-0.08", yes=True, **opts)
+    assert made == [(s, 120.0) for s in range(5)] and sorted(out) == list(range(5))
+    # made once: asked again, nothing to train and nothing asked; a few start unasked
+    assert ablations.ensure_sft("central", "carry-adaptive-0.08", **opts) == out
+    (tmp_path / "sft" / arm.key / "seed4.json").unlink()
+    ablations.ensure_sft("central", "carry-adaptive-0.08", **opts)
+    assert len(made) == 6
