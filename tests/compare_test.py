@@ -126,7 +126,7 @@ def test_the_committed_outcomes_csv_is_the_committed_runs(tmp_path):
     assert got == (ROOT / "notebooks" / "figures" / "outcomes.csv").read_text()
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # 69 s on 2 cores (one carry-world run of one step a stage, then compare)
 def test_a_new_arm_trained_on_the_smoke_budget_then_compared(tmp_path):
     """As typed: ``ablations run --from ... --set ...`` trains the new arm (one step a
     stage), then ``compare`` draws it against the committed arm's copied runs."""
