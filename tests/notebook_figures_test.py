@@ -141,6 +141,23 @@ def test_watch_logs_progress_while_the_run_trains(tmp_path):
     assert logs and logs[0].startswith("[ablations] x/arm seed 0: step 2/10, entropy 0.490")
 
 
+def test_at_a_terminal_a_run_is_one_line_rewritten_in_place(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    _fake_raw(raw, 2)
+    logs = []
+    cmd = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    log = tmp_path / "seed0.log"
+    assert progress.watch(cmd, raw, log, "x/arm seed 0", logs.append, 0.1, live=True) == 0
+    out = capsys.readouterr().out
+    assert not logs and "\n" not in out  # no new line: the same one, rewritten, then erased
+    rewrites = out.split(progress.CLEAR)
+    assert rewrites[0] == "" and rewrites[-1] == "" and len(rewrites) >= 3
+    assert rewrites[1].startswith("[ablations] x/arm seed 0: step 2/10, entropy 0.490")
+    # where nothing was shown (a run ending within the period) nothing is erased
+    assert progress.watch([*cmd[:2], "pass"], raw, log, "x", logs.append, 5.0, live=True) == 0
+    assert capsys.readouterr().out == "" and not logs
+
+
 def _figure(data: bool):
     from matplotlib.figure import Figure
 

@@ -22,8 +22,9 @@ built over several sessions::
         --set loss.eps_high=0.4 --seeds 0-4 --yes    # a new arm (experiments/derived.py)
 
 More than a few missing runs (``progress.FEW``) start only with ``--yes``,
-``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal; each run prints a progress line
-every 30 s and the path of its log, ``<results>/raw/<arm>/seed<k>.log``.
+``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal (the SFT baselines too); each run
+prints the path of its log, ``<results>/raw/<arm>/seed<k>.log``, and its progress: at a
+terminal one line rewritten every 2 s, elsewhere (a notebook, a log) a line every 30 s.
 
 A short budget for smoke runs (CI executes the notebooks this way):
 ``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
