@@ -129,6 +129,10 @@ def test_a_runs_progress_line(tmp_path):
     line = progress.progress_line(tmp_path / "r", 60.0)
     # 4 of 10 steps in a minute: 1.5 min left; the half-written last line is skipped
     assert line == "step 4/10, entropy 0.470, accuracy 0.250 (step 0), about 1.5 min left"
+    _fake_raw(tmp_path / "end", 10)
+    line = progress.progress_line(tmp_path / "end", 60.0)
+    done = "steps done, finishing (the last evaluation and checkpoint)"
+    assert line == f"step 10/10, entropy 0.410, accuracy 0.250 (step 0), {done}"
 
 
 def test_watch_logs_progress_while_the_run_trains(tmp_path):

@@ -85,8 +85,10 @@ def progress_line(raw: Path, elapsed: float) -> str | None:
     evals = _records(raw / "eval.jsonl")
     if evals and evals[-1].get("accuracy") is not None:
         parts.append(f"accuracy {float(evals[-1]['accuracy']):.3f} (step {evals[-1]['step']})")
-    if total:
-        parts.append(f"about {elapsed / step * max(total - step, 0) / 60:.1f} min left")
+    if total and step >= total:
+        parts.append("steps done, finishing (the last evaluation and checkpoint)")
+    elif total:
+        parts.append(f"about {elapsed / step * (total - step) / 60:.1f} min left")
     return ", ".join(parts)
 
 
