@@ -4,6 +4,7 @@ from anywhere, no training without being asked, and progress while it trains."""
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -209,7 +210,9 @@ def test_a_script_opens_each_figure_in_a_window_where_one_can_open(tmp_path, mon
     import matplotlib
     import matplotlib.pyplot as plt
 
-    assert not figures.windows()  # Agg, as tests run: a file, no window
+    plt.switch_backend("agg")  # no real window, even where the tests run with a display
+    monkeypatch.setattr(matplotlib, "get_backend", lambda **_: "agg")  # no display
+    assert not figures.windows()  # a file, no window
     calls = []
     monkeypatch.setattr(matplotlib, "get_backend", lambda **_: "TkAgg")  # as with a display
     monkeypatch.setattr(plt, "show", lambda **kw: calls.append(("show", kw)))
@@ -229,6 +232,54 @@ def test_a_script_opens_each_figure_in_a_window_where_one_can_open(tmp_path, mon
         assert plt.get_figlabels() == ["x"]
     finally:
         plt.close("all")
+
+
+SHOW_IN_A_WINDOW = """
+import sys
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from magic_jax.experiments import figures
+fig = Figure()
+fig.subplots().plot([0, 1])
+figures.show(fig, "central", sys.argv[1])
+print(matplotlib.get_backend(), fig.canvas.manager.get_window_title(), type(fig.canvas).__name__)
+plt.close("all")  # the script's end then has no window to wait for
+"""
+
+
+def test_under_a_real_display_a_script_opens_a_window(tmp_path):
+    """On an X display (Xvfb, where installed) with matplotlib choosing its own backend."""
+    xvfb = shutil.which("Xvfb")
+    if xvfb is None:
+        pytest.skip("no Xvfb here (apt-get install xvfb)")
+    pytest.importorskip("tkinter")
+    read, write = os.pipe()
+    server = subprocess.Popen(
+        [xvfb, "-displayfd", str(write), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
+        pass_fds=(write,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.close(write)
+    try:
+        with os.fdopen(read) as f:
+            display = f":{f.readline().strip()}"  # written once the server accepts clients
+        env = _env(DISPLAY=display)
+        env.pop("MPLBACKEND")
+        proc = subprocess.run(
+            [sys.executable, "-c", SHOW_IN_A_WINDOW, str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.terminate()
+        server.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "tkagg central FigureCanvasTkAgg"
+    assert (tmp_path / "figures" / "central.png").exists()
 
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.py"))
