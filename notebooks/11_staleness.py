@@ -43,6 +43,7 @@ from matplotlib.figure import Figure
 
 from magic_jax.experiments import ablation_report, ablations, figures
 from magic_jax.experiments.pairing import ROLLOUT_KEYS, first_difference, identical_arms
+from magic_jax.jobs.report import legend_below
 
 ABLATION = "staleness"
 AB = ablations.ABLATIONS[ABLATION]
@@ -87,7 +88,6 @@ def seed_of(run):
 # %%
 fig = ablation_report.ablation_figure(ABLATION, runs)
 figures.show(fig, ABLATION, results)
-fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
 # Final held-out accuracy, mean entropy and mean alpha against the staleness s, naive and
@@ -98,7 +98,7 @@ fig  # noqa: B018 (the cell shows it)
 
 # %%
 def by_staleness_figure():
-    fig = Figure(figsize=(13.5, 4.2), dpi=90)
+    fig = Figure(figsize=(13.5, 4.6), dpi=90, layout="constrained")
     axes = fig.subplots(1, 3)
     outcomes = ("final accuracy", "mean entropy", "mean alpha")
     colors = dict(zip(KINDS, ablation_report.colors(2)))
@@ -125,15 +125,13 @@ def by_staleness_figure():
         ax.set_xlabel("staleness s")
         ax.set_title(name, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    legend_below(fig, axes[0], outside=True)  # under the panels, off the points
     fig.suptitle("Outcomes against staleness (each seed and the mean over seeds)", fontsize=11)
-    fig.tight_layout()
     return fig
 
 
 fig = by_staleness_figure()
 figures.show(fig, f"{ABLATION}_by_s", results)
-fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
 # Entropy (log scale; dashed: the controller's target) and alpha over the steps for sync, naive
@@ -144,7 +142,7 @@ fig  # noqa: B018 (the cell shows it)
 def curves_figure():
     keys = [SYNC, arm_key(4, "naive"), arm_key(4, "decoupled")]
     three = {k: runs.get(k, []) for k in keys}
-    fig = Figure(figsize=(13.5, 4.2), dpi=90)
+    fig = Figure(figsize=(13.5, 4.6), dpi=90, layout="constrained")
     axes = fig.subplots(1, 2)
     titles = ("token entropy (nats); dashed: target", "entropy coefficient alpha")
     for ax, key, title in zip(axes, ("entropy", "alpha"), titles):
@@ -155,15 +153,13 @@ def curves_figure():
         ax.grid(alpha=0.3)
     if any(three.values()):
         axes[0].set_yscale("log")
-        axes[0].legend(fontsize=8)
+        legend_below(fig, axes[0], outside=True)  # under the panels, off the points
     fig.suptitle("sync, naive s4 and decoupled s4 over the steps", fontsize=11)
-    fig.tight_layout()
     return fig
 
 
 fig = curves_figure()
 figures.show(fig, f"{ABLATION}_curves", results)
-fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
 # From the overlap arms' step records: the rollout tokens' entropy and the update's clip
@@ -177,7 +173,7 @@ OVERLAP = [arm_key(s, kind) for kind in KINDS for s in STALENESS]
 
 
 def overlap_figure():
-    fig = Figure(figsize=(13.5, 4.2), dpi=90)
+    fig = Figure(figsize=(13.5, 4.6), dpi=90, layout="constrained")
     axes = fig.subplots(1, 3)
     colors = dict(zip(OVERLAP, ablation_report.colors(len(OVERLAP))))
     for arm in OVERLAP:
@@ -207,15 +203,13 @@ def overlap_figure():
     axes[1].set_xlabel("token staleness (versions)")
     axes[2].set_xlabel("step k")
     if any(runs.get(a) for a in OVERLAP):
-        axes[0].legend(fontsize=7)
+        legend_below(fig, axes[0], outside=True)
     fig.suptitle("Overlap arms: per-staleness records and the manipulation check", fontsize=11)
-    fig.tight_layout()
     return fig
 
 
 fig = overlap_figure()
 figures.show(fig, f"{ABLATION}_overlap", results)
-fig  # noqa: B018 (the cell shows it)
 
 # %% [markdown]
 # The manipulation checks per run, as numbers: the steps whose `staleness_mean` is not

@@ -71,6 +71,25 @@ def test_compare_names_what_it_cannot_find(tmp_path, capsys):
     assert "two arms or more" in capsys.readouterr().err
 
 
+def test_compare_warns_when_the_runs_differ_in_length(tmp_path):
+    import gzip
+
+    _copy_arm("carry-clip-0.1", tmp_path, seeds=[0, 1])
+    _copy_arm("carry-clip-0.07", tmp_path / "derived", name="short", seeds=[0])
+    (tmp_path / "derived/runs/short/arm.json").write_text(
+        json.dumps({"from": "carry-clip-0.1", "set": ["loss.eps_high=0.07"]})
+    )
+    text = compare.compare(["carry-clip-0.1", "short"], tmp_path)[1]
+    assert "differ in length" not in text  # equal lengths: no warning
+    packed = tmp_path / "derived/runs/short/seed0/metrics.jsonl.gz"
+    rows = gzip.decompress(packed.read_bytes()).decode().splitlines(keepends=True)
+    packed.write_bytes(gzip.compress("".join(rows[:2]).encode()))  # a smoke run's two steps
+    text = compare.compare(["carry-clip-0.1", "short"], tmp_path)[1]
+    assert "Warning: the runs differ in length (steps per run: carry-clip-0.1 300; short 2)" in text
+    out = tmp_path / "compare" / "carry-clip-0.1_vs_short" / "compare.md"
+    assert "differ in length" in out.read_text()
+
+
 def test_a_sweep_trains_a_derived_arm_per_value_and_compares(tmp_path, monkeypatch):
     monkeypatch.delenv(ablations.STEPS_ENV, raising=False)
     _copy_arm("carry-clip-0.1", tmp_path, seeds=[0, 1])
@@ -126,7 +145,7 @@ def test_the_committed_outcomes_csv_is_the_committed_runs(tmp_path):
     assert got == (ROOT / "notebooks" / "figures" / "outcomes.csv").read_text()
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # 69 s on 2 cores (one carry-world run of one step a stage, then compare)
 def test_a_new_arm_trained_on_the_smoke_budget_then_compared(tmp_path):
     """As typed: ``ablations run --from ... --set ...`` trains the new arm (one step a
     stage), then ``compare`` draws it against the committed arm's copied runs."""

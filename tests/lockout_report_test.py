@@ -175,3 +175,21 @@ def test_plot_arms_draws_each_seed_thin_under_the_thick_mean(runs, tmp_path):
     # reward 0.5 + 0.001 step + 0.01 seed: the seed mean at step 10 over seeds 0-2
     assert mean.get_ydata()[10] == pytest.approx(0.51 + 0.01)
     assert mean.get_label() == "adaptive (n=3)"
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [lr.probe_figure, lr.entropy_class_figure, lr.phase_figure, lr.pass_at_k_figure, None],
+    ids=["probe", "entropy_class", "phase", "pass_at_k", "ablation"],
+)
+def test_each_figures_legend_lies_off_every_panel(runs, draw):
+    """One legend for the figure, under the panels: it covers no panel's lines, ticks or labels
+    (in a panel it sat on the curves it names)."""
+    fig = ar.arms_figure(runs, {}, "t") if draw is None else draw(runs)
+    fig.draw_without_rendering()
+    assert [ax.get_legend() for ax in fig.axes] == [None] * len(fig.axes)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["adaptive (n=2)", "none (n=2)"]
+    box = legend.get_window_extent()
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_tightbbox()), ax.get_title()

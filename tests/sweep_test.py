@@ -173,6 +173,12 @@ def test_figure_curves_targets_and_heat_map(tmp_path):
     # rows: targets 0.06, 0.09; columns: deltas 0.003, 0.03; (0.09, 0.03) has no run
     assert grid[0].tolist() == pytest.approx([0.5, 0.4])
     assert grid[1, 0] == pytest.approx(0.3) and math.isnan(float(grid.data[1, 1]))
-    assert "no run" in [t.get_text() for t in heat.texts]
+    (empty,) = [t for t in heat.texts if t.get_text() == "no run"]
+    assert empty.get_color() == "0.4"  # readable on the empty (white) cell
     fig.savefig(tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    # one legend, the points', under the panels: it covers no panel (nor the colour bar)
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 3 and all(ax.get_legend() is None for ax in fig.axes)
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_tightbbox()) for ax in fig.axes)

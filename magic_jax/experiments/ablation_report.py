@@ -47,7 +47,7 @@ from magic_jax.experiments.verdicts import (  # noqa: F401 (re-exported: the not
     welch,
     world_record,
 )
-from magic_jax.jobs.report import Run, colors, seed_mean
+from magic_jax.jobs.report import Run, colors, legend_below, seed_mean
 
 
 def outcome_table(
@@ -182,11 +182,7 @@ def arms_figure(runs: Mapping[str, Sequence[Run]], labels: Mapping[str, str], ti
         for s in _stage_changes(runs):
             ax.axvline(s, color="0.5", linestyle=":", linewidth=0.9)
     # one legend under the panels, off every curve (in a panel it sat on the held entropy)
-    handles, names = axes.flat[0].get_legend_handles_labels()
-    ncol = max(1, min(len(names), 4))
-    rows = -(-len(names) // ncol)
-    if names:
-        fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    rows = legend_below(fig, axes.flat[0])
     fig.suptitle(
         f"{title}: seed mean (thick line) and each seed (thin lines); dotted: stage change",
         fontsize=11,

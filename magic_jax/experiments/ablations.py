@@ -22,8 +22,9 @@ built over several sessions::
         --set loss.eps_high=0.4 --seeds 0-4 --yes    # a new arm (experiments/derived.py)
 
 More than a few missing runs (``progress.FEW``) start only with ``--yes``,
-``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal; each run prints a progress line
-every 30 s and the path of its log, ``<results>/raw/<arm>/seed<k>.log``.
+``MAGIC_JAX_NOTEBOOK_YES=1`` or a yes typed at a terminal (the SFT baselines too); each run
+prints the path of its log, ``<results>/raw/<arm>/seed<k>.log``, and its progress: at a
+terminal one line rewritten every 2 s, elsewhere (a notebook, a log) a line every 30 s.
 
 A short budget for smoke runs (CI executes the notebooks this way):
 ``MAGIC_JAX_NOTEBOOK_STEPS=1`` runs every stage for that many steps, one seed per arm,
@@ -171,11 +172,13 @@ def ensure_sft(
     seeds: Sequence[int] | None = None,
     results: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
+    yes: bool = False,
 ) -> dict[int, dict]:
     """Carry world: for every finished seed of ``arm`` (of ``seeds``, default all), supervised
     training continued from the base for the same seconds of training steps as that run
     (``world.sft_continuation``, same seed), made once and kept in
-    ``<results>/sft/<arm>/seed<k>.json``; returns them by seed."""
+    ``<results>/sft/<arm>/seed<k>.json``; returns them by seed. More than a few missing ones
+    start only when told, as runs do (``progress.confirm``)."""
     from magic_jax.jobs.carry_world import sft_continuation
 
     ab = ABLATIONS[ablation]
@@ -183,13 +186,19 @@ def ensure_sft(
         raise ValueError(f"{ablation}: a supervised baseline needs the carry world")
     where = results_dir(results)
     a = ab.arm(arm)
+    done = [s for s in (ab.seeds if seeds is None else seeds) if is_done(where, a, s)]
+    missing = [s for s in done if not sft_path(where, a, s).exists()]
+    todo = {s: recorded_seconds(summary_dir(where, a, s), evals=False) for s in missing}
+    if todo:
+        # each takes its run's seconds of steps, plus about a minute to start and evaluate
+        minutes = sum(todo.values()) / 60 + len(todo)
+        log(f"[ablations] {len(todo)} SFT continuation(s) of {arm} to do, about {minutes:.0f} min")
+        confirm(len(todo), minutes, where, yes=yes)
     out = {}
-    for seed in ab.seeds if seeds is None else seeds:
-        summary, dest = summary_dir(where, a, seed), sft_path(where, a, seed)
-        if not is_done(where, a, seed):
-            continue
-        if not dest.exists():
-            seconds = recorded_seconds(summary, evals=False)
+    for seed in done:
+        dest = sft_path(where, a, seed)
+        if seed in todo:
+            seconds = todo[seed]
             log(f"[ablations] SFT continuation for {arm} seed {seed}: {seconds:.0f}s of steps")
             budget = step_budget()
             res = sft_continuation(seconds, seed=seed, num_samples=1 if budget else WORLD_SAMPLES)
@@ -373,6 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--arm", required=True)
     t.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
     t.add_argument("--results", help="results directory (default notebooks/results)")
+    t.add_argument("--yes", action="store_true", help="train more than a few unasked")
     s = sub.add_parser("status", help="which runs are done")
     s.add_argument("--results")
     k = sub.add_parser(
@@ -414,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             png, text = compare(args.arms, args.results, args.out)
             print(f"{text}\n[ablations] compare: {png} and {png.with_name('compare.md')}")
         elif args.cmd == "sft":
-            ensure_sft(args.ablation, args.arm, seeds=args.seeds, results=args.results)
+            opts = {"seeds": args.seeds, "results": args.results, "yes": args.yes}
+            ensure_sft(args.ablation, args.arm, **opts)
         elif args.cmd == "status":
             _status(results_dir(args.results))
         elif args.cmd == "pack":

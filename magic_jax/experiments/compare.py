@@ -124,6 +124,24 @@ def effect_rows(runs: Mapping[str, Sequence[Run]]) -> list[list[str]]:
     ]
 
 
+def run_steps(run: Run) -> int:
+    """How many steps a run trained (its last recorded step + 1; 0 without records)."""
+    return max((int(m["step"]) for m in run.metrics if "step" in m), default=-1) + 1
+
+
+def length_warning(runs: Mapping[str, Sequence[Run]]) -> str | None:
+    """A warning when the runs differ in length (a smoke run against a full one): their
+    outcomes are then read at different points of training, not beside each other."""
+    steps = {arm: sorted({run_steps(r) for r in rs}) for arm, rs in runs.items()}
+    if len({n for v in steps.values() for n in v}) <= 1:
+        return None
+    listed = "; ".join(f"{a} {', '.join(map(str, v))}" for a, v in steps.items())
+    return (
+        f"Warning: the runs differ in length (steps per run: {listed}); their outcomes are "
+        "read at different points of training, so a difference is not the options' effect."
+    )
+
+
 def compare(
     arms: Sequence[str],
     results: str | os.PathLike | None = None,
@@ -146,9 +164,11 @@ def compare(
     fig.savefig(dest / "compare.png")
     head = ["arm", "measure", "diff vs " + arms[0], "Welch 95% CI", "Welch p"]
     head += ["Mann-Whitney p (exact)", "Holm (MW)", "paired p (signed-rank)"]
+    warning = length_warning(runs)
     text = "\n\n".join(
         [
             "\n".join(f"- {labels[a]}" for a in arms),
+            *([warning] if warning else []),
             outcome_table(runs),
             format_table(head, effect_rows(runs)),
             "Exploratory: these arms were not pre-registered as a claim, and Holm counts only "

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from magic_jax.experiments.claims_table import format_table
 from magic_jax.experiments.verdicts import final_chain_accuracy, mean_of, run_seed
-from magic_jax.jobs.report import Run, colors
+from magic_jax.jobs.report import Run, colors, legend_below
 
 # A token class of ``carry.TOKEN_CLASSES`` per panel (``after_answer`` is empty: ``}`` ends
 # decoding in this world).
@@ -115,12 +115,12 @@ def _stage_lines(axes: Sequence[Any], runs: Mapping[str, Sequence[Run]]) -> None
 
 
 def _finish(fig: Figure, axes: Sequence[Any], title: str) -> Figure:
-    """Grids, a legend on the first axes that has labelled lines, the title; returns ``fig``."""
+    """Grids, the title, and under the panels (off every line) the legend of the first axes
+    that has labelled lines; returns ``fig``."""
     for ax in axes:
         ax.grid(alpha=0.3)
     for ax in axes:
-        if ax.get_legend_handles_labels()[1]:
-            ax.legend(fontsize=7)
+        if legend_below(fig, ax, fontsize=7, outside=True):
             break
     fig.suptitle(title, fontsize=11)
     return fig

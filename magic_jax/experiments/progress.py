@@ -1,6 +1,6 @@
 """What the ablation runner tells its user: how many runs and about how long before it
 starts more than a few (asking first), and each run's step, entropy, accuracy and time left
-while it trains."""
+while it trains (at a terminal one line per run, rewritten in place)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ FEW = 4  # runs started without asking (the target x delta sweep's default grid)
 MINUTES = {"default": 1.5, "carry": 3.5, "lockout": 4.0}
 SMOKE_MINUTES = 1.5
 PERIOD_S = 30.0  # seconds between a run's progress lines
+LIVE_PERIOD_S = 2.0  # at a terminal: seconds between rewrites of the run's one line
+CLEAR = "\r\x1b[K"  # back to the line's start and erase it (ANSI), as progress bars do
 
 
 def estimate_minutes(worlds: Sequence[str], budget: int | None = None) -> float:
@@ -83,8 +85,10 @@ def progress_line(raw: Path, elapsed: float) -> str | None:
     evals = _records(raw / "eval.jsonl")
     if evals and evals[-1].get("accuracy") is not None:
         parts.append(f"accuracy {float(evals[-1]['accuracy']):.3f} (step {evals[-1]['step']})")
-    if total:
-        parts.append(f"about {elapsed / step * max(total - step, 0) / 60:.1f} min left")
+    if total and step >= total:
+        parts.append("steps done, finishing (the last evaluation and checkpoint)")
+    elif total:
+        parts.append(f"about {elapsed / step * (total - step) / 60:.1f} min left")
     return ", ".join(parts)
 
 
@@ -95,20 +99,42 @@ def watch(
     name: str,
     log: Callable[[str], None] = print,
     period_s: float | None = None,
+    *,
+    live: bool | None = None,
 ) -> int:
-    """Runs ``cmd`` with its output appended to ``logfile``; every ``period_s`` seconds logs
-    one progress line of the run in ``raw``. Returns its exit status."""
-    period_s = PERIOD_S if period_s is None else period_s
-    t0 = time.perf_counter()
+    """Runs ``cmd`` with its output appended to ``logfile`` and shows the run's progress
+    (``progress_line`` of the run in ``raw``). Returns its exit status.
+
+    Args:
+      live: one line, rewritten in place every ``LIVE_PERIOD_S`` seconds and erased when the
+        run ends; default: when ``log`` is ``print`` and stdout is a terminal. Otherwise (a
+        notebook, a log file) ``log`` gets a new line every ``period_s`` (``PERIOD_S``) seconds.
+    """
+    if live is None:
+        live = log is print and sys.stdout.isatty()
+    if period_s is None:
+        period_s = LIVE_PERIOD_S if live else PERIOD_S
+    t0, shown = time.perf_counter(), False
     with open(logfile, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        while True:
-            try:
-                return proc.wait(timeout=period_s)
-            except subprocess.TimeoutExpired:
-                line = progress_line(raw, time.perf_counter() - t0)
-                log(f"[ablations] {name}: {line or 'starting (compiling)'}")
-            except BaseException:
-                proc.terminate()  # an interrupted notebook leaves no training behind
-                proc.wait()
-                raise
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=period_s)
+                except subprocess.TimeoutExpired:
+                    line = progress_line(raw, time.perf_counter() - t0)
+                    text = f"[ablations] {name}: {line or 'starting (compiling)'}"
+                    if live:
+                        sys.stdout.write(CLEAR + text)
+                        sys.stdout.flush()
+                        shown = True
+                    else:
+                        log(text)
+                except BaseException:
+                    proc.terminate()  # an interrupted notebook leaves no training behind
+                    proc.wait()
+                    raise
+        finally:
+            if shown:  # the runner's next line (done, or the failure) takes its place
+                sys.stdout.write(CLEAR)
+                sys.stdout.flush()

@@ -44,7 +44,7 @@ from magic_jax.experiments.arms import WORLDS, Arm
 from magic_jax.experiments.progress import confirm
 from magic_jax.experiments.results import is_done, results_dir, step_budget, summary_dir
 from magic_jax.experiments.verdicts import final_accuracy, final_chain_accuracy, late_entropy
-from magic_jax.jobs.report import Run, load_run
+from magic_jax.jobs.report import Run, legend_below, load_run
 
 # The default grid: targets below and near the lock-out base's held-out token entropy (0.099
 # nats, build.json), a delta ten times smaller and three times larger than the shipped 0.01.
@@ -296,7 +296,8 @@ def _heat_map(fig: Any, ax: Any, runs: dict[str, list[Run]]) -> None:
     im = ax.imshow(acc, origin="lower", cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     for (i, j), v in np.ndenumerate(acc):
         text = "no run" if np.isnan(v) else f"{v:.3f}"
-        color = "black" if not np.isnan(v) and v > 0.6 else "white"
+        # an empty cell is not drawn (the axes' white): its label in grey, not white on white
+        color = "0.4" if np.isnan(v) else "black" if v > 0.6 else "white"
         ax.text(j, i, text, ha="center", va="center", color=color, fontsize=9)
     ax.set_xticks(range(len(deltas)), [f"{d:g}" for d in deltas])
     ax.set_yticks(range(len(targets)), [f"{t:g}" for t in targets])
@@ -337,7 +338,7 @@ def sweep_figure(runs: dict[str, list[Run]]) -> Any:
     alpha.set_ylabel("alpha")
     alpha.set_title("entropy coefficient alpha_k", fontsize=10)
     if any(rs for rs in runs.values()):
-        alpha.legend(fontsize=7)
+        legend_below(fig, alpha, fontsize=7, outside=True)  # under the panels, off the curves
         _heat_map(fig, heat, runs)
     return fig
 

@@ -229,6 +229,20 @@ def legend(ax: Any) -> None:
     )
 
 
+def legend_below(fig: Any, ax: Any, *, fontsize: float = 8, outside: bool = False) -> int:
+    """One legend for the whole figure under its panels, off every curve: ``ax``'s labelled
+    lines, up to 4 a row, no frame. ``outside``: the figure has the constrained layout, which
+    makes room for it; else the caller leaves the returned number of rows free at the bottom
+    (``tight_layout(rect=...)``). Returns the legend's rows (0: nothing labelled, no legend)."""
+    handles, names = ax.get_legend_handles_labels()
+    if not names:
+        return 0
+    ncol = max(1, min(len(names), 4))
+    loc = "outside lower center" if outside else "lower center"
+    fig.legend(handles, names, loc=loc, ncol=ncol, fontsize=fontsize, frameon=False)
+    return -(-len(names) // ncol)
+
+
 def _multi(
     keys: Sequence[tuple[str, LineStyleType, str]],
 ) -> Callable[[Any, Sequence[Run]], int]:
