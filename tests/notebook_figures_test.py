@@ -4,6 +4,7 @@ from anywhere, no training without being asked, and progress while it trains."""
 import ast
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -263,8 +264,14 @@ def test_under_a_real_display_a_script_opens_a_window(tmp_path):
     )
     os.close(write)
     try:
+        # the display number, written once the server accepts clients (a server that
+        # cannot start closes the pipe; one that hangs is given 30 s)
+        ready, _, _ = select.select([read], [], [], 30)
+        assert ready, "Xvfb gave no display number in 30 s"
         with os.fdopen(read) as f:
-            display = f":{f.readline().strip()}"  # written once the server accepts clients
+            number = f.readline().strip()
+        assert number.isdigit(), f"Xvfb did not start (it wrote {number!r})"
+        display = f":{number}"
         env = _env(DISPLAY=display)
         env.pop("MPLBACKEND")
         proc = subprocess.run(
