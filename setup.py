@@ -84,6 +84,10 @@ setup(
             # building and installing the wheel (tests/wheel_test.py)
             "build>=1.2",
             "wheel",
+            # a Jupyter kernel runs a notebook (tests/notebook_figures_test.py)
+            "jupytext>=1.16",
+            "nbclient>=0.10",
+            "ipykernel>=6",
         ],
     },
     entry_points={"console_scripts": ["magic-jax=magic_jax.jobs.cli:main"]},
