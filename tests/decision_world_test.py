@@ -1,0 +1,233 @@
+"""The decision world: its task (one decision token per line, stage limits that split the
+strategies), its token classes, the decision probe against a numpy forward of a tiny
+Qwen2, its build and the pilot harness."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from magic_jax.data.tasks import carry, decision
+from magic_jax.rewards import math_reward
+
+
+@pytest.mark.parametrize("digits", [2, 3, 4])
+def test_every_line_opens_with_a_decision_and_only_a_chain_needs_them_all(digits):
+    tok = decision.tokenizer()
+    unk = tok.convert_tokens_to_ids("<unk>")
+    task = decision.DecisionTask(digits=digits)
+    skipped, checked, full = [], [], []
+    for a, b in task.problems(300, np.random.default_rng(digits)):
+        assert 10 ** (digits - 1) <= min(a, b) and max(a, b) < 10**digits
+        chain = decision.is_chain(a, b)
+        assert chain or decision.is_plain(a, b)
+        for checks in itertools.product((False, True), repeat=digits):
+            text = decision.solution(a, b, list(checks))
+            right = math_reward(text, str(a + b)).reward == 1.0
+            assert right == (all(checks) or not chain), (a, b, checks)
+            assert decision.read_decisions(text) == list(checks)
+            ids = tok.encode(text, add_special_tokens=False)
+            assert unk not in ids and len(ids) == decision.response_tokens(text)
+            # one decision token per line, the line's first token
+            pieces = [tok.decode([i]) for i in ids]
+            starts = [0, *[j + 1 for j, p in enumerate(pieces) if p == "\n"][: digits - 1]]
+            assert [pieces[j] for j in starts] == [
+                decision.CHECK if c else decision.SKIP for c in checks
+            ]
+            assert text.index(decision.STOP) == len(text) - 1
+            (checked if any(checks) else skipped).append(len(ids))
+            if chain and all(checks):
+                full.append(len(ids))
+    # stage 1 fits every all-skip response and no response with a checked line
+    assert max(skipped) == decision.stage1_limit(digits) < min(checked)
+    assert max(full) == decision.stage2_limit(digits)
+
+
+def test_the_task_and_its_limits_reject_bad_settings_by_name():
+    for kw, name in (
+        ({"digits": 5}, "digits"),
+        ({"digits": 1}, "digits"),
+        ({"chain_share": 0.0}, "chain_share"),
+        ({"chain_share": 1.2}, "chain_share"),
+        ({"check_rate": 1.0}, "check_rate"),
+        ({"check_rate": 0.0}, "check_rate"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            decision.DecisionTask(**kw)
+    with pytest.raises(ValueError, match="digits"):
+        decision.stage1_limit(6)
+    rows = decision.verl_rows(40, seed=0, task=decision.DecisionTask(chain_share=1.0))
+    assert all(r["extra_info"]["chain"] and r["data_source"] == "decision-chain" for r in rows)
+    assert decision.read_decisions("5\n</think>\n\\boxed{5}") is None  # a line without one
+    assert decision.read_decisions("<check>5+") is None  # truncated
+
+
+def test_token_classes_put_the_decision_tokens_in_a_class_of_their_own():
+    from magic_jax.update.token_classes import TokenMask, parse_token_selection
+
+    tok = decision.tokenizer()
+    text = decision.solution(5678, 4567, [True, False, True, True]) + "junk"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    classes = decision.token_classes(pieces)
+    assert [p for p, c in zip(pieces, classes) if c == "decision"] == [
+        "<check>",
+        "<skip>",
+        "<check>",
+        "<check>",
+    ]
+    assert pieces[1] == "8" and classes[1] == "digit"  # a line's first digit does not choose
+    end = pieces.index("}")
+    assert set(classes[end + 1 :]) == {"after_answer"} and classes[end] == "format"
+    assert set(classes) == set(decision.TOKEN_CLASSES)
+    assert parse_token_selection("decision:decision") == ("decision", frozenset({"decision"}))
+    mask = TokenMask("decision:decision", tok.decode)(ids)
+    assert mask.sum() == 4 and all(mask[i] == (classes[i] == "decision") for i in range(len(ids)))
+    with pytest.raises(ValueError, match="unknown class 'choice' of token classifier 'decision'"):
+        parse_token_selection("decision:choice")
+    # in the carry task's classes a decision token is not a choice
+    assert "choice" not in [
+        c for p, c in zip(pieces, carry.token_classes(pieces)) if p in decision.DECISIONS
+    ]
+
+
+def _tiny_policy(seed=0):
+    from flax import nnx
+
+    from magic_jax.model.config import ModelConfig
+    from magic_jax.model.qwen2 import Qwen2
+
+    tok = decision.tokenizer()
+    cfg = ModelConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=(tok.eos_token_id, tok.convert_tokens_to_ids(decision.STOP)),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e4,
+    )
+    model = Qwen2(cfg, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return tok, model, graphdef, params
+
+
+def _numpy_logits(w, cfg, ids):
+    """[L, V] float64 logits of one unpadded sequence: Qwen2 written out in numpy from its
+    Hugging Face tensors (RMSNorm, half-split rotary, grouped-query causal attention with
+    q/k/v biases, SwiGLU, tied output embedding)."""
+
+    def rms(x, g):
+        return g * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+
+    def rope(x):  # [L, heads, H]
+        h = x.shape[-1]
+        inv = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2) / h)
+        ang = np.arange(x.shape[0])[:, None, None] * inv
+        x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+        return np.concatenate(
+            [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1
+        )
+
+    n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+    hd = d // n
+    length = len(ids)
+    x = w["model.embed_tokens.weight"][ids]
+    causal = np.tril(np.ones((length, length), bool))
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        h = rms(x, w[pre + "input_layernorm.weight"])
+
+        def proj(name, h=h, pre=pre):
+            return h @ w[pre + f"self_attn.{name}.weight"].T + w[pre + f"self_attn.{name}.bias"]
+
+        q = rope(proj("q_proj").reshape(length, n, hd))
+        kk = rope(proj("k_proj").reshape(length, k, hd))
+        v = proj("v_proj").reshape(length, k, hd)
+        group = n // k
+        heads = []
+        for j in range(n):
+            s = q[:, j] @ kk[:, j // group].T / np.sqrt(hd)
+            s = np.where(causal, s, -np.inf)
+            a = np.exp(s - s.max(-1, keepdims=True))
+            heads.append((a / a.sum(-1, keepdims=True)) @ v[:, j // group])
+        x = x + np.concatenate(heads, -1) @ w[pre + "self_attn.o_proj.weight"].T
+        h = rms(x, w[pre + "post_attention_layernorm.weight"])
+        gate = h @ w[pre + "mlp.gate_proj.weight"].T
+        up = h @ w[pre + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[pre + "mlp.down_proj.weight"].T
+    return rms(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
+
+
+def test_decision_probe_is_the_exact_probability_of_check_by_a_numpy_forward(tmp_path):
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from magic_jax.data.rows import parse_row, tokenize_rows
+    from magic_jax.model.convert import save_hf
+    from magic_jax.rollout.probes import ProbeContext, get_probe
+
+    tok, model, graphdef, params = _tiny_policy()
+    save_hf(model, tmp_path, dtype=jnp.float32)
+    w = {k: v.astype(np.float64) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    rows = decision.verl_rows(6, seed=3)
+    parsed = [parse_row(r, "t", f"h{i}") for i, r in enumerate(rows)]
+    parsed, _ = tokenize_rows(parsed, tok, max_prompt_length=16)
+    check = tok.convert_tokens_to_ids(decision.CHECK)
+    for temperature in (1.0, 0.7):
+        ctx = ProbeContext(
+            graphdef=graphdef,
+            params=params,
+            rows=parsed,
+            tokenizer=tok,
+            eos_ids=model.config.eos_ids,
+            temperature=temperature,
+            samples_per_step=128,
+        )
+        got = get_probe("decision")(ctx)
+        per_line, whole = [], []
+        for r in parsed:
+            ab = decision.row_problem(r.as_verl_row())
+            if not decision.is_chain(*ab):
+                continue
+            resp = tok.encode(decision.full_check(*ab), add_special_tokens=False)
+            assert resp[-1] in model.config.eos_ids  # "}" ends the response as sampled
+            ids = np.asarray([*r.token_ids, *resp])
+            logits = _numpy_logits(w, model.config, ids) / temperature
+            logp = logits - logits.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            n = len(r.token_ids)
+            steps = [logp[n + j - 1, t] for j, t in enumerate(resp)]
+            per_line.append([np.exp(steps[j]) for j, t in enumerate(resp) if t == check])
+            whole.append(np.exp(sum(steps)))
+        per_line = np.asarray(per_line)
+        assert per_line.shape == (got["problems"], decision.DIGITS) and got["problems"] > 0
+        full = per_line.prod(axis=1)
+        np.testing.assert_allclose(got["p_mean"], full.mean(), rtol=1e-4)
+        np.testing.assert_allclose(got["p_min"], full.min(), rtol=1e-4)
+        np.testing.assert_allclose(got["log10_p_mean"], np.log10(full).mean(), rtol=1e-4)
+        np.testing.assert_allclose(got["p_check_first"], per_line[:, 0].mean(), rtol=1e-4)
+        np.testing.assert_allclose(got["p_check_line"], per_line.mean(), rtol=1e-4)
+        np.testing.assert_allclose(got["p_sequence_mean"], np.mean(whole), rtol=1e-3)
+        share = got["problems"] / len(parsed)
+        assert got["chain_share"] == share
+        np.testing.assert_allclose(got["expected_per_step"], 128 * share * got["p_mean"])
+    # no chain: NaN figures; a tokenizer without the decision tokens: a clear error
+    plain = [r for r in parsed if not decision.is_chain(*decision.row_problem(r.as_verl_row()))]
+    got = get_probe("decision")(
+        ProbeContext(graphdef=graphdef, params=params, rows=plain, tokenizer=tok, eos_ids=(2,))
+    )
+    assert got["problems"] == 0 and np.isnan(got["p_mean"])
+    with pytest.raises(ValueError, match="not one token"):
+        get_probe("decision")(
+            ProbeContext(
+                graphdef=graphdef,
+                params=params,
+                rows=parsed,
+                tokenizer=carry.tokenizer(),
+                eos_ids=(2,),
+            )
+        )
