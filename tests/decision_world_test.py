@@ -3,6 +3,8 @@ strategies), its token classes, the decision probe against a numpy forward of a 
 Qwen2, its build and the pilot harness."""
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,3 +233,127 @@ def test_decision_probe_is_the_exact_probability_of_check_by_a_numpy_forward(tmp
                 eos_ids=(2,),
             )
         )
+
+
+def _fake_base(path, digits=4):
+    """A base directory whose build is recorded (the pilot does not build it again)."""
+    path.mkdir(parents=True)
+    (path / "model").mkdir()
+    (path / "build.json").write_text("{}\n")
+    for name, seed in (("train", 1), ("heldout", 2)):
+        rows = decision.verl_rows(20, seed, decision.DecisionTask(digits=digits))
+        (path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_pilot_records_p_at_stage_1_end_per_arm_and_whether_stage_2_learned(tmp_path):
+    from magic_jax.jobs.decision_pilots import Pilot, PilotArm, run_pilot
+
+    pilot = Pilot(
+        name="tiny",
+        seeds=(0, 1),
+        stage1_steps=4,
+        stage2_steps=2,
+        eval_every=2,
+        arms=(
+            PilotArm(name="none", overrides=("entropy.mode=fixed", "entropy.init_coef=0.0")),
+            PilotArm(name="held", overrides=("entropy.tokens=decision:decision",)),
+        ),
+    )
+    _fake_base(tmp_path / "base")
+    trained = []
+
+    def train(cfg):  # stands in for a run: its evaluations as the trainer writes them
+        held = cfg.entropy.tokens == "decision:decision"
+        trained.append((held, cfg.seed, [s.max_response_length for s in cfg.stages]))
+        p = {0: 0.06, 2: 0.02, 4: (0.03 if held else 1e-6) * (1 + cfg.seed), 6: 0.1}
+        acc = {6: 0.6 if held else 0.0 + 0.1 * cfg.seed}
+        lines = [
+            {
+                "step": s,
+                "probe": {"p_mean": v, "expected_per_step": 64 * v},
+                "by_source": {"heldout-chain": acc.get(s, 0.0), "heldout-plain": 1.0},
+            }
+            for s, v in p.items()
+        ]
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    got = run_pilot(pilot, tmp_path, log=lambda s: None, train=train)
+    limits = [decision.stage1_limit(4), decision.stage2_limit(4)]
+    assert trained == [(False, 0, limits), (False, 1, limits), (True, 0, limits), (True, 1, limits)]
+    runs = {(r["arm"], r["seed"]): r for r in got["runs"]}
+    assert runs["none", 1]["p_stage1_end"] == 2e-6 and runs["none", 1]["locked_out"]
+    assert runs["held", 1]["p_stage1_end"] == 0.06 and runs["held", 1]["learnable"]
+    assert runs["held", 0]["learned"] and not runs["none", 1]["learned"]
+    summary = {s["arm"]: s for s in got["summary"]}
+    assert summary["none"]["locked_out"] == 2 and summary["none"]["learned"] == 0
+    assert summary["held"]["p_stage1_end_median"] == pytest.approx(0.045)
+    assert summary["held"]["learnable"] == 2 and summary["held"]["learned"] == 2
+    table = (tmp_path / "pilots.md").read_text()
+    assert "| held | 2 | 0.045 [0.03, 0.06] | 0/2 | 2/2 | 2/2 |" in table
+    assert json.loads((tmp_path / "pilots.json").read_text()) == json.loads(json.dumps(got))
+    # finished runs are read back, not run again
+    trained.clear()
+    run_pilot(pilot, tmp_path, log=lambda s: None, train=train)
+    assert trained == []
+
+
+def test_a_pilot_declaration_is_checked_with_errors_naming_what_is_wrong(tmp_path):
+    from magic_jax.jobs.decision_pilots import Pilot, load_pilot
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "name: p1\nseeds: [0, 1, 2]\nchain_share: 0.75\nstage1_steps: 50\n"
+        "arms: [{name: none, overrides: [entropy.mode=fixed, entropy.init_coef=0.0]}]\n"
+    )
+    p = load_pilot(path)
+    assert p.seeds == (0, 1, 2) and p.chain_share == 0.75 and p.arms[0].name == "none"
+    assert p.build_config().chain_share == 0.75
+    for text, match in (
+        ("name: p\nseeds: [0]\nsteps: 3\n", "unknown key 'steps'"),
+        ("name: p\nseeds: [0]\nchain_share: 0\n", "chain_share"),
+        ("name: p\nseeds: [0]\ncheck_rate: 1.5\n", "check_rate"),
+        ("name: p\nseeds: [0]\ndigits: 5\n", "digits"),
+        ("name: p\nseeds: [0, 0]\n", "seeds"),
+        ("name: p\nseeds: []\n", "seeds"),
+        ("name: p\nseeds: [0]\nstage1_steps: 30\n", "eval_every"),
+        ("name: p\nseeds: [0]\nlearnable_above: 0.00001\n", "locked_out_below"),
+        ("name: p\nseeds: [0]\nlearnable_above: 1e-6\n", "a number, got '1e-6'"),
+        ("name: 'a b'\nseeds: [0]\n", "pilot name"),
+        ("name: p\nseeds: [0]\narms: [{overrides: []}]\n", "name"),
+        ("name: p\nseeds: [0]\nbuild: {nope: 1}\n", "nope"),
+        ("[1, 2]\n", "mapping"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match) as e:
+            load_pilot(path)
+        assert str(path) in str(e.value)
+    with pytest.raises(ValueError, match="learned_above"):
+        Pilot(name="p", seeds=(0,), learned_above=0.0)
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: a 2-step build, then 2 arms x 1 seed x 4 RL steps
+def test_a_tiny_pilot_runs_end_to_end(tmp_path):
+    from magic_jax.jobs.decision_pilots import Pilot, run_pilot
+
+    build = dict(eval_every=2, train_problems=32, heldout_problems=8, eval_problems=2, batch=8)
+    pilot = Pilot(
+        name="smoke",
+        seeds=(0,),
+        sft_steps=2,
+        build=build,
+        stage1_steps=2,
+        stage2_steps=2,
+        eval_every=2,
+    )
+    got = run_pilot(pilot, tmp_path, log=lambda s: None)
+    hf = json.loads((tmp_path / "base" / "model" / "config.json").read_text())
+    tok = decision.tokenizer()
+    assert hf["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids(decision.STOP)]
+    st = json.loads((tmp_path / "base" / "build.json").read_text())["statistics"]
+    assert st["samples"] == 64 and 0 < st["probe"]["p_mean"] < 1
+    assert [(r["arm"], r["seed"]) for r in got["runs"]] == [("none", 0), ("adaptive-decision", 0)]
+    for r in got["runs"]:
+        assert 0 < r["p_stage1_end"] < 1 and 0 <= r["chain_accuracy_final"] <= 1
+    assert "| adaptive-decision | 1 |" in (tmp_path / "pilots.md").read_text()
