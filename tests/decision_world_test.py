@@ -357,3 +357,25 @@ def test_a_tiny_pilot_runs_end_to_end(tmp_path):
     for r in got["runs"]:
         assert 0 < r["p_stage1_end"] < 1 and 0 <= r["chain_accuracy_final"] <= 1
     assert "| adaptive-decision | 1 |" in (tmp_path / "pilots.md").read_text()
+
+
+def test_build_world_builds_the_decision_world_and_the_pilot_command_checks_its_file(
+    tmp_path, monkeypatch, capsys
+):
+    from magic_jax.jobs import cli, decision_pilots, decision_world
+
+    built = []
+    monkeypatch.setattr(
+        decision_world, "build_decision_world", lambda out, config: built.append((out, config))
+    )
+    args = cli.build_parser().parse_args(
+        ["build-world", "--world", "decision", "--out", str(tmp_path), "--seed", "3"]
+    )
+    assert args.func(args) == 0
+    assert built == [(str(tmp_path), decision_world.DecisionBuildConfig(seed=3))]
+    (tmp_path / "p.yaml").write_text("name: p\nseeds: [0]\ndigits: 7\n")
+    with pytest.raises(SystemExit):
+        decision_pilots.main([str(tmp_path / "p.yaml"), "--out", str(tmp_path / "o")])
+    assert "digits must be an integer in [2, 4], got 7" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="sft_steps"):
+        decision_world.DecisionBuildConfig(sft_steps=0)
