@@ -379,3 +379,35 @@ def test_build_world_builds_the_decision_world_and_the_pilot_command_checks_its_
     assert "digits must be an integer in [2, 4], got 7" in capsys.readouterr().err
     with pytest.raises(ValueError, match="sft_steps"):
         decision_world.DecisionBuildConfig(sft_steps=0)
+
+
+def test_the_run_config_trains_the_world_as_designed_and_names_bad_overrides(tmp_path):
+    from magic_jax.jobs.decision_pilots import DECISION_ADAPTIVE
+    from magic_jax.jobs.decision_world import run_config
+    from magic_jax.run.config import ConfigError
+
+    _fake_base(tmp_path / "base", digits=3)
+    kw = dict(digits=3, stage1_steps=10, stage2_steps=20, eval_every=5, seed=4)
+    cfg = run_config(tmp_path / "base", output_dir=tmp_path / "r", **kw)
+    assert [(s.steps, s.max_response_length) for s in cfg.stages] == [(10, 22), (20, 42)]
+    assert cfg.eval.probe == "decision" and cfg.eval.max_response_length == 42
+    assert cfg.seed == 4 and cfg.entropy.mode == "adaptive" and cfg.entropy.tokens is None
+    held = run_config(
+        tmp_path / "base", output_dir=tmp_path / "r", overrides=DECISION_ADAPTIVE, **kw
+    )
+    assert held.entropy.tokens == "decision:decision" and held.entropy.target == 0.5
+    # a positive control: stage 1 without the punishment (the full check fits throughout)
+    ctrl = run_config(
+        tmp_path / "base",
+        output_dir=tmp_path / "r",
+        overrides=["stages.0.max_response_length=42"],
+        **kw,
+    )
+    assert [s.max_response_length for s in ctrl.stages] == [42, 42]
+    with pytest.raises(ConfigError, match="entropy.tokens"):
+        run_config(
+            tmp_path / "base",
+            output_dir=tmp_path / "r",
+            overrides=["entropy.tokens=decision:x"],
+            **kw,
+        )

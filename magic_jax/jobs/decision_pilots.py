@@ -189,11 +189,14 @@ def run_figures(pilot: Pilot, evals: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"pilot {pilot.name}: no evaluation at step {step}")
     p0, p1 = (float(by_step[s]["probe"]["p_mean"]) for s in (0, pilot.stage1_steps))
     chain = float(by_step[total]["by_source"]["heldout-chain"])
+    probe1 = by_step[pilot.stage1_steps]["probe"]
     return {
         "p_start": p0,
         "p_stage1_end": p1,
         "log10_p_stage1_end": math.log10(p1) if p1 > 0 else float("-inf"),
-        "expected_per_step_stage1_end": by_step[pilot.stage1_steps]["probe"]["expected_per_step"],
+        "p_check_first_stage1_end": probe1.get("p_check_first"),
+        "p_sequence_stage1_end": probe1.get("p_sequence_mean"),
+        "expected_per_step_stage1_end": probe1["expected_per_step"],
         "locked_out": p1 <= pilot.locked_out_below,
         "learnable": p1 >= pilot.learnable_above,
         "chain_accuracy_final": chain,
