@@ -286,6 +286,7 @@ def test_a_pilot_records_p_at_stage_1_end_per_arm_and_whether_stage_2_learned(tm
     assert runs["none", 1]["p_stage1_end"] == 2e-6 and runs["none", 1]["locked_out"]
     assert runs["held", 1]["p_stage1_end"] == 0.06 and runs["held", 1]["learnable"]
     assert runs["held", 0]["learned"] and not runs["none", 1]["learned"]
+    assert runs["none", 0]["p_by_step"] == {"0": 0.06, "2": 0.02, "4": 1e-6, "6": 0.1}
     summary = {s["arm"]: s for s in got["summary"]}
     assert summary["none"]["locked_out"] == 2 and summary["none"]["learned"] == 0
     assert summary["held"]["p_stage1_end_median"] == pytest.approx(0.045)
@@ -331,6 +332,12 @@ def test_a_pilot_declaration_is_checked_with_errors_naming_what_is_wrong(tmp_pat
         assert str(path) in str(e.value)
     with pytest.raises(ValueError, match="learned_above"):
         Pilot(name="p", seeds=(0,), learned_above=0.0)
+    # the module's example declaration loads
+    from magic_jax.jobs import decision_pilots
+
+    path.write_text(decision_pilots.__doc__.split("A declaration::", 1)[1])
+    example = load_pilot(path)
+    assert example.name == "dose-a" and [a.name for a in example.arms] == ["none", "held"]
 
 
 @pytest.mark.slow  # ~1 min on 2 cores: a 2-step build, then 2 arms x 1 seed x 4 RL steps

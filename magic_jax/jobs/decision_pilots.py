@@ -9,7 +9,17 @@ finished run is not run again) and writes ``pilots.json`` (the declaration, ever
 run's figures, each arm's summary) and ``pilots.md`` (the table): P(full-check
 decisions) at stage 1's end (the decision probe's ``p_mean``), locked out (at most
 ``locked_out_below``) or learnable (at least ``learnable_above``), and whether stage 2
-learned (final held-out chain accuracy at least ``learned_above``).
+learned (final held-out chain accuracy at least ``learned_above``); each run's P at
+every evaluation (``p_by_step``) for the figure of P over steps. A declaration::
+
+    name: dose-a
+    seeds: [100, 101, 102]
+    chain_share: 0.5          # half the problems punish a check in stage 1
+    check_rate: 0.5
+    stage1_steps: 150
+    arms:
+      - {name: none, overrides: [entropy.mode=fixed, entropy.init_coef=0.0]}
+      - {name: held, overrides: [entropy.tokens=decision:decision, entropy.target=0.5]}
 """
 
 from __future__ import annotations
@@ -200,6 +210,7 @@ def run_figures(pilot: Pilot, evals: list[dict[str, Any]]) -> dict[str, Any]:
         "locked_out": p1 <= pilot.locked_out_below,
         "learnable": p1 >= pilot.learnable_above,
         "chain_accuracy_final": chain,
+        "p_by_step": {str(k): float(e["probe"]["p_mean"]) for k, e in sorted(by_step.items())},
         "learned": chain >= pilot.learned_above,
     }
 
