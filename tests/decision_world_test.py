@@ -42,7 +42,7 @@ def test_every_line_opens_with_a_decision_and_only_a_chain_needs_them_all(digits
                 full.append(len(ids))
     # stage 1 fits every all-skip response and no response with a checked line
     assert max(skipped) == decision.stage1_limit(digits) < min(checked)
-    assert max(full) == decision.stage2_limit(digits)
+    assert max(full) == max(checked) == decision.stage2_limit(digits)  # stage 2 fits all
 
 
 def test_the_task_and_its_limits_reject_bad_settings_by_name():
