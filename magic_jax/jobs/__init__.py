@@ -1,2 +1,2 @@
 """The commands: the CLI, the scoring jobs (evaluation, difficulty estimation), the TPU
-planner, the default run, the worlds' builds, reports."""
+planner, the default run, the worlds' builds and the decision world's pilots, reports."""

@@ -85,14 +85,15 @@ def _build_default(args: argparse.Namespace) -> int:
 
 
 def _build_world(args: argparse.Namespace) -> int:
-    if args.world == "lockout":
-        from magic_jax.jobs.lockout_world import LockoutBuildConfig, build_lockout_world
+    from magic_jax.jobs import carry_world, decision_world, lockout_world
 
-        build_lockout_world(args.out, LockoutBuildConfig(seed=args.seed))
-        return 0
-    from magic_jax.jobs.carry_world import WorldBuildConfig, build_carry_world
-
-    build_carry_world(args.out, WorldBuildConfig(seed=args.seed))
+    worlds: dict[str, tuple[Any, Any]] = {
+        "carry": (carry_world.build_carry_world, carry_world.WorldBuildConfig),
+        "lockout": (lockout_world.build_lockout_world, lockout_world.LockoutBuildConfig),
+        "decision": (decision_world.build_decision_world, decision_world.DecisionBuildConfig),
+    }
+    build, config = worlds[args.world]
+    build(args.out, config(seed=args.seed))
     return 0
 
 
@@ -366,9 +367,9 @@ def _add_builds(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--world",
-        choices=("carry", "lockout"),
+        choices=("carry", "lockout", "decision"),
         default="carry",
-        help="carry (docs/carry-world.md) or lockout (docs/lockout-world.md)",
+        help="carry, lockout or decision (docs/<world>-world.md)",
     )
     p.set_defaults(func=_build_world)
 

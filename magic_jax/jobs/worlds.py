@@ -82,6 +82,9 @@ class World:
         ``statistics`` in ``build.json``.
       stop: characters that also end a response (end-of-sequence ids of the model
         beside the tokenizer's EOS): the lock-out world's ``}`` ends decoding at the answer.
+      rows_task: draw the problem files with the build's task (``make_task``), for a
+        world whose settings shape the problems (the decision world's ``digits`` and
+        ``chain_share``); False: the task module's default problems.
     """
 
     tag: str
@@ -90,6 +93,7 @@ class World:
     response: Callable[..., str]
     evaluator: Callable[..., tuple[Evaluate, Callable[[Any], dict[str, Any]] | None]]
     stop: str = ""
+    rows_task: bool = False
 
     def module(self) -> Any:
         return importlib.import_module(f"magic_jax.data.tasks.{self.task}")
@@ -177,13 +181,16 @@ def read_rows_file(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
 
-def _problems(world: World, config: Any, out: Path) -> tuple[list[dict], set]:
+def _problems(world: World, config: Any, out: Path, task: Any) -> tuple[list[dict], set]:
     """Writes ``heldout.jsonl`` and ``train.jsonl`` (no held-out problem among the
     training ones); the held-out rows and their problems."""
     mod = world.module()
-    heldout = mod.verl_rows(config.heldout_problems, seed=config.seed + 1, source="heldout")
+    task = task if world.rows_task else None
+    heldout = mod.verl_rows(config.heldout_problems, config.seed + 1, task, source="heldout")
     held = {mod.row_problem(r) for r in heldout}
-    train = mod.verl_rows(config.train_problems, seed=config.seed + 2, source="train", exclude=held)
+    train = mod.verl_rows(
+        config.train_problems, config.seed + 2, task, source="train", exclude=held
+    )
     write_rows_file(out / "heldout.jsonl", heldout)
     write_rows_file(out / "train.jsonl", train)
     return heldout, held
@@ -221,7 +228,7 @@ def build_world(
     out = Path(out)
     _check_out(out)
     task, tok = world.make_task(config), world.module().tokenizer()
-    heldout, held = _problems(world, config, out)
+    heldout, held = _problems(world, config, out, task)
     eos = tok.eos_token_id
     if world.stop:
         eos = (eos, *tok.convert_tokens_to_ids(list(world.stop)))

@@ -5,8 +5,10 @@ A probe is ``fn(context) -> {figure: value}``, run by the trainer's evaluation w
 built-in ``lockout`` probe measures whether a run of the lock-out world
 (``magic_jax.data.tasks.lockout``) can still sample the better strategy: the exact
 probability, by teacher forcing, that the policy writes the full check of each
-held-out chain problem, and how many such samples a training step should draw.
-``register_probe`` adds others (from a config's ``extensions`` module).
+held-out chain problem, and how many such samples a training step should draw; the
+built-in ``decision`` probe reads the decision world's exact P(``<check>``) at each
+line of the full check (``magic_jax.data.tasks.decision``). ``register_probe`` adds
+others (from a config's ``extensions`` module).
 """
 
 from __future__ import annotations
@@ -78,6 +80,36 @@ def _token_logprobs(graphdef, params, ids_BL, mask_BL, temperature):
     return jnp.pad(logp_BL, ((0, 0), (1, 0)))
 
 
+def token_logprobs(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[Sequence[int]],
+    *,
+    temperature: float = 1.0,
+) -> np.ndarray:
+    """[n, width] float64: the log-prob of each response token given the prompt and the
+    tokens before it, by teacher forcing at ``temperature``, at its position in the
+    prompt-then-response row (0 at the prompt's positions and the padding). One forward
+    pass over every pair, right-padded.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses")
+    if not prompts:
+        return np.zeros((0, 0), np.float64)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = _LENGTH_BUCKET * math.ceil(max(lengths) / _LENGTH_BUCKET)
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    scored = np.zeros((len(prompts), width), bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : lengths[i]] = np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32)
+        mask[i, : lengths[i]] = 1
+        scored[i, len(p) : lengths[i]] = True
+    logp = _token_logprobs(graphdef, params, ids, mask, jnp.float32(temperature))
+    return np.where(scored, np.asarray(logp, np.float64), 0.0)
+
+
 def sequence_logprobs(
     graphdef: nnx.GraphDef,
     params: Params,
@@ -96,17 +128,8 @@ def sequence_logprobs(
         raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses")
     if not prompts:
         return np.zeros((0,), np.float64)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = _LENGTH_BUCKET * math.ceil(max(lengths) / _LENGTH_BUCKET)
-    ids = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros((len(prompts), width), np.int32)
-    scored = np.zeros((len(prompts), width), bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : lengths[i]] = np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32)
-        mask[i, : lengths[i]] = 1
-        scored[i, len(p) : lengths[i]] = True
-    logp = _token_logprobs(graphdef, params, ids, mask, jnp.float32(temperature))
-    return np.where(scored, np.asarray(logp, np.float64), 0.0).sum(axis=1)
+    rows = token_logprobs(graphdef, params, prompts, responses, temperature=temperature)
+    return rows.sum(axis=1)
 
 
 def response_ids(tokenizer: Tokenizer, text: str, eos_ids: Sequence[int]) -> list[int]:
@@ -255,7 +278,69 @@ def lockout_probe(ctx: ProbeContext) -> dict[str, object]:
     }
 
 
-_PROBES: Registry[ProbeFn] = Registry("probe", {"lockout": lockout_probe})
+def decision_probe(ctx: ProbeContext) -> dict[str, object]:
+    """The decision world's probe: the policy's exact probability of choosing ``<check>``.
+
+    Teacher-forcing each held-out chain's full check (``magic_jax.data.tasks.decision``),
+    it reads the probability of ``<check>`` at every line's decision token, given the
+    lines before it written right: the choice alone, apart from the digits.
+
+    Returns:
+      ``problems`` (held-out chains probed); ``p_mean`` (the mean over them of the product
+      of those probabilities: P(every decision of the full check), the P of the lock-out
+      and learnable thresholds), ``p_median``, ``p_min``, ``log10_p_mean``;
+      ``p_check_first`` (mean P(``<check>``) at the first line) and ``p_check_line``
+      (mean over every line); ``p_sequence_mean`` (the full check's whole text, digits
+      included); ``chain_share``; ``expected_per_step`` (``samples_per_step x
+      chain_share x p_mean``: full-check decisions a training step is expected to draw).
+
+    Raises:
+      ValueError: the tokenizer does not hold ``<check>`` as one token.
+    """
+    from magic_jax.data.tasks import decision
+
+    check = list(ctx.tokenizer.encode(decision.CHECK, add_special_tokens=False))
+    if len(check) != 1:
+        raise ValueError(
+            f"decision probe: the tokenizer encodes {decision.CHECK!r} as {check}, not one "
+            f"token (a model of the decision world has it in its vocabulary)"
+        )
+    targets = [(row, decision.probe_target(row)) for row in ctx.rows]
+    chains = [(row, ab) for row, ab in targets if ab is not None]
+    if not chains:  # nothing to probe: every figure but the counts is NaN
+        nan = float("nan")
+        figures = ["p_mean", "p_median", "p_min", "log10_p_mean", "p_check_first"]
+        figures += ["p_check_line", "p_sequence_mean", "expected_per_step"]
+        return {"problems": 0, "chain_share": 0.0, **dict.fromkeys(figures, nan)}
+    prompts = [np.asarray(row.token_ids, np.int32) for row, _ in chains]
+    responses = [
+        response_ids(ctx.tokenizer, decision.full_check(*ab), ctx.eos_ids) for _, ab in chains
+    ]
+    logp = token_logprobs(ctx.graphdef, ctx.params, prompts, responses, temperature=ctx.temperature)
+    lines = [
+        logp[i, [len(p) + j for j, t in enumerate(r) if t == check[0]]]
+        for i, (p, r) in enumerate(zip(prompts, responses))
+    ]
+    log_p = np.asarray([x.sum() for x in lines])
+    p = np.exp(log_p)
+    share = len(chains) / len(ctx.rows)
+    return {
+        "problems": len(chains),
+        "p_mean": float(p.mean()),
+        "p_median": float(np.median(p)),
+        "p_min": float(p.min()),
+        "log10_p_mean": float(log_p.mean() / math.log(10)),
+        "p_check_first": float(np.mean([math.exp(x[0]) for x in lines])),
+        "p_check_line": float(np.exp(np.concatenate(lines)).mean()),
+        "p_sequence_mean": float(np.exp(logp.sum(axis=1)).mean()),
+        "chain_share": share,
+        "expected_per_step": float(ctx.samples_per_step * share * p.mean()),
+    }
+
+
+_PROBES: Registry[ProbeFn] = Registry(
+    "probe", {"lockout": lockout_probe, "decision": decision_probe}
+)
 
 
 def register_probe(name: str, fn: ProbeFn, *, replace: bool = False) -> None:

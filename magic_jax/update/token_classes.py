@@ -7,8 +7,9 @@ restricts the entropy bonus and the controller's measured entropy to the respons
 tokens of those classes (an extension beyond the report's recipe, which counts
 every response token). Built in: ``carry`` (``magic_jax.data.tasks.carry``'s
 ``choice``, ``digit``, ``format``, ``after_answer``), for the carry and lock-out
-worlds. ``register_token_classes`` adds others (from a config's ``extensions``
-module).
+worlds; ``decision`` (``magic_jax.data.tasks.decision``'s ``decision``, ``digit``,
+``format``, ``after_answer``), for the decision world. ``register_token_classes``
+adds others (from a config's ``extensions`` module).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from magic_jax.data.tasks import carry
+from magic_jax.data.tasks import carry, decision
 from magic_jax.data.tasks.vocab import TokenPieces
 
 # fn(the text of each token of a response) -> the class of each token
@@ -31,9 +32,10 @@ class _Classifier:
     classes: tuple[str, ...]
 
 
-_BUILTIN = ("carry",)
+_BUILTIN = ("carry", "decision")
 _CLASSIFIERS: dict[str, _Classifier] = {
-    "carry": _Classifier(carry.token_classes, tuple(carry.TOKEN_CLASSES))
+    "carry": _Classifier(carry.token_classes, tuple(carry.TOKEN_CLASSES)),
+    "decision": _Classifier(decision.token_classes, tuple(decision.TOKEN_CLASSES)),
 }
 
 
