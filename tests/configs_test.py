@@ -86,7 +86,7 @@ def test_offline_filter_options_reach_the_filter(tmp_path):
 def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
     from magic_jax.run.config import ConfigError
     from magic_jax.run.inputs import load_inputs
-    from magic_jax.run.trainer import Trainer
+    from magic_jax.run.stages import build_stage
 
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(CONFIGS / "default.yaml", ["rollout.dtype=float16"])
@@ -102,9 +102,8 @@ def test_rollout_dtype_is_checked_and_reaches_the_engine(tmp_path):
         CONFIGS / "default.yaml",
         ["rollout.dtype=bfloat16", "rollout.kv_dtype=int8", f"output_dir={tmp_path / 'run'}"],
     )
-    trainer = Trainer(cfg)
-    trainer.inputs, _ = load_inputs(cfg)  # what _driver reads
-    engine = trainer._driver(44).engine
+    inputs, _ = load_inputs(cfg)
+    engine = build_stage(cfg, 0, inputs, []).driver.engine  # the stage's rollouts
     assert engine.config.dtype == "bfloat16" and engine.model_config.dtype == "bfloat16"
     assert engine.config.kv_dtype == "int8"
     assert engine.config.decode_attention is None and engine.ragged_spec is None  # CPU
