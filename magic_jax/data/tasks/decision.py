@@ -14,7 +14,7 @@ chooses what the line does: ``<check>`` (the column worked, ``x+y+1=s``) or ``<s
     \\boxed{10245}
 
 In the lock-out world the choice is the line's first digit, so an entropy bonus on
-the choice tokens can be bought with wrong digits (issue 64). Here the choice is a
+the choice tokens can be bought with wrong digits (as its control's runs did). Here the choice is a
 token that only ever chooses: ``token_classes`` gives it the class ``decision``, and
 ``entropy.tokens: "decision:decision"`` puts the bonus and the controller's measured
 entropy on it alone, so holding that entropy means holding P(check).
