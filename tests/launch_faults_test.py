@@ -4,8 +4,12 @@ hours, code 13 stockouts, 429 rate limits, a stuck delete, expired credentials, 
 missing role, exit statuses that restart. Hours are scaled down (1/2000: a status cycle
 of 10 s is 5 ms, 2 h is 3.6 s) or simulated (LAUNCH_CLOCK)."""
 
+import fcntl
+import os
+import pty
 import signal
 import subprocess
+import termios
 import time
 
 from launch_test import (
@@ -139,32 +143,43 @@ def test_an_exit_status_that_restarts_under_gke_reruns_on_the_same_slice(stub, t
     )
 
 
+def _at_a_terminal(script, env, *args):
+    """launch.sh as started from a shell at a terminal: a pty its controlling terminal,
+    stdin, stdout and stderr, SIGHUP at its default. Returns the process and the pty's
+    master end (closing it is the terminal going away)."""
+    master, slave = pty.openpty()
+
+    def terminal():
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(["bash", str(script), *args], env=env, stdin=slave, stdout=slave,
+                            stderr=slave, start_new_session=True, preexec_fn=terminal)  # fmt: skip
+    os.close(slave)
+    return proc, master
+
+
 def test_a_lost_terminal_leaves_the_run_and_the_slice_going(stub, tmp_path):
-    """SIGHUP mid-run with --delete-on-exit: the supervisor goes on (its messages in
-    launch.log), sees the run to its end, and only then deletes the slice."""
+    """The terminal closes while the create is in flight, with --delete-on-exit: SIGHUP to
+    every process of the launch (its shell's job), every write to the terminal failing
+    from then on. The create, the supervisor and the run go on, its messages in
+    launch.log, and the slice is deleted only after the run's end."""
     env, state, script = stub
-    env = dict(env, STUB_HOLD="10")
+    env = dict(env, STUB_HOLD="10", STUB_CREATE_S="1")
     logs = tmp_path / "l"
-    # as from a terminal: SIGHUP not ignored (a shell started with it ignored, under nohup
-    # or a harness that ignores it, cannot trap it, and the supervisor just goes on)
-    proc = subprocess.Popen(
-        ["bash", str(script), "--delete-on-exit", "--logs", str(logs), "--",
-         "magic-jax", "train", *GS],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not (state / "streams").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    proc, master = _at_a_terminal(script, env, "--delete-on-exit", "--logs", str(logs), "--",
+                                  "magic-jax", "train", *GS)  # fmt: skip
+    try:
+        _wait_for(lambda: (state / "creating").exists(), proc, deadline=30)
+        os.killpg(proc.pid, signal.SIGHUP)
+    finally:
+        os.close(master)  # the terminal is gone: writing to it fails (EIO)
+    assert proc.wait(timeout=60) == 0, (logs / "launch.log").read_text()
     assert _verbs(_calls(state)) == [*UP_GS, *COLLECT, *DELETE]  # deleted after the end
     said = (logs / "launch.log").read_text()
-    assert "launch.sh: the terminal is gone (SIGHUP): supervising on" in said
-    assert "[launch] deleting magic-jax" in said and "deleting" not in err
+    assert "closing the terminal leaves this supervisor running, its messages in" in said
+    assert "[launch] logs of 2 worker(s)" in said
+    assert said.rstrip().endswith("[launch] deleting magic-jax")
 
 
 # Runs until the file $GO exists, then finishes

@@ -261,6 +261,10 @@ case $args in
     fi
     state=$(cat created); health=HEALTHY
     [ "$state" != REPAIRING ] && ! in_maint || health=UNHEALTHY_MAINTENANCE
+    if [ -s unhealthy ]; then
+      health=UNHEALTHY_MAINTENANCE r=$(($(cat unhealthy) - 1)); echo "$r" > unhealthy
+      [ "$r" -gt 0 ] || rm unhealthy
+    fi
     case $args in *health*) printf '%s\t%s\n' "${state:-READY}" "$health" ;;
       *) echo "${state:-READY}" ;; esac ;;
   *"tpu-vm describe"*"networkEndpoints"*)
@@ -290,6 +294,8 @@ case $args in
         if [ -n "${STUB_QR_WAIT:-}" ]; then echo WAITING_FOR_RESOURCES > qr; exit 0; fi
         echo ACTIVE > qr ;;
     esac
+    # the create's operation takes $STUB_CREATE_S s ($STUB_DIR/creating meanwhile)
+    [ -z "${STUB_CREATE_S:-}" ] || { touch creating; sleep "$STUB_CREATE_S"; rm creating; }
     touch created
     [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
   *"queued-resources describe"*"failedData"*)  # FAILED: why, as the API's google.rpc.Status
@@ -359,7 +365,14 @@ case $args in
           else echo PREEMPTED > created; fi
           echo "ssh: connection closed" >&2; exit 255
         fi
-        [ "$run" = "${STUB_VANISH:-}" ] && exit 3
+        if [ "$run" = "${STUB_VANISH:-}" ]; then
+          # with $STUB_VANISH_UNHEALTHY=N, maintenance restarted the hosts: the node says
+          # UNHEALTHY_MAINTENANCE for N more questions
+          if [ -n "${STUB_VANISH_UNHEALTHY:-}" ]; then
+            echo "$STUB_VANISH_UNHEALTHY" > unhealthy; date +%s%3N > maint-until
+          fi
+          exit 3
+        fi
         echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log")  # a VM gone: gcloud's 10 tries, each a TCP connect timing out
         [ ! -e "silent-$worker" ] || exec sleep 1000
@@ -823,6 +836,22 @@ def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path):
         "(magic-jax is READY): killed?"
     )
     assert _verbs(_calls(state)).count("create") == 1
+
+
+def test_maintenance_outlasting_an_hour_on_a_new_slice_is_waited_for(stub, tmp_path):
+    """Worker 0's command gone, its host restarted, the node READY with health
+    UNHEALTHY_MAINTENANCE for 8 polls of 10 min: on the slice this launch created, the
+    wait is maintenance's, unbounded (not the new slice's hour), then the rerun on it."""
+    env, state, script = stub
+    env = dict(env, STUB_VANISH="1", STUB_VANISH_UNHEALTHY="8", LAUNCH_POLL_S="600")
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and verbs.count("delete") == 1 and verbs[-1] == "delete"
+    assert int((state / "clock").read_text()) > 3600  # simulated: past the hour
+    assert "magic-jax: READY (UNHEALTHY_MAINTENANCE)" in out.stderr
+    assert "rerunning it on magic-jax once READY (attempt 1 of 2)" in out.stderr
 
 
 def test_a_quota_error_stops_at_once_with_gclouds_message(stub, tmp_path):

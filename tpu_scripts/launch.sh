@@ -99,8 +99,9 @@
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
 # worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
 # $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
-# A closed terminal (SIGHUP) stops nothing: the supervisor goes on, its messages in
-# LOGS/launch.log. Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
+# A closed terminal stops nothing: SIGHUP is ignored by the supervisor and every gcloud
+# call it makes (a create or set-up in flight included), and at a terminal its messages
+# also go to LOGS/launch.log, through relays that outlive the terminal. Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
 # the command goes on, detached (--delete stops it with the slice); with it, the command
 # is stopped on every worker (SIGTERM: the run checkpoints), the logs are collected and
 # the slice is deleted; a second Ctrl-C deletes it at once. Before the command runs,
@@ -110,6 +111,12 @@
 set -euo pipefail
 
 quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
+# A lost terminal (the laptop closed, the ssh session dropped: SIGHUP to every process
+# of the launch, its shell's jobs) stops nothing: ignored here, so by every child too
+# (a gcloud create, set-up or stream in flight goes on), and --delete-on-exit deletes
+# only once the run has ended or on Ctrl-C or SIGTERM.
+trap '' HUP
+RELAYS=()  # (at a terminal: relay_terminal)
 die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
@@ -347,6 +354,7 @@ on_exit() {
   rm -f "$ASKED" "$ASK_ERR"
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
 # Creates the node (or requests the queued resource). An error is told apart by
@@ -467,10 +475,12 @@ wait_ready() {
     [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
     v=$(pod node "${s:-}" "${health:--}")
     case $v in ready*) return 0 ;; esac
+    if [ -n "${s:-}" ]; then v="${v#*$'\t'}${why:+: $why}"; else v="not yet"; fi
+    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] || [ -z "${s:-}" ] ||
+      die "$NAME not READY after ${TIMEOUT:-3600}s: it is $v"
     [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s (${s:-$(asked_why)})"
-    v="${v#*$'\t'}${why:+: $why}"
-    [ "$v" = "$said" ] || say "$NAME: ${s:+$v}${s:-not yet}"
+      die "$NAME not READY after ${TIMEOUT:-3600}s ($(asked_why))"
+    [ "$v" = "$said" ] || say "$NAME: $v"
     said=$v; nap "$POLL_S"
   done
 }
@@ -592,6 +602,30 @@ BEAT_S=${LAUNCH_HEARTBEAT_S:-10}  # each worker's heartbeat (with a stage)
 ms() { date +%s%3N; }
 to_ms() { awk -v s="$1" 'BEGIN { printf "%d", s * 1000 }'; }
 POLL_MS=$(to_ms "$POLL_S") LOST_MS=$(to_ms "${LAUNCH_LOST_S:-20}") PROBE_MS=$(to_ms "${LAUNCH_PROBE_S:-15}")
+# At a terminal, what the supervisor and its gcloud calls print passes through relays
+# (tee, deaf to SIGHUP and Ctrl-C) that go on after the terminal is gone, when writing to
+# it fails: the messages also into $LOGS/launch.log, worker 0's log to the terminal only.
+# Never a write to a lost terminal, so no gcloud call fails on one. RELAYS: their pids.
+relay_terminal() {
+  [ "$DRY" = 0 ] || return 0
+  exec < /dev/null  # no gcloud reads the terminal
+  if [ -t 2 ]; then
+    mkdir -p "$LOGS"
+    exec 2> >(trap '' INT TERM; exec tee -a "$LOGS/launch.log" >&2); RELAYS+=("$!")
+  fi
+  if [ -t 1 ]; then exec > >(trap '' INT TERM; exec tee /dev/null); RELAYS+=("$!"); fi
+}
+# At the end: the relays drain what is left (for at most 5 s: an orphan may hold a pipe).
+end_relays() {
+  local i p
+  [ "${#RELAYS[@]}" -gt 0 ] || return 0
+  exec >&- 2>&-
+  for ((i = 0; i < 50; i++)); do
+    for p in "${RELAYS[@]}"; do kill -0 "$p" 2>/dev/null && break; p=""; done
+    [ -n "$p" ] || return 0
+    sleep 0.1
+  done
+}
 # Attempt K's files on every worker: $L.sh (the command), .log, .pid, .boot and .exit;
 # its heartbeats (with a stage) under $BEATS.
 attempt_files() {
@@ -778,6 +812,7 @@ pause() {
 # without us. Quits when worker 0's command vanished from a host that was not restarted.
 await() {
   local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream w
+  CREATED=0  # the slice was READY: a wait for it from now on is maintenance's, unbounded
   FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=() ENDED=() ST_OF=() BOOT_OF=()
   for ((w = 0; w < WORKERS; w++)); do SEEN_AT[w]=$(ms); done
   while :; do
@@ -919,17 +954,9 @@ on_signal() {
   fi
   exit "$1"
 }
-# A lost terminal (SIGHUP: the laptop closed, the ssh session dropped) stops nothing: the
-# supervisor goes on, its messages from then on in $LOGS/launch.log, and --delete-on-exit
-# still deletes only once the run has ended (or on Ctrl-C or SIGTERM).
-on_hangup() {
-  mkdir -p "$LOGS"
-  exec >> "$LOGS/launch.log" 2>&1 3>&1
-  note "the terminal is gone (SIGHUP): supervising on, messages in $LOGS/launch.log"
-}
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
-trap on_hangup HUP
+relay_terminal
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
@@ -956,8 +983,9 @@ while :; do
   fi
   if [ -z "$LOST" ]; then
     ctl="detaches (the command goes on)"; [ "$DELETE_ON_EXIT" = 0 ] || ctl="stops it and deletes $NAME"
+    kept=""; [ "${#RELAYS[@]}" = 0 ] || kept=", its messages in $LOGS/launch.log"
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows (closing the" \
-      "terminal leaves this supervisor running; Ctrl-C $ctl)"
+      "terminal leaves this supervisor running$kept; Ctrl-C $ctl)"
     rc=0; await || rc=$?
     if [ "$rc" = 1 ]; then salvage_logs
     elif [ "$rc" = 4 ]; then bring_down >/dev/null 2>&1; salvage_logs
