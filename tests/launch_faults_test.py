@@ -210,7 +210,8 @@ def _wait_for(what, proc, deadline=120):
 def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful, tmp_path):
     """kill -9 of the supervisor mid-run, then the same command: it attaches to the
     running command (no second start, no second slice); kill -9 again, then --attach NAME
-    alone: it sees the run to its end and collects every worker's log."""
+    alone: with the first launch's retry budget, it sees the run to its end and collects
+    every worker's log."""
     env, state, script = faithful
     go = tmp_path / "go"
     args = ["--retry", "1", "--env", f"GO={go}", "--logs", str(tmp_path / "logs"), "--",
@@ -231,6 +232,7 @@ def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful,
     last, err = _supervise(script, env, tmp_path, "last", "--attach", "magic-jax", "--logs",
                            str(tmp_path / "logs"))  # fmt: skip
     _wait_for(lambda: "attaching to the command running on magic-jax" in err.read_text(), last)
+    assert "(attempt 1 of 2, commit" in err.read_text()  # the first launch's --retry 1
     go.touch()
     assert last.wait(timeout=120) == 0, err.read_text()
     verbs = _verbs(_calls(state))

@@ -69,7 +69,17 @@ for a in "$@"; do
 done
 while [ $# -gt 0 ]; do [ "$1" = --command ] && command=$2; shift; done
 n=${STUB_WORKERS:-2}
-missing() { echo "ERROR: (gcloud) NOT_FOUND: Resource was not found" >&2; exit 1; }
+missing() {  # gcloud's words for the API's NOT_FOUND (describe NAME: argv 3 and 4)
+  local group=tpu-vm kind=nodes
+  [[ $args != *queued-resources* ]] || group=queued-resources kind=queuedResources
+  local res="projects/p/locations/us-east5-a/$kind/${argv[4]}"
+  echo "ERROR: (gcloud.compute.tpus.$group.${argv[3]}) NOT_FOUND: Resource '$res' was not" \
+    "found. This command is authenticated as run@p.iam.gserviceaccount.com which is the" \
+    "active account specified by the [core/account] property" >&2
+  printf -- "- '@type': type.googleapis.com/google.rpc.ResourceInfo\n  resourceName: %s\n" \
+    "$res" >&2
+  exit 1
+}
 no_capacity() {  # gcloud's words, the message on one line
   local why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
   why+=' where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions)'

@@ -50,6 +50,13 @@ EXISTS = (
     CREATE + "ALREADY_EXISTS: Resource 'projects/p/locations/us-east5-a/nodes/magic-jax'"
     " already exists\n"
 )
+NOT_FOUND = (  # with the account gcloud names since it says which one asked
+    "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource"
+    " 'projects/p/locations/us-east5-a/nodes/magic-jax' was not found. This command is"
+    " authenticated as run@p.iam.gserviceaccount.com which is the active account specified"
+    " by the [core/account] property\n- '@type': type.googleapis.com/google.rpc.ResourceInfo\n"
+    "  resourceName: projects/p/locations/us-east5-a/nodes/magic-jax\n"
+)
 REAUTH = (
     "ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing your current"
     " auth tokens: Reauthentication failed. cannot prompt during non-interactive execution.\n"
@@ -90,7 +97,7 @@ STORAGE = (
         (QUOTA, Kind.QUOTA),
         (QUOTA_CODE_8, Kind.QUOTA),
         (EXISTS, Kind.EXISTS),
-        (CREATE + "NOT_FOUND: Resource was not found", Kind.NOT_FOUND),
+        (NOT_FOUND, Kind.NOT_FOUND),
         (REAUTH, Kind.AUTH),
         (NO_ACCOUNT, Kind.AUTH),
         (DENIED, Kind.PERMISSION),

@@ -116,12 +116,12 @@ quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
 # (a gcloud create, set-up or stream in flight goes on), and --delete-on-exit deletes
 # only once the run has ended or on Ctrl-C or SIGTERM.
 trap '' HUP
-RELAYS=()  # (at a terminal: relay_terminal)
+RELAYS=() SAID_TO=""  # (at a terminal: relay_terminal; SAID_TO its launch.log)
 die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
-SETUP=1 LOGS="" ATTACH=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
+SETUP=1 LOGS="" ATTACH=0 RETRY_GIVEN=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
 CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
@@ -145,7 +145,7 @@ while [ $# -gt 0 ]; do
     --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
     --queued) QUEUED=1; shift ;;
     --stage) need "$@"; STAGE=${2%/}; shift 2 ;;
-    --retry) need "$@"; RETRY=$2; shift 2 ;;
+    --retry) need "$@"; RETRY=$2 RETRY_GIVEN=1; shift 2 ;;
     --create-tries) need "$@"; CREATE_TRIES=$2; shift 2 ;;
     --create-backoff-max) need "$@"; CREATE_MAX_S=$2; shift 2 ;;
     --env) need "$@"
@@ -611,7 +611,8 @@ relay_terminal() {
   exec < /dev/null  # no gcloud reads the terminal
   if [ -t 2 ]; then
     mkdir -p "$LOGS"
-    exec 2> >(trap '' INT TERM; exec tee -a "$LOGS/launch.log" >&2); RELAYS+=("$!")
+    SAID_TO=$LOGS/launch.log
+    exec 2> >(trap '' INT TERM; exec tee -a "$SAID_TO" >&2); RELAYS+=("$!")
   fi
   if [ -t 1 ]; then exec > >(trap '' INT TERM; exec tee /dev/null); RELAYS+=("$!"); fi
 }
@@ -634,20 +635,22 @@ attempt_files() {
 }
 # An earlier launch's command still running on this slice, its supervisor gone (killed,
 # its machine down): with --attach, or for the same command, this launch supervises it
-# to the end instead of starting another (its attempt counted in --retry). Worker 0
-# names it in ~/magic-jax/logs/current: run id, attempt, commit, stage.
+# to the end instead of starting another (its attempt counted in --retry; --attach
+# without --retry keeps the budget of the launch that started it). Worker 0 names it in
+# ~/magic-jax/logs/current: run id, attempt, commit, stage, --retry.
 running_job() {
-  local info id n c st s body
+  local info id n c st r s body
   [ "$DRY" = 0 ] && [ "$CREATED" = 0 ] || return 1
-  info=$(ask_worker 0 "read -r id n c s < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
-&& echo \$id \$n \$c \$s \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) && cat \$L.sh" \
-    2>/dev/null) || return 1
-  read -r id n c st _ s _ <<< "${info%%$'\n'*}"
+  info=$(ask_worker 0 "read -r id n c s r < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
+&& echo \$id \$n \$c \$s \${r:--} \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) \
+&& cat \$L.sh" 2>/dev/null) || return 1
+  read -r id n c st r _ s _ <<< "${info%%$'\n'*}"
   body=${info#*$'\n'}
   [ "${s:-}" = running ] && [[ ${n:-} =~ ^[0-9]+$ ]] || return 1
   [ "$ATTACH" = 1 ] || [ "$body" = "$BODY" ] || return 1
   RUN_ID=$id attempt=$n RUN_DIR=magic-jax/$c
   [ "$st" = - ] || STAGE=$st
+  if [ "$RETRY_GIVEN" = 0 ] && [[ $r =~ ^[0-9]+$ ]]; then RETRY=$r ATTEMPTS=$((r + 1)); fi
   [ $# -gt 0 ] || BODY=$body  # --attach alone: a rerun runs the same command
   [ -n "$LOGS_GIVEN" ] || LOGS=$REPO/runs/launch/$NAME-$RUN_ID
   attempt_files
@@ -666,7 +669,7 @@ bash tpu_scripts/worker_run.sh --busy >&2 && exit 5
 cat > $L.sh <<'LAUNCH_SH'
 $BODY
 LAUNCH_SH
-echo '$RUN_ID $attempt $COMMIT ${STAGE:--}' > \$HOME/magic-jax/logs/current
+echo '$RUN_ID $attempt $COMMIT ${STAGE:--} $RETRY' > \$HOME/magic-jax/logs/current
 nohup bash tpu_scripts/worker_run.sh $L $BEATS $BEAT_S > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
 # Worker W's command: its exit status, "running", "gone" (no status and no process) or
@@ -983,7 +986,7 @@ while :; do
   fi
   if [ -z "$LOST" ]; then
     ctl="detaches (the command goes on)"; [ "$DELETE_ON_EXIT" = 0 ] || ctl="stops it and deletes $NAME"
-    kept=""; [ "${#RELAYS[@]}" = 0 ] || kept=", its messages in $LOGS/launch.log"
+    kept=""; [ -z "$SAID_TO" ] || kept=", its messages in $SAID_TO"
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows (closing the" \
       "terminal leaves this supervisor running$kept; Ctrl-C $ctl)"
     rc=0; await || rc=$?
