@@ -10,6 +10,7 @@ import pty
 import signal
 import subprocess
 import termios
+import threading
 import time
 
 from launch_test import (
@@ -151,6 +152,7 @@ def _at_a_terminal(script, env, *args):
 
     def terminal():
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     proc = subprocess.Popen(["bash", str(script), *args], env=env, stdin=slave, stdout=slave,
@@ -180,6 +182,42 @@ def test_a_lost_terminal_leaves_the_run_and_the_slice_going(stub, tmp_path):
     assert "closing the terminal leaves this supervisor running, its messages in" in said
     assert "[launch] logs of 2 worker(s)" in said
     assert said.rstrip().endswith("[launch] deleting magic-jax")
+
+
+def _read_all(master, into):
+    """Reads what the terminal shows until its last writer is gone."""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: no process holds the terminal any more
+            return
+        if not chunk:
+            return
+        into.append(chunk.decode(errors="replace").replace("\r\n", "\n"))
+
+
+def test_ctrl_c_at_a_terminal_stops_the_supervisor_not_its_relays(stub, tmp_path):
+    """Ctrl-C at the terminal mid-run (SIGINT to every process of the launch), with
+    --delete-on-exit: the relays of its output are deaf to it, so the terminal shows the
+    supervisor's last words; the job is stopped, the slice deleted, exit 130."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    proc, master = _at_a_terminal(script, env, "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    shown: list[str] = []
+    reader = threading.Thread(target=_read_all, args=(master, shown), daemon=True)
+    reader.start()
+    try:
+        _wait_for(lambda: (state / "streams").exists(), proc, deadline=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        reader.join(timeout=10)
+    finally:
+        os.close(master)
+    text = "".join(shown)
+    assert "launch.sh: interrupted: stopping the command on every worker" in text, text
+    assert text.rstrip().endswith("[launch] deleting magic-jax"), text
+    assert (state / "down").exists() and not (state / "created").exists()
 
 
 # Runs until the file $GO exists, then finishes
