@@ -995,43 +995,33 @@ while :; do
     else collect || salvage_logs; fi
   fi
   RUNNING=0
-  if [ -n "$RESTARTED" ]; then  # maintenance: the same slice, once READY again
-    why="maintenance restarted the host of worker(s)$RESTARTED under the command (its boot id changed)"
-    [ "$attempt" -lt "$ATTEMPTS" ] ||
-      quit 143 "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY), exiting with 143"
-    note "$why; rerunning it on $NAME once READY (attempt $attempt of $ATTEMPTS)"
-    attempt=$((attempt + 1))
-    continue
-  fi
-  # a status that restarts (magic_jax/jobs/restarts.py, GKE's list): on this slice
-  why="worker 0 exited with $STATUS" st=$STATUS
-  if [ -n "$FAILED" ]; then
-    why="worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still ran; the command was"
-    why+=" stopped on every worker (logs: $LOGS)" st=$FAILED_STATUS
-  fi
-  # (0 and 143 are never a rerun on this slice: no question)
-  if [ -z "$LOST" ] && [ "$DRY" = 0 ] && [ "$st" != 0 ] && [ "$st" != 143 ] &&
-    [ "$(pod exit "$st")" = rerun ]; then
-    [ "$attempt" -lt "$ATTEMPTS" ] ||
-      quit "$st" "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY)"
-    note "$why, a status that restarts; rerunning it on $NAME (attempt $attempt of $ATTEMPTS)"
-    attempt=$((attempt + 1))
-    continue
-  fi
-  [ -z "$FAILED" ] || quit "$FAILED_STATUS" "$why"  # a failure, not a preemption: no retry
-  if [ -n "$STOPPED" ] && [ "$STATUS" = 0 ]; then
-    quit 1 "worker(s)$STOPPED still ran ${GRACE_S}s after worker 0 ended; stopped (logs: $LOGS)"
-  fi
-  if [ -z "$LOST" ] && [ "$STATUS" = 143 ]; then LOST="worker 0 stopped with 143"; fi
-  [ -n "$LOST" ] || break
-  STATUS=143
-  if [ "$attempt" -ge "$ATTEMPTS" ]; then
-    quit 143 "$KIND ($LOST; attempt $attempt of $ATTEMPTS); no retries left (--retry $RETRY), exiting with 143"
-  fi
-  note "$KIND ($LOST; attempt $attempt of $ATTEMPTS); recreating the slice"
-  teardown || say "deleting $NAME failed; creating it anyway"
-  HAVE_SLICE=0
-  attempt=$((attempt + 1))
+  # What follows is magic_jax/jobs/pod_decide.py's after_attempt: maintenance and a
+  # status that restarts (restarts.py, GKE's list) rerun on this slice, a failure
+  # elsewhere stops, a lost slice (or 143) is recreated, each while a retry is left.
+  # Worker 0's 0 with nothing else to tell asks no Python.
+  if [ "$STATUS" = 0 ] && [ -z "$RESTARTED$FAILED$STOPPED$LOST" ]; then break; fi
+  IFS=$'\t' read -r next code line < <(pod attempt <<OUTCOME
+status $STATUS
+restarted $RESTARTED
+failed $FAILED $FAILED_STATUS
+stopped $STOPPED
+lost $LOST
+kind $KIND
+budget $attempt $RETRY
+name $NAME
+logs $LOGS
+grace $GRACE_S
+OUTCOME
+  )
+  case $next in
+    rerun) note "$line"; attempt=$((attempt + 1)) ;;  # on the same slice, once READY
+    recreate)
+      STATUS=$code
+      note "$line"
+      teardown || say "deleting $NAME failed; creating it anyway"
+      HAVE_SLICE=0 attempt=$((attempt + 1)) ;;
+    *) STATUS=$code; [ -z "$line" ] || quit "$code" "$line"; break ;;
+  esac
 done
 if [ "$attempt" -gt 1 ]; then
   if [ "$STATUS" = 0 ]; then note "resumed run finished"; else note "resumed run exited with $STATUS"; fi
