@@ -46,8 +46,9 @@
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
 #   --delete            delete the slice (and its queued resource) and exit
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
-#                       supervisor killed, its machine down) to its end; the same command
-#                       as that launch's attaches too (otherwise: the TPU is in use)
+#                       supervisor killed, its machine down) to its end, with that launch's
+#                       --retry unless given; the same command as that launch's attaches
+#                       too (otherwise: the TPU is in use)
 #   --stage URL         where the archive (once per commit) and the workers' heartbeats
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
