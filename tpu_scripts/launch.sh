@@ -358,15 +358,15 @@ on_exit() {
   [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
-# Creates the node (or requests the queued resource). An error is told apart by
-# magic_jax/jobs/pod_errors.py: no capacity (code 8, or code 13 as Spot stockouts also
+# Creates the node (or requests the queued resource). What follows an error is
+# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot stockouts also
 # come) and a rate limit (429, a per-minute quota) are tried again with exponential
 # backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
 # (waited for: the node gone, then created again) or a request already queued (attached
 # to); a quota exhausted, credentials, a missing role or any other error end it with
 # gcloud's message (and the fix, where there is one).
 create() {
-  local try=1 wait=$CREATE_WAIT_S err rc line kind what
+  local try=1 wait=$CREATE_WAIT_S err rc queued step line nap_s next_s
   err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
   while :; do
     HAVE_SLICE=1 rc=0
@@ -378,32 +378,31 @@ create() {
           "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     fi
     [ "$rc" != 0 ] || break
-    IFS=$'\t' read -r kind line < <(pod error "$err")
-    if [ "$kind" = exists ] && [ "$QUEUED" = 1 ]; then  # an earlier launch's, still queued
-      say "queued resource $QR exists already: waiting for it"; rm -f "$err"; return 0
-    fi
-    if [ "$kind" = exists ]; then
-      say "$NAME exists still (an earlier delete under way): waiting for it to go"
-      await_gone; continue
-    fi
+    queued=""; [ "$QUEUED" = 0 ] || queued=$QR
+    IFS=$'\t' read -r step line nap_s next_s < <(pod create "$err" <<CREATE
+name $NAME
+queued $queued
+accelerator $ACCEL
+zone $ZONE
+try $try
+tries $CREATE_TRIES
+wait $wait
+max $CREATE_MAX_S
+CREATE
+    )
+    case $step in
+      attach) say "$line"; rm -f "$err"; return 0 ;;
+      await-gone) say "$line"; await_gone; continue ;;
+    esac
     # a failed create may leave the node (or the queued resource) behind
     if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
       teardown >/dev/null 2>&1 || true
     fi
     HAVE_SLICE=0
-    case $kind in
-      capacity|rate-limit) ;;
-      quota) rm -f "$err"; quit 1 "creating $NAME failed: out of quota, which no retry can fix: $line" ;;
-      *) rm -f "$err"; quit 1 "creating $NAME failed: $line" ;;
-    esac
-    if [ "$try" -ge "$CREATE_TRIES" ]; then
-      rm -f "$err"
-      quit 1 "no capacity for $ACCEL in $ZONE after $try tries (--create-tries $CREATE_TRIES): $line"
-    fi
-    what="no capacity for $ACCEL in $ZONE"; [ "$kind" != rate-limit ] || what="rate-limited"
-    say "$what (try $try of $CREATE_TRIES): $line; trying again in $(span "$wait")"
-    nap "$wait"
-    wait=$(twice "$wait" "$CREATE_MAX_S") try=$((try + 1))
+    [ "$step" = retry ] || { rm -f "$err"; quit 1 "${line:-creating $NAME failed}"; }
+    say "$line"
+    nap "$nap_s"
+    wait=$next_s try=$((try + 1))
   done
   rm -f "$err"
 }
