@@ -108,6 +108,19 @@ def test_expired_credentials_stop_with_one_line_naming_the_fix(stub, tmp_path):
     assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
 
 
+def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path):
+    """A queued request waits (10 s polls, --timeout 10 min); the credentials expire at
+    poll 3: one line naming the fix, not a wait of UNKNOWN to the timeout (or forever)."""
+    env, state, script = stub
+    env = dict(env, STUB_QR_WAIT="1000", STUB_QR_AUTH_AT="3", LAUNCH_POLL_S="10")
+    out = _launch(script, env, "--queued", "--spot", "--timeout", "600", "--", "true")
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
+    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert int((state / "clock").read_text()) == 20  # two polls' waits
+
+
 def test_a_missing_role_stops_naming_it(stub, tmp_path):
     env, _, script = stub
     error = ("PERMISSION_DENIED: Permission 'tpu.nodes.create' denied on resource "

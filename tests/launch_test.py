@@ -319,6 +319,8 @@ case $args in
     fi
     if [ "$(cat qr)" = WAITING_FOR_RESOURCES ]; then
       echo >> qr-polls; k=$(wc -l < qr-polls)
+      # from poll $STUB_QR_AUTH_AT the credentials are expired
+      [ "$k" != "${STUB_QR_AUTH_AT:-}" ] || { touch auth-expired; reauth; }
       if [ "$k" = "${STUB_QR_FAIL_AT:-}" ]; then echo FAILED > qr; cat qr; exit 0; fi
       if [ "$k" = "${STUB_QR_HANG_AT:-}" ]; then touch qr-hang; exec sleep 60; fi
       if [ "$k" -ge "$STUB_QR_WAIT" ]; then echo ACTIVE > qr; touch created; fi

@@ -439,6 +439,7 @@ await_queued() {
   started=$(now)
   while [ "$DRY" = 0 ]; do
     s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
+    stop_if_fatal  # (credentials lapsing in a wait of days: one line, not UNKNOWN forever)
     case $s in
       ACTIVE) return 0 ;;
       FAILED|SUSPENDED|GONE)
