@@ -293,6 +293,32 @@ def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful,
     assert not _launch_lines(err.read_text())
 
 
+def test_a_second_supervisor_of_the_same_slice_is_refused_while_the_first_lives(stub, tmp_path):
+    """The same command again while its supervisor still runs (its terminal closed, say):
+    one line naming that supervisor, nothing asked of Cloud TPU; the first goes on to
+    the end and leaves no entry behind."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    args = ["--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS]
+    first, err = _supervise(script, env, tmp_path, "first", *args)
+    _wait_for(lambda: (state / "streams").exists(), first, deadline=30)
+
+    def bring_ups():  # a launch's first question: what is the node's state?
+        return sum("--format=value(state)" in c for c in _calls(state))
+
+    asked = bring_ups()
+    second = _launch(script, env, *args)
+    assert second.returncode == 1
+    (line,) = _launch_lines(second.stderr)
+    assert line.startswith(f"launch.sh: a supervisor of magic-jax runs on this machine already "
+                           f"(pid {first.pid}")  # fmt: skip
+    assert f"`kill -KILL {first.pid}` (the run goes on)" in line
+    assert bring_ups() == asked  # the second asked nothing
+    (state / "down").touch()  # the job ends
+    assert first.wait(timeout=60) == 0, err.read_text()
+    assert not list(script.parents[1].glob("runs/launch/.magic-jax.supervisor"))
+
+
 def test_a_lost_host_at_64_hosts_gets_a_new_slice_requested_within_minutes(stub, tmp_path):
     """Worker 63 of 64 goes silent; every ssh to it hangs as gcloud's does on a gone VM
     (10 tries, each a TCP connect timing out: 20 min). At 1/10 scale (status cycle 1 s,

@@ -117,7 +117,7 @@ quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
 # (a gcloud create, set-up or stream in flight goes on), and --delete-on-exit deletes
 # only once the run has ended or on Ctrl-C or SIGTERM.
 trap '' HUP
-RELAYS=() SAID_TO=""  # (at a terminal: relay_terminal; SAID_TO its launch.log)
+RELAYS=() SAID_TO="" SUPERVISOR=""  # (relay_terminal; SAID_TO its launch.log; alone)
 die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
@@ -355,12 +355,14 @@ on_exit() {
   rm -f "$ASKED" "$ASK_ERR"
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
+  if [ -n "$SUPERVISOR" ] && [ "$(cut -f1 "$SUPERVISOR" 2>/dev/null)" = $$ ]; then rm -f "$SUPERVISOR"; fi
   [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
 # Creates the node (or requests the queued resource). What follows an error is
-# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot stockouts also
-# come) and a rate limit (429, a per-minute quota) are tried again with exponential
+# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot
+# stockouts also come) and a rate limit (429, a per-minute quota) are tried again with exponential
 # backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
 # (waited for: the node gone, then created again) or a request already queued (attached
 # to); a quota exhausted, credentials, a missing role or any other error end it with
@@ -958,9 +960,27 @@ on_signal() {
   fi
   exit "$1"
 }
+# One supervisor per slice on this machine (runs/launch/.NAME.supervisor: its pid and its
+# launch.log): a second launch for NAME (the same command, --attach) while it lives says
+# so instead of racing it (both would stop, rerun and recreate). One killed (kill -9, its
+# machine restarted) is no obstacle: its pid is gone.
+alone() {
+  local pid said
+  SUPERVISOR=$REPO/runs/launch/.$NAME.supervisor
+  [ "$DRY" = 0 ] || { SUPERVISOR=""; return 0; }
+  if IFS=$'\t' read -r pid said < "$SUPERVISOR" 2>/dev/null && [ "$pid" != $$ ] &&
+    ps -p "$pid" -o command= 2>/dev/null | grep -q launch.sh; then
+    SUPERVISOR=""  # (not ours to remove)
+    quit 1 "a supervisor of $NAME runs on this machine already (pid $pid${said:+; its messages" \
+      "in $said}): let it be, or stop it with \`kill -KILL $pid\` (the run goes on) and run" \
+      "this again to take it over"
+  fi
+}
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
+alone
 relay_terminal
+if [ -n "$SUPERVISOR" ]; then mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"; fi
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
