@@ -319,6 +319,22 @@ def test_a_second_supervisor_of_the_same_slice_is_refused_while_the_first_lives(
     assert not list(script.parents[1].glob("runs/launch/.magic-jax.supervisor"))
 
 
+def test_delete_stops_the_slices_supervisor_first_which_recreates_nothing(stub, tmp_path):
+    """--delete while the slice's supervisor (--retry 1) runs on this machine: it is
+    stopped first, so it does not take the deletion for a preemption: 1 create."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    first, err = _supervise(script, env, tmp_path, "first", "--retry", "1", "--logs",
+                            str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    _wait_for(lambda: (state / "streams").exists(), first, deadline=30)
+    out = _launch(script, env, "--delete")
+    assert out.returncode == 0, out.stderr
+    assert f"stopping the supervisor of magic-jax on this machine (pid {first.pid})" in out.stderr
+    assert first.wait(timeout=30) == 143, err.read_text()
+    assert _verbs(_calls(state)).count("create") == 1 and not (state / "created").exists()
+    assert "recreating" not in err.read_text()
+
+
 def test_a_lost_host_at_64_hosts_gets_a_new_slice_requested_within_minutes(stub, tmp_path):
     """Worker 63 of 64 goes silent; every ssh to it hangs as gcloud's does on a gone VM
     (10 tries, each a TCP connect timing out: 20 min). At 1/10 scale (status cycle 1 s,

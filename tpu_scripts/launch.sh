@@ -44,7 +44,9 @@
 #   --no-setup          the workers already have this commit installed
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
-#   --delete            delete the slice (and its queued resource) and exit
+#   --delete            delete the slice (and its queued resource) and exit; a supervisor
+#                       of it on this machine is stopped first (SIGTERM), so that it does
+#                       not take the deletion for a preemption
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
 #                       supervisor killed, its machine down) to its end, with that launch's
 #                       --retry unless given; the same command as that launch's attaches
@@ -303,8 +305,25 @@ teardown() {
   fi
 }
 
+# This machine's supervisor of NAME, if one lives: its pid and launch.log (see alone).
+ENTRY=$REPO/runs/launch/.$NAME.supervisor
+supervisor() {
+  local pid said
+  IFS=$'\t' read -r pid said < "$ENTRY" 2>/dev/null && [ "$pid" != $$ ] &&
+    ps -p "$pid" -o command= 2>/dev/null | grep -q launch.sh && echo "$pid ${said:-}"
+}
+# --delete first stops this machine's supervisor of NAME (SIGTERM: it exits 143, with
+# --delete-on-exit stopping the command), so that it does not take the deletion for a
+# preemption and recreate the slice.
 if [ "$DELETE_ONLY" = 1 ]; then
-  teardown
+  stopped=""
+  if [ "$DRY" = 0 ] && read -r pid _ < <(supervisor); then
+    say "stopping the supervisor of $NAME on this machine (pid $pid) first"
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 600; i++)); do supervisor > /dev/null || break; sleep 0.2; done
+    stopped=$pid
+  fi
+  teardown || [ -n "$stopped" ]  # (one with --delete-on-exit deleted the slice itself)
   rm -f "$ASKED" "$ASK_ERR"
   exit 0
 fi
@@ -966,11 +985,8 @@ on_signal() {
 # machine restarted) is no obstacle: its pid is gone.
 alone() {
   local pid said
-  SUPERVISOR=$REPO/runs/launch/.$NAME.supervisor
-  [ "$DRY" = 0 ] || { SUPERVISOR=""; return 0; }
-  if IFS=$'\t' read -r pid said < "$SUPERVISOR" 2>/dev/null && [ "$pid" != $$ ] &&
-    ps -p "$pid" -o command= 2>/dev/null | grep -q launch.sh; then
-    SUPERVISOR=""  # (not ours to remove)
+  [ "$DRY" = 0 ] || return 0
+  if read -r pid said < <(supervisor); then
     quit 1 "a supervisor of $NAME runs on this machine already (pid $pid${said:+; its messages" \
       "in $said}): let it be, or stop it with \`kill -KILL $pid\` (the run goes on) and run" \
       "this again to take it over"
@@ -980,7 +996,10 @@ trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
 alone
 relay_terminal
-if [ -n "$SUPERVISOR" ]; then mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"; fi
+if [ "$DRY" = 0 ]; then
+  SUPERVISOR=$ENTRY
+  mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
+fi
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
