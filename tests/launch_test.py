@@ -202,6 +202,12 @@ case $args in
     fi
     cp "$src" "$dst"; exit ;;
   "storage cat "*)
+    if [ -n "${STUB_BEATS_DENIED:-}" ]; then  # the caller lost its role on the bucket
+      echo "ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount.com does not" \
+        "have storage.objects.list access to the Google Cloud Storage bucket. Permission" \
+        "'storage.objects.list' denied on resource (or it may not exist)." >&2
+      exit 1
+    fi
     if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
       k=$(cat polls 2>/dev/null | wc -l)
       # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
@@ -449,9 +455,11 @@ def stub(tmp_path, repo):
 
 
 def _launch(script, env, *args):
-    return subprocess.run(
+    out = subprocess.run(
         ["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60
     )
+    assert "launch.sh: line " not in out.stderr, out.stderr  # no error of bash's own
+    return out
 
 
 def _calls(state):
@@ -953,6 +961,28 @@ def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stu
     assert cycles.count("probe") == 1 and len(cycles) == 2 * cycles.count("poll") + 1
     print(f"{hosts} hosts: lost after {reacted - went_silent} ms; {len(cycles)} calls in "
           f"{cycles.count('poll')} cycles")  # fmt: skip
+
+
+def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tmp_path):
+    """The bucket's heartbeats unreadable (a role lost on it): the silent workers are
+    asked, answer, and the line says why their heartbeats are not seen, with the fix."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="4", STUB_BEATS_DENIED="1", LAUNCH_LOST_S="0.05")
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "[launch] worker(s) 0 1 answer, but their heartbeats in gs://b/magic-jax-launch/beats/"
+        in out.stderr
+    )
+    said = [x for x in out.stderr.splitlines() if "cannot be read" in x]
+    assert len(said) == 1, said  # once, not at every question
+    assert said[0].endswith(
+        "cannot be read: ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount"
+        ".com does not have storage.objects.list access to the Google Cloud Storage bucket."
+        " Permission 'storage.objects.list' denied on resource (or it may not exist). (the"
+        " permission storage.objects.list is missing: grant the caller roles/storage.objectUser)"
+    )
+    assert _verbs(_calls(state)).count("create") == 1
 
 
 def test_a_worker_whose_command_ended_early_is_not_taken_for_a_lost_one(stub, tmp_path):

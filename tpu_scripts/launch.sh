@@ -309,7 +309,7 @@ teardown() {
 ENTRY=$REPO/runs/launch/.$NAME.supervisor
 supervisor() {
   local pid said
-  IFS=$'\t' read -r pid said < "$ENTRY" 2>/dev/null && [ "$pid" != $$ ] &&
+  IFS=$'\t' read -r pid said 2>/dev/null < "$ENTRY" && [ "$pid" != $$ ] &&
     ps -p "$pid" -o command= 2>/dev/null | grep -q launch.sh && echo "$pid ${said:-}"
 }
 # --delete first stops this machine's supervisor of NAME (SIGTERM: it exits 143, with
@@ -736,14 +736,17 @@ bring_down() {
 # asks no Python.
 cycle() {
   local node state health out w seq st boot t lines quiet=1 v action ws status alive why id re
-  VERDICT=""
+  VERDICT="" BEATS_WHY=""
   node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
   stop_if_fatal
   read -r state health <<< "$node"
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
-  if [ -n "$BEATS" ]; then out=$(gcloud storage cat "$BEATS/worker-*" 2>/dev/null) || out=""
-  else out=$(probe); fi
+  if [ -z "$BEATS" ]; then out=$(probe)
+  elif ! out=$(gcloud storage cat "$BEATS/worker-*" 2>"$ASKED"); then
+    out=""  # none written yet, or unreadable: BEATS_WHY says why, for the line below
+    grep -q "matched no objects" "$ASKED" || BEATS_WHY=$(error_line "$ASKED")
+  fi
   while read -r w seq st boot; do
     [[ ${w:-} =~ ^[0-9]+$ ]] && [ "$w" -lt "$WORKERS" ] || continue
     # a heartbeat is "N SEQ STATUS BOOT"; an answer "N STATUS BOOT", itself a sign of life
@@ -790,8 +793,14 @@ cycle() {
     carry-on)
       [ "$alive" != - ] || return 0
       for w in $alive; do SEEN_AT[w]=$t; done  # its heartbeat does not reach the bucket
-      say "worker(s) $alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
-        "old or more: are they reaching $BEATS?" ;;
+      if [ -n "$BEATS_WHY" ]; then  # (said once)
+        [ "$BEATS_WHY" = "$BEATS_SAID" ] ||
+          say "worker(s) $alive answer, but their heartbeats in $BEATS cannot be read: $BEATS_WHY"
+        BEATS_SAID=$BEATS_WHY
+      else
+        say "worker(s) $alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
+          "old or more: are they reaching $BEATS?"
+      fi ;;
   esac
 }
 secs() { printf -v SECS '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }  # SECS: ms as seconds
@@ -962,7 +971,7 @@ salvage_logs() {
 # stop it on every worker (the run checkpoints on SIGTERM), collect the logs, then the
 # exit trap deletes the slice; without it, leave the command running, detached. A second
 # one exits at once (and the exit trap deletes).
-RUNNING=0 STREAM_PID="" attempt=1 GONE_HOSTS=""
+RUNNING=0 STREAM_PID="" attempt=1 GONE_HOSTS="" BEATS_SAID=""
 on_signal() {
   trap 'note "interrupted again: exiting now"; exit '"$1" INT TERM
   [ -z "$STREAM_PID" ] || kill_tree "$STREAM_PID"
