@@ -4,8 +4,13 @@ hours, code 13 stockouts, 429 rate limits, a stuck delete, expired credentials, 
 missing role, exit statuses that restart. Hours are scaled down (1/2000: a status cycle
 of 10 s is 5 ms, 2 h is 3.6 s) or simulated (LAUNCH_CLOCK)."""
 
+import fcntl
+import os
+import pty
 import signal
 import subprocess
+import termios
+import threading
 import time
 
 from launch_test import (
@@ -103,6 +108,19 @@ def test_expired_credentials_stop_with_one_line_naming_the_fix(stub, tmp_path):
     assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
 
 
+def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path):
+    """A queued request waits (10 s polls, --timeout 10 min); the credentials expire at
+    poll 3: one line naming the fix, not a wait of UNKNOWN to the timeout (or forever)."""
+    env, state, script = stub
+    env = dict(env, STUB_QR_WAIT="1000", STUB_QR_AUTH_AT="3", LAUNCH_POLL_S="10")
+    out = _launch(script, env, "--queued", "--spot", "--timeout", "600", "--", "true")
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
+    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert int((state / "clock").read_text()) == 20  # two polls' waits
+
+
 def test_a_missing_role_stops_naming_it(stub, tmp_path):
     env, _, script = stub
     error = ("PERMISSION_DENIED: Permission 'tpu.nodes.create' denied on resource "
@@ -139,32 +157,80 @@ def test_an_exit_status_that_restarts_under_gke_reruns_on_the_same_slice(stub, t
     )
 
 
+def _at_a_terminal(script, env, *args):
+    """launch.sh as started from a shell at a terminal: a pty its controlling terminal,
+    stdin, stdout and stderr, SIGHUP at its default. Returns the process and the pty's
+    master end (closing it is the terminal going away)."""
+    master, slave = pty.openpty()
+
+    def terminal():
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(["bash", str(script), *args], env=env, stdin=slave, stdout=slave,
+                            stderr=slave, start_new_session=True, preexec_fn=terminal)  # fmt: skip
+    os.close(slave)
+    return proc, master
+
+
 def test_a_lost_terminal_leaves_the_run_and_the_slice_going(stub, tmp_path):
-    """SIGHUP mid-run with --delete-on-exit: the supervisor goes on (its messages in
-    launch.log), sees the run to its end, and only then deletes the slice."""
+    """The terminal closes while the create is in flight, with --delete-on-exit: SIGHUP to
+    every process of the launch (its shell's job), every write to the terminal failing
+    from then on. The create, the supervisor and the run go on, its messages in
+    launch.log, and the slice is deleted only after the run's end."""
     env, state, script = stub
-    env = dict(env, STUB_HOLD="10")
+    env = dict(env, STUB_HOLD="10", STUB_CREATE_S="1")
     logs = tmp_path / "l"
-    # as from a terminal: SIGHUP not ignored (a shell started with it ignored, under nohup
-    # or a harness that ignores it, cannot trap it, and the supervisor just goes on)
-    proc = subprocess.Popen(
-        ["bash", str(script), "--delete-on-exit", "--logs", str(logs), "--",
-         "magic-jax", "train", *GS],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not (state / "streams").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    proc, master = _at_a_terminal(script, env, "--delete-on-exit", "--logs", str(logs), "--",
+                                  "magic-jax", "train", *GS)  # fmt: skip
+    try:
+        _wait_for(lambda: (state / "creating").exists(), proc, deadline=30)
+        os.killpg(proc.pid, signal.SIGHUP)
+    finally:
+        os.close(master)  # the terminal is gone: writing to it fails (EIO)
+    assert proc.wait(timeout=60) == 0, (logs / "launch.log").read_text()
     assert _verbs(_calls(state)) == [*UP_GS, *COLLECT, *DELETE]  # deleted after the end
     said = (logs / "launch.log").read_text()
-    assert "launch.sh: the terminal is gone (SIGHUP): supervising on" in said
-    assert "[launch] deleting magic-jax" in said and "deleting" not in err
+    assert "closing the terminal leaves this supervisor running, its messages in" in said
+    assert "[launch] logs of 2 worker(s)" in said
+    assert said.rstrip().endswith("[launch] deleting magic-jax")
+
+
+def _read_all(master, into):
+    """Reads what the terminal shows until its last writer is gone."""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: no process holds the terminal any more
+            return
+        if not chunk:
+            return
+        into.append(chunk.decode(errors="replace").replace("\r\n", "\n"))
+
+
+def test_ctrl_c_at_a_terminal_stops_the_supervisor_not_its_relays(stub, tmp_path):
+    """Ctrl-C at the terminal mid-run (SIGINT to every process of the launch), with
+    --delete-on-exit: the relays of its output are deaf to it, so the terminal shows the
+    supervisor's last words; the job is stopped, the slice deleted, exit 130."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    proc, master = _at_a_terminal(script, env, "--delete-on-exit", "--logs", str(tmp_path / "l"),
+                                  "--", "magic-jax", "train", *GS)  # fmt: skip
+    shown: list[str] = []
+    reader = threading.Thread(target=_read_all, args=(master, shown), daemon=True)
+    reader.start()
+    try:
+        _wait_for(lambda: (state / "streams").exists(), proc, deadline=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        reader.join(timeout=10)
+    finally:
+        os.close(master)
+    text = "".join(shown)
+    assert "launch.sh: interrupted: stopping the command on every worker" in text, text
+    assert text.rstrip().endswith("[launch] deleting magic-jax"), text
+    assert (state / "down").exists() and not (state / "created").exists()
 
 
 # Runs until the file $GO exists, then finishes
@@ -195,7 +261,8 @@ def _wait_for(what, proc, deadline=120):
 def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful, tmp_path):
     """kill -9 of the supervisor mid-run, then the same command: it attaches to the
     running command (no second start, no second slice); kill -9 again, then --attach NAME
-    alone: it sees the run to its end and collects every worker's log."""
+    alone: with the first launch's retry budget, it sees the run to its end and collects
+    every worker's log."""
     env, state, script = faithful
     go = tmp_path / "go"
     args = ["--retry", "1", "--env", f"GO={go}", "--logs", str(tmp_path / "logs"), "--",
@@ -216,6 +283,7 @@ def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful,
     last, err = _supervise(script, env, tmp_path, "last", "--attach", "magic-jax", "--logs",
                            str(tmp_path / "logs"))  # fmt: skip
     _wait_for(lambda: "attaching to the command running on magic-jax" in err.read_text(), last)
+    assert "(attempt 1 of 2, commit" in err.read_text()  # the first launch's --retry 1
     go.touch()
     assert last.wait(timeout=120) == 0, err.read_text()
     verbs = _verbs(_calls(state))
@@ -223,6 +291,48 @@ def test_a_killed_supervisor_is_replaced_by_the_same_command_or_attach(faithful,
     for w in range(2):
         assert "finished" in (tmp_path / "logs" / f"worker-{w}.log").read_text()
     assert not _launch_lines(err.read_text())
+
+
+def test_a_second_supervisor_of_the_same_slice_is_refused_while_the_first_lives(stub, tmp_path):
+    """The same command again while its supervisor still runs (its terminal closed, say):
+    one line naming that supervisor, nothing asked of Cloud TPU; the first goes on to
+    the end and leaves no entry behind."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    args = ["--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS]
+    first, err = _supervise(script, env, tmp_path, "first", *args)
+    _wait_for(lambda: (state / "streams").exists(), first, deadline=30)
+
+    def bring_ups():  # a launch's first question: what is the node's state?
+        return sum("--format=value(state)" in c for c in _calls(state))
+
+    asked = bring_ups()
+    second = _launch(script, env, *args)
+    assert second.returncode == 1
+    (line,) = _launch_lines(second.stderr)
+    assert line.startswith(f"launch.sh: a supervisor of magic-jax runs on this machine already "
+                           f"(pid {first.pid}")  # fmt: skip
+    assert f"`kill -KILL {first.pid}` (the run goes on)" in line
+    assert bring_ups() == asked  # the second asked nothing
+    (state / "down").touch()  # the job ends
+    assert first.wait(timeout=60) == 0, err.read_text()
+    assert not list(script.parents[1].glob("runs/launch/.magic-jax.supervisor"))
+
+
+def test_delete_stops_the_slices_supervisor_first_which_recreates_nothing(stub, tmp_path):
+    """--delete while the slice's supervisor (--retry 1) runs on this machine: it is
+    stopped first, so it does not take the deletion for a preemption: 1 create."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    first, err = _supervise(script, env, tmp_path, "first", "--retry", "1", "--logs",
+                            str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    _wait_for(lambda: (state / "streams").exists(), first, deadline=30)
+    out = _launch(script, env, "--delete")
+    assert out.returncode == 0, out.stderr
+    assert f"stopping the supervisor of magic-jax on this machine (pid {first.pid})" in out.stderr
+    assert first.wait(timeout=30) == 143, err.read_text()
+    assert _verbs(_calls(state)).count("create") == 1 and not (state / "created").exists()
+    assert "recreating" not in err.read_text()
 
 
 def test_a_lost_host_at_64_hosts_gets_a_new_slice_requested_within_minutes(stub, tmp_path):

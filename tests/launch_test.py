@@ -69,7 +69,17 @@ for a in "$@"; do
 done
 while [ $# -gt 0 ]; do [ "$1" = --command ] && command=$2; shift; done
 n=${STUB_WORKERS:-2}
-missing() { echo "ERROR: (gcloud) NOT_FOUND: Resource was not found" >&2; exit 1; }
+missing() {  # gcloud's words for the API's NOT_FOUND (describe NAME: argv 3 and 4)
+  local group=tpu-vm kind=nodes
+  [[ $args != *queued-resources* ]] || group=queued-resources kind=queuedResources
+  local res="projects/p/locations/us-east5-a/$kind/${argv[4]}"
+  echo "ERROR: (gcloud.compute.tpus.$group.${argv[3]}) NOT_FOUND: Resource '$res' was not" \
+    "found. This command is authenticated as run@p.iam.gserviceaccount.com which is the" \
+    "active account specified by the [core/account] property" >&2
+  printf -- "- '@type': type.googleapis.com/google.rpc.ResourceInfo\n  resourceName: %s\n" \
+    "$res" >&2
+  exit 1
+}
 no_capacity() {  # gcloud's words, the message on one line
   local why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
   why+=' where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions)'
@@ -192,6 +202,12 @@ case $args in
     fi
     cp "$src" "$dst"; exit ;;
   "storage cat "*)
+    if [ -n "${STUB_BEATS_DENIED:-}" ]; then  # the caller lost its role on the bucket
+      echo "ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount.com does not" \
+        "have storage.objects.list access to the Google Cloud Storage bucket. Permission" \
+        "'storage.objects.list' denied on resource (or it may not exist)." >&2
+      exit 1
+    fi
     if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
       k=$(cat polls 2>/dev/null | wc -l)
       # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
@@ -261,6 +277,10 @@ case $args in
     fi
     state=$(cat created); health=HEALTHY
     [ "$state" != REPAIRING ] && ! in_maint || health=UNHEALTHY_MAINTENANCE
+    if [ -s unhealthy ]; then
+      health=UNHEALTHY_MAINTENANCE r=$(($(cat unhealthy) - 1)); echo "$r" > unhealthy
+      [ "$r" -gt 0 ] || rm unhealthy
+    fi
     case $args in *health*) printf '%s\t%s\n' "${state:-READY}" "$health" ;;
       *) echo "${state:-READY}" ;; esac ;;
   *"tpu-vm describe"*"networkEndpoints"*)
@@ -290,6 +310,8 @@ case $args in
         if [ -n "${STUB_QR_WAIT:-}" ]; then echo WAITING_FOR_RESOURCES > qr; exit 0; fi
         echo ACTIVE > qr ;;
     esac
+    # the create's operation takes $STUB_CREATE_S s ($STUB_DIR/creating meanwhile)
+    [ -z "${STUB_CREATE_S:-}" ] || { touch creating; sleep "$STUB_CREATE_S"; rm creating; }
     touch created
     [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
   *"queued-resources describe"*"failedData"*)  # FAILED: why, as the API's google.rpc.Status
@@ -303,6 +325,8 @@ case $args in
     fi
     if [ "$(cat qr)" = WAITING_FOR_RESOURCES ]; then
       echo >> qr-polls; k=$(wc -l < qr-polls)
+      # from poll $STUB_QR_AUTH_AT the credentials are expired
+      [ "$k" != "${STUB_QR_AUTH_AT:-}" ] || { touch auth-expired; reauth; }
       if [ "$k" = "${STUB_QR_FAIL_AT:-}" ]; then echo FAILED > qr; cat qr; exit 0; fi
       if [ "$k" = "${STUB_QR_HANG_AT:-}" ]; then touch qr-hang; exec sleep 60; fi
       if [ "$k" -ge "$STUB_QR_WAIT" ]; then echo ACTIVE > qr; touch created; fi
@@ -359,7 +383,14 @@ case $args in
           else echo PREEMPTED > created; fi
           echo "ssh: connection closed" >&2; exit 255
         fi
-        [ "$run" = "${STUB_VANISH:-}" ] && exit 3
+        if [ "$run" = "${STUB_VANISH:-}" ]; then
+          # with $STUB_VANISH_UNHEALTHY=N, maintenance restarted the hosts: the node says
+          # UNHEALTHY_MAINTENANCE for N more questions
+          if [ -n "${STUB_VANISH_UNHEALTHY:-}" ]; then
+            echo "$STUB_VANISH_UNHEALTHY" > unhealthy; date +%s%3N > maint-until
+          fi
+          exit 3
+        fi
         echo "step 0 from worker $worker (run $run)" ;;
       "cat "*".log")  # a VM gone: gcloud's 10 tries, each a TCP connect timing out
         [ ! -e "silent-$worker" ] || exec sleep 1000
@@ -424,9 +455,11 @@ def stub(tmp_path, repo):
 
 
 def _launch(script, env, *args):
-    return subprocess.run(
+    out = subprocess.run(
         ["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60
     )
+    assert "launch.sh: line " not in out.stderr, out.stderr  # no error of bash's own
+    return out
 
 
 def _calls(state):
@@ -825,6 +858,22 @@ def test_a_lost_worker_on_a_live_slice_fails_without_retry(stub, tmp_path):
     assert _verbs(_calls(state)).count("create") == 1
 
 
+def test_maintenance_outlasting_an_hour_on_a_new_slice_is_waited_for(stub, tmp_path):
+    """Worker 0's command gone, its host restarted, the node READY with health
+    UNHEALTHY_MAINTENANCE for 8 polls of 10 min: on the slice this launch created, the
+    wait is maintenance's, unbounded (not the new slice's hour), then the rerun on it."""
+    env, state, script = stub
+    env = dict(env, STUB_VANISH="1", STUB_VANISH_UNHEALTHY="8", LAUNCH_POLL_S="600")
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--logs",
+                  str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and verbs.count("delete") == 1 and verbs[-1] == "delete"
+    assert int((state / "clock").read_text()) > 3600  # simulated: past the hour
+    assert "magic-jax: READY (UNHEALTHY_MAINTENANCE)" in out.stderr
+    assert "rerunning it on magic-jax once READY (attempt 1 of 2)" in out.stderr
+
+
 def test_a_quota_error_stops_at_once_with_gclouds_message(stub, tmp_path):
     """Quota is RESOURCE_EXHAUSTED too (HTTP 429, shown by gcloud as a network error), but
     no retry can fix it: one line with gcloud's message, no backoff, nothing left."""
@@ -912,6 +961,28 @@ def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stu
     assert cycles.count("probe") == 1 and len(cycles) == 2 * cycles.count("poll") + 1
     print(f"{hosts} hosts: lost after {reacted - went_silent} ms; {len(cycles)} calls in "
           f"{cycles.count('poll')} cycles")  # fmt: skip
+
+
+def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tmp_path):
+    """The bucket's heartbeats unreadable (a role lost on it): the silent workers are
+    asked, answer, and the line says why their heartbeats are not seen, with the fix."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="4", STUB_BEATS_DENIED="1", LAUNCH_LOST_S="0.05")
+    out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "[launch] worker(s) 0 1 answer, but their heartbeats in gs://b/magic-jax-launch/beats/"
+        in out.stderr
+    )
+    said = [x for x in out.stderr.splitlines() if "cannot be read" in x]
+    assert len(said) == 1, said  # once, not at every question
+    assert said[0].endswith(
+        "cannot be read: ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount"
+        ".com does not have storage.objects.list access to the Google Cloud Storage bucket."
+        " Permission 'storage.objects.list' denied on resource (or it may not exist). (the"
+        " permission storage.objects.list is missing: grant the caller roles/storage.objectUser)"
+    )
+    assert _verbs(_calls(state)).count("create") == 1
 
 
 def test_a_worker_whose_command_ended_early_is_not_taken_for_a_lost_one(stub, tmp_path):

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from magic_jax.jobs import gke, pod, restarts
-from magic_jax.jobs.pod_decide import Action, Slice, Worker, after_exit, decide
+from magic_jax.jobs.pod_decide import (
+    Action,
+    Outcome,
+    Slice,
+    Worker,
+    after_attempt,
+    after_exit,
+    decide,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = Slice(state="READY", health="HEALTHY")
@@ -145,8 +153,75 @@ def test_the_lines_launch_sh_reads():
     assert pod.answer(["decide", "20"], lines).split("\t")[:2] == ["rerun", "0"]
     assert pod.answer(["node", "READY", "UNHEALTHY_MAINTENANCE"]).startswith("wait\t")
     assert pod.answer(["node", "READY", "HEALTHY", "SUSPENDED"]).startswith("lost\t")
-    assert pod.answer(["exit", "86"]) == "rerun"
+    lines = ["status 86", "budget 1 2", "name t", "logs /l", "grace 120"]
+    assert pod.answer(["attempt"], lines).split("\t")[:2] == ["rerun", "0"]
+    lines = ["status 0", "stopped 1 3", "name t", "logs /l", "grace 120"]
+    assert pod.answer(["attempt"], lines) == (
+        "stop\t1\tworker(s) 1 3 still ran 120s after worker 0 ended; stopped (logs: /l)"
+    )
     # as launch.sh runs it: the standard library only, no JAX
     code = "import sys, magic_jax.jobs.pod; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _after(outcome, attempt=1, retry=1):
+    return after_attempt(outcome, attempt=attempt, retry=retry, name="t", logs="/l", grace_s="120")
+
+
+@pytest.mark.parametrize(
+    "outcome, action, code",
+    [
+        (Outcome(status="0"), Action.STOP, 0),  # done
+        (Outcome(status="1"), Action.STOP, 1),  # a failure no rerun mends
+        (Outcome(status="86"), Action.RERUN, 0),  # restarts: the same slice
+        (Outcome(status="143"), Action.RECREATE, 143),  # stopped as a preemption stops
+        (Outcome(status="143", lost="t is PREEMPTED"), Action.RECREATE, 143),
+        (Outcome(status="0", restarted=(0, 1)), Action.RERUN, 0),  # maintenance
+        (Outcome(status="0", failed=1, failed_status="9"), Action.STOP, 9),
+        (Outcome(status="143", failed=1, failed_status="86"), Action.RERUN, 0),
+        (Outcome(status="0", stopped=(1,)), Action.STOP, 1),
+        (Outcome(status="7", stopped=(1,)), Action.STOP, 7),  # worker 0's status first
+    ],
+)
+def test_after_an_attempt(outcome, action, code):
+    """What follows an attempt, with a retry left: rerun on the same slice, recreate it,
+    or exit with a code."""
+    verdict = _after(outcome)
+    assert (verdict.action, verdict.code) == (action, code)
+
+
+@pytest.mark.parametrize(
+    "outcome, code, line",
+    [
+        (
+            Outcome(status="0", restarted=(0,)),
+            143,
+            "maintenance restarted the host of worker(s) 0 under the command (its boot id"
+            " changed); attempt 2 of 2, no retries left (--retry 1), exiting with 143",
+        ),
+        (
+            Outcome(status="124"),
+            124,
+            "worker 0 exited with 124; attempt 2 of 2, no retries left (--retry 1)",
+        ),
+        (
+            Outcome(status="143", lost="t is PREEMPTED", kind="preempted"),
+            143,
+            "preempted (t is PREEMPTED; attempt 2 of 2); no retries left (--retry 1), exiting"
+            " with 143",
+        ),
+    ],
+)
+def test_no_retry_left_exits_saying_so(outcome, code, line):
+    verdict = _after(outcome, attempt=2)
+    assert (verdict.action, verdict.code, verdict.line) == (Action.STOP, code, line)
+
+
+def test_a_lost_slice_is_recreated_even_when_worker_0_said_a_status_that_restarts():
+    """The slice lost: a new one, whatever status worker 0 left (the host is gone)."""
+    verdict = _after(Outcome(status="86", lost="worker 1 stopped answering", kind="a host lost"))
+    assert verdict.action is Action.RECREATE
+    assert verdict.line == (
+        "a host lost (worker 1 stopped answering; attempt 1 of 2); recreating the slice"
+    )

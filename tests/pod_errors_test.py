@@ -2,9 +2,12 @@
 TPU API give: no capacity and code 13 retried, a rate limit retried, a quota fatal with
 its message, ALREADY_EXISTS waited for, credentials and roles stopped with the fix."""
 
+import dataclasses
+
 import pytest
 
-from magic_jax.jobs.pod_errors import Kind, classify, error_line
+from magic_jax.jobs import pod
+from magic_jax.jobs.pod_errors import Create, Kind, Then, after_create, classify, error_line
 
 CREATE = "ERROR: (gcloud.compute.tpus.tpu-vm.create) "
 NO_CAPACITY = CREATE + (
@@ -50,6 +53,13 @@ EXISTS = (
     CREATE + "ALREADY_EXISTS: Resource 'projects/p/locations/us-east5-a/nodes/magic-jax'"
     " already exists\n"
 )
+NOT_FOUND = (  # with the account gcloud names since it says which one asked
+    "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource"
+    " 'projects/p/locations/us-east5-a/nodes/magic-jax' was not found. This command is"
+    " authenticated as run@p.iam.gserviceaccount.com which is the active account specified"
+    " by the [core/account] property\n- '@type': type.googleapis.com/google.rpc.ResourceInfo\n"
+    "  resourceName: projects/p/locations/us-east5-a/nodes/magic-jax\n"
+)
 REAUTH = (
     "ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing your current"
     " auth tokens: Reauthentication failed. cannot prompt during non-interactive execution.\n"
@@ -90,7 +100,7 @@ STORAGE = (
         (QUOTA, Kind.QUOTA),
         (QUOTA_CODE_8, Kind.QUOTA),
         (EXISTS, Kind.EXISTS),
-        (CREATE + "NOT_FOUND: Resource was not found", Kind.NOT_FOUND),
+        (NOT_FOUND, Kind.NOT_FOUND),
         (REAUTH, Kind.AUTH),
         (NO_ACCOUNT, Kind.AUTH),
         (DENIED, Kind.PERMISSION),
@@ -129,3 +139,61 @@ def test_the_line_shown_is_the_apis_message():
 def test_auth_and_permission_errors_name_the_fix(text, fix):
     said = classify(text).say()
     assert fix in said and "\n" not in said
+
+
+def _create(**changes):
+    return dataclasses.replace(
+        Create(name="t", accelerator="v5p-64", zone="us-east5-a", tries=3), **changes
+    )
+
+
+@pytest.mark.parametrize(
+    "text, create, then",
+    [
+        (NO_CAPACITY, _create(), Then.RETRY),
+        (INTERNAL, _create(try_=2), Then.RETRY),
+        (RATE, _create(), Then.RETRY),
+        (NO_CAPACITY, _create(try_=3), Then.STOP),  # the tries used up
+        (QUOTA, _create(), Then.STOP),
+        (QUOTA_CODE_8, _create(), Then.STOP),
+        (EXISTS, _create(), Then.AWAIT_GONE),  # a delete under way: not a try
+        (EXISTS, _create(queued="t-qr"), Then.ATTACH),  # a request already queued
+        (REAUTH, _create(), Then.STOP),
+        (DENIED, _create(), Then.STOP),
+        (NOT_FOUND, _create(), Then.STOP),
+    ],
+)
+def test_what_follows_a_failed_create(text, create, then):
+    assert after_create(classify(text), create).then is then
+
+
+def test_a_retry_backs_off_twice_as_long_up_to_the_longest_wait():
+    first = after_create(classify(RATE), _create(wait_s=60, max_wait_s=100))
+    assert (first.wait_s, first.next_wait_s) == (60, 100)
+    assert first.line.startswith("rate-limited (try 1 of 3): Quota exceeded for quota metric")
+    assert first.line.endswith("; trying again in 1m00s")
+    late = after_create(classify(INTERNAL), _create(try_=2, wait_s=3700))
+    assert late.line == (
+        "no capacity for v5p-64 in us-east5-a (try 2 of 3): An internal error has occurred.;"
+        " trying again in 1h01m"
+    )
+
+
+def test_a_fatal_create_says_why_in_one_line():
+    assert after_create(classify(QUOTA), _create()).line == (
+        "creating t failed: out of quota, which no retry can fix: Quota limit"
+        " 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded. Limit: 0 in zone"
+        " us-east5-a."
+    )
+    line = after_create(classify(NO_CAPACITY), _create(try_=3)).line
+    assert line.startswith("no capacity for v5p-64 in us-east5-a after 3 tries (--create-tries 3)")
+    assert "grant the caller roles/tpu.admin" in after_create(classify(DENIED), _create()).line
+
+
+def test_the_line_launch_sh_reads_after_a_create(tmp_path):
+    (tmp_path / "err").write_text(RATE)
+    lines = ["name t", "queued ", "accelerator v5p-64", "zone z", "try 2", "tries 12",
+             "wait 120", "max 1800"]  # fmt: skip
+    step, line, wait, after = pod.answer(["create", str(tmp_path / "err")], lines).split("\t")
+    assert (step, wait, after) == ("retry", "120", "240")
+    assert line.startswith("rate-limited (try 2 of 12): ") and line.endswith("in 2m00s")

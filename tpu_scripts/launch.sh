@@ -44,10 +44,13 @@
 #   --no-setup          the workers already have this commit installed
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
-#   --delete            delete the slice (and its queued resource) and exit
+#   --delete            delete the slice (and its queued resource) and exit; a supervisor
+#                       of it on this machine is stopped first (SIGTERM), so that it does
+#                       not take the deletion for a preemption
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
-#                       supervisor killed, its machine down) to its end; the same command
-#                       as that launch's attaches too (otherwise: the TPU is in use)
+#                       supervisor killed, its machine down) to its end, with that launch's
+#                       --retry unless given; the same command as that launch's attaches
+#                       too (otherwise: the TPU is in use)
 #   --stage URL         where the archive (once per commit) and the workers' heartbeats
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
@@ -99,8 +102,9 @@
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
 # worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
 # $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
-# A closed terminal (SIGHUP) stops nothing: the supervisor goes on, its messages in
-# LOGS/launch.log. Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
+# A closed terminal stops nothing: SIGHUP is ignored by the supervisor and every gcloud
+# call it makes (a create or set-up in flight included), and at a terminal its messages
+# also go to LOGS/launch.log, through relays that outlive the terminal. Ctrl-C (or SIGTERM) exits 130 (143). While the command runs, without --delete-on-exit
 # the command goes on, detached (--delete stops it with the slice); with it, the command
 # is stopped on every worker (SIGTERM: the run checkpoints), the logs are collected and
 # the slice is deleted; a second Ctrl-C deletes it at once. Before the command runs,
@@ -110,11 +114,17 @@
 set -euo pipefail
 
 quit() { local code=$1; shift; echo "launch.sh: $*" >&2; exit "$code"; }
+# A lost terminal (the laptop closed, the ssh session dropped: SIGHUP to every process
+# of the launch, its shell's jobs) stops nothing: ignored here, so by every child too
+# (a gcloud create, set-up or stream in flight goes on), and --delete-on-exit deletes
+# only once the run has ended or on Ctrl-C or SIGTERM.
+trap '' HUP
+RELAYS=() SAID_TO="" SUPERVISOR=""  # (relay_terminal; SAID_TO its launch.log; alone)
 die() { quit 2 "$@"; }
 usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
-SETUP=1 LOGS="" ATTACH=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
+SETUP=1 LOGS="" ATTACH=0 RETRY_GIVEN=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
 CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
@@ -138,7 +148,7 @@ while [ $# -gt 0 ]; do
     --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
     --queued) QUEUED=1; shift ;;
     --stage) need "$@"; STAGE=${2%/}; shift 2 ;;
-    --retry) need "$@"; RETRY=$2; shift 2 ;;
+    --retry) need "$@"; RETRY=$2 RETRY_GIVEN=1; shift 2 ;;
     --create-tries) need "$@"; CREATE_TRIES=$2; shift 2 ;;
     --create-backoff-max) need "$@"; CREATE_MAX_S=$2; shift 2 ;;
     --env) need "$@"
@@ -295,8 +305,25 @@ teardown() {
   fi
 }
 
+# This machine's supervisor of NAME, if one lives: its pid and launch.log (see alone).
+ENTRY=$REPO/runs/launch/.$NAME.supervisor
+supervisor() {
+  local pid said
+  IFS=$'\t' read -r pid said 2>/dev/null < "$ENTRY" && [ "$pid" != $$ ] &&
+    ps -p "$pid" -o command= 2>/dev/null | grep -q launch.sh && echo "$pid ${said:-}"
+}
+# --delete first stops this machine's supervisor of NAME (SIGTERM: it exits 143, with
+# --delete-on-exit stopping the command), so that it does not take the deletion for a
+# preemption and recreate the slice.
 if [ "$DELETE_ONLY" = 1 ]; then
-  teardown
+  stopped=""
+  if [ "$DRY" = 0 ] && read -r pid _ < <(supervisor); then
+    say "stopping the supervisor of $NAME on this machine (pid $pid) first"
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 600; i++)); do supervisor > /dev/null || break; sleep 0.2; done
+    stopped=$pid
+  fi
+  teardown || [ -n "$stopped" ]  # (one with --delete-on-exit deleted the slice itself)
   rm -f "$ASKED" "$ASK_ERR"
   exit 0
 fi
@@ -347,17 +374,20 @@ on_exit() {
   rm -f "$ASKED" "$ASK_ERR"
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
+  if [ -n "$SUPERVISOR" ] && [ "$(cut -f1 "$SUPERVISOR" 2>/dev/null)" = $$ ]; then rm -f "$SUPERVISOR"; fi
+  [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
-# Creates the node (or requests the queued resource). An error is told apart by
-# magic_jax/jobs/pod_errors.py: no capacity (code 8, or code 13 as Spot stockouts also
-# come) and a rate limit (429, a per-minute quota) are tried again with exponential
+# Creates the node (or requests the queued resource). What follows an error is
+# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot
+# stockouts also come) and a rate limit (429, a per-minute quota) are tried again with exponential
 # backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
 # (waited for: the node gone, then created again) or a request already queued (attached
 # to); a quota exhausted, credentials, a missing role or any other error end it with
 # gcloud's message (and the fix, where there is one).
 create() {
-  local try=1 wait=$CREATE_WAIT_S err rc line kind what
+  local try=1 wait=$CREATE_WAIT_S err rc queued step line nap_s next_s
   err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
   while :; do
     HAVE_SLICE=1 rc=0
@@ -369,32 +399,31 @@ create() {
           "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
     fi
     [ "$rc" != 0 ] || break
-    IFS=$'\t' read -r kind line < <(pod error "$err")
-    if [ "$kind" = exists ] && [ "$QUEUED" = 1 ]; then  # an earlier launch's, still queued
-      say "queued resource $QR exists already: waiting for it"; rm -f "$err"; return 0
-    fi
-    if [ "$kind" = exists ]; then
-      say "$NAME exists still (an earlier delete under way): waiting for it to go"
-      await_gone; continue
-    fi
+    queued=""; [ "$QUEUED" = 0 ] || queued=$QR
+    IFS=$'\t' read -r step line nap_s next_s < <(pod create "$err" <<CREATE
+name $NAME
+queued $queued
+accelerator $ACCEL
+zone $ZONE
+try $try
+tries $CREATE_TRIES
+wait $wait
+max $CREATE_MAX_S
+CREATE
+    )
+    case $step in
+      attach) say "$line"; rm -f "$err"; return 0 ;;
+      await-gone) say "$line"; await_gone; continue ;;
+    esac
     # a failed create may leave the node (or the queued resource) behind
     if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
       teardown >/dev/null 2>&1 || true
     fi
     HAVE_SLICE=0
-    case $kind in
-      capacity|rate-limit) ;;
-      quota) rm -f "$err"; quit 1 "creating $NAME failed: out of quota, which no retry can fix: $line" ;;
-      *) rm -f "$err"; quit 1 "creating $NAME failed: $line" ;;
-    esac
-    if [ "$try" -ge "$CREATE_TRIES" ]; then
-      rm -f "$err"
-      quit 1 "no capacity for $ACCEL in $ZONE after $try tries (--create-tries $CREATE_TRIES): $line"
-    fi
-    what="no capacity for $ACCEL in $ZONE"; [ "$kind" != rate-limit ] || what="rate-limited"
-    say "$what (try $try of $CREATE_TRIES): $line; trying again in $(span "$wait")"
-    nap "$wait"
-    wait=$(twice "$wait" "$CREATE_MAX_S") try=$((try + 1))
+    [ "$step" = retry ] || { rm -f "$err"; quit 1 "${line:-creating $NAME failed}"; }
+    say "$line"
+    nap "$nap_s"
+    wait=$next_s try=$((try + 1))
   done
   rm -f "$err"
 }
@@ -431,6 +460,7 @@ await_queued() {
   started=$(now)
   while [ "$DRY" = 0 ]; do
     s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
+    stop_if_fatal  # (credentials lapsing in a wait of days: one line, not UNKNOWN forever)
     case $s in
       ACTIVE) return 0 ;;
       FAILED|SUSPENDED|GONE)
@@ -467,10 +497,12 @@ wait_ready() {
     [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
     v=$(pod node "${s:-}" "${health:--}")
     case $v in ready*) return 0 ;; esac
+    if [ -n "${s:-}" ]; then v="${v#*$'\t'}${why:+: $why}"; else v="not yet"; fi
+    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] || [ -z "${s:-}" ] ||
+      die "$NAME not READY after ${TIMEOUT:-3600}s: it is $v"
     [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s (${s:-$(asked_why)})"
-    v="${v#*$'\t'}${why:+: $why}"
-    [ "$v" = "$said" ] || say "$NAME: ${s:+$v}${s:-not yet}"
+      die "$NAME not READY after ${TIMEOUT:-3600}s ($(asked_why))"
+    [ "$v" = "$said" ] || say "$NAME: $v"
     said=$v; nap "$POLL_S"
   done
 }
@@ -592,6 +624,31 @@ BEAT_S=${LAUNCH_HEARTBEAT_S:-10}  # each worker's heartbeat (with a stage)
 ms() { date +%s%3N; }
 to_ms() { awk -v s="$1" 'BEGIN { printf "%d", s * 1000 }'; }
 POLL_MS=$(to_ms "$POLL_S") LOST_MS=$(to_ms "${LAUNCH_LOST_S:-20}") PROBE_MS=$(to_ms "${LAUNCH_PROBE_S:-15}")
+# At a terminal, what the supervisor and its gcloud calls print passes through relays
+# (tee, deaf to SIGHUP and Ctrl-C) that go on after the terminal is gone, when writing to
+# it fails: the messages also into $LOGS/launch.log, worker 0's log to the terminal only.
+# Never a write to a lost terminal, so no gcloud call fails on one. RELAYS: their pids.
+relay_terminal() {
+  [ "$DRY" = 0 ] || return 0
+  exec < /dev/null  # no gcloud reads the terminal
+  if [ -t 2 ]; then
+    mkdir -p "$LOGS"
+    SAID_TO=$LOGS/launch.log
+    exec 2> >(trap '' INT TERM; exec tee -a "$SAID_TO" >&2); RELAYS+=("$!")
+  fi
+  if [ -t 1 ]; then exec > >(trap '' INT TERM; exec tee /dev/null); RELAYS+=("$!"); fi
+}
+# At the end: the relays drain what is left (for at most 5 s: an orphan may hold a pipe).
+end_relays() {
+  local i p
+  [ "${#RELAYS[@]}" -gt 0 ] || return 0
+  exec >&- 2>&-
+  for ((i = 0; i < 50; i++)); do
+    for p in "${RELAYS[@]}"; do kill -0 "$p" 2>/dev/null && break; p=""; done
+    [ -n "$p" ] || return 0
+    sleep 0.1
+  done
+}
 # Attempt K's files on every worker: $L.sh (the command), .log, .pid, .boot and .exit;
 # its heartbeats (with a stage) under $BEATS.
 attempt_files() {
@@ -600,20 +657,22 @@ attempt_files() {
 }
 # An earlier launch's command still running on this slice, its supervisor gone (killed,
 # its machine down): with --attach, or for the same command, this launch supervises it
-# to the end instead of starting another (its attempt counted in --retry). Worker 0
-# names it in ~/magic-jax/logs/current: run id, attempt, commit, stage.
+# to the end instead of starting another (its attempt counted in --retry; --attach
+# without --retry keeps the budget of the launch that started it). Worker 0 names it in
+# ~/magic-jax/logs/current: run id, attempt, commit, stage, --retry.
 running_job() {
-  local info id n c st s body
+  local info id n c st r s body
   [ "$DRY" = 0 ] && [ "$CREATED" = 0 ] || return 1
-  info=$(ask_worker 0 "read -r id n c s < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
-&& echo \$id \$n \$c \$s \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) && cat \$L.sh" \
-    2>/dev/null) || return 1
-  read -r id n c st _ s _ <<< "${info%%$'\n'*}"
+  info=$(ask_worker 0 "read -r id n c s r < magic-jax/logs/current && L=\$HOME/magic-jax/logs/\$id-\$n \
+&& echo \$id \$n \$c \$s \${r:--} \$(bash magic-jax/\$c/tpu_scripts/worker_run.sh --status \$L) \
+&& cat \$L.sh" 2>/dev/null) || return 1
+  read -r id n c st r _ s _ <<< "${info%%$'\n'*}"
   body=${info#*$'\n'}
   [ "${s:-}" = running ] && [[ ${n:-} =~ ^[0-9]+$ ]] || return 1
   [ "$ATTACH" = 1 ] || [ "$body" = "$BODY" ] || return 1
   RUN_ID=$id attempt=$n RUN_DIR=magic-jax/$c
   [ "$st" = - ] || STAGE=$st
+  if [ "$RETRY_GIVEN" = 0 ] && [[ $r =~ ^[0-9]+$ ]]; then RETRY=$r ATTEMPTS=$((r + 1)); fi
   [ $# -gt 0 ] || BODY=$body  # --attach alone: a rerun runs the same command
   [ -n "$LOGS_GIVEN" ] || LOGS=$REPO/runs/launch/$NAME-$RUN_ID
   attempt_files
@@ -632,7 +691,7 @@ bash tpu_scripts/worker_run.sh --busy >&2 && exit 5
 cat > $L.sh <<'LAUNCH_SH'
 $BODY
 LAUNCH_SH
-echo '$RUN_ID $attempt $COMMIT ${STAGE:--}' > \$HOME/magic-jax/logs/current
+echo '$RUN_ID $attempt $COMMIT ${STAGE:--} $RETRY' > \$HOME/magic-jax/logs/current
 nohup bash tpu_scripts/worker_run.sh $L $BEATS $BEAT_S > $L.log 2>&1 < /dev/null & echo \$! > $L.pid"
 }
 # Worker W's command: its exit status, "running", "gone" (no status and no process) or
@@ -677,14 +736,17 @@ bring_down() {
 # asks no Python.
 cycle() {
   local node state health out w seq st boot t lines quiet=1 v action ws status alive why id re
-  VERDICT=""
+  VERDICT="" BEATS_WHY=""
   node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
   stop_if_fatal
   read -r state health <<< "$node"
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
-  if [ -n "$BEATS" ]; then out=$(gcloud storage cat "$BEATS/worker-*" 2>/dev/null) || out=""
-  else out=$(probe); fi
+  if [ -z "$BEATS" ]; then out=$(probe)
+  elif ! out=$(gcloud storage cat "$BEATS/worker-*" 2>"$ASKED"); then
+    out=""  # none written yet, or unreadable: BEATS_WHY says why, for the line below
+    grep -q "matched no objects" "$ASKED" || BEATS_WHY=$(error_line "$ASKED")
+  fi
   while read -r w seq st boot; do
     [[ ${w:-} =~ ^[0-9]+$ ]] && [ "$w" -lt "$WORKERS" ] || continue
     # a heartbeat is "N SEQ STATUS BOOT"; an answer "N STATUS BOOT", itself a sign of life
@@ -731,8 +793,14 @@ cycle() {
     carry-on)
       [ "$alive" != - ] || return 0
       for w in $alive; do SEEN_AT[w]=$t; done  # its heartbeat does not reach the bucket
-      say "worker(s) $alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
-        "old or more: are they reaching $BEATS?" ;;
+      if [ -n "$BEATS_WHY" ]; then  # (said once)
+        [ "$BEATS_WHY" = "$BEATS_SAID" ] ||
+          say "worker(s) $alive answer, but their heartbeats in $BEATS cannot be read: $BEATS_WHY"
+        BEATS_SAID=$BEATS_WHY
+      else
+        say "worker(s) $alive answer, but their heartbeats are $((LOST_MS / 1000))s" \
+          "old or more: are they reaching $BEATS?"
+      fi ;;
   esac
 }
 secs() { printf -v SECS '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }  # SECS: ms as seconds
@@ -778,6 +846,7 @@ pause() {
 # without us. Quits when worker 0's command vanished from a host that was not restarted.
 await() {
   local from=+1 rc fails=0 wait=$SSH_WAIT_S t0 down="" stream w
+  CREATED=0  # the slice was READY: a wait for it from now on is maintenance's, unbounded
   FAILED="" FAILED_STATUS="" RESTARTED="" SAID="" SEQ_OF=() SEEN_AT=() ENDED=() ST_OF=() BOOT_OF=()
   for ((w = 0; w < WORKERS; w++)); do SEEN_AT[w]=$(ms); done
   while :; do
@@ -902,7 +971,7 @@ salvage_logs() {
 # stop it on every worker (the run checkpoints on SIGTERM), collect the logs, then the
 # exit trap deletes the slice; without it, leave the command running, detached. A second
 # one exits at once (and the exit trap deletes).
-RUNNING=0 STREAM_PID="" attempt=1 GONE_HOSTS=""
+RUNNING=0 STREAM_PID="" attempt=1 GONE_HOSTS="" BEATS_SAID=""
 on_signal() {
   trap 'note "interrupted again: exiting now"; exit '"$1" INT TERM
   [ -z "$STREAM_PID" ] || kill_tree "$STREAM_PID"
@@ -919,17 +988,27 @@ on_signal() {
   fi
   exit "$1"
 }
-# A lost terminal (SIGHUP: the laptop closed, the ssh session dropped) stops nothing: the
-# supervisor goes on, its messages from then on in $LOGS/launch.log, and --delete-on-exit
-# still deletes only once the run has ended (or on Ctrl-C or SIGTERM).
-on_hangup() {
-  mkdir -p "$LOGS"
-  exec >> "$LOGS/launch.log" 2>&1 3>&1
-  note "the terminal is gone (SIGHUP): supervising on, messages in $LOGS/launch.log"
+# One supervisor per slice on this machine (runs/launch/.NAME.supervisor: its pid and its
+# launch.log): a second launch for NAME (the same command, --attach) while it lives says
+# so instead of racing it (both would stop, rerun and recreate). One killed (kill -9, its
+# machine restarted) is no obstacle: its pid is gone.
+alone() {
+  local pid said
+  [ "$DRY" = 0 ] || return 0
+  if read -r pid said < <(supervisor); then
+    quit 1 "a supervisor of $NAME runs on this machine already (pid $pid${said:+; its messages" \
+      "in $said}): let it be, or stop it with \`kill -KILL $pid\` (the run goes on) and run" \
+      "this again to take it over"
+  fi
 }
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
-trap on_hangup HUP
+alone
+relay_terminal
+if [ "$DRY" = 0 ]; then
+  SUPERVISOR=$ENTRY
+  mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
+fi
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
@@ -956,51 +1035,42 @@ while :; do
   fi
   if [ -z "$LOST" ]; then
     ctl="detaches (the command goes on)"; [ "$DELETE_ON_EXIT" = 0 ] || ctl="stops it and deletes $NAME"
+    kept=""; [ -z "$SAID_TO" ] || kept=", its messages in $SAID_TO"
     say "running on $WORKERS worker(s) of $NAME; worker 0's log follows (closing the" \
-      "terminal leaves this supervisor running; Ctrl-C $ctl)"
+      "terminal leaves this supervisor running$kept; Ctrl-C $ctl)"
     rc=0; await || rc=$?
     if [ "$rc" = 1 ]; then salvage_logs
     elif [ "$rc" = 4 ]; then bring_down >/dev/null 2>&1; salvage_logs
     else collect || salvage_logs; fi
   fi
   RUNNING=0
-  if [ -n "$RESTARTED" ]; then  # maintenance: the same slice, once READY again
-    why="maintenance restarted the host of worker(s)$RESTARTED under the command (its boot id changed)"
-    [ "$attempt" -lt "$ATTEMPTS" ] ||
-      quit 143 "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY), exiting with 143"
-    note "$why; rerunning it on $NAME once READY (attempt $attempt of $ATTEMPTS)"
-    attempt=$((attempt + 1))
-    continue
-  fi
-  # a status that restarts (magic_jax/jobs/restarts.py, GKE's list): on this slice
-  why="worker 0 exited with $STATUS" st=$STATUS
-  if [ -n "$FAILED" ]; then
-    why="worker $FAILED failed (exit $FAILED_STATUS) while worker 0 still ran; the command was"
-    why+=" stopped on every worker (logs: $LOGS)" st=$FAILED_STATUS
-  fi
-  # (0 and 143 are never a rerun on this slice: no question)
-  if [ -z "$LOST" ] && [ "$DRY" = 0 ] && [ "$st" != 0 ] && [ "$st" != 143 ] &&
-    [ "$(pod exit "$st")" = rerun ]; then
-    [ "$attempt" -lt "$ATTEMPTS" ] ||
-      quit "$st" "$why; attempt $attempt of $ATTEMPTS, no retries left (--retry $RETRY)"
-    note "$why, a status that restarts; rerunning it on $NAME (attempt $attempt of $ATTEMPTS)"
-    attempt=$((attempt + 1))
-    continue
-  fi
-  [ -z "$FAILED" ] || quit "$FAILED_STATUS" "$why"  # a failure, not a preemption: no retry
-  if [ -n "$STOPPED" ] && [ "$STATUS" = 0 ]; then
-    quit 1 "worker(s)$STOPPED still ran ${GRACE_S}s after worker 0 ended; stopped (logs: $LOGS)"
-  fi
-  if [ -z "$LOST" ] && [ "$STATUS" = 143 ]; then LOST="worker 0 stopped with 143"; fi
-  [ -n "$LOST" ] || break
-  STATUS=143
-  if [ "$attempt" -ge "$ATTEMPTS" ]; then
-    quit 143 "$KIND ($LOST; attempt $attempt of $ATTEMPTS); no retries left (--retry $RETRY), exiting with 143"
-  fi
-  note "$KIND ($LOST; attempt $attempt of $ATTEMPTS); recreating the slice"
-  teardown || say "deleting $NAME failed; creating it anyway"
-  HAVE_SLICE=0
-  attempt=$((attempt + 1))
+  # What follows is magic_jax/jobs/pod_decide.py's after_attempt: maintenance and a
+  # status that restarts (restarts.py, GKE's list) rerun on this slice, a failure
+  # elsewhere stops, a lost slice (or 143) is recreated, each while a retry is left.
+  # Worker 0's 0 with nothing else to tell asks no Python.
+  if [ "$STATUS" = 0 ] && [ -z "$RESTARTED$FAILED$STOPPED$LOST" ]; then break; fi
+  IFS=$'\t' read -r next code line < <(pod attempt <<OUTCOME
+status $STATUS
+restarted $RESTARTED
+failed $FAILED $FAILED_STATUS
+stopped $STOPPED
+lost $LOST
+kind $KIND
+budget $attempt $RETRY
+name $NAME
+logs $LOGS
+grace $GRACE_S
+OUTCOME
+  )
+  case $next in
+    rerun) note "$line"; attempt=$((attempt + 1)) ;;  # on the same slice, once READY
+    recreate)
+      STATUS=$code
+      note "$line"
+      teardown || say "deleting $NAME failed; creating it anyway"
+      HAVE_SLICE=0 attempt=$((attempt + 1)) ;;
+    *) STATUS=$code; [ -z "$line" ] || quit "$code" "$line"; break ;;
+  esac
 done
 if [ "$attempt" -gt 1 ]; then
   if [ "$STATUS" = 0 ]; then note "resumed run finished"; else note "resumed run exited with $STATUS"; fi

@@ -1,18 +1,28 @@
 """What ``tpu_scripts/launch.sh`` asks of Python, one question a call, answers on one line
-of tab-separated fields: ``jobs/pod_decide.py``'s decisions, ``jobs/pod_errors.py``'s
-verdict on an error, ``jobs/restarts.py``'s on an exit status. Standard library only: it
-runs with the launching machine's ``python3`` and this checkout on ``PYTHONPATH``.
+of tab-separated fields: ``jobs/pod_decide.py``'s decisions (while the command runs, and
+once an attempt of it ended), ``jobs/pod_errors.py``'s verdict on an error. Standard
+library only: it runs with the launching machine's ``python3`` and this checkout on
+``PYTHONPATH``.
 
   python3 -m magic_jax.jobs.pod node STATE HEALTH [REQUEST]  -> ready|wait|lost, why
   python3 -m magic_jax.jobs.pod decide LOST_AFTER_S < lines  -> action, workers, status,
                                                                 alive, why
+  python3 -m magic_jax.jobs.pod attempt < lines              -> rerun|recreate|stop,
+                                                                code, line
   python3 -m magic_jax.jobs.pod error FILE                   -> kind, line
-  python3 -m magic_jax.jobs.pod exit STATUS                  -> carry-on|recreate|rerun|stop
+  python3 -m magic_jax.jobs.pod create FILE < lines          -> attach|await-gone|retry|stop,
+                                                                line, wait_s, next_wait_s
 
 ``decide`` reads ``node STATE HEALTH REQUEST``, then ``worker N STATUS SILENT_S
 RESTARTED`` for each worker, then (once the silent ones were asked) ``asked`` and
 ``answer N STATUS RESTARTED`` for each that answered; ``-`` stands for an empty field,
-RESTARTED is 1 or 0.
+RESTARTED is 1 or 0. ``attempt`` reads ``KEY VALUE`` lines: ``status``, ``restarted``
+and ``stopped`` (worker numbers), ``failed N STATUS``, ``lost WHY``, ``kind KIND``,
+``budget ATTEMPT RETRY``, ``name``, ``logs`` and ``grace`` (``jobs/pod_decide.py``'s
+``after_attempt``); a key left out is its default. ``create`` reads the failed create's
+error output from FILE and ``KEY VALUE`` lines: ``name``, ``queued`` (the request's
+name), ``accelerator``, ``zone``, ``try``, ``tries``, ``wait``, ``max`` (seconds)
+(``jobs/pod_errors.py``'s ``after_create``).
 """
 
 from __future__ import annotations
@@ -57,6 +67,56 @@ def decide(lines: Iterable[str], lost_after_s: float) -> pod_decide.Decision:
     return pod_decide.decide(node, workers, lost_after_s=lost_after_s, answers=answers)
 
 
+def _given(lines: Iterable[str]) -> dict[str, str]:
+    given: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.rstrip("\n").partition(" ")
+        given[key] = value
+    return given
+
+
+def create(text: str, lines: Iterable[str]) -> pod_errors.CreateFailed:
+    """What follows the create that failed with error output ``text`` (the module's
+    docstring)."""
+    given = _given(lines)
+    numbers = {k: int(given[k]) for k in ("try", "tries", "wait", "max") if given.get(k)}
+    c = pod_errors.Create(
+        name=given.get("name", ""),
+        queued=given.get("queued", ""),
+        accelerator=given.get("accelerator", ""),
+        zone=given.get("zone", ""),
+        try_=numbers.get("try", 1),
+        tries=numbers.get("tries", 12),
+        wait_s=numbers.get("wait", 60),
+        max_wait_s=numbers.get("max", 1800),
+    )
+    return pod_errors.after_create(pod_errors.classify(text), c)
+
+
+def attempt(lines: Iterable[str]) -> pod_decide.Next:
+    """The verdict for ``attempt``'s input lines (the module's docstring)."""
+    given = _given(lines)
+    failed = given.get("failed", "").split()
+    outcome = pod_decide.Outcome(
+        status=given.get("status", "0") or "0",
+        restarted=tuple(map(int, given.get("restarted", "").split())),
+        failed=int(failed[0]) if failed else None,
+        failed_status=failed[1] if len(failed) > 1 else "",
+        stopped=tuple(map(int, given.get("stopped", "").split())),
+        lost=given.get("lost", ""),
+        kind=given.get("kind", "") or "preempted",
+    )
+    number, retry = (int(x) for x in given.get("budget", "1 0").split())
+    return pod_decide.after_attempt(
+        outcome,
+        attempt=number,
+        retry=retry,
+        name=given.get("name", ""),
+        logs=given.get("logs", ""),
+        grace_s=given.get("grace", ""),
+    )
+
+
 def answer(argv: list[str], stdin: Iterable[str] = ()) -> str:
     """The one line ``launch.sh`` reads for ``argv`` (the module's docstring)."""
     command, *args = argv
@@ -71,10 +131,19 @@ def answer(argv: list[str], stdin: Iterable[str] = ()) -> str:
     if command == "error":
         error = pod_errors.classify(Path(args[0]).read_text(errors="replace"))
         return f"{error.kind.value}\t{error.say()}"
-    if command == "exit":
-        return pod_decide.after_exit(args[0]).value
+    if command == "create":
+        f = create(Path(args[0]).read_text(errors="replace"), stdin)
+        return "\t".join((f.then.value, f.line, str(f.wait_s), str(f.next_wait_s)))
+    if command == "attempt":
+        n = attempt(stdin)
+        return f"{n.action.value}\t{n.code}\t{n.line}"
     raise SystemExit(f"pod.py: unknown question {command!r} (see its docstring)")
 
 
 if __name__ == "__main__":
-    print(answer(sys.argv[1:], sys.stdin if sys.argv[1:2] == ["decide"] else ()))
+    print(
+        answer(
+            sys.argv[1:],
+            sys.stdin if sys.argv[1:2] in (["decide"], ["attempt"], ["create"]) else (),
+        )
+    )

@@ -193,3 +193,101 @@ def after_exit(status: str) -> Action:
     if status == str(PREEMPTED_EXIT_CODE):
         return Action.RECREATE
     return Action.RERUN if restarts(status) else Action.STOP
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """How one attempt of the command ended, as the supervisor saw it.
+
+    Attributes:
+      status: worker 0's exit status (``"0"``, ``"143"`` ...).
+      restarted: workers whose host maintenance restarted under the command.
+      failed: the worker whose failure stopped the job while worker 0's ran, or ``None``.
+      failed_status: that worker's exit status.
+      stopped: workers still running the grace period after worker 0's ended, stopped.
+      lost: why the slice was lost (preempted, gone, a host lost), ``""`` if it was not.
+      kind: what the loss is called (``preempted``, ``a host lost``).
+    """
+
+    status: str = "0"
+    restarted: tuple[int, ...] = ()
+    failed: int | None = None
+    failed_status: str = ""
+    stopped: tuple[int, ...] = ()
+    lost: str = ""
+    kind: str = "preempted"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Next:
+    """What follows an attempt: ``RERUN`` (on the same slice), ``RECREATE`` (a new
+    slice), or ``STOP`` (exit with ``code``; ``line`` is the last word, none when the
+    command simply ended)."""
+
+    action: Action
+    code: int = 0
+    line: str = ""
+
+
+def _workers(ws: tuple[int, ...]) -> str:
+    return "".join(f" {w}" for w in ws)
+
+
+def after_attempt(
+    o: Outcome, *, attempt: int, retry: int, name: str, logs: str, grace_s: str
+) -> Next:
+    """The supervisor's verdict once an attempt of the command ended.
+
+    Maintenance reruns on the same slice; so does a status of ``jobs/restarts.py``'s
+    list (as a GKE JobSet restarts); a failure elsewhere stops the job; a lost slice (or
+    worker 0 stopped with 143, as a preemption stops it) is recreated. A rerun or a new
+    slice needs a retry left (``retry``, counted over attempts).
+
+    Args:
+      o: how the attempt ended.
+      attempt: its number, from 1.
+      retry: the ``--retry`` budget.
+      name: the slice's name.
+      logs: where the logs were collected.
+      grace_s: how long other workers may run after worker 0's command ended.
+
+    Returns:
+      The verdict, with the line the user sees (none when the command simply ended).
+    """
+    attempts = retry + 1
+    left = attempt < attempts
+    at = f"attempt {attempt} of {attempts}"
+    none_left = f"no retries left (--retry {retry})"
+    if o.restarted:
+        why = f"maintenance restarted the host of worker(s){_workers(o.restarted)} under the"
+        why += " command (its boot id changed)"
+        if not left:
+            return Next(
+                action=Action.STOP, code=143, line=f"{why}; {at}, {none_left}, exiting with 143"
+            )
+        return Next(action=Action.RERUN, line=f"{why}; rerunning it on {name} once READY ({at})")
+    why, status = f"worker 0 exited with {o.status}", o.status
+    if o.failed is not None:
+        why = f"worker {o.failed} failed (exit {o.failed_status}) while worker 0 still ran; the"
+        why += f" command was stopped on every worker (logs: {logs})"
+        status = o.failed_status
+    code = int(status) if status.isdigit() else 1
+    if not o.lost and after_exit(status) is Action.RERUN:
+        if not left:
+            return Next(action=Action.STOP, code=code, line=f"{why}; {at}, {none_left}")
+        line = f"{why}, a status that restarts; rerunning it on {name} ({at})"
+        return Next(action=Action.RERUN, line=line)
+    if o.failed is not None:  # a failure, not a preemption: no retry
+        return Next(action=Action.STOP, code=code, line=why)
+    if o.stopped and o.status == "0":
+        line = f"worker(s){_workers(o.stopped)} still ran {grace_s}s after worker 0 ended;"
+        return Next(action=Action.STOP, code=1, line=f"{line} stopped (logs: {logs})")
+    lost = o.lost or ("worker 0 stopped with 143" if o.status == str(PREEMPTED_EXIT_CODE) else "")
+    if not lost:
+        return Next(action=Action.STOP, code=code)
+    if not left:
+        line = f"{o.kind} ({lost}; {at}); {none_left}, exiting with 143"
+        return Next(action=Action.STOP, code=143, line=line)
+    return Next(
+        action=Action.RECREATE, code=143, line=f"{o.kind} ({lost}; {at}); recreating the slice"
+    )

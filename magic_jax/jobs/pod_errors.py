@@ -124,3 +124,93 @@ def classify(text: str) -> TpuError:
     """The kind of error that ``text`` (gcloud's error output, or an API error) is."""
     kind = next((k for k, p in _PATTERNS if re.search(p, text)), Kind.OTHER)
     return TpuError(kind, error_line(text) or "no error message", _fix(kind, text))
+
+
+def span(seconds: int) -> str:
+    """Seconds as ``45s``, ``12m05s``, ``3h07m``."""
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+class Then(enum.Enum):
+    """What a pod launch does after a create that failed."""
+
+    ATTACH = "attach"  # the queued request exists already: wait for it
+    AWAIT_GONE = "await-gone"  # the node exists still (a delete under way): wait, then again
+    RETRY = "retry"  # after ``CreateFailed.wait_s``
+    STOP = "stop"  # exit 1 with the line
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Create:
+    """A create of a slice (or its queued request) and its tries so far.
+
+    Attributes:
+      name: the node's name.
+      queued: the request's name when it is a queued resource, else ``""``.
+      accelerator: the accelerator type (``v5p-64``).
+      zone: the zone.
+      try_: this try's number, from 1.
+      tries: how many are allowed (``--create-tries``).
+      wait_s: the wait before the next try.
+      max_wait_s: the longest wait between tries.
+    """
+
+    name: str
+    queued: str = ""
+    accelerator: str
+    zone: str
+    try_: int = 1
+    tries: int = 12
+    wait_s: int = 60
+    max_wait_s: int = 1800
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CreateFailed:
+    """What follows a failed create: the step, the line the user sees, and for a retry
+    the wait before it and the one after (twice as long, at most the longest)."""
+
+    then: Then
+    line: str
+    wait_s: int = 0
+    next_wait_s: int = 0
+
+
+def after_create(error: TpuError, create: Create) -> CreateFailed:
+    """What follows a create that failed with ``error``: no capacity (code 8, or 13 as
+    Spot stockouts also come) and rate limits are tried again with exponential backoff
+    while tries are left; ALREADY_EXISTS is waited for (a delete under way) or, for a
+    queued request, attached to; quota, credentials, a missing role and anything else
+    end the launch with the API's message and the fix.
+
+    Args:
+      error: the create's error, told apart.
+      create: the create and its tries so far.
+
+    Returns:
+      The next step and the line the user sees.
+    """
+    c = create
+    if error.kind is Kind.EXISTS and c.queued:  # an earlier launch's, still queued
+        line = f"queued resource {c.queued} exists already: waiting for it"
+        return CreateFailed(then=Then.ATTACH, line=line)
+    if error.kind is Kind.EXISTS:
+        line = f"{c.name} exists still (an earlier delete under way): waiting for it to go"
+        return CreateFailed(then=Then.AWAIT_GONE, line=line)
+    if error.kind is Kind.QUOTA:
+        line = f"creating {c.name} failed: out of quota, which no retry can fix: {error.say()}"
+        return CreateFailed(then=Then.STOP, line=line)
+    if not error.retried:
+        return CreateFailed(then=Then.STOP, line=f"creating {c.name} failed: {error.say()}")
+    no_capacity = f"no capacity for {c.accelerator} in {c.zone}"
+    if c.try_ >= c.tries:
+        line = f"{no_capacity} after {c.try_} tries (--create-tries {c.tries}): {error.say()}"
+        return CreateFailed(then=Then.STOP, line=line)
+    what = "rate-limited" if error.kind is Kind.RATE_LIMIT else no_capacity
+    line = f"{what} (try {c.try_} of {c.tries}): {error.say()}; trying again in {span(c.wait_s)}"
+    next_wait = min(c.wait_s * 2, c.max_wait_s)
+    return CreateFailed(then=Then.RETRY, line=line, wait_s=c.wait_s, next_wait_s=next_wait)
