@@ -30,7 +30,7 @@ TRAIN = [
     "pyarrow>=15",
     "tensorboardX>=2.6",
     "tqdm>=4.66",
-    "matplotlib>=3.8",
+    "matplotlib>=3.9",  # figures.windows: backend_registry
     # gs:// paths: etils' epath reads and writes through gcsfs; the run lock's
     # conditional writes use the storage client
     "gcsfs>=2024.2",
