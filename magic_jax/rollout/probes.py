@@ -122,14 +122,9 @@ def sequence_logprobs(
 
     The sum over the response's tokens of their log-probs given the prompt and the
     tokens before them (float64 [n]); each response as given (its EOS included if it
-    has one). One forward pass over every pair, right-padded.
+    has one). One forward pass over every pair, right-padded (``token_logprobs``).
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses")
-    if not prompts:
-        return np.zeros((0,), np.float64)
-    rows = token_logprobs(graphdef, params, prompts, responses, temperature=temperature)
-    return rows.sum(axis=1)
+    return token_logprobs(graphdef, params, prompts, responses, temperature=temperature).sum(1)
 
 
 def response_ids(tokenizer: Tokenizer, text: str, eos_ids: Sequence[int]) -> list[int]:
