@@ -418,3 +418,32 @@ def test_the_run_config_trains_the_world_as_designed_and_names_bad_overrides(tmp
             overrides=["entropy.tokens=decision:x"],
             **kw,
         )
+
+
+def test_pilot_jobs_run_each_arm_and_seed_in_a_child_and_name_the_ones_that_failed(
+    tmp_path, capsys
+):
+    from magic_jax.jobs import decision_pilots
+
+    pilot_file = tmp_path / "p.yaml"
+    pilot_file.write_text("name: p\nseeds: [0, 1]\ndigits: 3\n")
+    pilot = decision_pilots.load_pilot(pilot_file)
+    with pytest.raises(SystemExit):
+        decision_pilots.main([str(pilot_file), "--out", str(tmp_path), "--only", "held-s0"])
+    err = capsys.readouterr().err
+    assert "--only held-s0: not a run of pilot p (none-s0, none-s1, adaptive-decision-s0" in err
+    with pytest.raises(SystemExit):
+        decision_pilots.main([str(pilot_file), "--out", str(tmp_path), "--jobs", "0"])
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs the pilot's file"):
+        _fake_base(tmp_path / "o" / "base", digits=3)
+        decision_pilots.run_pilot(pilot, tmp_path / "o", jobs=2, log=lambda s: None)
+    # each child runs one arm x seed: here without a base, so each fails and is named
+    pending = [(pilot.arms[0], 0), (pilot.arms[0], 1), (pilot.arms[1], 0)]
+    said = []
+    with pytest.raises(RuntimeError) as e:
+        decision_pilots._run_children(pending, pilot_file, tmp_path / "x", 2, said.append)
+    assert str(e.value).startswith("pilot runs failed: none-s0 (exit 2, log ")
+    assert "none-s1 (exit 2" in str(e.value) and "adaptive-decision-s0 (exit 2" in str(e.value)
+    assert "no base under" in (tmp_path / "x" / "runs" / "none-s1.log").read_text()
+    assert [s.split()[1] for s in said] == ["none-s0", "none-s1", "adaptive-decision-s0"]

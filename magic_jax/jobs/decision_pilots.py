@@ -10,7 +10,9 @@ run's figures, each arm's summary) and ``pilots.md`` (the table): P(full-check
 decisions) at stage 1's end (the decision probe's ``p_mean``), locked out (at most
 ``locked_out_below``) or learnable (at least ``learnable_above``), and whether stage 2
 learned (final held-out chain accuracy at least ``learned_above``); each run's P at
-every evaluation (``p_by_step``) for the figure of P over steps. A declaration::
+every evaluation (``p_by_step``) for the figure of P over steps. ``--jobs N`` runs N
+arm x seed runs at a time, each in a process of its own (``runs/ARM-sSEED.log``).
+A declaration::
 
     name: dose-a
     seeds: [100, 101, 102]
@@ -257,54 +259,126 @@ def _table(pilot: Pilot, summary: list[dict[str, Any]]) -> str:
     return "\n".join(head) + "\n"
 
 
+def _run_dir(out: Path, arm: PilotArm, seed: int) -> Path:
+    return out / "runs" / f"{arm.name}-s{seed}"
+
+
+def _finished(pilot: Pilot, run_dir: Path) -> bool:
+    evals = _read_evals(run_dir)
+    return bool(evals) and int(evals[-1]["step"]) >= pilot.stage1_steps + pilot.stage2_steps
+
+
+def _train_one(pilot: Pilot, out: Path, arm: PilotArm, seed: int, train: Callable[[Any], None]):
+    from magic_jax.jobs.decision_world import run_config
+
+    cfg = run_config(
+        out / "base",
+        digits=pilot.digits,
+        stage1_steps=pilot.stage1_steps,
+        stage2_steps=pilot.stage2_steps,
+        eval_every=pilot.eval_every,
+        seed=seed,
+        output_dir=_run_dir(out, arm, seed),
+        overrides=arm.overrides,
+    )
+    train(cfg)
+
+
+def _default_train(cfg: Any) -> None:
+    from magic_jax.run.trainer import Trainer
+
+    Trainer(cfg).run()
+
+
+def _run_children(
+    pending: list[tuple[PilotArm, int]],
+    pilot_file: Path,
+    out: Path,
+    jobs: int,
+    log: Callable[[str], None],
+) -> None:
+    """Runs each pending arm x seed as ``python -m ... --only ARM-sSEED``, ``jobs`` at a
+    time, each child's output in ``runs/ARM-sSEED.log``.
+
+    Raises:
+      RuntimeError: a child failed, naming its run and its log (the others are finished).
+    """
+    import subprocess
+    import sys
+
+    queue = list(pending)
+    running: list[tuple[str, subprocess.Popen, Any]] = []
+    failed: list[str] = []
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    while queue or running:
+        while queue and len(running) < jobs:
+            arm, seed = queue.pop(0)
+            label = f"{arm.name}-s{seed}"
+            log_file = open(out / "runs" / f"{label}.log", "w")  # noqa: SIM115 (closed below)
+            cmd = [
+                sys.executable,
+                "-m",
+                "magic_jax.jobs.decision_pilots",
+                str(pilot_file),
+                "--out",
+                str(out),
+            ]
+            log(f"[pilot] {label} (log: {log_file.name})")
+            child = subprocess.Popen(
+                [*cmd, "--only", label], stdout=log_file, stderr=subprocess.STDOUT
+            )
+            running.append((label, child, log_file))
+        label, child, log_file = running.pop(0)
+        if child.wait() != 0:
+            failed.append(f"{label} (exit {child.returncode}, log {log_file.name})")
+        log_file.close()
+    if failed:
+        raise RuntimeError(f"pilot runs failed: {', '.join(failed)}")
+
+
 def run_pilot(
     pilot: Pilot,
     out: str | Path,
     *,
     log: Callable[[str], None] = print,
     train: Callable[[Any], None] | None = None,
+    jobs: int = 1,
+    pilot_file: str | Path | None = None,
 ) -> dict[str, Any]:
     """Runs ``pilot`` under ``out`` and writes ``pilots.json`` and ``pilots.md``.
 
     Args:
       train: runs one ``TrainConfig`` (default: ``Trainer(cfg).run()``).
+      jobs: runs at a time; above 1 each run is a child process of the pilot command
+        reading ``pilot_file`` (the declaration ``pilot`` was read from).
 
     Returns:
       ``pilots.json``'s content: ``pilot`` (the declaration), ``runs``, ``summary``.
     """
-    from magic_jax.jobs.decision_world import build_decision_world, run_config
+    from magic_jax.jobs.decision_world import build_decision_world
 
     out = Path(out)
-    base = out / "base"
-    if not (base / "build.json").exists():
-        build_decision_world(base, pilot.build_config(), log=log)
-    if train is None:
-        from magic_jax.run.trainer import Trainer
-
-        def train(cfg):
-            Trainer(cfg).run()
-
-    runs = []
-    total = pilot.stage1_steps + pilot.stage2_steps
-    for arm in pilot.arms:
-        for seed in pilot.seeds:
-            run_dir = out / "runs" / f"{arm.name}-s{seed}"
-            evals = _read_evals(run_dir)
-            if not evals or int(evals[-1]["step"]) < total:
-                cfg = run_config(
-                    base,
-                    digits=pilot.digits,
-                    stage1_steps=pilot.stage1_steps,
-                    stage2_steps=pilot.stage2_steps,
-                    eval_every=pilot.eval_every,
-                    seed=seed,
-                    output_dir=run_dir,
-                    overrides=arm.overrides,
-                )
-                log(f"[pilot {pilot.name}] {arm.name} seed {seed}")
-                train(cfg)
-                evals = _read_evals(run_dir)
-            runs.append({"arm": arm.name, "seed": seed, **run_figures(pilot, evals)})
+    if not (out / "base" / "build.json").exists():
+        build_decision_world(out / "base", pilot.build_config(), log=log)
+    pending = [
+        (arm, seed)
+        for arm in pilot.arms
+        for seed in pilot.seeds
+        if not _finished(pilot, _run_dir(out, arm, seed))
+    ]
+    if jobs > 1 and len(pending) > 1:
+        if pilot_file is None:
+            raise ValueError("run_pilot: jobs > 1 needs the pilot's file (pilot_file)")
+        _run_children(pending, Path(pilot_file), out, jobs, log)
+    else:
+        for arm, seed in pending:
+            log(f"[pilot {pilot.name}] {arm.name} seed {seed}")
+            _train_one(pilot, out, arm, seed, train or _default_train)
+    runs = [
+        {"arm": arm.name, "seed": seed, **run_figures(pilot, _read_evals(_run_dir(out, arm, seed)))}
+        for arm in pilot.arms
+        for seed in pilot.seeds
+    ]
     summary = _summary(pilot, runs)
     result = {"pilot": dataclasses.asdict(pilot), "runs": runs, "summary": summary}
     (out / "pilots.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -312,8 +386,20 @@ def run_pilot(
     return result
 
 
+def _only(pilot: Pilot, out: Path, label: str) -> None:
+    """Runs the one arm x seed ``label`` (``ARM-sSEED``) of ``pilot``, whose base is built."""
+    runs = {f"{a.name}-s{s}": (a, s) for a in pilot.arms for s in pilot.seeds}
+    if label not in runs:
+        raise ValueError(f"--only {label}: not a run of pilot {pilot.name} ({', '.join(runs)})")
+    if not (out / "base" / "build.json").exists():
+        raise ValueError(f"--only {label}: no base under {out / 'base'} (run the pilot first)")
+    arm, seed = runs[label]
+    if not _finished(pilot, _run_dir(out, arm, seed)):
+        _train_one(pilot, out, arm, seed, _default_train)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m magic_jax.jobs.decision_pilots PILOT.yaml --out DIR``."""
+    """``python -m magic_jax.jobs.decision_pilots PILOT.yaml --out DIR [--jobs N]``."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -322,12 +408,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("pilot", help="the pilot's YAML declaration (docs/decision-world.md)")
     parser.add_argument("--out", required=True, help="directory: base/, runs/, the table")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)"
+    )
+    parser.add_argument("--only", metavar="ARM-sSEED", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     try:
         pilot = load_pilot(args.pilot)
+        if args.only:
+            _only(pilot, Path(args.out), args.only)
+            return 0
     except ValueError as e:
         parser.error(str(e))
-    run_pilot(pilot, args.out)
+    run_pilot(pilot, args.out, jobs=args.jobs, pilot_file=args.pilot)
     return 0
 
 
