@@ -305,6 +305,7 @@ def _run_children(
     """
     import subprocess
     import sys
+    import time
 
     queue = list(pending)
     running: list[tuple[str, subprocess.Popen, Any]] = []
@@ -328,10 +329,14 @@ def _run_children(
                 [*cmd, "--only", label], stdout=log_file, stderr=subprocess.STDOUT
             )
             running.append((label, child, log_file))
-        label, child, log_file = running.pop(0)
-        if child.wait() != 0:
-            failed.append(f"{label} (exit {child.returncode}, log {log_file.name})")
-        log_file.close()
+        done = [r for r in running if r[1].poll() is not None]
+        if not done:
+            time.sleep(0.2)
+        for label, child, log_file in done:
+            running.remove((label, child, log_file))
+            if child.returncode != 0:
+                failed.append(f"{label} (exit {child.returncode}, log {log_file.name})")
+            log_file.close()
     if failed:
         raise RuntimeError(f"pilot runs failed: {', '.join(failed)}")
 
