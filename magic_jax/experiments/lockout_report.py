@@ -43,12 +43,16 @@ def _number(v: Any) -> float:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan
 
 
+def _eval_series(run: Run, get: Callable[[Mapping[str, Any]], Any]) -> Series:
+    """(steps, values) of ``get(evaluation)`` over a run's evaluations, numbers only."""
+    pts = [(e["step"], _number(get(e))) for e in run.evals]
+    return [s for s, v in pts if not math.isnan(v)], [v for _, v in pts if not math.isnan(v)]
+
+
 def probe_series(run: Run, *path: str) -> Series:
     """(steps, values) of ``probe/<path...>`` over a run's evaluations; rows without it are
     skipped."""
-    pts = [(e["step"], _number(_at(e, "probe", *path))) for e in run.evals]
-    pts = [(s, v) for s, v in pts if not math.isnan(v)]
-    return [p[0] for p in pts], [p[1] for p in pts]
+    return _eval_series(run, lambda e: _at(e, "probe", *path))
 
 
 def total_steps(run: Run) -> int:
@@ -155,6 +159,40 @@ def probe_figure(runs: Mapping[str, Sequence[Run]]) -> Figure:
         ax.set_xlabel("step")
     _stage_lines(axes, runs)
     return _finish(fig, axes, "Lock-out probe: one line per seed; dotted: stage change")
+
+
+def _metric_series(run: Run, key: str) -> Series:
+    pts = [(m["step"], _number(m.get(key))) for m in run.metrics]
+    return [s for s, v in pts if not math.isnan(v)], [v for _, v in pts if not math.isnan(v)]
+
+
+def decision_figure(
+    runs: Mapping[str, Sequence[Run]], locked_out: float = 5e-5, learnable: float = 1e-2
+) -> Figure:
+    """The decision world's runs, 2 x 2 panels against steps, one line per seed coloured by
+    arm: P(full check) (the decision probe's mean over the held-out chains, log scale) with
+    the lock-out line (``locked_out``: at or below it, about no full check in a stage of 64
+    chain samples a step) and the learnable line (``learnable``); held-out chain accuracy;
+    the decision tokens' entropy in the rollouts (``entropy_selected``, where the bonus is on
+    them); alpha. Dotted: stage change. Returns the figure."""
+    fig = Figure(figsize=(11.5, 7.0), dpi=90, layout="constrained")
+    axes = list(fig.subplots(2, 2).flat)
+    _seed_lines(axes[0], runs, lambda r: probe_series(r, "p_mean"))
+    axes[0].set_yscale("log")
+    for y, style, text in ((locked_out, "--", "locked out"), (learnable, "-.", "learnable")):
+        axes[0].axhline(y, color="k", linestyle=style, linewidth=0.9, label=f"{text}: {y:g}")
+    axes[0].set_title("P(full check), mean over held-out chains", fontsize=10)
+    chain = lambda r: _eval_series(r, lambda e: _at(e, "by_source", "heldout-chain"))
+    _seed_lines(axes[1], runs, chain)
+    axes[1].set_title("held-out chain accuracy", fontsize=10)
+    _seed_lines(axes[2], runs, lambda r: _metric_series(r, "entropy_selected"))
+    axes[2].set_title("decision-token entropy (nats, rollouts)", fontsize=10)
+    _seed_lines(axes[3], runs, lambda r: _metric_series(r, "alpha"))
+    axes[3].set_title("alpha", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("step")
+    _stage_lines(axes, runs)
+    return _finish(fig, axes, "Decision world: one line per seed; dotted: stage change")
 
 
 def _position_mean(rs: Sequence[Run], step: int) -> list[float]:
