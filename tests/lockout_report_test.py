@@ -193,3 +193,25 @@ def test_each_figures_legend_lies_off_every_panel(runs, draw):
     box = legend.get_window_extent()
     for ax in fig.axes:
         assert not box.overlaps(ax.get_tightbbox()), ax.get_title()
+
+
+def test_decision_figure_draws_p_with_the_lock_out_and_learnable_lines(runs, tmp_path):
+    for r in runs["adaptive"]:
+        for m in r.metrics:
+            m["entropy_selected"] = 0.6
+    fig = lr.decision_figure(runs, locked_out=1e-4, learnable=0.02)
+    assert len(fig.axes) == 4
+    # P: 4 seeds + 2 threshold lines + the stage change; chain accuracy: 4 + 1; the decision
+    # entropy only where recorded: 2 + 1; alpha: 4 + 1
+    assert [len(ax.lines) for ax in fig.axes] == [7, 5, 3, 5]
+    p = fig.axes[0]
+    assert p.get_yscale() == "log"
+    assert [ln.get_label() for ln in p.lines[4:6]] == ["locked out: 0.0001", "learnable: 0.02"]
+    assert [ln.get_ydata()[0] for ln in p.lines[4:6]] == [1e-4, 0.02]
+    none0 = p.lines[2]  # none seed 0: per_step 0.005 / 60 at every evaluation
+    assert list(none0.get_xdata()) == list(EVAL_STEPS)
+    assert none0.get_ydata()[3] == pytest.approx(0.005 / 60)
+    assert list(fig.axes[1].lines[0].get_ydata()) == [0.1] * len(EVAL_STEPS)
+    bare = Run("bare", tmp_path / "nowhere", [], [], {})
+    drawn = lr.decision_figure({"bare": [bare]})
+    assert [len(ax.lines) for ax in drawn.axes] == [2, 0, 0, 0]
