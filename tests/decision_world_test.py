@@ -2,8 +2,10 @@
 strategies), its token classes, the decision probe against a numpy forward of a tiny
 Qwen2, its build and the pilot harness."""
 
+import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -235,7 +237,7 @@ def test_decision_probe_is_the_exact_probability_of_check_by_a_numpy_forward(tmp
         )
 
 
-def _fake_base(path, digits=4):
+def _fake_base(path, digits=decision.DIGITS):
     """A base directory whose build is recorded (the pilot does not build it again)."""
     path.mkdir(parents=True)
     (path / "model").mkdir()
@@ -280,7 +282,7 @@ def test_a_pilot_records_p_at_stage_1_end_per_arm_and_whether_stage_2_learned(tm
         (out / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     got = run_pilot(pilot, tmp_path, log=lambda s: None, train=train)
-    limits = [decision.stage1_limit(4), decision.stage2_limit(4)]
+    limits = [decision.stage1_limit(), decision.stage2_limit()]
     assert trained == [(False, 0, limits), (False, 1, limits), (True, 0, limits), (True, 1, limits)]
     runs = {(r["arm"], r["seed"]): r for r in got["runs"]}
     assert runs["none", 1]["p_stage1_end"] == 2e-6 and runs["none", 1]["locked_out"]
@@ -448,3 +450,29 @@ def test_pilot_jobs_run_each_arm_and_seed_in_a_child_and_name_the_ones_that_fail
         assert f"{label} (exit 2, log {tmp_path / 'x' / 'runs' / label}.log)" in str(e.value)
     assert "no base under" in (tmp_path / "x" / "runs" / "none-s1.log").read_text()
     assert [s.split()[1] for s in said] == ["none-s0", "none-s1", "adaptive-decision-s0"]
+
+
+def test_the_shipped_config_runs_the_shipped_world_as_the_pilots_ran_it():
+    from magic_jax.jobs.decision_world import DecisionBuildConfig, run_config
+    from magic_jax.run.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs/decision.yaml")
+    shipped = repo / "magic_jax/assets/decision"
+    assert (shipped / "decision.yaml").read_text() == (repo / "configs/decision.yaml").read_text()
+    limits = [decision.stage1_limit(), decision.stage2_limit()]
+    assert [s.max_response_length for s in cfg.stages] == limits == [22, 42]
+    assert cfg.eval.max_response_length == limits[1] and cfg.eval.probe == "decision"
+    assert cfg.entropy.tokens == "decision:decision" and cfg.entropy.target < math.log(2)
+    # the shipped base is what `magic-jax build-world --world decision --seed 0` builds
+    build = json.loads((shipped / "build.json").read_text())
+    assert build["build"] == dataclasses.asdict(DecisionBuildConfig(seed=0))
+    assert 0.05 < build["statistics"]["probe"]["p_mean"] < 0.3
+    # the pilots' runs of that base train what the config trains, but for the entropy settings
+    piloted = run_config(
+        shipped, digits=3, stage1_steps=100, stage2_steps=100, eval_every=25, seed=0,
+        output_dir=cfg.output_dir,
+    )  # fmt: skip
+    for field in ("stages", "loss", "optimizer", "sampling", "rollout"):
+        assert getattr(piloted, field) == getattr(cfg, field), field
+    assert piloted.eval.probe == cfg.eval.probe and piloted.eval.every == cfg.eval.every

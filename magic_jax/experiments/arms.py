@@ -6,48 +6,22 @@ judges them.
 
 from __future__ import annotations
 
-import dataclasses
+from magic_jax.experiments.arm_types import SEEDS as SEEDS
+from magic_jax.experiments.arm_types import Ablation as Ablation
+from magic_jax.experiments.arm_types import Arm as Arm
+from magic_jax.experiments.arm_types import World as World
 
 # Steps per stage of every ablation run: the default's two stages (T 44, then T 64)
 # shortened from 30 + 30 steps, which the style flip and the entropy fall need far less
 # than (they happen within the first 10 steps), so that 3 seeds of every arm fit in about
 # an hour on 2 CPU cores.
 STAGE_STEPS = 15
-# Seeds of an ablation that names none (every shipped claim names 5: ``SEEDS_CENTRAL``).
-SEEDS = (0, 1, 2)
 # Evaluation every 5 steps, avg@2 over the 256 held-out problems: 512 samples (standard
 # error about 2 points at 50%), 4 s of a 2-core machine each.
 EVAL_OVERRIDES = ("eval.every=5", "eval.num_samples=2")
 # What every ablation run sets beside its arm: no Hugging Face export (the runs are
 # compared, not released) and one checkpoint per stage (resume after a kill).
 RUN_OVERRIDES = ("export_hf=false", f"checkpoint_every={STAGE_STEPS}", "keep_checkpoints=1")
-
-# The default's stage fields, for arms that replace the whole schedule.
-_STAGE_FIELDS = "prompts_per_step: 16, mini_batch_groups: 16, group_size: 8"
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """A shipped task and base model that ablations run on.
-
-    Attributes:
-      key: ``default`` or ``carry``.
-      config: the config file as typed in a checkout (``configs/<name>.yaml``).
-      package_config: the same file shipped in the package (``assets/...``), which runs use.
-      stage_steps: steps per stage of every run.
-      eval_overrides / run_overrides: ``--set`` assignments every run of this world gets.
-      statistics: whether a finished run's final model is measured with
-        ``magic_jax.jobs.carry_world.world_statistics`` (``world.json``; needs the HF export).
-    """
-
-    key: str
-    config: str
-    package_config: str
-    stage_steps: int
-    eval_overrides: tuple[str, ...]
-    run_overrides: tuple[str, ...]
-    statistics: bool = False
-
 
 # The carry world: 150 steps per stage, the length over which its learning happens (held-out
 # accuracy stays near the base's through stage 1 and climbs over stage 2; docs/carry-world.md),
@@ -83,72 +57,17 @@ WORLDS: dict[str, World] = {
         ("eval.every=25", "eval.num_samples=4"),
         ("export_hf=false", "checkpoint_every=50", "keep_checkpoints=1"),
     ),
+    # The decision world (docs/decision-world.md): 100 steps at T 22, then 100 at T 42; the
+    # bonus on the decision tokens alone; the decision probe at every evaluation.
+    "decision": World(
+        "decision",
+        "configs/decision.yaml",
+        "assets/decision/decision.yaml",
+        100,
+        ("eval.every=25", "eval.num_samples=4"),
+        ("export_hf=false", "checkpoint_every=50", "keep_checkpoints=1"),
+    ),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One configuration of an ablation.
-
-    Attributes:
-      key: unique among all ablations; names the run directories (``runs/<key>/seed<k>``).
-        Arms with the same key are the same runs (the baseline serves several ablations).
-      label: legend text.
-      overrides: ``--set`` assignments on top of ``configs/default.yaml``.
-      stages: ``None`` for the default's two stages (T 44, T 64), or the (name, T) of each
-        stage of a schedule that replaces them; each stage gets ``STAGE_STEPS`` x
-        (2 / number of stages) steps, so every arm trains the same number of steps.
-      pending: why the arm cannot run yet (a setting that waits on other arms' runs), or
-        ``None``. The runner skips a pending arm and refuses one asked for by name.
-    """
-
-    key: str
-    label: str
-    overrides: tuple[str, ...] = ()
-    stages: tuple[tuple[str, int], ...] | None = None
-    pending: str | None = None
-
-    def step_overrides(self, stage_steps: int) -> tuple[str, ...]:
-        """The ``--set`` fixing each stage's steps (``stage_steps`` per default stage)."""
-        if self.stages is None:
-            return (f"stages.0.steps={stage_steps}", f"stages.1.steps={stage_steps}")
-        each = 2 * stage_steps // len(self.stages)
-        items = ", ".join(
-            f"{{name: {name}, steps: {each}, max_response_length: {t}, {_STAGE_FIELDS}}}"
-            for name, t in self.stages
-        )
-        return (f"stages=[{items}]",)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ablation:
-    """One of the report's claims and the arms that test it.
-
-    Attributes:
-      key: short name (``temperature``); the notebook is ``notebooks/NN_<key>.py``.
-      title: one line.
-      claim: the report's claim, in words.
-      arms: the arms, the reference arm first.
-      seeds: seeds per arm.
-      world: a key of ``WORLDS``.
-    """
-
-    key: str
-    title: str
-    claim: str
-    arms: tuple[Arm, ...]
-    seeds: tuple[int, ...] = SEEDS
-    world: str = "default"
-
-    def arm(self, key: str) -> Arm:
-        for a in self.arms:
-            if a.key == key:
-                return a
-        raise KeyError(f"ablation {self.key!r} has no arm {key!r} (arms: {self.arm_keys})")
-
-    @property
-    def arm_keys(self) -> list[str]:
-        return [a.key for a in self.arms]
 
 
 # N_SGD = D_R / D_T = 16 / 4 = 4 optimizer steps per rollout batch, by mini-batches.

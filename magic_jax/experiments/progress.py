@@ -17,7 +17,7 @@ YES_ENV = "MAGIC_JAX_NOTEBOOK_YES"
 FEW = 4  # runs started without asking (the target x delta sweep's default grid)
 # minutes per run on 2 CPU cores, by world (the notebooks' own figures); a smoke run's
 # one step per stage is mostly compilation and, in the carry world, the final statistics
-MINUTES = {"default": 1.5, "carry": 3.5, "lockout": 4.0}
+MINUTES = {"default": 1.5, "carry": 3.5, "lockout": 4.0, "decision": 3.0}
 SMOKE_MINUTES = 1.5
 PERIOD_S = 30.0  # seconds between a run's progress lines
 LIVE_PERIOD_S = 2.0  # at a terminal: seconds between rewrites of the run's one line

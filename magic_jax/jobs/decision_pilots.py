@@ -73,7 +73,7 @@ class Pilot:
 
     name: str
     seeds: tuple[int, ...]
-    digits: int = 4
+    digits: int = 3
     chain_share: float = 0.5
     check_rate: float = 0.5
     sft_steps: int = 2400

@@ -45,7 +45,7 @@ class DecisionBuildConfig(BuildOptions):
     sft_steps: int = 2400
     check_rate: float = 0.5
     chain_share: float = 0.5
-    digits: int = 4
+    digits: int = 3
     eval_every: int = 600
 
     def __post_init__(self):

@@ -43,7 +43,7 @@ from magic_jax.data.tasks.sums import row_problem as row_problem  # re-exported
 CHECK, SKIP = "<check>", "<skip>"
 DECISIONS = (CHECK, SKIP)  # whole tokens of the vocabulary, one per reasoning line
 STOP = "}"
-DIGITS = 4  # the default operand size: four decisions, all of them needed on a chain
+DIGITS = 3  # the default operand size: three decisions, all of them needed on a chain
 MIN_DIGITS, MAX_DIGITS = 2, 4  # within these, stage 1's limit splits the strategies exactly
 # The classes ``token_classes`` gives a response's tokens.
 TOKEN_CLASSES = ("decision", "digit", "format", "after_answer")
