@@ -470,7 +470,7 @@ def test_the_shipped_config_runs_the_shipped_world_as_the_pilots_ran_it():
     assert 0.05 < build["statistics"]["probe"]["p_mean"] < 0.3
     # the pilots' runs of that base train what the config trains, but for the entropy settings
     piloted = run_config(
-        shipped, digits=3, stage1_steps=100, stage2_steps=100, eval_every=25, seed=0,
+        shipped, digits=3, stage1_steps=100, stage2_steps=200, eval_every=25, seed=0,
         output_dir=cfg.output_dir,
     )  # fmt: skip
     for field in ("stages", "loss", "optimizer", "sampling", "rollout"):

@@ -199,6 +199,9 @@ def _check_command(words: list[str], tmp_path: Path) -> None:
         _check_launch(args[1:], tmp_path)
     elif name.startswith("python") and args[:2] == ["-m", "magic_jax.experiments.ablations"]:
         _check_ablations(args[2:])
+    elif name.startswith("python") and args[:1] == ["-m"] and args[1].startswith("magic_jax."):
+        module = ROOT / (args[1].replace(".", "/") + ".py")
+        assert module.exists(), f"{shlex.join(words)}: no {module.relative_to(ROOT)}"
     elif cmd == "gcloud" and args[:1] == ["storage"]:  # run by tests/walkthrough_test.py
         assert args[1] in ("buckets", "cp"), shlex.join(words)
     elif cmd == "tensorboard":  # run by tests/walkthrough_test.py

@@ -46,7 +46,7 @@ def test_every_arm_is_a_valid_run_of_its_world_of_equal_length(ablation, arm, tm
         ablations.train_config(world.key),
         [*ablations.overrides_for(arm, 1, world=world.key), f"output_dir={tmp_path}"],
     )
-    assert cfg.total_steps == 2 * world.stage_steps
+    assert cfg.total_steps == world.total_steps
     # the carry world's runs export their final model: its statistics are measured
     assert cfg.seed == 1 and cfg.export_hf is world.statistics
     small = load_config(
@@ -298,8 +298,8 @@ def test_committed_summaries_match_the_current_arms(record):
     # stored compressed: a seventh of the size (ablations pack)
     assert {p.name for p in record.parent.glob("*.jsonl*")} == {"metrics.jsonl.gz", "eval.jsonl.gz"}
     run = load_run(record.parent)
-    assert [m["step"] for m in run.metrics] == list(range(2 * world.stage_steps))
-    assert run.evals[-1]["step"] == 2 * world.stage_steps
+    assert [m["step"] for m in run.metrics] == list(range(world.total_steps))
+    assert run.evals[-1]["step"] == world.total_steps
     if world.statistics:
         stats = json.loads((record.parent / "world.json").read_text())
         assert stats["samples"] == 256 * ablations.WORLD_SAMPLES
@@ -476,3 +476,16 @@ def test_seed_status_names_a_check_against_zero():
     drift = next(line for line in lines if line.startswith("stage-2 KL drift"))
     assert drift.endswith(" vs 0: provisional (seeds missing)"), drift
     assert len(lines) == len(ar.CHECKS["kl"])
+
+
+def test_a_world_of_unequal_stages_gives_every_arm_the_same_steps():
+    two = ablations.Arm("two", "x")
+    one = ablations.Arm("one", "x", stages=(("T42", 42),))
+    three = ablations.Arm("three", "x", stages=(("a", 8), ("b", 16), ("c", 32)))
+    assert two.step_overrides((100, 200)) == ("stages.0.steps=100", "stages.1.steps=200")
+    assert two.step_overrides(15) == ("stages.0.steps=15", "stages.1.steps=15")
+    assert "steps: 300," in one.step_overrides((100, 200))[0]
+    assert one.step_overrides((100, 200))[0].count("steps: 300,") == 1
+    assert three.step_overrides((100, 200))[0].count("steps: 100,") == 3
+    w = ablations.World("w", "c.yaml", "assets/c.yaml", (100, 200), (), ())
+    assert w.total_steps == 300 and ablations.WORLDS["lockout"].total_steps == 300

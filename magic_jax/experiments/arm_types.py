@@ -20,7 +20,8 @@ class World:
       key: ``default``, ``carry``, ``lockout`` or ``decision``.
       config: the config file as typed in a checkout (``configs/<name>.yaml``).
       package_config: the same file shipped in the package (``assets/...``), which runs use.
-      stage_steps: steps per stage of every run.
+      stage_steps: steps of each of the world's two stages in every run: one number for
+        both, or a pair.
       eval_overrides / run_overrides: ``--set`` assignments every run of this world gets.
       statistics: whether a finished run's final model is measured with
         ``magic_jax.jobs.carry_world.world_statistics`` (``world.json``; needs the HF export).
@@ -29,10 +30,22 @@ class World:
     key: str
     config: str
     package_config: str
-    stage_steps: int
+    stage_steps: int | tuple[int, int]
     eval_overrides: tuple[str, ...]
     run_overrides: tuple[str, ...]
     statistics: bool = False
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of every run of this world."""
+        return sum(steps_of(self.stage_steps))
+
+
+def steps_of(stage_steps: int | tuple[int, int]) -> tuple[int, int]:
+    """The two stages' steps of ``stage_steps`` (one number for both, or a pair)."""
+    if isinstance(stage_steps, int):
+        return stage_steps, stage_steps
+    return stage_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +57,9 @@ class Arm:
         Arms with the same key are the same runs (the baseline serves several ablations).
       label: legend text.
       overrides: ``--set`` assignments on top of ``configs/default.yaml``.
-      stages: ``None`` for the default's two stages (T 44, T 64), or the (name, T) of each
-        stage of a schedule that replaces them; each stage gets ``STAGE_STEPS`` x
-        (2 / number of stages) steps, so every arm trains the same number of steps.
+      stages: ``None`` for the world's two stages, or the (name, T) of each stage of a
+        schedule that replaces them; each gets an equal share of the two stages' steps, so
+        every arm trains the same number of steps.
       pending: why the arm cannot run yet (a setting that waits on other arms' runs), or
         ``None``. The runner skips a pending arm and refuses one asked for by name.
     """
@@ -57,11 +70,13 @@ class Arm:
     stages: tuple[tuple[str, int], ...] | None = None
     pending: str | None = None
 
-    def step_overrides(self, stage_steps: int) -> tuple[str, ...]:
-        """The ``--set`` fixing each stage's steps (``stage_steps`` per default stage)."""
+    def step_overrides(self, stage_steps: int | tuple[int, int]) -> tuple[str, ...]:
+        """The ``--set`` fixing each stage's steps (``stage_steps``: the world's two
+        stages', one number for both or a pair)."""
+        first, second = steps_of(stage_steps)
         if self.stages is None:
-            return (f"stages.0.steps={stage_steps}", f"stages.1.steps={stage_steps}")
-        each = 2 * stage_steps // len(self.stages)
+            return (f"stages.0.steps={first}", f"stages.1.steps={second}")
+        each = (first + second) // len(self.stages)
         items = ", ".join(
             f"{{name: {name}, steps: {each}, max_response_length: {t}, {_STAGE_FIELDS}}}"
             for name, t in self.stages

@@ -57,13 +57,13 @@ WORLDS: dict[str, World] = {
         ("eval.every=25", "eval.num_samples=4"),
         ("export_hf=false", "checkpoint_every=50", "keep_checkpoints=1"),
     ),
-    # The decision world (docs/decision-world.md): 100 steps at T 22, then 100 at T 42; the
-    # bonus on the decision tokens alone; the decision probe at every evaluation.
+    # The decision world (docs/decision-world.md): 100 steps at T 22, then 200 at T 42 (the
+    # pilots' choice); the bonus on the decision tokens alone; the decision probe every 25 steps.
     "decision": World(
         "decision",
         "configs/decision.yaml",
         "assets/decision/decision.yaml",
-        100,
+        (100, 200),
         ("eval.every=25", "eval.num_samples=4"),
         ("export_hf=false", "checkpoint_every=50", "keep_checkpoints=1"),
     ),
@@ -137,6 +137,40 @@ LOCKOUT_CONTROL = Ablation(
     ),
     seeds=SEEDS_LOCKOUT_CONTROL,
     world="lockout",
+)
+
+# The central claim in the decision world (notebooks/prereg/central-decision.yaml), 16 seeds:
+# the bonus on the decision tokens alone (configs/decision.yaml's adaptive controller, present
+# from step 0), a fixed coefficient on the same tokens, none, and the positive control (stage 1
+# at stage 2's T 42: a check is never truncated, never punished). Settings chosen by the
+# pilots in notebooks/results/pilots/decision-d3-*, before the registration.
+SEEDS_DECISION = tuple(range(16))
+# The fixed arm's coefficient: the mean effective alpha of the pilots' adaptive arm
+# (decision-d3-c adaptive-from-0.5, seeds 100-102, every step: 0.528), set before the
+# registration.
+DECISION_FIXED_ALPHA: float | None = 0.53
+_DECISION = "entropy.tokens=decision:decision"
+
+DECISION_CENTRAL = Ablation(
+    "central_decision",
+    "Adaptive entropy control on the decision tokens vs fixed vs none, and a stage 1 that "
+    "does not punish checking, decision world",
+    "Adaptive entropy control keeps exploration alive, so learning continues and ends higher "
+    "than a run whose entropy collapses: here, it keeps the full check sampleable through a "
+    "stage that punishes it, so stage 2 learns the chains.",
+    (
+        Arm("decision-none", "no entropy bonus", _NO_BONUS),
+        Arm("decision-adaptive", "adaptive on the decision tokens (configs/decision.yaml)"),
+        Arm(
+            "decision-fixed",
+            f"fixed alpha {DECISION_FIXED_ALPHA} on the decision tokens",
+            ("entropy.mode=fixed", f"entropy.init_coef={DECISION_FIXED_ALPHA}", _DECISION),
+            pending=None if DECISION_FIXED_ALPHA is not None else "its alpha is set by the pilots",
+        ),
+        Arm("decision-open", "T 42 throughout, no bonus", _NO_BONUS, stages=(("T42", 42),)),
+    ),
+    seeds=SEEDS_DECISION,
+    world="decision",
 )
 
 # The report's Ablation 9 (notebooks/prereg/offpolicy-adaptive.yaml): adaptive control added
@@ -455,5 +489,6 @@ ABLATIONS: dict[str, Ablation] = {
             seeds=SEEDS_STALENESS_LR,
             world="carry",
         ),
+        DECISION_CENTRAL,
     )
 }

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from magic_jax.experiments.verdicts import Check
+from magic_jax.experiments.checks import Check
 
 STATUSES = ("prospective", "retrospective")
 DIRECTIONS = {"greater": +1, "less": -1, "same": 0}
