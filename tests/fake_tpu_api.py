@@ -193,7 +193,11 @@ class FakeTpuApi:
             def _answer(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}") if length else {}
-                status, out = fake.handle(method, self.path, body)
+                reason = self.headers.get("x-goog-request-reason", "")
+                try:
+                    status, out = fake.handle(method, self.path, body, reason)
+                except Exception as e:  # the fake's own bug: said, not a dropped connection
+                    status, out = 500, Error("INTERNAL", f"the fake failed: {e!r}").body()
                 data = json.dumps(out).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -319,8 +323,9 @@ class FakeTpuApi:
             with self.calls_file.open("a") as f:
                 f.write(f"{verb} {name}\n")
 
-    def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
-        """One request: its HTTP status and JSON answer."""
+    def handle(self, method: str, path: str, body: dict, reason: str = "") -> tuple[int, dict]:
+        """One request: its HTTP status and JSON answer (``reason``: its
+        X-Goog-Request-Reason; a node asked by a status cycle is recorded ``poll-node``)."""
         url = urlsplit(path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         m = re.fullmatch(
@@ -336,7 +341,7 @@ class FakeTpuApi:
         verb = f"{verb}-{noun}"
         name = name or query.get("nodeId") or query.get("queuedResourceId") or ""
         with self.lock:
-            self._record(verb, name)
+            self._record("poll-node" if verb == "get-node" and reason else verb, name)
             scripted = self.errors.get(verb)
             error = scripted.pop(0) if scripted else None
             if error is not None and not error.in_operation:

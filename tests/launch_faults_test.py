@@ -105,7 +105,7 @@ def test_expired_credentials_stop_with_one_line_naming_the_fix(stub, tmp_path):
     assert out.returncode == 1, out.stderr
     (line,) = _launch_lines(out.stderr)
     assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
-    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert "gcloud auth application-default login" in line  # the fix
 
 
 def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path):
@@ -117,7 +117,7 @@ def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path
     assert out.returncode == 1, out.stderr
     (line,) = _launch_lines(out.stderr)
     assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
-    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert "gcloud auth application-default login" in line  # the fix
     assert int((state / "clock").read_text()) == 20  # two polls' waits
 
 
@@ -128,7 +128,7 @@ def test_a_missing_role_stops_naming_it(stub, tmp_path):
     out = _launch(script, dict(env, STUB_CREATE_ERROR=error), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1
     assert _launch_lines(out.stderr) == [
-        f"launch.sh: creating magic-jax failed: ERROR: (gcloud.compute.tpus.tpu-vm.create) {error}"
+        f"launch.sh: creating magic-jax failed: {error.removeprefix('PERMISSION_DENIED: ')}"
         " (the permission tpu.nodes.create is missing: grant the caller roles/tpu.admin)"
     ]
 

@@ -220,7 +220,7 @@ def test_an_api_status_is_told_apart_by_its_code_then_its_words(status, message,
     from magic_jax.jobs.pod_errors import from_status
 
     error = from_status(status, message)
-    assert error.kind is kind and error.line == f"{status}: {message}"
+    assert error.kind is kind and error.line == message
 
 
 def test_a_disabled_api_and_a_missing_role_name_their_fix():

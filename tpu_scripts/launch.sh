@@ -55,7 +55,8 @@
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
 #                       a queued resource]
-#   --dry-run           print every gcloud command instead of running it (or DRY_RUN=1)
+#   --dry-run           print every gcloud command and Cloud TPU API request (tpu-api
+#                       VERB ...) instead of running it (or DRY_RUN=1)
 #
 # Set-up (tpu_scripts/worker_setup.sh, from the archive, on every worker): uv (found, or
 # installed with the image's pip, or with uv's installer) makes ~/magic-jax/<commit>/.venv
@@ -67,12 +68,16 @@
 # under tpu_scripts/worker_run.sh (which records its exit status even when a shutdown
 # signals it, the host's boot id, and with a stage a heartbeat every
 # $LAUNCH_HEARTBEAT_S [10] s); magic_jax starts jax.distributed itself on a multi-host
-# slice. gcloud runs without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The decisions below
-# are magic_jax/jobs/pod_decide.py's, run with this machine's python3 (3.10 or newer,
-# the standard library only; $LAUNCH_HOST_PYTHON).
-# While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two gcloud calls at any
-# host count: the node's state and health, and every worker's heartbeat (without a
-# stage: one ssh to all workers). Health is part of the state: a READY node whose health
+# slice. Cloud TPU (nodes, queued resources, their operations, state, health and errors)
+# is asked through its API's Python client, google-cloud-tpu (magic_jax/jobs/pod_api.py,
+# with $LAUNCH_API_PYTHON [python3]: pip install 'magic-jax[launch]'; Application Default
+# Credentials: gcloud auth application-default login); gcloud only reaches the workers
+# (ssh, scp) and the stage, without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The
+# decisions below are magic_jax/jobs/pod_decide.py's, run with this machine's python3
+# (3.10 or newer, the standard library only; $LAUNCH_HOST_PYTHON).
+# While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two calls at any
+# host count: the node's state and health (the API), and every worker's heartbeat
+# (gcloud storage; without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
 # is UNHEALTHY_* or TIMEOUT is waited for (maintenance: hours, on every host), never
 # probed or deleted, with no time limit unless --timeout. On a READY, healthy node a
 # worker silent for $LAUNCH_LOST_S [20] s is asked once, with $LAUNCH_PROBE_S [15] s to
@@ -125,7 +130,7 @@ usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
 SETUP=1 LOGS="" ATTACH=0 RETRY_GIVEN=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
-CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
+CAPACITY=() QUEUED_ONLY=() VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
 SSH_WAIT_S="${LAUNCH_SSH_BACKOFF_S:-30}" SSH_MAX_S="${LAUNCH_SSH_BACKOFF_MAX_S:-300}"
@@ -143,9 +148,9 @@ while [ $# -gt 0 ]; do
     --reservation|--valid-until-duration) need "$@"; CAPACITY+=("$1=$2"); QUEUED_ONLY+=("$1")
       [ "$1" != --valid-until-duration ] || VALID=$2
       shift 2 ;;
-    --service-account) need "$@"; VM+=("--service-account=$2"); QR_VM+=("--service-account=$2"); shift 2 ;;
-    --network|--subnetwork) need "$@"; VM+=("$1=$2"); QR_VM+=("$1=$2"); shift 2 ;;
-    --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
+    --service-account) need "$@"; VM+=("--service-account=$2"); shift 2 ;;
+    --network|--subnetwork) need "$@"; VM+=("$1=$2"); shift 2 ;;
+    --internal-ip) VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
     --queued) QUEUED=1; shift ;;
     --stage) need "$@"; STAGE=${2%/}; shift 2 ;;
     --retry) need "$@"; RETRY=$2 RETRY_GIVEN=1; shift 2 ;;
@@ -241,11 +246,18 @@ export CLOUDSDK_CORE_DISABLE_PROMPTS=1
 
 QR="$NAME-qr"
 WHERE=(--zone "$ZONE" "${PROJECT[@]}")
-TPU=(gcloud compute tpus tpu-vm)
-QRS=(gcloud compute tpus queued-resources)
-QRS_CREATE=("${QRS[@]}")  # --reservation and --best-effort are gcloud alpha's only
-case " ${CAPACITY[*]} " in *" --best-effort "*|*" --reservation="*)
-  QRS_CREATE=(gcloud alpha compute tpus queued-resources) ;; esac
+TPU=(gcloud compute tpus tpu-vm)  # ssh and scp to the workers
+# The slice as magic_jax/jobs/pod_api.py asks Cloud TPU's API for it (tpu_api.Spec)
+SPEC=(accelerator="$ACCEL" runtime-version="$VERSION")
+for c in "${CAPACITY[@]}" "${VM[@]}"; do
+  case $c in
+    --spot|--reserved|--best-effort) SPEC+=("${c#--}=1") ;;
+    --reservation=*) SPEC+=("reservation=${c#*=}") ;;
+    --valid-until-duration=*) SPEC+=("valid-until-s=$VALID_S") ;;
+    --internal-ips) SPEC+=(internal-ip=1) ;;
+    *) SPEC+=("${c#--}") ;;  # service-account=, network=, subnetwork=
+  esac
+done
 say() { echo "[launch] $*" >&2; }
 note() { echo "launch.sh: $*" >&2; }
 exec 3>&1  # a dry run prints to the real stdout, also from inside $(...)
@@ -293,16 +305,91 @@ kill_tree() {
   kill "$1" 2>/dev/null || true
 }
 
-teardown() {
-  local s
-  if [ "$QUEUED" = 1 ] || ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(name)' >/dev/null; then
-    # one SUSPENDING (Cloud TPU deleting its VMs) is left to finish, not force-deleted
-    while [ "$DRY" = 0 ] && s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
-      --format='value(state.state)') && [ "$s" = SUSPENDING ]; do nap "$POLL_S"; done
-    run "${QRS[@]}" delete "$QR" "${WHERE[@]}" --force --quiet
+# Cloud TPU's API: magic_jax/jobs/pod_api.py on the google-cloud-tpu client (pip install
+# 'magic-jax[launch]'), run with $LAUNCH_API_PYTHON [python3], Application Default
+# Credentials (gcloud auth application-default login) and --project, else gcloud's
+# project. One process for the launch (api_start), asked through two FIFOs, one request at
+# a time; without it (--delete, the exit trap) one process a request. A dry run prints
+# each request (tpu-api VERB ...). MAGIC_JAX_TPU_API_ENDPOINT (a test or emulator hook:
+# http://HOST:PORT) points the client at another server.
+API_PYTHON=${LAUNCH_API_PYTHON:-python3}
+PROJECT_ID=${PROJECT[1]:-${CLOUDSDK_CORE_PROJECT:-}}
+if [ -z "$PROJECT_ID" ] && [ "$DRY" = 0 ]; then PROJECT_ID=$(gcloud config get-value project 2>/dev/null) || true; fi
+[ -n "$PROJECT_ID" ] || [ "$DRY" = 1 ] || die "no project: pass --project P (or: gcloud config set project P)"
+DELETE_WAIT_S=${LAUNCH_DELETE_WAIT_S:-1800} API_PID="" API_DIR="" API_W="" API_R=""
+api_py() { PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$API_PYTHON" -m magic_jax.jobs.pod_api "${PROJECT_ID:-PROJECT}" "$ZONE" "$@"; }
+api_start() {
+  local line
+  [ "$DRY" = 0 ] || return 0
+  API_DIR=$(mktemp -d "${TMPDIR:-/tmp}/launch-api-XXXXXX") && mkfifo "$API_DIR/in" "$API_DIR/out"
+  # deaf to Ctrl-C and SIGTERM (the launch's own, sent to its process group): the exit
+  # trap still asks it; api_stop ends it
+  # (nor holding this launch's stdout, fd 3: its end is not delayed by it)
+  ( trap '' INT TERM; exec 3>&- < "$API_DIR/in" > "$API_DIR/out" 2> "$API_DIR/err"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$API_PYTHON" -m magic_jax.jobs.pod_api \
+      "$PROJECT_ID" "$ZONE" --serve $$ ) &
+  API_PID=$!
+  exec {API_W}> "$API_DIR/in" {API_R}< "$API_DIR/out"
+  read -r line <&"$API_R" || true
+  [ "$line" = ready ] && return 0
+  [ -n "$line" ] || line=$(tail -n 1 "$API_DIR/err")
+  printf '%s\n' "$line" > "$ASKED"; api_stop
+  quit 1 "Cloud TPU's API ($API_PYTHON -m magic_jax.jobs.pod_api) did not start: $(asked_why)"
+}
+api_stop() {
+  [ -n "$API_PID" ] || return 0
+  exec {API_W}>&- {API_R}<&-
+  kill -KILL "$API_PID" 2>/dev/null || true; wait "$API_PID" 2>/dev/null || true
+  rm -rf "$API_DIR"; API_PID=""
+}
+# One request (words joined by tabs): 0 with the answer's fields on stdout, or 1 with the
+# error's line (pod_errors.told) in $ASKED.
+api() {
+  local line="" IFS=$'\t'
+  if [ "$DRY" = 1 ]; then { printf 'tpu-api'; printf ' %q' "$@"; echo; } >&3; return 0; fi
+  if [ -n "$API_PID" ] && kill -0 "$API_PID" 2>/dev/null; then
+    { flock 9; printf '%s\n' "$*" >&"$API_W"; read -r line <&"$API_R" || true; } 9>> "$API_DIR/lock"
   else
-    run "${TPU[@]}" delete "$NAME" "${WHERE[@]}" --quiet
+    line=$(api_py "$@" 2>"$ASKED") || true
   fi
+  case $line in ok) return 0 ;; ok$'\t'*) printf '%s\n' "${line#ok$'\t'}"; return 0 ;; esac
+  [ -n "$line" ] || line="tpu-api-error	other	no answer from Cloud TPU's API ($API_PYTHON): $(tail -n 1 "$ASKED" 2>/dev/null)"
+  printf '%s\n' "$line" > "$ASKED"
+  return 1
+}
+# The node, as the API says: NODE (its state; GONE when NOT_FOUND; UNKNOWN when the
+# question failed, its kind and line in $ASK_ERR for stop_if_fatal; "" in a dry run),
+# HEALTH, WHY (its health description), IPS (;-separated) and RUNTIME. $1: poll for a
+# status cycle's question.
+node_info() {
+  local a=""
+  NODE="" HEALTH="" WHY="" IPS="" RUNTIME=""
+  if a=$(api "${1:-node}" "$NAME") && [ -n "$a" ]; then
+    IFS=$'\t' read -r NODE HEALTH WHY IPS RUNTIME <<< "$a"
+    [ "$HEALTH" != - ] || HEALTH=""; [ "$WHY" != - ] || WHY=""; [ "$IPS" != - ] || IPS=""
+  elif [ "$DRY" = 0 ]; then NODE=UNKNOWN; pod error "$ASKED" > "$ASK_ERR"; fi
+}
+# The queued resource, likewise: QR_STATE, and when FAILED its failedData's kind and line
+# (QR_KIND, QR_LINE).
+request_info() {
+  local a=""
+  QR_STATE="" QR_KIND="" QR_LINE=""
+  if a=$(api request "$QR") && [ -n "$a" ]; then
+    IFS=$'\t' read -r QR_STATE QR_KIND QR_LINE <<< "$a"
+    [ "$QR_KIND" != - ] || QR_KIND=""; [ "$QR_LINE" != - ] || QR_LINE=""
+  elif [ "$DRY" = 0 ]; then QR_STATE=UNKNOWN; pod error "$ASKED" > "$ASK_ERR"; fi
+}
+# Deletes the slice: its queued resource (with its node) when there is one, else the node;
+# each waited for, at most LAUNCH_DELETE_WAIT_S [1800] s.
+teardown() {
+  if [ "$QUEUED" = 1 ] || { request_info; [ "$QR_STATE" != GONE ] && [ "$QR_STATE" != UNKNOWN ] && [ -n "$QR_STATE" ]; }; then
+    # one SUSPENDING (Cloud TPU deleting its VMs) is left to finish, not force-deleted
+    while [ "$DRY" = 0 ] && request_info && [ "$QR_STATE" = SUSPENDING ]; do nap "$POLL_S"; done
+    api request-delete "$QR" wait-s="$DELETE_WAIT_S" > /dev/null && return 0
+  else
+    api delete "$NAME" wait-s="$DELETE_WAIT_S" > /dev/null && return 0
+  fi
+  say "deleting $NAME failed: $(asked_why)"; return 1
 }
 
 # This machine's supervisor of NAME, if one lives: its pid and launch.log (see alone).
@@ -328,17 +415,8 @@ if [ "$DELETE_ONLY" = 1 ]; then
   exit 0
 fi
 
-# A described state, or GONE when gcloud says NOT_FOUND (UNKNOWN on any other failure,
-# whose kind and line go to $ASK_ERR: stop_if_fatal ends the launch on credentials or a
-# missing role, which no wait mends).
-state_of() {
-  local out err
-  err=$(tmpfile)
-  if out=$("$@" 2>"$err"); then echo "${out:-UNKNOWN}"
-  elif grep -q NOT_FOUND "$err"; then echo GONE
-  else pod error "$err" > "$ASK_ERR"; echo UNKNOWN; fi
-  rm -f "$err"
-}
+# Ends the launch when the last question failed on credentials or a missing role (its
+# kind and line in $ASK_ERR), which no wait mends.
 stop_if_fatal() {
   local kind line
   [ -s "$ASK_ERR" ] || return 0
@@ -354,13 +432,11 @@ slice_lost() {
   LOST="" STATE=""
   [ "$DRY" = 1 ] && return 1
   if [ "$QUEUED" = 1 ]; then
-    r=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
-    stop_if_fatal
+    request_info; stop_if_fatal; r=$QR_STATE
     v=$(pod node - - "$r")
     case $v in lost*) LOST="queued resource $QR is $r"; return 0 ;; esac
   fi
-  s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)')
-  stop_if_fatal
+  node_info; stop_if_fatal; s=$NODE
   v=wait; [ "$s" = READY ] || v=$(pod node "$s" - "${r:--}")
   case $v in lost*) LOST="$NAME is $s"; return 0 ;; esac
   STATE=$s; return 1
@@ -371,9 +447,10 @@ slice_lost() {
 # trap deletes it then with --delete-on-exit.
 HAVE_SLICE=0 REQUESTED_AT=0  # (a request of an earlier launch: its age unknown)
 on_exit() {
-  rm -f "$ASKED" "$ASK_ERR"
+  api_stop  # (a request in flight is dropped; the exit trap's go one process each)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  rm -f "$ASKED" "$ASK_ERR"
   # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
   if [ -n "$SUPERVISOR" ] && [ "$(cut -f1 "$SUPERVISOR" 2>/dev/null)" = $$ ]; then rm -f "$SUPERVISOR"; fi
   [ "${#RELAYS[@]}" = 0 ] || end_relays
@@ -385,19 +462,20 @@ trap on_exit EXIT
 # backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
 # (waited for: the node gone, then created again) or a request already queued (attached
 # to); a quota exhausted, credentials, a missing role or any other error end it with
-# gcloud's message (and the fix, where there is one).
+# the API's message (and the fix, where there is one).
 create() {
   local try=1 wait=$CREATE_WAIT_S err rc queued step line nap_s next_s
   err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
   while :; do
     HAVE_SLICE=1 rc=0
     if [ "$QUEUED" = 1 ]; then
-      { run "${QRS_CREATE[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
-          --runtime-version="$VERSION" "${CAPACITY[@]}" "${QR_VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+      say "requesting $NAME ($ACCEL) as queued resource $QR"
+      api request-create "$QR" "$NAME" "${SPEC[@]}" > /dev/null || rc=$?
     else
-      { run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
-          "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
+      say "creating $NAME ($ACCEL)"
+      api create "$NAME" "${SPEC[@]}" wait-s="${TIMEOUT:-3600}" > /dev/null || rc=$?
     fi
+    [ "$rc" = 0 ] || cp "$ASKED" "$err"
     [ "$rc" != 0 ] || break
     queued=""; [ "$QUEUED" = 0 ] || queued=$QR
     IFS=$'\t' read -r step line nap_s next_s < <(pod create "$err" <<CREATE
@@ -416,7 +494,8 @@ CREATE
       await-gone) say "$line"; await_gone; continue ;;
     esac
     # a failed create may leave the node (or the queued resource) behind
-    if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
+    [ "$QUEUED" = 1 ] || node_info
+    if [ "$QUEUED" = 1 ] || { [ "$NODE" != GONE ] && [ "$NODE" != UNKNOWN ]; }; then
       teardown >/dev/null 2>&1 || true
     fi
     HAVE_SLICE=0
@@ -430,7 +509,7 @@ CREATE
 # Waits for the node to be gone (NOT_FOUND): a delete under way, --timeout [3600] s.
 await_gone() {
   local s end=$(($(now) + ${TIMEOUT:-3600}))
-  while s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)'); [ "$s" != GONE ]; do
+  while node_info; s=$NODE; [ "$s" != GONE ]; do
     stop_if_fatal
     [ "$(now)" -lt "$end" ] || die "$NAME still there (${s}) ${TIMEOUT:-3600}s after it was deleted"
     nap "$POLL_S"
@@ -440,12 +519,8 @@ await_gone() {
 # has lapsed since it was requested (the option's point), or when its error is not one a
 # new request mends (no capacity, a rate limit).
 request_failed() {
-  local f code msg kind line
-  f=$(tmpfile)
-  IFS=$'\t' read -r code msg < <(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
-    --format='value(state.failedData.error.code,state.failedData.error.message)' || true)
-  printf '{\n  "code": %s,\n  "message": "%s"\n}\n' "${code:-0}" "${msg:-no failedData}" > "$f"
-  IFS=$'\t' read -r kind line < <(pod error "$f"); rm -f "$f"
+  local kind line
+  request_info; kind=$QR_KIND line=${QR_LINE:-no failedData}
   say "queued resource $QR FAILED: $line"
   if [ "$VALID_S" -gt 0 ] && [ $(($(now) - REQUESTED_AT)) -ge "$VALID_S" ]; then
     quit 1 "queued resource $QR FAILED after its --valid-until-duration $VALID lapsed: $line;" \
@@ -459,7 +534,7 @@ await_queued() {
   local s started said="" polls=0 ended=0 wait=$CREATE_WAIT_S
   started=$(now)
   while [ "$DRY" = 0 ]; do
-    s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
+    request_info; s=$QR_STATE
     stop_if_fatal  # (credentials lapsing in a wait of days: one line, not UNKNOWN forever)
     case $s in
       ACTIVE) return 0 ;;
@@ -491,9 +566,9 @@ wait_ready() {
   local v s health why said="" deadline=""
   [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || deadline=$(($(now) + ${TIMEOUT:-3600}))
   while [ "$DRY" = 0 ]; do
-    IFS=$'\t' read -r s health why < <(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
-      --format='value(state,health,healthDescription)' || true)
-    [ -n "${s:-}" ] || fatal_asked
+    node_info; s=$NODE health=$HEALTH why=$WHY
+    case $s in GONE|UNKNOWN) s="" ;; esac  # not there yet, or the question failed
+    [ -n "${s:-}" ] || stop_if_fatal
     [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
     v=$(pod node "${s:-}" "${health:--}")
     case $v in ready*) return 0 ;; esac
@@ -506,19 +581,13 @@ wait_ready() {
     said=$v; nap "$POLL_S"
   done
 }
-# Ends the launch when the query kept in $ASKED failed on credentials or a missing role.
-fatal_asked() {
-  local kind line
-  [ -s "$ASKED" ] || return 0
-  IFS=$'\t' read -r kind line < <(pod error "$ASKED")
-  case $kind in auth|permission) quit 1 "asking Cloud TPU about $NAME failed: $line" ;; esac
-}
 # The slice READY: reused, attached to (its queued resource), or created, then waited for.
 bring_up() {
   local state s info runtime
   CREATED=0
   if [ "$QUEUED" = 1 ]; then
-    s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') || s=""
+    request_info; stop_if_fatal; s=$QR_STATE
+    case $s in GONE|UNKNOWN) s="" ;; esac
     case $s in
       "") create ;;
       FAILED|SUSPENDED) [ "$s" != FAILED ] || request_failed
@@ -528,8 +597,8 @@ bring_up() {
     esac
     await_queued
   else
-    state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
-    [ -n "$state" ] || fatal_asked
+    node_info; stop_if_fatal; state=$NODE
+    case $state in GONE|UNKNOWN) state="" ;; esac
     case $state in
       "") ;;
       DELETING) say "$NAME is DELETING; waiting for it to go"; await_gone; state="" ;;
@@ -545,10 +614,10 @@ bring_up() {
     fi
   fi
   wait_ready
-  info=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
-    --format='value(networkEndpoints[].ipAddress,runtimeVersion)') || info=$'10.0.0.1\t'"$VERSION"
-  IFS=$'\t' read -r endpoints runtime <<< "$info"
-  IFS=';, ' read -r -a ips <<< "$endpoints"
+  node_info
+  [ -n "$IPS" ] || IPS=10.0.0.1 RUNTIME=$VERSION  # (a dry run)
+  runtime=$RUNTIME
+  IFS=';, ' read -r -a ips <<< "$IPS"
   WORKERS=${#ips[@]}
   say "$NAME: $WORKERS worker(s), runtime version ${runtime:-unknown}"
 }
@@ -737,9 +806,8 @@ bring_down() {
 cycle() {
   local node state health out w seq st boot t lines quiet=1 v action ws status alive why id re
   VERDICT="" BEATS_WHY=""
-  node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
-  stop_if_fatal
-  read -r state health <<< "$node"
+  node_info poll; stop_if_fatal
+  state=$NODE health=$HEALTH node="$NODE $HEALTH"
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
   if [ -z "$BEATS" ]; then out=$(probe)
@@ -1009,6 +1077,7 @@ if [ "$DRY" = 0 ]; then
   SUPERVISOR=$ENTRY
   mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
 fi
+api_start
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up

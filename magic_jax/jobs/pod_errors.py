@@ -174,16 +174,15 @@ def from_status(status: str, message: str) -> TpuError:
       message: the API's message.
 
     Returns:
-      The error, its line ``STATUS: message``.
+      The error, its line the message (as gcloud shows it).
     """
     kind = _STATUS_KINDS.get(status, Kind.OTHER)
     if status == "RESOURCE_EXHAUSTED":
         limits = (Kind.RATE_LIMIT, Kind.QUOTA)
         kind = next((k for k, p in _PATTERNS if k in limits and re.search(p, message)), kind)
         kind = Kind.CAPACITY if kind is Kind.OTHER else kind
-    text = f"{status}: {message}".replace("\n", " ")
-    line = " ".join(text.split())[:300]
-    return TpuError(kind, line, _fix(kind, text))
+    line = " ".join(message.split())[:300] or status
+    return TpuError(kind, line, _fix(kind, f"{status}: {message}"))
 
 
 def told(error: TpuError) -> str:

@@ -231,11 +231,17 @@ class Tpu:
     def _name(self, kind: str, name: str) -> str:
         return f"{self.parent}/{kind}/{name}"
 
-    def node(self, name: str) -> Node:
-        """The node ``name``; its state ``GONE`` when the API answers NOT_FOUND."""
+    def node(self, name: str, *, reason: str = "") -> Node:
+        """The node ``name``; its state ``GONE`` when the API answers NOT_FOUND.
+
+        Args:
+          name: the node's short name.
+          reason: why it is asked (``X-Goog-Request-Reason``: audit logs show it).
+        """
+        metadata = [("x-goog-request-reason", reason)] if reason else []
         try:
             with _told_apart():
-                n = self.client().get_node(name=self._name("nodes", name))
+                n = self.client().get_node(name=self._name("nodes", name), metadata=metadata)
         except TpuApiError as e:
             if e.error.kind is pod_errors.Kind.NOT_FOUND:
                 return Node(name=name, state="GONE")
