@@ -358,12 +358,12 @@ def _verbs(calls, polls=False):
     out = []
     api = {"get-node": "describe", "poll-node": "poll", "create-node": "create",
            "delete-node": "delete", "get-qr": "qr-describe", "create-qr": "qr-create",
-           "delete-qr": "qr-delete", "get-op": "op", "denied": "denied"}  # fmt: skip
+           "delete-qr": "qr-delete", "denied": "denied"}  # fmt: skip
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
         if c[0] == "api":
             verb = api[c[1]]
-            if verb != "op" and (polls or verb != "poll"):
+            if polls or verb != "poll":
                 out.append(verb)
             continue
         if c[1] == "storage":
