@@ -9,6 +9,7 @@ import os
 import pty
 import signal
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -403,3 +404,17 @@ def test_a_suspending_queued_resource_is_waited_for_not_force_deleted(stub, tmp_
     assert not (state / "forced").exists()  # deleted once SUSPENDED
     assert "preempted (magic-jax is GONE; attempt 1 of 2); recreating the slice" in out.stderr
     assert _verbs(_calls(state)).count("qr-create") == 2
+
+
+def test_a_python_without_the_cloud_tpu_client_stops_naming_the_extra(stub, tmp_path):
+    """LAUNCH_API_PYTHON without google-cloud-tpu (here: site-packages off): one line naming
+    the extra to install, before any slice is asked for."""
+    env, state, script = stub
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    out = _launch(script, dict(env, LAUNCH_API_PYTHON=str(bare)), "--", "true")
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    assert line.startswith("launch.sh: Cloud TPU's API (") and "did not start" in line
+    assert "pip install 'magic-jax[launch]'" in line and not _calls(state)

@@ -14,6 +14,7 @@ Credentials (``gcloud auth application-default login``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from magic_jax import extras
 from magic_jax.jobs import pod_errors
 
 ENDPOINT_ENV = "MAGIC_JAX_TPU_API_ENDPOINT"
@@ -39,7 +41,6 @@ HTTP_STATUS = {
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }
-INSTALL = "pip install 'magic-jax[launch]' (or: pip install -c constraints.txt google-cloud-tpu)"
 
 
 class TpuApiError(Exception):
@@ -169,15 +170,14 @@ def _told_apart() -> Iterator[None]:
     except TpuApiError:
         raise
     except ImportError as exc:
-        raise SystemExit(f"tpu_api.py: the Cloud TPU client is missing ({exc}): {INSTALL}") from exc
+        hint = extras.message("google.cloud.tpu_v2", __name__)  # (whatever part is missing)
+        raise SystemExit(f"tpu_api.py: Cloud TPU's client is missing ({exc}). {hint}") from exc
     except Exception as exc:  # every error of a call reaches the caller told apart
         raise TpuApiError(api_error(exc)) from exc
 
 
 def _client(version: str, endpoint: str) -> Any:
-    from google.cloud import tpu_v2, tpu_v2alpha1
-
-    module = tpu_v2alpha1 if version == "v2alpha1" else tpu_v2
+    module = importlib.import_module(f"google.cloud.tpu_{version}")  # (the [launch] extra's)
     if not endpoint:
         return module.TpuClient()
     if version == "v2alpha1":  # (its client speaks gRPC only)
