@@ -283,7 +283,7 @@ POD_MODULES = [
     "magic_jax/extras.py",
     "magic_jax/jobs/__init__.py",
     *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
-    *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "tpu_api")),  # the API's requests
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
 ]
 
 

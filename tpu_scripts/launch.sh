@@ -71,10 +71,12 @@
 # slice. Cloud TPU (nodes, queued resources, their operations, state, health and errors)
 # is asked through its API's Python client, google-cloud-tpu (magic_jax/jobs/pod_api.py,
 # with $LAUNCH_API_PYTHON [python3]: pip install 'magic-jax[launch]'; Application Default
-# Credentials: gcloud auth application-default login); gcloud only reaches the workers
-# (ssh, scp) and the stage, without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The
-# decisions below are magic_jax/jobs/pod_decide.py's, run with this machine's python3
-# (3.10 or newer, the standard library only; $LAUNCH_HOST_PYTHON).
+# Credentials: gcloud auth application-default login), and a slice is brought up
+# (created, requested, waited for) by magic_jax/jobs/pod_up.py with it; gcloud only
+# reaches the workers (ssh, scp) and the stage, without prompts
+# (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The decisions below are
+# magic_jax/jobs/pod_decide.py's, run with this machine's python3 (3.10 or newer, the
+# standard library only; $LAUNCH_HOST_PYTHON).
 # While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two calls at any
 # host count: the node's state and health (the API), and every worker's heartbeat
 # (gcloud storage; without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
@@ -445,9 +447,10 @@ slice_lost() {
 # ------------------------------------------------------------------ create or reuse, wait
 # HAVE_SLICE: the slice may exist (a create was asked for, or it was reused); the exit
 # trap deletes it then with --delete-on-exit.
-HAVE_SLICE=0 REQUESTED_AT=0  # (a request of an earlier launch: its age unknown)
+HAVE_SLICE=0 CREATED=0
 on_exit() {
   api_stop  # (a request in flight is dropped; the exit trap's go one process each)
+  [ -z "$UP_PID" ] || kill -KILL "$UP_PID" 2>/dev/null || true  # (deaf to TERM)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
   rm -f "$ASKED" "$ASK_ERR"
@@ -456,170 +459,51 @@ on_exit() {
   [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
-# Creates the node (or requests the queued resource). What follows an error is
-# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot
-# stockouts also come) and a rate limit (429, a per-minute quota) are tried again with exponential
-# backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
-# (waited for: the node gone, then created again) or a request already queued (attached
-# to); a quota exhausted, credentials, a missing role or any other error end it with
-# the API's message (and the fix, where there is one).
-create() {
-  local try=1 wait=$CREATE_WAIT_S err rc queued step line nap_s next_s
-  err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
-  while :; do
-    HAVE_SLICE=1 rc=0
-    if [ "$QUEUED" = 1 ]; then
-      say "requesting $NAME ($ACCEL) as queued resource $QR"
-      api request-create "$QR" "$NAME" "${SPEC[@]}" > /dev/null || rc=$?
-    else
-      say "creating $NAME ($ACCEL)"
-      api create "$NAME" "${SPEC[@]}" wait-s="${TIMEOUT:-3600}" > /dev/null || rc=$?
-    fi
-    [ "$rc" = 0 ] || cp "$ASKED" "$err"
-    [ "$rc" != 0 ] || break
-    queued=""; [ "$QUEUED" = 0 ] || queued=$QR
-    IFS=$'\t' read -r step line nap_s next_s < <(pod create "$err" <<CREATE
-name $NAME
-queued $queued
-accelerator $ACCEL
-zone $ZONE
-try $try
-tries $CREATE_TRIES
-wait $wait
-max $CREATE_MAX_S
-CREATE
-    )
-    case $step in
-      attach) say "$line"; rm -f "$err"; return 0 ;;
-      await-gone) say "$line"; await_gone; continue ;;
-    esac
-    # a failed create may leave the node (or the queued resource) behind
-    [ "$QUEUED" = 1 ] || node_info
-    if [ "$QUEUED" = 1 ] || { [ "$NODE" != GONE ] && [ "$NODE" != UNKNOWN ]; }; then
-      teardown >/dev/null 2>&1 || true
-    fi
-    HAVE_SLICE=0
-    [ "$step" = retry ] || { rm -f "$err"; quit 1 "${line:-creating $NAME failed}"; }
-    say "$line"
-    nap "$nap_s"
-    wait=$next_s try=$((try + 1))
-  done
-  rm -f "$err"
+# The slice READY and healthy: reused, attached to (its queued resource), or created
+# (what follows a failed create is magic_jax/jobs/pod_errors.py's after_create: no
+# capacity, code 13 and rate limits tried again with exponential backoff, up to
+# CREATE_TRIES tries; ALREADY_EXISTS waited for; quota, credentials, a missing role and
+# any other error end the launch with the API's message and the fix), then waited for: a
+# new node --timeout [3600] s, a queued resource or one under maintenance or repair
+# (READY with UNHEALTHY_* health, REPAIRING: hours, on every host) as long as it takes
+# unless --timeout bounds it. magic_jax/jobs/pod_up.py does it (its lines on stderr, its
+# state on stdout: HAVE_SLICE CREATED REQUESTED_AT IPS RUNTIME), deaf to Ctrl-C and
+# SIGTERM (the exit trap ends it: UP_PID). $1: wait-ready (only wait for it).
+UP_PID=""
+slice_up() {
+  local verb=${1:-up} out rc=0 have="" created="" bounded=0 timeout=$TIMEOUT
+  out=$(tmpfile)
+  [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || bounded=1
+  [ "$verb" = wait-ready ] || HAVE_SLICE=1  # (a create in flight: --delete-on-exit deletes it)
+  ( trap '' INT TERM; exec 3>&- > "$out"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$API_PYTHON" -m magic_jax.jobs.pod_up \
+      "$PROJECT_ID" "$ZONE" "$verb" name="$NAME" queued="$QUEUED" tries="$CREATE_TRIES" \
+      wait="$CREATE_WAIT_S" max="$CREATE_MAX_S" timeout="$timeout" poll="$POLL_S" valid="$VALID" \
+      valid-s="$VALID_S" delete-wait="$DELETE_WAIT_S" bounded="$bounded" "${SPEC[@]}" ) &
+  UP_PID=$!
+  wait "$UP_PID" || rc=$?
+  UP_PID=""
+  IFS=$'\t' read -r have created _ IPS RUNTIME < "$out" || true
+  rm -f "$out"
+  [ -z "$have" ] || HAVE_SLICE=$have
+  [ "$verb" = wait-ready ] || [ -z "$created" ] || CREATED=$created
+  [ "$IPS" != - ] || IPS=""; [ "$RUNTIME" != - ] || RUNTIME=""
+  [ "$rc" = 0 ] || exit "$rc"  # (its last line said why)
 }
-# Waits for the node to be gone (NOT_FOUND): a delete under way, --timeout [3600] s.
-await_gone() {
-  local s end=$(($(now) + ${TIMEOUT:-3600}))
-  while node_info; s=$NODE; [ "$s" != GONE ]; do
-    stop_if_fatal
-    [ "$(now)" -lt "$end" ] || die "$NAME still there (${s}) ${TIMEOUT:-3600}s after it was deleted"
-    nap "$POLL_S"
-  done
-}
-# A FAILED queued resource: says its failedData; ends the launch once --valid-until-duration
-# has lapsed since it was requested (the option's point), or when its error is not one a
-# new request mends (no capacity, a rate limit).
-request_failed() {
-  local kind line
-  request_info; kind=$QR_KIND line=${QR_LINE:-no failedData}
-  say "queued resource $QR FAILED: $line"
-  if [ "$VALID_S" -gt 0 ] && [ $(($(now) - REQUESTED_AT)) -ge "$VALID_S" ]; then
-    quit 1 "queued resource $QR FAILED after its --valid-until-duration $VALID lapsed: $line;" \
-      "not requested again"
-  fi
-  case $kind in capacity|rate-limit) ;; *) quit 1 "queued resource $QR FAILED: $line" ;; esac
-}
-# Waits for the queued resource to be ACTIVE, as long as it takes (or --timeout): one
-# that ends FAILED, SUSPENDED or gone is requested again, up to CREATE_TRIES times.
-await_queued() {
-  local s started said="" polls=0 ended=0 wait=$CREATE_WAIT_S
-  started=$(now)
-  while [ "$DRY" = 0 ]; do
-    request_info; s=$QR_STATE
-    stop_if_fatal  # (credentials lapsing in a wait of days: one line, not UNKNOWN forever)
-    case $s in
-      ACTIVE) return 0 ;;
-      FAILED|SUSPENDED|GONE)
-        [ "$s" != FAILED ] || request_failed
-        ended=$((ended + 1))
-        [ "$ended" -lt "$CREATE_TRIES" ] ||
-          quit 1 "queued resource $QR ended $s $ended times (--create-tries $CREATE_TRIES)"
-        say "queued resource $QR is $s; requesting it again in $(span "$wait") ($ended of $CREATE_TRIES)"
-        [ "$s" = GONE ] || teardown >/dev/null 2>&1 || true
-        nap "$wait"; wait=$(twice "$wait" "$CREATE_MAX_S")
-        create; said=""; continue ;;
-    esac
-    if [ -n "$TIMEOUT" ] && [ $(($(now) - started)) -ge "$TIMEOUT" ]; then
-      die "queued resource $QR not ACTIVE after ${TIMEOUT}s ($s)"
-    fi
-    if [ "$s" != "$said" ] || [ $((polls % 60)) = 0 ]; then
-      say "queued resource $QR: $s (waited $(span $(($(now) - started))))"
-    fi
-    said=$s polls=$((polls + 1))
-    nap "$POLL_S"
-  done
-}
-# Waits for the node to be READY and healthy: a new one --timeout [3600] s, one under
-# maintenance or repair (READY with UNHEALTHY_* health, REPAIRING: hours, on every host)
-# for as long as it takes unless --timeout bounds it. Its state is never a reason to
-# delete it.
-wait_ready() {
-  local v s health why said="" deadline=""
-  [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || deadline=$(($(now) + ${TIMEOUT:-3600}))
-  while [ "$DRY" = 0 ]; do
-    node_info; s=$NODE health=$HEALTH why=$WHY
-    case $s in GONE|UNKNOWN) s="" ;; esac  # not there yet, or the question failed
-    [ -n "${s:-}" ] || stop_if_fatal
-    [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
-    v=$(pod node "${s:-}" "${health:--}")
-    case $v in ready*) return 0 ;; esac
-    if [ -n "${s:-}" ]; then v="${v#*$'\t'}${why:+: $why}"; else v="not yet"; fi
-    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] || [ -z "${s:-}" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s: it is $v"
-    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s ($(asked_why))"
-    [ "$v" = "$said" ] || say "$NAME: $v"
-    said=$v; nap "$POLL_S"
-  done
-}
-# The slice READY: reused, attached to (its queued resource), or created, then waited for.
+# The slice READY (slice_up; a dry run prints its requests), its workers counted.
 bring_up() {
-  local state s info runtime
   CREATED=0
-  if [ "$QUEUED" = 1 ]; then
-    request_info; stop_if_fatal; s=$QR_STATE
-    case $s in GONE|UNKNOWN) s="" ;; esac
-    case $s in
-      "") create ;;
-      FAILED|SUSPENDED) [ "$s" != FAILED ] || request_failed
-        say "queued resource $QR is $s; deleting it to request it again"
-        teardown; create ;;
-      *) say "attaching to queued resource $QR ($s)"; HAVE_SLICE=1 ;;
-    esac
-    await_queued
+  if [ "$DRY" = 1 ]; then
+    if [ "$QUEUED" = 1 ]; then api request "$QR"; api request-create "$QR" "$NAME" "${SPEC[@]}"
+    else api node "$NAME"; api create "$NAME" "${SPEC[@]}"; fi
+    api node "$NAME"
+    HAVE_SLICE=1 CREATED=1 IPS=10.0.0.1 RUNTIME=$VERSION
   else
-    node_info; stop_if_fatal; state=$NODE
-    case $state in GONE|UNKNOWN) state="" ;; esac
-    case $state in
-      "") ;;
-      DELETING) say "$NAME is DELETING; waiting for it to go"; await_gone; state="" ;;
-      *) case $(pod node "$state") in
-           lost*) say "$NAME is $state; deleting it"; teardown; state="" ;;
-         esac ;;
-    esac
-    if [ -n "$state" ]; then
-      say "reusing $NAME ($state)"
-      HAVE_SLICE=1
-    else
-      create
-    fi
+    slice_up up
   fi
-  wait_ready
-  node_info
-  [ -n "$IPS" ] || IPS=10.0.0.1 RUNTIME=$VERSION  # (a dry run)
-  runtime=$RUNTIME
   IFS=';, ' read -r -a ips <<< "$IPS"
   WORKERS=${#ips[@]}
-  say "$NAME: $WORKERS worker(s), runtime version ${runtime:-unknown}"
+  say "$NAME: $WORKERS worker(s), runtime version ${RUNTIME:-unknown}"
 }
 
 # ------------------------------------------------------------------ install this commit
@@ -934,7 +818,7 @@ await() {
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
     if [ "$rc" = 3 ]; then  # gone without an exit status: was its host restarted?
-      wait_ready  # (a host under maintenance answers once the node is READY and healthy)
+      slice_up wait-ready  # (a host under maintenance answers once READY and healthy)
       [ "$(status_of 0)" != restarted ] || { RESTARTED=" 0"; return 4; }
       quit 1 "worker 0's command ended without an exit status, its host not restarted" \
         "($NAME is $STATE): killed?"
