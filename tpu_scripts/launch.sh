@@ -412,7 +412,9 @@ if [ "$DELETE_ONLY" = 1 ]; then
     for ((i = 0; i < 600; i++)); do supervisor > /dev/null || break; sleep 0.2; done
     stopped=$pid
   fi
+  api_start
   teardown || [ -n "$stopped" ]  # (one with --delete-on-exit deleted the slice itself)
+  api_stop
   rm -f "$ASKED" "$ASK_ERR"
   exit 0
 fi
@@ -449,10 +451,13 @@ slice_lost() {
 # trap deletes it then with --delete-on-exit.
 HAVE_SLICE=0 CREATED=0
 on_exit() {
-  api_stop  # (a request in flight is dropped; the exit trap's go one process each)
+  # a request this shell was making when a signal came: its answer would be the next
+  # one's, so the API's process goes (the exit trap's requests go one process each)
+  if [ -n "$API_PID" ] && ! flock -n "$API_DIR/lock" true; then api_stop; fi
   [ -z "$UP_PID" ] || kill -KILL "$UP_PID" 2>/dev/null || true  # (deaf to TERM)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  api_stop
   rm -f "$ASKED" "$ASK_ERR"
   # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
   if [ -n "$SUPERVISOR" ] && [ "$(cut -f1 "$SUPERVISOR" 2>/dev/null)" = $$ ]; then rm -f "$SUPERVISOR"; fi
