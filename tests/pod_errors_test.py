@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from magic_jax.jobs import pod
 from magic_jax.jobs.pod_errors import Create, Kind, Then, after_create, classify, error_line
 
 CREATE = "ERROR: (gcloud.compute.tpus.tpu-vm.create) "
@@ -188,15 +187,6 @@ def test_a_fatal_create_says_why_in_one_line():
     line = after_create(classify(NO_CAPACITY), _create(try_=3)).line
     assert line.startswith("no capacity for v5p-64 in us-east5-a after 3 tries (--create-tries 3)")
     assert "grant the caller roles/tpu.admin" in after_create(classify(DENIED), _create()).line
-
-
-def test_the_line_launch_sh_reads_after_a_create(tmp_path):
-    (tmp_path / "err").write_text(RATE)
-    lines = ["name t", "queued ", "accelerator v5p-64", "zone z", "try 2", "tries 12",
-             "wait 120", "max 1800"]  # fmt: skip
-    step, line, wait, after = pod.answer(["create", str(tmp_path / "err")], lines).split("\t")
-    assert (step, wait, after) == ("retry", "120", "240")
-    assert line.startswith("rate-limited (try 2 of 12): ") and line.endswith("in 2m00s")
 
 
 @pytest.mark.parametrize(
