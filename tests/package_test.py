@@ -75,3 +75,11 @@ def test_a_missing_optional_dependency_names_its_extra():
         "None",
         "lookup: None",
     ]
+
+
+def test_a_missing_cloud_tpu_client_names_the_launch_extra():
+    from magic_jax import extras
+
+    said = extras.message("google.cloud.tpu_v2", "magic_jax.jobs.tpu_api")
+    assert said is not None and "pip install 'magic-jax[launch]'" in said
+    assert "magic-jax[train]" in (extras.message("google.cloud.storage") or "")

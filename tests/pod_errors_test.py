@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from magic_jax.jobs import pod
 from magic_jax.jobs.pod_errors import Create, Kind, Then, after_create, classify, error_line
 
 CREATE = "ERROR: (gcloud.compute.tpus.tpu-vm.create) "
@@ -190,10 +189,42 @@ def test_a_fatal_create_says_why_in_one_line():
     assert "grant the caller roles/tpu.admin" in after_create(classify(DENIED), _create()).line
 
 
-def test_the_line_launch_sh_reads_after_a_create(tmp_path):
-    (tmp_path / "err").write_text(RATE)
-    lines = ["name t", "queued ", "accelerator v5p-64", "zone z", "try 2", "tries 12",
-             "wait 120", "max 1800"]  # fmt: skip
-    step, line, wait, after = pod.answer(["create", str(tmp_path / "err")], lines).split("\t")
-    assert (step, wait, after) == ("retry", "120", "240")
-    assert line.startswith("rate-limited (try 2 of 12): ") and line.endswith("in 2m00s")
+@pytest.mark.parametrize(
+    ("status", "message", "kind"),
+    [
+        ("INTERNAL", "An internal error has occurred.", Kind.CAPACITY),  # code 13
+        ("RESOURCE_EXHAUSTED", "There is no more capacity in the zone", Kind.CAPACITY),
+        ("RESOURCE_EXHAUSTED", "Quota exceeded for quota metric 'Requests' and limit"
+         " 'Requests per minute' of service 'tpu.googleapis.com'", Kind.RATE_LIMIT),
+        ("RESOURCE_EXHAUSTED", "Too many requests. [RATE_LIMIT_EXCEEDED]", Kind.RATE_LIMIT),
+        ("RESOURCE_EXHAUSTED", "Quota limit 'TPUV5pPreemptiblePodPerProjectPerZoneForTPUAPI'"
+         " has been exceeded. Limit: 0 in zone us-east5-a.", Kind.QUOTA),
+        ("ALREADY_EXISTS", "Resource 'projects/p/locations/z/nodes/n' already exists", Kind.EXISTS),
+        ("NOT_FOUND", "Resource 'projects/p/locations/z/nodes/n' was not found", Kind.NOT_FOUND),
+        ("UNAUTHENTICATED", "Request had invalid authentication credentials.", Kind.AUTH),
+        ("PERMISSION_DENIED", "Permission 'tpu.nodes.get' denied on 'n'", Kind.PERMISSION),
+        ("INVALID_ARGUMENT", "Invalid value for field 'node.accelerator_type'", Kind.OTHER),
+    ],
+)  # fmt: skip
+def test_an_api_status_is_told_apart_by_its_code_then_its_words(status, message, kind):
+    from magic_jax.jobs.pod_errors import from_status
+
+    error = from_status(status, message)
+    assert error.kind is kind and error.line == message
+
+
+def test_a_disabled_api_and_a_missing_role_name_their_fix():
+    from magic_jax.jobs.pod_errors import from_status
+
+    off = "Cloud TPU API has not been used in project 123 before or it is disabled."
+    assert "gcloud services enable tpu.googleapis.com" in from_status("PERMISSION_DENIED", off).fix
+    role = from_status("PERMISSION_DENIED", "Permission 'iam.serviceAccounts.actAs' denied on sa")
+    assert "roles/iam.serviceAccountUser" in role.fix
+
+
+def test_an_error_told_apart_already_is_read_back_as_it_is():
+    from magic_jax.jobs.pod_errors import from_status, told
+
+    error = from_status("RESOURCE_EXHAUSTED", "Quota limit 'X' has been exceeded.")
+    text = "a traceback line\n" + told(error) + "\n"
+    assert classify(text) == error  # not classified again from its words

@@ -55,7 +55,8 @@
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
 #                       a queued resource]
-#   --dry-run           print every gcloud command instead of running it (or DRY_RUN=1)
+#   --dry-run           print every gcloud command and Cloud TPU API request (tpu-api
+#                       VERB ...) instead of running it (or DRY_RUN=1)
 #
 # Set-up (tpu_scripts/worker_setup.sh, from the archive, on every worker): uv (found, or
 # installed with the image's pip, or with uv's installer) makes ~/magic-jax/<commit>/.venv
@@ -67,12 +68,18 @@
 # under tpu_scripts/worker_run.sh (which records its exit status even when a shutdown
 # signals it, the host's boot id, and with a stage a heartbeat every
 # $LAUNCH_HEARTBEAT_S [10] s); magic_jax starts jax.distributed itself on a multi-host
-# slice. gcloud runs without prompts (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The decisions below
-# are magic_jax/jobs/pod_decide.py's, run with this machine's python3 (3.10 or newer,
-# the standard library only; $LAUNCH_HOST_PYTHON).
-# While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two gcloud calls at any
-# host count: the node's state and health, and every worker's heartbeat (without a
-# stage: one ssh to all workers). Health is part of the state: a READY node whose health
+# slice. Cloud TPU (nodes, queued resources, their operations, state, health and errors)
+# is asked through its API's Python client, google-cloud-tpu (magic_jax/jobs/pod_api.py,
+# with $LAUNCH_API_PYTHON [python3]: pip install 'magic-jax[launch]'; Application Default
+# Credentials: gcloud auth application-default login), and a slice is brought up
+# (created, requested, waited for) by magic_jax/jobs/pod_up.py with it; gcloud only
+# reaches the workers (ssh, scp) and the stage, without prompts
+# (CLOUDSDK_CORE_DISABLE_PROMPTS=1). The decisions below are
+# magic_jax/jobs/pod_decide.py's, run with this machine's python3 (3.10 or newer, the
+# standard library only; $LAUNCH_HOST_PYTHON).
+# While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two calls at any
+# host count: the node's state and health (the API), and every worker's heartbeat
+# (gcloud storage; without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
 # is UNHEALTHY_* or TIMEOUT is waited for (maintenance: hours, on every host), never
 # probed or deleted, with no time limit unless --timeout. On a READY, healthy node a
 # worker silent for $LAUNCH_LOST_S [20] s is asked once, with $LAUNCH_PROBE_S [15] s to
@@ -125,7 +132,7 @@ usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 
 NAME=magic-jax ZONE=us-east5-a PROJECT=() ACCEL=v5p-64 VERSION="" QUEUED=0 STAGE=""
 SETUP=1 LOGS="" ATTACH=0 RETRY_GIVEN=0 VALID="" DELETE_ON_EXIT=0 DELETE_ONLY=0 TIMEOUT="" DRY="${DRY_RUN:-0}" RETRY=0
-CAPACITY=() QUEUED_ONLY=() VM=() QR_VM=() SSH_VIA=()
+CAPACITY=() QUEUED_ONLY=() VM=() SSH_VIA=()
 ENVS=() CREATE_TRIES="${LAUNCH_CREATE_TRIES:-12}" CREATE_MAX_S="${LAUNCH_CREATE_BACKOFF_MAX_S:-1800}"
 POLL_S="${LAUNCH_POLL_S:-10}" GRACE_S="${LAUNCH_GRACE_S:-120}" KILL_S="${LAUNCH_KILL_S:-30}"
 SSH_WAIT_S="${LAUNCH_SSH_BACKOFF_S:-30}" SSH_MAX_S="${LAUNCH_SSH_BACKOFF_MAX_S:-300}"
@@ -143,9 +150,9 @@ while [ $# -gt 0 ]; do
     --reservation|--valid-until-duration) need "$@"; CAPACITY+=("$1=$2"); QUEUED_ONLY+=("$1")
       [ "$1" != --valid-until-duration ] || VALID=$2
       shift 2 ;;
-    --service-account) need "$@"; VM+=("--service-account=$2"); QR_VM+=("--service-account=$2"); shift 2 ;;
-    --network|--subnetwork) need "$@"; VM+=("$1=$2"); QR_VM+=("$1=$2"); shift 2 ;;
-    --internal-ip) VM+=(--internal-ips); QR_VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
+    --service-account) need "$@"; VM+=("--service-account=$2"); shift 2 ;;
+    --network|--subnetwork) need "$@"; VM+=("$1=$2"); shift 2 ;;
+    --internal-ip) VM+=(--internal-ips); SSH_VIA=(--internal-ip); shift ;;
     --queued) QUEUED=1; shift ;;
     --stage) need "$@"; STAGE=${2%/}; shift 2 ;;
     --retry) need "$@"; RETRY=$2 RETRY_GIVEN=1; shift 2 ;;
@@ -241,11 +248,18 @@ export CLOUDSDK_CORE_DISABLE_PROMPTS=1
 
 QR="$NAME-qr"
 WHERE=(--zone "$ZONE" "${PROJECT[@]}")
-TPU=(gcloud compute tpus tpu-vm)
-QRS=(gcloud compute tpus queued-resources)
-QRS_CREATE=("${QRS[@]}")  # --reservation and --best-effort are gcloud alpha's only
-case " ${CAPACITY[*]} " in *" --best-effort "*|*" --reservation="*)
-  QRS_CREATE=(gcloud alpha compute tpus queued-resources) ;; esac
+TPU=(gcloud compute tpus tpu-vm)  # ssh and scp to the workers
+# The slice as magic_jax/jobs/pod_api.py asks Cloud TPU's API for it (tpu_api.Spec)
+SPEC=(accelerator="$ACCEL" runtime-version="$VERSION")
+for c in "${CAPACITY[@]}" "${VM[@]}"; do
+  case $c in
+    --spot|--reserved|--best-effort) SPEC+=("${c#--}=1") ;;
+    --reservation=*) SPEC+=("reservation=${c#*=}") ;;
+    --valid-until-duration=*) SPEC+=("valid-until-s=$VALID_S") ;;
+    --internal-ips) SPEC+=(internal-ip=1) ;;
+    *) SPEC+=("${c#--}") ;;  # service-account=, network=, subnetwork=
+  esac
+done
 say() { echo "[launch] $*" >&2; }
 note() { echo "launch.sh: $*" >&2; }
 exec 3>&1  # a dry run prints to the real stdout, also from inside $(...)
@@ -293,16 +307,91 @@ kill_tree() {
   kill "$1" 2>/dev/null || true
 }
 
-teardown() {
-  local s
-  if [ "$QUEUED" = 1 ] || ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(name)' >/dev/null; then
-    # one SUSPENDING (Cloud TPU deleting its VMs) is left to finish, not force-deleted
-    while [ "$DRY" = 0 ] && s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
-      --format='value(state.state)') && [ "$s" = SUSPENDING ]; do nap "$POLL_S"; done
-    run "${QRS[@]}" delete "$QR" "${WHERE[@]}" --force --quiet
+# Cloud TPU's API: magic_jax/jobs/pod_api.py on the google-cloud-tpu client (pip install
+# 'magic-jax[launch]'), run with $LAUNCH_API_PYTHON [python3], Application Default
+# Credentials (gcloud auth application-default login) and --project, else gcloud's
+# project. One process for the launch (api_start), asked through two FIFOs, one request at
+# a time; without it (--delete, the exit trap) one process a request. A dry run prints
+# each request (tpu-api VERB ...). MAGIC_JAX_TPU_API_ENDPOINT (a test or emulator hook:
+# http://HOST:PORT) points the client at another server.
+API_PYTHON=${LAUNCH_API_PYTHON:-python3}
+PROJECT_ID=${PROJECT[1]:-${CLOUDSDK_CORE_PROJECT:-}}
+if [ -z "$PROJECT_ID" ] && [ "$DRY" = 0 ]; then PROJECT_ID=$(gcloud config get-value project 2>/dev/null) || true; fi
+[ -n "$PROJECT_ID" ] || [ "$DRY" = 1 ] || die "no project: pass --project P (or: gcloud config set project P)"
+DELETE_WAIT_S=${LAUNCH_DELETE_WAIT_S:-1800} API_PID="" API_DIR="" API_W="" API_R=""
+api_py() { PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$API_PYTHON" -m magic_jax.jobs.pod_api "${PROJECT_ID:-PROJECT}" "$ZONE" "$@"; }
+api_start() {
+  local line
+  [ "$DRY" = 0 ] || return 0
+  API_DIR=$(mktemp -d "${TMPDIR:-/tmp}/launch-api-XXXXXX") && mkfifo "$API_DIR/in" "$API_DIR/out"
+  # deaf to Ctrl-C and SIGTERM (the launch's own, sent to its process group): the exit
+  # trap still asks it; api_stop ends it
+  # (nor holding this launch's stdout, fd 3: its end is not delayed by it)
+  ( trap '' INT TERM; exec 3>&- < "$API_DIR/in" > "$API_DIR/out" 2> "$API_DIR/err"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$API_PYTHON" -m magic_jax.jobs.pod_api \
+      "$PROJECT_ID" "$ZONE" --serve $$ ) &
+  API_PID=$!
+  exec {API_W}> "$API_DIR/in" {API_R}< "$API_DIR/out"
+  read -r line <&"$API_R" || true
+  [ "$line" = ready ] && return 0
+  [ -n "$line" ] || line=$(tail -n 1 "$API_DIR/err")
+  printf '%s\n' "$line" > "$ASKED"; api_stop
+  quit 1 "Cloud TPU's API ($API_PYTHON -m magic_jax.jobs.pod_api) did not start: $(asked_why)"
+}
+api_stop() {
+  [ -n "$API_PID" ] || return 0
+  exec {API_W}>&- {API_R}<&-
+  kill -KILL "$API_PID" 2>/dev/null || true; wait "$API_PID" 2>/dev/null || true
+  rm -rf "$API_DIR"; API_PID=""
+}
+# One request (words joined by tabs): 0 with the answer's fields on stdout, or 1 with the
+# error's line (pod_errors.told) in $ASKED.
+api() {
+  local line="" IFS=$'\t'
+  if [ "$DRY" = 1 ]; then { printf 'tpu-api'; printf ' %q' "$@"; echo; } >&3; return 0; fi
+  if [ -n "$API_PID" ] && kill -0 "$API_PID" 2>/dev/null; then
+    { flock 9; printf '%s\n' "$*" >&"$API_W"; read -r line <&"$API_R" || true; } 9>> "$API_DIR/lock"
   else
-    run "${TPU[@]}" delete "$NAME" "${WHERE[@]}" --quiet
+    line=$(api_py "$@" 2>"$ASKED") || true
   fi
+  case $line in ok) return 0 ;; ok$'\t'*) printf '%s\n' "${line#ok$'\t'}"; return 0 ;; esac
+  [ -n "$line" ] || line="tpu-api-error	other	no answer from Cloud TPU's API ($API_PYTHON): $(tail -n 1 "$ASKED" 2>/dev/null)"
+  printf '%s\n' "$line" > "$ASKED"
+  return 1
+}
+# The node, as the API says: NODE (its state; GONE when NOT_FOUND; UNKNOWN when the
+# question failed, its kind and line in $ASK_ERR for stop_if_fatal; "" in a dry run),
+# HEALTH, WHY (its health description), IPS (;-separated) and RUNTIME. $1: poll for a
+# status cycle's question.
+node_info() {
+  local a=""
+  NODE="" HEALTH="" WHY="" IPS="" RUNTIME=""
+  if a=$(api "${1:-node}" "$NAME") && [ -n "$a" ]; then
+    IFS=$'\t' read -r NODE HEALTH WHY IPS RUNTIME <<< "$a"
+    [ "$HEALTH" != - ] || HEALTH=""; [ "$WHY" != - ] || WHY=""; [ "$IPS" != - ] || IPS=""
+  elif [ "$DRY" = 0 ]; then NODE=UNKNOWN; pod error "$ASKED" > "$ASK_ERR"; fi
+}
+# The queued resource, likewise: QR_STATE, and when FAILED its failedData's kind and line
+# (QR_KIND, QR_LINE).
+request_info() {
+  local a=""
+  QR_STATE="" QR_KIND="" QR_LINE=""
+  if a=$(api request "$QR") && [ -n "$a" ]; then
+    IFS=$'\t' read -r QR_STATE QR_KIND QR_LINE <<< "$a"
+    [ "$QR_KIND" != - ] || QR_KIND=""; [ "$QR_LINE" != - ] || QR_LINE=""
+  elif [ "$DRY" = 0 ]; then QR_STATE=UNKNOWN; pod error "$ASKED" > "$ASK_ERR"; fi
+}
+# Deletes the slice: its queued resource (with its node) when there is one, else the node;
+# each waited for, at most LAUNCH_DELETE_WAIT_S [1800] s.
+teardown() {
+  if [ "$QUEUED" = 1 ] || { request_info; [ "$QR_STATE" != GONE ] && [ "$QR_STATE" != UNKNOWN ] && [ -n "$QR_STATE" ]; }; then
+    # one SUSPENDING (Cloud TPU deleting its VMs) is left to finish, not force-deleted
+    while [ "$DRY" = 0 ] && request_info && [ "$QR_STATE" = SUSPENDING ]; do nap "$POLL_S"; done
+    api request-delete "$QR" wait-s="$DELETE_WAIT_S" > /dev/null && return 0
+  else
+    api delete "$NAME" wait-s="$DELETE_WAIT_S" > /dev/null && return 0
+  fi
+  say "deleting $NAME failed: $(asked_why)"; return 1
 }
 
 # This machine's supervisor of NAME, if one lives: its pid and launch.log (see alone).
@@ -323,22 +412,15 @@ if [ "$DELETE_ONLY" = 1 ]; then
     for ((i = 0; i < 600; i++)); do supervisor > /dev/null || break; sleep 0.2; done
     stopped=$pid
   fi
+  api_start
   teardown || [ -n "$stopped" ]  # (one with --delete-on-exit deleted the slice itself)
+  api_stop
   rm -f "$ASKED" "$ASK_ERR"
   exit 0
 fi
 
-# A described state, or GONE when gcloud says NOT_FOUND (UNKNOWN on any other failure,
-# whose kind and line go to $ASK_ERR: stop_if_fatal ends the launch on credentials or a
-# missing role, which no wait mends).
-state_of() {
-  local out err
-  err=$(tmpfile)
-  if out=$("$@" 2>"$err"); then echo "${out:-UNKNOWN}"
-  elif grep -q NOT_FOUND "$err"; then echo GONE
-  else pod error "$err" > "$ASK_ERR"; echo UNKNOWN; fi
-  rm -f "$err"
-}
+# Ends the launch when the last question failed on credentials or a missing role (its
+# kind and line in $ASK_ERR), which no wait mends.
 stop_if_fatal() {
   local kind line
   [ -s "$ASK_ERR" ] || return 0
@@ -354,13 +436,11 @@ slice_lost() {
   LOST="" STATE=""
   [ "$DRY" = 1 ] && return 1
   if [ "$QUEUED" = 1 ]; then
-    r=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
-    stop_if_fatal
+    request_info; stop_if_fatal; r=$QR_STATE
     v=$(pod node - - "$r")
     case $v in lost*) LOST="queued resource $QR is $r"; return 0 ;; esac
   fi
-  s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)')
-  stop_if_fatal
+  node_info; stop_if_fatal; s=$NODE
   v=wait; [ "$s" = READY ] || v=$(pod node "$s" - "${r:--}")
   case $v in lost*) LOST="$NAME is $s"; return 0 ;; esac
   STATE=$s; return 1
@@ -369,188 +449,66 @@ slice_lost() {
 # ------------------------------------------------------------------ create or reuse, wait
 # HAVE_SLICE: the slice may exist (a create was asked for, or it was reused); the exit
 # trap deletes it then with --delete-on-exit.
-HAVE_SLICE=0 REQUESTED_AT=0  # (a request of an earlier launch: its age unknown)
+HAVE_SLICE=0 CREATED=0
 on_exit() {
-  rm -f "$ASKED" "$ASK_ERR"
+  # a request this shell was making when a signal came: its answer would be the next
+  # one's, so the API's process goes (the exit trap's requests go one process each)
+  if [ -n "$API_PID" ] && ! flock -n "$API_DIR/lock" true; then api_stop; fi
+  [ -z "$UP_PID" ] || kill -KILL "$UP_PID" 2>/dev/null || true  # (deaf to TERM)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  api_stop
+  rm -f "$ASKED" "$ASK_ERR"
   # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
   if [ -n "$SUPERVISOR" ] && [ "$(cut -f1 "$SUPERVISOR" 2>/dev/null)" = $$ ]; then rm -f "$SUPERVISOR"; fi
   [ "${#RELAYS[@]}" = 0 ] || end_relays
 }
 trap on_exit EXIT
-# Creates the node (or requests the queued resource). What follows an error is
-# magic_jax/jobs/pod_errors.py's after_create: no capacity (code 8, or code 13 as Spot
-# stockouts also come) and a rate limit (429, a per-minute quota) are tried again with exponential
-# backoff, up to CREATE_TRIES tries; ALREADY_EXISTS is an earlier delete still under way
-# (waited for: the node gone, then created again) or a request already queued (attached
-# to); a quota exhausted, credentials, a missing role or any other error end it with
-# gcloud's message (and the fix, where there is one).
-create() {
-  local try=1 wait=$CREATE_WAIT_S err rc queued step line nap_s next_s
-  err=$(tmpfile) CREATED=1 REQUESTED_AT=$(now)
-  while :; do
-    HAVE_SLICE=1 rc=0
-    if [ "$QUEUED" = 1 ]; then
-      { run "${QRS_CREATE[@]}" create "$QR" "${WHERE[@]}" --node-id="$NAME" --accelerator-type="$ACCEL" \
-          --runtime-version="$VERSION" "${CAPACITY[@]}" "${QR_VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
-    else
-      { run "${TPU[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type="$ACCEL" --version="$VERSION" \
-          "${CAPACITY[@]}" "${VM[@]}" 2>&1 1>&4 | tee "$err" >&2; } 4>&1 || rc=$?
-    fi
-    [ "$rc" != 0 ] || break
-    queued=""; [ "$QUEUED" = 0 ] || queued=$QR
-    IFS=$'\t' read -r step line nap_s next_s < <(pod create "$err" <<CREATE
-name $NAME
-queued $queued
-accelerator $ACCEL
-zone $ZONE
-try $try
-tries $CREATE_TRIES
-wait $wait
-max $CREATE_MAX_S
-CREATE
-    )
-    case $step in
-      attach) say "$line"; rm -f "$err"; return 0 ;;
-      await-gone) say "$line"; await_gone; continue ;;
-    esac
-    # a failed create may leave the node (or the queued resource) behind
-    if [ "$QUEUED" = 1 ] || ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)' >/dev/null; then
-      teardown >/dev/null 2>&1 || true
-    fi
-    HAVE_SLICE=0
-    [ "$step" = retry ] || { rm -f "$err"; quit 1 "${line:-creating $NAME failed}"; }
-    say "$line"
-    nap "$nap_s"
-    wait=$next_s try=$((try + 1))
-  done
-  rm -f "$err"
+# The slice READY and healthy: reused, attached to (its queued resource), or created
+# (what follows a failed create is magic_jax/jobs/pod_errors.py's after_create: no
+# capacity, code 13 and rate limits tried again with exponential backoff, up to
+# CREATE_TRIES tries; ALREADY_EXISTS waited for; quota, credentials, a missing role and
+# any other error end the launch with the API's message and the fix), then waited for: a
+# new node --timeout [3600] s, a queued resource or one under maintenance or repair
+# (READY with UNHEALTHY_* health, REPAIRING: hours, on every host) as long as it takes
+# unless --timeout bounds it. magic_jax/jobs/pod_up.py does it (its lines on stderr, its
+# state on stdout: HAVE_SLICE CREATED REQUESTED_AT IPS RUNTIME), deaf to Ctrl-C and
+# SIGTERM (the exit trap ends it: UP_PID). $1: wait-ready (only wait for it).
+UP_PID=""
+slice_up() {
+  local verb=${1:-up} out rc=0 have="" created="" bounded=0 timeout=$TIMEOUT
+  out=$(tmpfile)
+  [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || bounded=1
+  [ "$verb" = wait-ready ] || HAVE_SLICE=1  # (a create in flight: --delete-on-exit deletes it)
+  ( trap '' INT TERM; exec 3>&- > "$out"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$API_PYTHON" -m magic_jax.jobs.pod_up \
+      "$PROJECT_ID" "$ZONE" "$verb" name="$NAME" queued="$QUEUED" tries="$CREATE_TRIES" \
+      wait="$CREATE_WAIT_S" max="$CREATE_MAX_S" timeout="$timeout" poll="$POLL_S" valid="$VALID" \
+      valid-s="$VALID_S" delete-wait="$DELETE_WAIT_S" bounded="$bounded" "${SPEC[@]}" ) &
+  UP_PID=$!
+  wait "$UP_PID" || rc=$?
+  UP_PID=""
+  IFS=$'\t' read -r have created _ IPS RUNTIME < "$out" || true
+  rm -f "$out"
+  [ -z "$have" ] || HAVE_SLICE=$have
+  [ "$verb" = wait-ready ] || [ -z "$created" ] || CREATED=$created
+  [ "$IPS" != - ] || IPS=""; [ "$RUNTIME" != - ] || RUNTIME=""
+  [ "$rc" = 0 ] || exit "$rc"  # (its last line said why)
 }
-# Waits for the node to be gone (NOT_FOUND): a delete under way, --timeout [3600] s.
-await_gone() {
-  local s end=$(($(now) + ${TIMEOUT:-3600}))
-  while s=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)'); [ "$s" != GONE ]; do
-    stop_if_fatal
-    [ "$(now)" -lt "$end" ] || die "$NAME still there (${s}) ${TIMEOUT:-3600}s after it was deleted"
-    nap "$POLL_S"
-  done
-}
-# A FAILED queued resource: says its failedData; ends the launch once --valid-until-duration
-# has lapsed since it was requested (the option's point), or when its error is not one a
-# new request mends (no capacity, a rate limit).
-request_failed() {
-  local f code msg kind line
-  f=$(tmpfile)
-  IFS=$'\t' read -r code msg < <(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" \
-    --format='value(state.failedData.error.code,state.failedData.error.message)' || true)
-  printf '{\n  "code": %s,\n  "message": "%s"\n}\n' "${code:-0}" "${msg:-no failedData}" > "$f"
-  IFS=$'\t' read -r kind line < <(pod error "$f"); rm -f "$f"
-  say "queued resource $QR FAILED: $line"
-  if [ "$VALID_S" -gt 0 ] && [ $(($(now) - REQUESTED_AT)) -ge "$VALID_S" ]; then
-    quit 1 "queued resource $QR FAILED after its --valid-until-duration $VALID lapsed: $line;" \
-      "not requested again"
-  fi
-  case $kind in capacity|rate-limit) ;; *) quit 1 "queued resource $QR FAILED: $line" ;; esac
-}
-# Waits for the queued resource to be ACTIVE, as long as it takes (or --timeout): one
-# that ends FAILED, SUSPENDED or gone is requested again, up to CREATE_TRIES times.
-await_queued() {
-  local s started said="" polls=0 ended=0 wait=$CREATE_WAIT_S
-  started=$(now)
-  while [ "$DRY" = 0 ]; do
-    s=$(state_of "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)')
-    stop_if_fatal  # (credentials lapsing in a wait of days: one line, not UNKNOWN forever)
-    case $s in
-      ACTIVE) return 0 ;;
-      FAILED|SUSPENDED|GONE)
-        [ "$s" != FAILED ] || request_failed
-        ended=$((ended + 1))
-        [ "$ended" -lt "$CREATE_TRIES" ] ||
-          quit 1 "queued resource $QR ended $s $ended times (--create-tries $CREATE_TRIES)"
-        say "queued resource $QR is $s; requesting it again in $(span "$wait") ($ended of $CREATE_TRIES)"
-        [ "$s" = GONE ] || teardown >/dev/null 2>&1 || true
-        nap "$wait"; wait=$(twice "$wait" "$CREATE_MAX_S")
-        create; said=""; continue ;;
-    esac
-    if [ -n "$TIMEOUT" ] && [ $(($(now) - started)) -ge "$TIMEOUT" ]; then
-      die "queued resource $QR not ACTIVE after ${TIMEOUT}s ($s)"
-    fi
-    if [ "$s" != "$said" ] || [ $((polls % 60)) = 0 ]; then
-      say "queued resource $QR: $s (waited $(span $(($(now) - started))))"
-    fi
-    said=$s polls=$((polls + 1))
-    nap "$POLL_S"
-  done
-}
-# Waits for the node to be READY and healthy: a new one --timeout [3600] s, one under
-# maintenance or repair (READY with UNHEALTHY_* health, REPAIRING: hours, on every host)
-# for as long as it takes unless --timeout bounds it. Its state is never a reason to
-# delete it.
-wait_ready() {
-  local v s health why said="" deadline=""
-  [ -z "$TIMEOUT" ] && [ "$CREATED" = 0 ] || deadline=$(($(now) + ${TIMEOUT:-3600}))
-  while [ "$DRY" = 0 ]; do
-    IFS=$'\t' read -r s health why < <(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
-      --format='value(state,health,healthDescription)' || true)
-    [ -n "${s:-}" ] || fatal_asked
-    [ "${s:-}" != READY ] || [ "${health:-HEALTHY}" != HEALTHY ] || return 0
-    v=$(pod node "${s:-}" "${health:--}")
-    case $v in ready*) return 0 ;; esac
-    if [ -n "${s:-}" ]; then v="${v#*$'\t'}${why:+: $why}"; else v="not yet"; fi
-    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] || [ -z "${s:-}" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s: it is $v"
-    [ -z "$deadline" ] || [ "$(now)" -lt "$deadline" ] ||
-      die "$NAME not READY after ${TIMEOUT:-3600}s ($(asked_why))"
-    [ "$v" = "$said" ] || say "$NAME: $v"
-    said=$v; nap "$POLL_S"
-  done
-}
-# Ends the launch when the query kept in $ASKED failed on credentials or a missing role.
-fatal_asked() {
-  local kind line
-  [ -s "$ASKED" ] || return 0
-  IFS=$'\t' read -r kind line < <(pod error "$ASKED")
-  case $kind in auth|permission) quit 1 "asking Cloud TPU about $NAME failed: $line" ;; esac
-}
-# The slice READY: reused, attached to (its queued resource), or created, then waited for.
+# The slice READY (slice_up; a dry run prints its requests), its workers counted.
 bring_up() {
-  local state s info runtime
   CREATED=0
-  if [ "$QUEUED" = 1 ]; then
-    s=$(ask "${QRS[@]}" describe "$QR" "${WHERE[@]}" --format='value(state.state)') || s=""
-    case $s in
-      "") create ;;
-      FAILED|SUSPENDED) [ "$s" != FAILED ] || request_failed
-        say "queued resource $QR is $s; deleting it to request it again"
-        teardown; create ;;
-      *) say "attaching to queued resource $QR ($s)"; HAVE_SLICE=1 ;;
-    esac
-    await_queued
+  if [ "$DRY" = 1 ]; then
+    if [ "$QUEUED" = 1 ]; then api request "$QR"; api request-create "$QR" "$NAME" "${SPEC[@]}"
+    else api node "$NAME"; api create "$NAME" "${SPEC[@]}"; fi
+    api node "$NAME"
+    HAVE_SLICE=1 CREATED=1 IPS=10.0.0.1 RUNTIME=$VERSION
   else
-    state=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state)') || state=""
-    [ -n "$state" ] || fatal_asked
-    case $state in
-      "") ;;
-      DELETING) say "$NAME is DELETING; waiting for it to go"; await_gone; state="" ;;
-      *) case $(pod node "$state") in
-           lost*) say "$NAME is $state; deleting it"; teardown; state="" ;;
-         esac ;;
-    esac
-    if [ -n "$state" ]; then
-      say "reusing $NAME ($state)"
-      HAVE_SLICE=1
-    else
-      create
-    fi
+    slice_up up
   fi
-  wait_ready
-  info=$(ask "${TPU[@]}" describe "$NAME" "${WHERE[@]}" \
-    --format='value(networkEndpoints[].ipAddress,runtimeVersion)') || info=$'10.0.0.1\t'"$VERSION"
-  IFS=$'\t' read -r endpoints runtime <<< "$info"
-  IFS=';, ' read -r -a ips <<< "$endpoints"
+  IFS=';, ' read -r -a ips <<< "$IPS"
   WORKERS=${#ips[@]}
-  say "$NAME: $WORKERS worker(s), runtime version ${runtime:-unknown}"
+  say "$NAME: $WORKERS worker(s), runtime version ${RUNTIME:-unknown}"
 }
 
 # ------------------------------------------------------------------ install this commit
@@ -737,9 +695,8 @@ bring_down() {
 cycle() {
   local node state health out w seq st boot t lines quiet=1 v action ws status alive why id re
   VERDICT="" BEATS_WHY=""
-  node=$(state_of "${TPU[@]}" describe "$NAME" "${WHERE[@]}" --format='value(state,health)')
-  stop_if_fatal
-  read -r state health <<< "$node"
+  node_info poll; stop_if_fatal
+  state=$NODE health=$HEALTH node="$NODE $HEALTH"
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
   if [ -z "$BEATS" ]; then out=$(probe)
@@ -866,7 +823,7 @@ await() {
     [ "$rc" = 0 ] && return 0
     slice_lost && return 1
     if [ "$rc" = 3 ]; then  # gone without an exit status: was its host restarted?
-      wait_ready  # (a host under maintenance answers once the node is READY and healthy)
+      slice_up wait-ready  # (a host under maintenance answers once READY and healthy)
       [ "$(status_of 0)" != restarted ] || { RESTARTED=" 0"; return 4; }
       quit 1 "worker 0's command ended without an exit status, its host not restarted" \
         "($NAME is $STATE): killed?"
@@ -1009,6 +966,7 @@ if [ "$DRY" = 0 ]; then
   SUPERVISOR=$ENTRY
   mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
 fi
+api_start
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up

@@ -2,7 +2,7 @@
 of tab-separated fields: ``jobs/pod_decide.py``'s decisions (while the command runs, and
 once an attempt of it ended), ``jobs/pod_errors.py``'s verdict on an error. Standard
 library only: it runs with the launching machine's ``python3`` and this checkout on
-``PYTHONPATH``.
+``PYTHONPATH``. (Creates and their retries are ``jobs/pod_up.py``'s.)
 
   python3 -m magic_jax.jobs.pod node STATE HEALTH [REQUEST]  -> ready|wait|lost, why
   python3 -m magic_jax.jobs.pod decide LOST_AFTER_S < lines  -> action, workers, status,
@@ -10,8 +10,6 @@ library only: it runs with the launching machine's ``python3`` and this checkout
   python3 -m magic_jax.jobs.pod attempt < lines              -> rerun|recreate|stop,
                                                                 code, line
   python3 -m magic_jax.jobs.pod error FILE                   -> kind, line
-  python3 -m magic_jax.jobs.pod create FILE < lines          -> attach|await-gone|retry|stop,
-                                                                line, wait_s, next_wait_s
 
 ``decide`` reads ``node STATE HEALTH REQUEST``, then ``worker N STATUS SILENT_S
 RESTARTED`` for each worker, then (once the silent ones were asked) ``asked`` and
@@ -19,10 +17,8 @@ RESTARTED`` for each worker, then (once the silent ones were asked) ``asked`` an
 RESTARTED is 1 or 0. ``attempt`` reads ``KEY VALUE`` lines: ``status``, ``restarted``
 and ``stopped`` (worker numbers), ``failed N STATUS``, ``lost WHY``, ``kind KIND``,
 ``budget ATTEMPT RETRY``, ``name``, ``logs`` and ``grace`` (``jobs/pod_decide.py``'s
-``after_attempt``); a key left out is its default. ``create`` reads the failed create's
-error output from FILE and ``KEY VALUE`` lines: ``name``, ``queued`` (the request's
-name), ``accelerator``, ``zone``, ``try``, ``tries``, ``wait``, ``max`` (seconds)
-(``jobs/pod_errors.py``'s ``after_create``).
+``after_attempt``); a key left out is its default. ``error`` reads an error's text from
+FILE: gcloud's, or the line ``jobs/pod_api.py`` told it in.
 """
 
 from __future__ import annotations
@@ -75,24 +71,6 @@ def _given(lines: Iterable[str]) -> dict[str, str]:
     return given
 
 
-def create(text: str, lines: Iterable[str]) -> pod_errors.CreateFailed:
-    """What follows the create that failed with error output ``text`` (the module's
-    docstring)."""
-    given = _given(lines)
-    numbers = {k: int(given[k]) for k in ("try", "tries", "wait", "max") if given.get(k)}
-    c = pod_errors.Create(
-        name=given.get("name", ""),
-        queued=given.get("queued", ""),
-        accelerator=given.get("accelerator", ""),
-        zone=given.get("zone", ""),
-        try_=numbers.get("try", 1),
-        tries=numbers.get("tries", 12),
-        wait_s=numbers.get("wait", 60),
-        max_wait_s=numbers.get("max", 1800),
-    )
-    return pod_errors.after_create(pod_errors.classify(text), c)
-
-
 def attempt(lines: Iterable[str]) -> pod_decide.Next:
     """The verdict for ``attempt``'s input lines (the module's docstring)."""
     given = _given(lines)
@@ -131,9 +109,6 @@ def answer(argv: list[str], stdin: Iterable[str] = ()) -> str:
     if command == "error":
         error = pod_errors.classify(Path(args[0]).read_text(errors="replace"))
         return f"{error.kind.value}\t{error.say()}"
-    if command == "create":
-        f = create(Path(args[0]).read_text(errors="replace"), stdin)
-        return "\t".join((f.then.value, f.line, str(f.wait_s), str(f.next_wait_s)))
     if command == "attempt":
         n = attempt(stdin)
         return f"{n.action.value}\t{n.code}\t{n.line}"
@@ -144,6 +119,6 @@ if __name__ == "__main__":
     print(
         answer(
             sys.argv[1:],
-            sys.stdin if sys.argv[1:2] in (["decide"], ["attempt"], ["create"]) else (),
+            sys.stdin if sys.argv[1:2] in (["decide"], ["attempt"]) else (),
         )
     )

@@ -1,11 +1,14 @@
 """Cloud TPU's errors told apart, as gcloud and the TPU API word them: what is retried
 (no capacity, an internal error, a rate limit), what is waited for (a resource that
 still exists), what ends a pod run at once (quota, credentials, a missing role, any
-other error), and the one line the user sees. Pure text in, verdict out.
+other error), and the one line the user sees. Pure: text or a status in, verdict out.
 
-The texts are gcloud's (``ERROR: (gcloud.compute.tpus.tpu-vm.create) ...`` with the
-API's JSON error, or an ``HttpError accessing <...>`` with its content) and the API's
-own (``google.rpc.Status``: ``code``, ``message``; an operation's ``error``).
+``from_status`` tells apart an error of the API as its client gives it (a google.rpc
+status and message: a call's, an operation's ``error``, a queued resource's
+``failedData``; ``jobs/tpu_api.py``); ``classify`` the texts gcloud prints
+(``ERROR: (gcloud...) ...`` with the API's JSON error, or an ``HttpError accessing <...>``),
+and reads back an error ``told`` already as it is. Both share the kinds, the words that
+split RESOURCE_EXHAUSTED (a rate limit, a quota, no capacity) and the fixes.
 """
 
 from __future__ import annotations
@@ -122,8 +125,69 @@ def _fix(kind: Kind, text: str) -> str:
 
 def classify(text: str) -> TpuError:
     """The kind of error that ``text`` (gcloud's error output, or an API error) is."""
+    for line in text.splitlines():  # one the TPU API's command told apart already
+        if line.startswith(TOLD + "\t"):
+            _, kind_, said, fix = [*line.split("\t"), "", "", ""][:4]
+            return TpuError(Kind(kind_), said, fix)
     kind = next((k for k, p in _PATTERNS if re.search(p, text)), Kind.OTHER)
     return TpuError(kind, error_line(text) or "no error message", _fix(kind, text))
+
+
+# google.rpc.Code: each number's name (the API's operations and failedData carry numbers)
+RPC_CODES = {
+    0: "OK",
+    1: "CANCELLED",
+    2: "UNKNOWN",
+    3: "INVALID_ARGUMENT",
+    4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND",
+    6: "ALREADY_EXISTS",
+    7: "PERMISSION_DENIED",
+    8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION",
+    10: "ABORTED",
+    13: "INTERNAL",
+    14: "UNAVAILABLE",
+    16: "UNAUTHENTICATED",
+}
+# an API error's kind by its status; RESOURCE_EXHAUSTED is a rate limit, a quota or no
+# capacity, as its message says
+_STATUS_KINDS = {
+    "UNAUTHENTICATED": Kind.AUTH,
+    "PERMISSION_DENIED": Kind.PERMISSION,
+    "ALREADY_EXISTS": Kind.EXISTS,
+    "NOT_FOUND": Kind.NOT_FOUND,
+    "INTERNAL": Kind.CAPACITY,  # how Spot stockouts also come
+    "UNAVAILABLE": Kind.CAPACITY,  # the service, briefly: retried as no capacity is
+}
+# What the TPU API's command (``jobs/tpu_cli.py``) prints for an error it told apart:
+# ``tpu-api-error<TAB>KIND<TAB>LINE``; ``classify`` takes it as it is.
+TOLD = "tpu-api-error"
+
+
+def from_status(status: str, message: str) -> TpuError:
+    """An error of the Cloud TPU API (a call's, an operation's, a queued resource's
+    ``failedData``) told apart by its google.rpc status and message.
+
+    Args:
+      status: the status by name (``RESOURCE_EXHAUSTED``; ``RPC_CODES`` names numbers).
+      message: the API's message.
+
+    Returns:
+      The error, its line the message (as gcloud shows it).
+    """
+    kind = _STATUS_KINDS.get(status, Kind.OTHER)
+    if status == "RESOURCE_EXHAUSTED":
+        limits = (Kind.RATE_LIMIT, Kind.QUOTA)
+        kind = next((k for k, p in _PATTERNS if k in limits and re.search(p, message)), kind)
+        kind = Kind.CAPACITY if kind is Kind.OTHER else kind
+    line = " ".join(message.split())[:300] or status
+    return TpuError(kind, line, _fix(kind, f"{status}: {message}"))
+
+
+def told(error: TpuError) -> str:
+    """``error`` as one line ``classify`` reads back as it is (``TOLD``)."""
+    return "\t".join((TOLD, error.kind.value, error.line, error.fix))
 
 
 def span(seconds: int) -> str:

@@ -1,0 +1,140 @@
+"""``tpu_scripts/launch.sh``'s calls to Cloud TPU (``jobs/tpu_api.py``), one request a
+line of tab-separated words, one answer a line: ``ok`` and the fields, or
+``jobs/pod_errors.py``'s ``told`` line (``tpu-api-error``, kind, line, fix) that
+``python3 -m magic_jax.jobs.pod error|create`` reads as it is.
+
+  python -m magic_jax.jobs.pod_api PROJECT ZONE REQUEST...   one request, its answer
+  python -m magic_jax.jobs.pod_api PROJECT ZONE --serve PID   ``ready``, then requests on
+                                                              stdin, answers on stdout,
+                                                              while PID is its parent
+
+  node NAME                         -> ok STATE HEALTH HEALTH_DESCRIPTION IPS RUNTIME
+  poll NAME                         -> the same, asked by a status cycle (its reason)
+  create NAME KEY=VALUE...          -> ok              (waits for its operation)
+  delete NAME [wait-s=S]            -> ok 1|0          (0: there was none)
+  request QR                        -> ok STATE KIND LINE   (KIND, LINE: its failedData)
+  request-create QR NODE KEY=VALUE  -> ok
+  request-delete QR [wait-s=S]      -> ok 1|0
+
+A node NOT_FOUND is ``GONE``; IPS are the workers' addresses, ``;``-separated. The keys
+of a create are ``tpu_api.Spec``'s fields, dashed: ``accelerator``, ``runtime-version``,
+``spot``, ``reserved``, ``best-effort``, ``reservation``, ``valid-until-s``,
+``service-account``, ``network``, ``subnetwork``, ``internal-ip`` (booleans ``1``), and
+``wait-s``, the longest wait for the operation. Empty fields are ``-``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+import sys
+from collections.abc import Iterable
+
+from magic_jax.jobs import pod_errors, tpu_api
+
+_FLAGS = ("spot", "reserved", "best_effort", "internal_ip")
+
+
+def spec(words: Iterable[str]) -> tuple[tpu_api.Spec, float]:
+    """A create's ``KEY=VALUE`` words as the slice's spec and the longest wait."""
+    given = dict(w.partition("=")[::2] for w in words)
+    fields = {f.name for f in dataclasses.fields(tpu_api.Spec)}
+    values: dict[str, object] = {}
+    for key, value in given.items():
+        name = key.replace("-", "_")
+        if name == "wait_s":
+            continue
+        if name not in fields:
+            raise ValueError(f"pod_api.py: unknown key {key!r} of a create (see its docstring)")
+        values[name] = value == "1" if name in _FLAGS else value
+    if "valid_until_s" in values:
+        values["valid_until_s"] = int(str(values["valid_until_s"]) or 0)
+    return tpu_api.Spec(**values), _wait_s(words)  # type: ignore[arg-type]
+
+
+def _wait_s(words: Iterable[str]) -> float:
+    """The ``wait-s=S`` of a request's words (3600 without one)."""
+    given = dict(w.partition("=")[::2] for w in words)
+    return float(given.get("wait-s") or 3600)
+
+
+def _fields(*values: object) -> str:
+    return "\t".join(("ok", *(str(v).replace("\t", " ").replace("\n", " ") or "-" for v in values)))
+
+
+def answer(tpu: tpu_api.Tpu, words: list[str]) -> str:
+    """The answer line to one request (the module's docstring)."""
+    verb, *args = words
+    try:
+        if verb in ("node", "poll"):
+            n = tpu.node(args[0], reason="status cycle" if verb == "poll" else "")
+            ips = ";".join(n.endpoints)
+            return _fields(n.state, n.health, n.health_description, ips, n.runtime_version)
+        if verb == "create":
+            s, wait_s = spec(args[1:])
+            tpu.create_node(args[0], s, wait_s=wait_s)
+            return "ok"
+        if verb == "delete":
+            return _fields(int(tpu.delete_node(args[0], wait_s=_wait_s(args[1:]))))
+        if verb == "request":
+            r = tpu.request(args[0])
+            failure = r.failure() if r.state == "FAILED" else None
+            kind, line = (failure.kind.value, failure.say()) if failure else ("", "")
+            return _fields(r.state, kind, line)
+        if verb == "request-create":
+            s, _ = spec(args[2:])
+            tpu.create_request(args[0], args[1], s)
+            return "ok"
+        if verb == "request-delete":
+            return _fields(int(tpu.delete_request(args[0], wait_s=_wait_s(args[1:]))))
+    except tpu_api.TpuApiError as e:
+        return pod_errors.told(e.error)
+    except (IndexError, ValueError, TypeError) as e:
+        return pod_errors.told(pod_errors.TpuError(pod_errors.Kind.OTHER, f"{words}: {e}"))
+    line = f"pod_api.py: unknown request {verb!r} (see its docstring)"
+    return pod_errors.told(pod_errors.TpuError(pod_errors.Kind.OTHER, line))
+
+
+def serve(tpu: tpu_api.Tpu, parent: int) -> None:
+    """Says ``ready`` once the client is made (credentials found), else the error's
+    ``told`` line; then answers requests from stdin until it ends or the process
+    ``parent`` is no longer its parent (it ended)."""
+    try:
+        tpu.client()
+    except tpu_api.TpuApiError as e:
+        print(pod_errors.told(e.error), flush=True)
+        return
+    print("ready", flush=True)
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if not ready:
+            if os.getppid() != parent:  # (reparented: its parent ended, a zombie or gone)
+                return
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            return
+        words = line.rstrip("\n").split("\t")
+        print(answer(tpu, words) if words[0] else pod_errors.told(_empty()), flush=True)
+
+
+def _empty() -> pod_errors.TpuError:
+    return pod_errors.TpuError(pod_errors.Kind.OTHER, "pod_api.py: an empty request")
+
+
+def main(argv: list[str]) -> int:
+    """Runs the command line (the module's docstring); 1 when the answer is an error."""
+    if len(argv) < 3:
+        raise SystemExit(__doc__)
+    tpu = tpu_api.Tpu(argv[0], argv[1], poll_s=float(os.environ.get("LAUNCH_API_POLL_S", 5)))
+    if argv[2] == "--serve":
+        serve(tpu, int(argv[3]))
+        return 0
+    out = answer(tpu, argv[2:])
+    print(out)
+    return 0 if out.startswith("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
