@@ -140,6 +140,25 @@ on_worker() {
     "$BASH" -c "$command" \
     3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-  # only stdin, stdout and stderr cross ssh
 }
+# The recording stub's workers write no heartbeat: each read of the stage's heartbeats
+# (the API fake's, tests/launch_api.py) writes them first, under $3 (gs://...), as they
+# would be: "N SEQ STATUS BOOT", SEQ this status cycle's number, a silent worker's stuck.
+beats() {
+  local d k w s seq
+  d=$(gs "${argv[2]}"); mkdir -p "$d"
+  k=$(cat polls 2>/dev/null | wc -l)
+  # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
+  if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] && [ ! -e silent-at ]; then
+    echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
+  fi
+  for w in $(seq 0 $((n - 1))); do
+    s=$(worker_status "$w"); seq=$k
+    [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
+    [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
+    [ ! -e maint-seq ] || seq=$(cat maint-seq)
+    echo "$w $seq $s boot-$w" > "$d/worker-$w"
+  done
+}
 run=$(cat runs 2>/dev/null | wc -l)
 if [ -n "$hook" ]; then "$hook"; exit 0; fi
 case $args in
@@ -154,39 +173,24 @@ case $args in
       exit 1
     fi
     cp "$src" "$dst"; exit ;;
-  "storage cat "*)
-    if [ -n "${STUB_BEATS_DENIED:-}" ]; then  # the caller lost its role on the bucket
-      echo "ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount.com does not" \
-        "have storage.objects.list access to the Google Cloud Storage bucket. Permission" \
-        "'storage.objects.list' denied on resource (or it may not exist)." >&2
-      exit 1
-    fi
-    if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
-      k=$(cat polls 2>/dev/null | wc -l)
-      # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
-      if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] &&
-         [ ! -e silent-at ]; then
-        echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
-      fi
-      for w in $(seq 0 $((n - 1))); do
-        s=$(worker_status "$w"); seq=$k
-        [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
-        [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
-        [ ! -e maint-seq ] || seq=$(cat maint-seq)
-        echo "$w $seq $s boot-$w"
-      done
-      exit 0
-    fi
-    found=0
-    for f in $(gs "${argv[2]}"); do [ -e "$f" ] && found=1 && cat "$f"; done
-    [ "$found" = 1 ] && exit 0
-    echo "ERROR: (gcloud.storage.cat) One or more URLs matched no objects." >&2; exit 1 ;;
   *"simulate-maintenance-event"*)  # every process gone, new boot ids, REPAIRING for a while
     for a in "${argv[@]}"; do case $a in --workers=*) worker=${a#--workers=} ;; esac; done
     for w in $(workers); do kill_worker "$w"; echo "boot-$w-$RANDOM" > "worker-$w/boot_id"; done
     echo REPAIRING > created; echo "${STUB_REPAIR_POLLS:-3}" > repair; exit 0 ;;
 esac
 case $args in *"compute tpus"*) [ ! -e auth-expired ] || reauth ;; esac
+# With $STUB_LOST_AT_EXIT (faithful), once every worker's command of run 1 has ended (its
+# exit status written, its log kept in the stage), the slice is preempted as it is asked
+# for the first exit status: the node PREEMPTED, no worker answers ssh any more.
+if [ -n "${STUB_LOST_AT_EXIT:-}" ] && [ "$run" = 1 ] && [ ! -e lost-at-exit ]; then
+  case $command in *".exit 2>/dev/null || echo none"*)
+    for _ in $(seq 300); do
+      [ "$(ls worker-*/magic-jax/logs/*-1.exit 2>/dev/null | wc -l)" -ge "$n" ] && break
+      sleep 0.1
+    done
+    touch lost-at-exit; echo PREEMPTED > created ;;
+  esac
+fi
 case $args in
   *"tpu-vm ssh"*|*"tpu-vm scp"*)
     if in_maint; then
@@ -284,6 +288,8 @@ POD_MODULES = [
     "magic_jax/jobs/__init__.py",
     *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
     *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
+    "magic_jax/jobs/pod_stage.py",  # ... and the stage's heartbeats and logs
+    "magic_jax/storage.py",
 ]
 
 
@@ -358,16 +364,17 @@ def _verbs(calls, polls=False):
     out = []
     api = {"get-node": "describe", "poll-node": "poll", "create-node": "create",
            "delete-node": "delete", "get-qr": "qr-describe", "create-qr": "qr-create",
-           "delete-qr": "qr-delete", "denied": "denied"}  # fmt: skip
+           "delete-qr": "qr-delete", "denied": "denied", "read-beats": "beat",
+           "read-logs": "kept-logs"}  # fmt: skip
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
         if c[0] == "api":
             verb = api[c[1]]
-            if polls or verb != "poll":
+            if polls or verb not in ("poll", "beat", "kept-logs"):
                 out.append(verb)
             continue
         if c[1] == "storage":
-            verb = {"ls": "staged?", "cp": "upload", "cat": "beat"}[c[2]]
+            verb = {"ls": "staged?", "cp": "upload"}[c[2]]
         elif "ssh" in c:
             verb = (
                 "setup"
@@ -861,8 +868,9 @@ def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stu
 
 
 def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tmp_path):
-    """The bucket's heartbeats unreadable (a role lost on it): the silent workers are
-    asked, answer, and the line says why their heartbeats are not seen, with the fix."""
+    """The bucket's heartbeats unreadable (a role lost on it, the storage client's 403):
+    the silent workers are asked, answer, and the line says why their heartbeats are not
+    seen, with the fix, once."""
     env, state, script = stub
     env = dict(env, STUB_HOLD="4", STUB_BEATS_DENIED="1", LAUNCH_LOST_S="0.05")
     out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
@@ -874,7 +882,7 @@ def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tm
     said = [x for x in out.stderr.splitlines() if "cannot be read" in x]
     assert len(said) == 1, said  # once, not at every question
     assert said[0].endswith(
-        "cannot be read: ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount"
+        "cannot be read: 403 run@p.iam.gserviceaccount"
         ".com does not have storage.objects.list access to the Google Cloud Storage bucket."
         " Permission 'storage.objects.list' denied on resource (or it may not exist). (the"
         " permission storage.objects.list is missing: grant the caller roles/storage.objectUser)"
@@ -1320,6 +1328,31 @@ def test_every_workers_log_is_collected_at_a_preemption_and_at_the_end(faithful,
         assert "preempted: stopping with 143" in first.read_text()
         assert "finished" in next(kept.glob(f"magic-jax-run-*-2/worker-{w}.log")).read_text()
     assert not (state / "created").exists()
+    assert not _leftovers(tmp_path)
+
+
+def test_a_preempted_slices_every_log_comes_from_the_stage(faithful, tmp_path):
+    """Every worker's command stops with 143 (a preemption notice), then the slice is
+    preempted: no worker answers ssh any more. Each worker kept its log in the stage at
+    its command's end, so every log of the lost slice is under --logs, read from the
+    stage; the command resumes on a new slice, finishes, and its logs come by ssh."""
+    env, state, script = faithful
+    env = dict(env, STUB_WORKERS="3", STUB_LOST_AT_EXIT="1")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    logs = tmp_path / "logs"
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
+                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (state / "lost-at-exit").exists()
+    assert "[launch] logs of 3 of 3 worker(s) in " in out.stderr, out.stderr
+    assert "magic-jax is PREEMPTED" in out.stderr
+    for w in range(3):
+        first = (logs / f"worker-{w}.log").read_text()
+        assert f"worker-{w} preempted: stopping with 143" in first and "finished" not in first
+        assert f"worker-{w} finished" in (logs / f"worker-{w}.attempt-2.log").read_text()
+    verbs = _verbs(_calls(state), polls=True)
+    assert verbs.count("kept-logs") == 1 and verbs.count("create") == 2  # (run 2's came by ssh)
     assert not _leftovers(tmp_path)
 
 

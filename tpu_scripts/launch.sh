@@ -79,7 +79,8 @@
 # standard library only; $LAUNCH_HOST_PYTHON).
 # While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two calls at any
 # host count: the node's state and health (the API), and every worker's heartbeat
-# (gcloud storage; without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
+# (one listing of the stage through the storage client, served by the API's process;
+# without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
 # is UNHEALTHY_* or TIMEOUT is waited for (maintenance: hours, on every host), never
 # probed or deleted, with no time limit unless --timeout. On a READY, healthy node a
 # worker silent for $LAUNCH_LOST_S [20] s is asked once, with $LAUNCH_PROBE_S [15] s to
@@ -105,7 +106,9 @@
 # 42, 127-255; 143 as above). A command gone from a host that did not restart (killed)
 # ends the launch with 1.
 # Every worker's log is collected into --logs when the command ends and at each
-# preemption (from the workers that still answer), worker-N.log, worker-N.attempt-K.log.
+# preemption, worker-N.log, worker-N.attempt-K.log: from the workers that still answer,
+# else (with a stage) the copy each worker keeps in STAGE/logs/RUN/ every 60 heartbeats
+# and at its command's end, so a preempted slice's logs survive it.
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
 # worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
 # $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
@@ -700,10 +703,8 @@ cycle() {
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
   if [ -z "$BEATS" ]; then out=$(probe)
-  elif ! out=$(gcloud storage cat "$BEATS/worker-*" 2>"$ASKED"); then
-    out=""  # none written yet, or unreadable: BEATS_WHY says why, for the line below
-    grep -q "matched no objects" "$ASKED" || BEATS_WHY=$(error_line "$ASKED")
-  fi
+  elif out=$(api beats "$BEATS"); then out=${out//$'\t'/$'\n'}  # (one a field)
+  else out="" BEATS_WHY=$(asked_why); fi  # unreadable: BEATS_WHY says why, for the line below
   while read -r w seq st boot; do
     [[ ${w:-} =~ ^[0-9]+$ ]] && [ "$w" -lt "$WORKERS" ] || continue
     # a heartbeat is "N SEQ STATUS BOOT"; an answer "N STATUS BOOT", itself a sign of life
@@ -874,9 +875,12 @@ exit_of() {
 log_suffix() { [ "$attempt" = 1 ] || echo ".attempt-$attempt"; }
 # Copies every worker's log here (worker-N.log, worker-N.attempt-K.log on a retry), FANOUT
 # at a time, each within ASK_S; a host known gone (GONE_HOSTS) is not asked, nor is any
-# when worker 0 does not answer (a slice gone answers no ssh). Sets FETCHED: how many came.
+# when worker 0 does not answer (a slice gone answers no ssh). A log that did not come so
+# is the copy its worker kept in the stage (STAGE/logs/RUN/worker-N.log, written with its
+# heartbeat and at its command's end: a preempted slice's too), read through the API's
+# process. Sets FETCHED: how many came.
 fetch_logs() {
-  local w f suffix pids=()
+  local w f suffix pids=() missing=()
   suffix=$(log_suffix) FETCHED=0
   mkdir -p "$LOGS"
   for ((w = 0; w < WORKERS; w++)); do
@@ -893,8 +897,13 @@ fetch_logs() {
   for ((w = 0; w < WORKERS; w++)); do
     f=$LOGS/worker-$w$suffix.log
     if [ -s "$f.part" ]; then mv "$f.part" "$f"; else rm -f "$f.part"; fi
-    [ ! -s "$f" ] || FETCHED=$((FETCHED + 1))
+    [ -s "$f" ] || missing+=("$w")
   done
+  if [ -n "$BEATS" ] && [ "${#missing[@]}" -gt 0 ] &&
+     ! api logs "${BEATS%/beats/*}/logs/${BEATS##*/}" "$LOGS" "$suffix" "${missing[@]}" > /dev/null; then
+    say "the logs kept in the stage cannot be read: $(asked_why)"
+  fi
+  for ((w = 0; w < WORKERS; w++)); do [ ! -s "$LOGS/worker-$w$suffix.log" ] || FETCHED=$((FETCHED + 1)); done
 }
 # Collects every worker's exit status, then every log. Sets STATUS to worker 0's; 1 when
 # the slice is lost (LOST says why).

@@ -15,6 +15,10 @@ line of tab-separated words, one answer a line: ``ok`` and the fields, or
   request QR                        -> ok STATE KIND LINE   (KIND, LINE: its failedData)
   request-create QR NODE KEY=VALUE  -> ok
   request-delete QR [wait-s=S]      -> ok 1|0
+  beats PREFIX                      -> ok LINE...   (every worker's heartbeat under the
+                                                     stage's PREFIX: jobs/pod_stage.py)
+  logs PREFIX DIR SUFFIX W...       -> ok N     (PREFIX/worker-W.log to DIR/worker-W
+                                                 SUFFIX.log where DIR has none: N copied)
 
 A node NOT_FOUND is ``GONE``; IPS are the workers' addresses, ``;``-separated. The keys
 of a create are ``tpu_api.Spec``'s fields, dashed: ``accelerator``, ``runtime-version``,
@@ -31,7 +35,7 @@ import select
 import sys
 from collections.abc import Iterable
 
-from magic_jax.jobs import pod_errors, tpu_api
+from magic_jax.jobs import pod_errors, pod_stage, tpu_api
 
 _FLAGS = ("spot", "reserved", "best_effort", "internal_ip")
 
@@ -88,7 +92,11 @@ def answer(tpu: tpu_api.Tpu, words: list[str]) -> str:
             return "ok"
         if verb == "request-delete":
             return _fields(int(tpu.delete_request(args[0], wait_s=_wait_s(args[1:]))))
-    except tpu_api.TpuApiError as e:
+        if verb == "beats":
+            return _fields(*pod_stage.beats(args[0]))
+        if verb == "logs":
+            return _fields(pod_stage.keep_logs(args[0], args[1], args[2], map(int, args[3:])))
+    except (tpu_api.TpuApiError, pod_stage.StageError) as e:
         return pod_errors.told(e.error)
     except (IndexError, ValueError, TypeError) as e:
         return pod_errors.told(pod_errors.TpuError(pod_errors.Kind.OTHER, f"{words}: {e}"))
