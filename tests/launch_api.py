@@ -279,9 +279,9 @@ def stage_on_disk(fake: StubApi) -> None:
     ``beats``); with $STUB_BEATS_DENIED the bucket refuses, as the client raises it."""
     from google.api_core import exceptions
 
-    from magic_jax.jobs import pod_stage
+    from magic_jax.jobs import pod_lease, pod_stage
 
-    local, state, env = pod_stage.objects, fake.dir, fake.env
+    local, env = pod_stage.objects, fake.env
 
     def objects(prefix, pick=bool):
         what = "read-logs" if "/logs/" in prefix else "read-beats"
@@ -291,9 +291,19 @@ def stage_on_disk(fake: StubApi) -> None:
             raise exceptions.Forbidden(f"GET {url}: {DENIED}")
         if what == "read-beats" and not env.get("STUB_FAITHFUL"):
             subprocess.run(["gcloud", "__hook", "beats", prefix], env=env, check=False)
-        return local(str(state / "gcs" / prefix.removeprefix("gs://")), pick)
+        return local(on_disk(prefix), pick)
 
     pod_stage.objects = objects
+    for name in ("read_record", "write_record", "drop_record"):  # the supervisors' leases
+        real = getattr(pod_lease, name)
+        setattr(pod_lease, name, lambda uri, *a, _real=real: _real(on_disk(uri), *a))
+
+
+def on_disk(uri: str) -> str:
+    """Where the stub keeps ``gs://B/K``: ``$STUB_DIR/gcs/B/K`` (a local path as it is)."""
+    if not uri.startswith("gs://"):
+        return uri
+    return str(Path(os.environ["STUB_DIR"]) / "gcs" / uri.removeprefix("gs://"))
 
 
 def main() -> None:

@@ -289,6 +289,7 @@ POD_MODULES = [
     *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
     *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
     "magic_jax/jobs/pod_stage.py",  # ... and the stage's heartbeats and logs
+    "magic_jax/jobs/pod_lease.py",  # ... and the supervisor's lease
     "magic_jax/storage.py",
 ]
 
@@ -888,6 +889,73 @@ def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tm
         " permission storage.objects.list is missing: grant the caller roles/storage.objectUser)"
     )
     assert _verbs(_calls(state)).count("create") == 1
+
+
+def _lease_of(state, host, pid, age_s):
+    """The stage's lease of magic-jax as a supervisor on ``host`` wrote it ``age_s`` ago."""
+    path = state / "gcs/b/magic-jax-launch/supervisors/us-east5-a/magic-jax"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    d = {"host": host, "pid": pid, "renewed": time.time() - age_s, "stale_s": 60}
+    path.write_text(json.dumps(d) + "\n")
+    return path
+
+
+def test_a_supervisor_on_another_machine_keeps_the_slice_until_its_lease_is_stale(stub, tmp_path):
+    """A lease renewed 5 s ago by a supervisor on another machine: the launch stops
+    before anything, in one line naming it. Unrenewed for an hour (its machine down): the
+    launch takes it over, runs, and drops it at its end."""
+    env, state, script = stub
+    lease = _lease_of(state, "other-machine", 4242, age_s=5)
+    args = ["--delete-on-exit", "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS]
+    out = _launch(script, env, *args)
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    # (5 s, and the launch's own start)
+    said = (r"launch\.sh: a supervisor of magic-jax runs on other-machine pid 4242 \(its lease"
+            r" gs://b/magic-jax-launch/supervisors/us-east5-a/magic-jax renewed ([5-9]|1[0-9])s"
+            r" ago\)")  # fmt: skip
+    assert re.match(said, line), line
+    assert "--attach magic-jax takes the run over" in line
+    assert _verbs(_calls(state)) == []  # nothing asked of Cloud TPU, nothing deleted
+    _lease_of(state, "other-machine", 4242, age_s=3600)
+    out = _launch(script, env, *args)
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state))[:2] == ["describe", "create"] and not lease.exists()
+
+
+def test_a_supervisor_whose_lease_was_taken_over_stops_and_leaves_the_slice(stub, tmp_path):
+    """Mid-run the lease names another machine's supervisor (this one's went stale and
+    was taken over): this supervisor stops, saying who took over, and even with
+    --delete-on-exit leaves the command and the slice to it."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000", LAUNCH_POLL_S="0.5")
+    lease = state / "gcs/b/magic-jax-launch/supervisors/us-east5-a/magic-jax"
+    proc = subprocess.Popen(["bash", str(script), "--delete-on-exit", "--logs",
+                             str(tmp_path / "l"), "--", "magic-jax", "train", *GS],
+                            env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for _ in range(300):
+            if lease.exists() and json.loads(lease.read_text())["pid"] == proc.pid:
+                break
+            time.sleep(0.1)
+        renewed = json.loads(lease.read_text())["renewed"]
+        for _ in range(50):  # renewed by the API's process, every second
+            if json.loads(lease.read_text())["renewed"] > renewed:
+                break
+            time.sleep(0.1)
+        assert json.loads(lease.read_text())["renewed"] > renewed
+        _lease_of(state, "other-machine", 4343, age_s=0)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert _launch_lines(err)[-1] == (
+        "launch.sh: the supervision of magic-jax was taken over by other-machine pid 4343 (this"
+        " one's lease went stale): this supervisor stops, leaving the run and the slice to it"
+    )
+    verbs = _verbs(_calls(state))
+    assert "delete" not in verbs and "stop" not in verbs and verbs.count("create") == 1
+    assert json.loads(lease.read_text())["pid"] == 4343  # not dropped: not its own
 
 
 def test_a_worker_whose_command_ended_early_is_not_taken_for_a_lost_one(stub, tmp_path):

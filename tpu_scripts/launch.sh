@@ -50,7 +50,9 @@
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
 #                       supervisor killed, its machine down) to its end, with that launch's
 #                       --retry unless given; the same command as that launch's attaches
-#                       too (otherwise: the TPU is in use)
+#                       too (otherwise: the TPU is in use); not while its supervisor lives,
+#                       here or on another machine (its lease in the stage, stale 60 s
+#                       after its last renewal)
 #   --stage URL         where the archive (once per commit) and the workers' heartbeats
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
@@ -460,6 +462,9 @@ on_exit() {
   [ -z "$UP_PID" ] || kill -KILL "$UP_PID" 2>/dev/null || true  # (deaf to TERM)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  # the lease, through the API's process only (gone: it names a dead pid of this host,
+  # which a launch here takes over at once, and elsewhere after LEASE_S)
+  [ -z "${LEASE:-}" ] || [ -z "$API_PID" ] || api lease-drop "$LEASE" $$ > /dev/null || true
   api_stop
   rm -f "$ASKED" "$ASK_ERR"
   # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
@@ -967,8 +972,43 @@ alone() {
       "this again to take it over"
   fi
 }
+# One supervisor per slice across machines too (with a stage): a lease object,
+# STAGE/supervisors/ZONE/NAME (jobs/pod_lease.py: the owner's host and pid), taken here
+# and renewed by the API's process every status cycle (at least 1 s) whatever this
+# supervisor does, dropped at its end. Held by a live supervisor elsewhere, it stops this
+# launch naming it; unrenewed for LEASE_S (LAUNCH_LEASE_CYCLES [6] cycles, at least
+# 60 s: its supervisor killed, its machine down) or its owner a process of this machine
+# that is gone, it is taken over (the same command, or --attach, then attaches). Taken
+# over by another meanwhile (SIGUSR1 from the API's process), this one stops and leaves
+# the run and the slice to it. A stage that cannot be written is said once; no lease.
+LEASE="" LEASE_EVERY=$(awk -v s="$POLL_S" 'BEGIN { printf "%d", s < 1 ? 1 : s }')
+LEASE_S=$((LEASE_EVERY * ${LAUNCH_LEASE_CYCLES:-6})); [ "$LEASE_S" -ge 60 ] || LEASE_S=60
+lease_take() {
+  local a held owner age stale uri
+  [ "$DRY" = 0 ] && [ -n "$STAGE" ] || return 0
+  uri="$STAGE/supervisors/$ZONE/$NAME"
+  if ! a=$(api lease-take "$uri" $$ "$LEASE_S" "$LEASE_EVERY" "$API_DIR/lease-lost"); then
+    say "no supervisor lease in $uri ($(asked_why)): a launch on another machine is not kept out"
+    return 0
+  fi
+  IFS=$'\t' read -r held owner age stale <<< "$a"
+  if [ "$held" = held ]; then
+    DELETE_ON_EXIT=0  # (the slice is the other supervisor's)
+    quit 1 "a supervisor of $NAME runs on $owner (its lease $uri renewed ${age}s ago): let it" \
+      "be, or stop it there; once its lease is stale (${stale}s unrenewed) this command or" \
+      "--attach $NAME takes the run over"
+  fi
+  LEASE=$uri
+}
+lease_lost() {
+  LEASE="" DELETE_ON_EXIT=0
+  quit 1 "the supervision of $NAME was taken over by $(cat "$API_DIR/lease-lost" 2>/dev/null ||
+    echo another supervisor) (this one's lease went stale): this supervisor stops, leaving" \
+    "the run and the slice to it"
+}
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
+trap lease_lost USR1
 alone
 relay_terminal
 if [ "$DRY" = 0 ]; then
@@ -976,6 +1016,7 @@ if [ "$DRY" = 0 ]; then
   mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
 fi
 api_start
+lease_take
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
@@ -983,6 +1024,7 @@ while :; do
   LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted GONE_HOSTS=""
   ATTACHED=0
   if [ "$attempt" = 1 ] && running_job "$@"; then ATTACHED=1 RUNNING=1
+    [ -n "$LEASE" ] || lease_take  # (the stage it names: --attach alone knows none before)
   elif [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
