@@ -91,3 +91,72 @@ def test_the_serving_process_renews_it_and_tells_of_a_takeover(tmp_path):
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         fake.stop()
     assert json.loads(uri.read_text())["host"] == "other-machine"  # not dropped: not ours
+
+
+class FakeBucket:
+    """The storage client's blobs of one bucket with generations and their preconditions
+    (``if_generation_match``: 0 for an absent object), as Cloud Storage keeps them."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, int]] = {}
+        self.generation = 0
+
+    def bucket(self, name):
+        assert name == "b"
+        return self
+
+    def get_blob(self, key, timeout):
+        if key not in self.objects:
+            return None
+        return _Blob(self, key, self.objects[key][1])
+
+    def blob(self, key):
+        return _Blob(self, key, None)
+
+
+class _Blob:
+    def __init__(self, bucket, key, generation):
+        self.bucket, self.key, self.generation = bucket, key, generation
+
+    def _check(self, generation):
+        from google.api_core import exceptions
+
+        if self.bucket.objects.get(self.key, (b"", 0))[1] != generation:
+            raise exceptions.PreconditionFailed("conditionNotMet")
+
+    def download_as_bytes(self, if_generation_match):
+        self._check(if_generation_match)
+        return self.bucket.objects[self.key][0]
+
+    def upload_from_string(self, text, if_generation_match, timeout):
+        self._check(if_generation_match)
+        self.bucket.generation += 1
+        self.bucket.objects[self.key] = (text.encode(), self.bucket.generation)
+
+    def delete(self, if_generation_match):
+        self._check(if_generation_match)
+        del self.bucket.objects[self.key]
+
+
+def test_on_cloud_storage_a_write_that_lost_the_race_reads_the_winner(monkeypatch):
+    from magic_jax import storage
+
+    fake = FakeBucket()
+    monkeypatch.setattr(storage, "client", lambda: fake)
+    uri = "gs://b/stage/supervisors/z/n"
+    assert pod_lease.take(uri, os.getpid(), 60) is None  # created: generation 0 matched
+    assert json.loads(fake.objects["stage/supervisors/z/n"][0])["pid"] == os.getpid()
+    assert not pod_lease.write_record(uri, "{}", 0)  # it exists: a create loses
+    other = json.dumps({"host": "other-machine", "pid": 7, "renewed": time.time(), "stale_s": 60})
+    real = pod_lease.read_record
+
+    def raced(u):  # another machine writes between this one's read and its write
+        text, generation = real(u)
+        fake.objects["stage/supervisors/z/n"] = (other.encode(), generation + 100)
+        return text, generation
+
+    monkeypatch.setattr(pod_lease, "read_record", raced)
+    held = pod_lease.renew(uri, os.getpid(), 60)
+    assert held is not None and held.owner() == "other-machine pid 7"
+    monkeypatch.setattr(pod_lease, "read_record", real)
+    assert not pod_lease.drop(uri, os.getpid()) and "stage/supervisors/z/n" in fake.objects
