@@ -36,8 +36,9 @@ TRAIN = [
     "gcsfs>=2024.2",
     "google-cloud-storage>=2.14",
 ]
-# tpu_scripts/launch.sh: Cloud TPU's API (nodes, queued resources, their operations)
-LAUNCH = ["google-cloud-tpu>=1.28,<2"]
+# tpu_scripts/launch.sh: Cloud TPU's API (nodes, queued resources, their operations),
+# and the stage's heartbeats and logs read back through the storage client
+LAUNCH = ["google-cloud-tpu>=1.28,<2", "google-cloud-storage>=2.14"]
 JETSTREAM = ["grpcio", "protobuf", "prometheus-client", "shortuuid", "tiktoken"]
 # the notebooks train what is missing, so they bring the trainer
 NOTEBOOKS = [*TRAIN, "jupyter", "jupytext"]

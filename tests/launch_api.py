@@ -264,11 +264,55 @@ class StubApi(f.FakeTpuApi):
         return out
 
 
+# what the bucket answers a caller without the role to list it (the JSON API's words)
+DENIED = (
+    "run@p.iam.gserviceaccount.com does not have storage.objects.list access to the Google"
+    " Cloud Storage bucket. Permission 'storage.objects.list' denied on resource (or it may"
+    " not exist)."
+)
+
+
+def stage_on_disk(fake: StubApi) -> None:
+    """The stage as the stub keeps it: jobs/pod_stage.py's reads of ``gs://B/K`` read the
+    directory ``$STUB_DIR/gcs/B/K`` (its local branch), each recorded as ``api read-beats``
+    or ``api read-logs``. The recording stub's heartbeats are written first (its hook
+    ``beats``); with $STUB_BEATS_DENIED the bucket refuses, as the client raises it."""
+    from google.api_core import exceptions
+
+    from magic_jax.jobs import pod_lease, pod_stage
+
+    local, env = pod_stage.objects, fake.env
+
+    def objects(prefix, pick=bool):
+        what = "read-logs" if "/logs/" in prefix else "read-beats"
+        fake._record(what, prefix.rsplit("/", 1)[-1])
+        if what == "read-beats" and env.get("STUB_BEATS_DENIED"):
+            url = f"https://storage.googleapis.com/storage/v1/b/b/o?prefix={prefix}"
+            raise exceptions.Forbidden(f"GET {url}: {DENIED}")
+        if what == "read-beats" and not env.get("STUB_FAITHFUL"):
+            subprocess.run(["gcloud", "__hook", "beats", prefix], env=env, check=False)
+        return local(on_disk(prefix), pick)
+
+    pod_stage.objects = objects
+    for name in ("read_record", "write_record", "drop_record"):  # the supervisors' leases
+        real = getattr(pod_lease, name)
+        setattr(pod_lease, name, lambda uri, *a, _real=real: _real(on_disk(uri), *a))
+
+
+def on_disk(uri: str) -> str:
+    """Where the stub keeps ``gs://B/K``: ``$STUB_DIR/gcs/B/K`` (a local path as it is)."""
+    if not uri.startswith("gs://"):
+        return uri
+    return str(Path(os.environ["STUB_DIR"]) / "gcs" / uri.removeprefix("gs://"))
+
+
 def main() -> None:
-    """``launch_api.py -m MODULE ARGS``: the fake up, then MODULE run as ``__main__``."""
+    """``launch_api.py -m MODULE ARGS``: the fake up, the stage on disk, then MODULE run as
+    ``__main__``."""
     assert sys.argv[1] == "-m", sys.argv
     module, args = sys.argv[2], sys.argv[3:]
     fake = StubApi(Path(os.environ["STUB_DIR"]), dict(os.environ))
+    stage_on_disk(fake)
     os.environ["MAGIC_JAX_TPU_API_ENDPOINT"] = fake.start()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -140,6 +140,25 @@ on_worker() {
     "$BASH" -c "$command" \
     3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-  # only stdin, stdout and stderr cross ssh
 }
+# The recording stub's workers write no heartbeat: each read of the stage's heartbeats
+# (the API fake's, tests/launch_api.py) writes them first, under $3 (gs://...), as they
+# would be: "N SEQ STATUS BOOT", SEQ this status cycle's number, a silent worker's stuck.
+beats() {
+  local d k w s seq
+  d=$(gs "${argv[2]}"); mkdir -p "$d"
+  k=$(cat polls 2>/dev/null | wc -l)
+  # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
+  if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] && [ ! -e silent-at ]; then
+    echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
+  fi
+  for w in $(seq 0 $((n - 1))); do
+    s=$(worker_status "$w"); seq=$k
+    [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
+    [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
+    [ ! -e maint-seq ] || seq=$(cat maint-seq)
+    echo "$w $seq $s boot-$w" > "$d/worker-$w"
+  done
+}
 run=$(cat runs 2>/dev/null | wc -l)
 if [ -n "$hook" ]; then "$hook"; exit 0; fi
 case $args in
@@ -154,39 +173,24 @@ case $args in
       exit 1
     fi
     cp "$src" "$dst"; exit ;;
-  "storage cat "*)
-    if [ -n "${STUB_BEATS_DENIED:-}" ]; then  # the caller lost its role on the bucket
-      echo "ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount.com does not" \
-        "have storage.objects.list access to the Google Cloud Storage bucket. Permission" \
-        "'storage.objects.list' denied on resource (or it may not exist)." >&2
-      exit 1
-    fi
-    if [ -z "${STUB_FAITHFUL:-}" ]; then  # every worker's heartbeat
-      k=$(cat polls 2>/dev/null | wc -l)
-      # worker $STUB_SILENT's VM stops answering at poll $STUB_SILENT_AT
-      if [ -n "${STUB_SILENT:-}" ] && [ "$k" -ge "${STUB_SILENT_AT:-0}" ] &&
-         [ ! -e silent-at ]; then
-        echo "$k" > "silent-$STUB_SILENT"; date +%s%3N > silent-at
-      fi
-      for w in $(seq 0 $((n - 1))); do
-        s=$(worker_status "$w"); seq=$k
-        [[ $s != [0-9]* ]] || { s=exit-$s; seq=end; }  # a command's last heartbeat
-        [ ! -e "silent-$w" ] || seq=$(cat "silent-$w")
-        [ ! -e maint-seq ] || seq=$(cat maint-seq)
-        echo "$w $seq $s boot-$w"
-      done
-      exit 0
-    fi
-    found=0
-    for f in $(gs "${argv[2]}"); do [ -e "$f" ] && found=1 && cat "$f"; done
-    [ "$found" = 1 ] && exit 0
-    echo "ERROR: (gcloud.storage.cat) One or more URLs matched no objects." >&2; exit 1 ;;
   *"simulate-maintenance-event"*)  # every process gone, new boot ids, REPAIRING for a while
     for a in "${argv[@]}"; do case $a in --workers=*) worker=${a#--workers=} ;; esac; done
     for w in $(workers); do kill_worker "$w"; echo "boot-$w-$RANDOM" > "worker-$w/boot_id"; done
     echo REPAIRING > created; echo "${STUB_REPAIR_POLLS:-3}" > repair; exit 0 ;;
 esac
 case $args in *"compute tpus"*) [ ! -e auth-expired ] || reauth ;; esac
+# With $STUB_LOST_AT_EXIT (faithful), once every worker's command of run 1 has ended (its
+# exit status written, its log kept in the stage), the slice is preempted as it is asked
+# for the first exit status: the node PREEMPTED, no worker answers ssh any more.
+if [ -n "${STUB_LOST_AT_EXIT:-}" ] && [ "$run" = 1 ] && [ ! -e lost-at-exit ]; then
+  case $command in *".exit 2>/dev/null || echo none"*)
+    for _ in $(seq 300); do
+      [ "$(ls worker-*/magic-jax/logs/*-1.exit 2>/dev/null | wc -l)" -ge "$n" ] && break
+      sleep 0.1
+    done
+    touch lost-at-exit; echo PREEMPTED > created ;;
+  esac
+fi
 case $args in
   *"tpu-vm ssh"*|*"tpu-vm scp"*)
     if in_maint; then
@@ -284,6 +288,9 @@ POD_MODULES = [
     "magic_jax/jobs/__init__.py",
     *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
     *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
+    "magic_jax/jobs/pod_stage.py",  # ... and the stage's heartbeats and logs
+    "magic_jax/jobs/pod_lease.py",  # ... and the supervisor's lease
+    "magic_jax/storage.py",
 ]
 
 
@@ -358,16 +365,17 @@ def _verbs(calls, polls=False):
     out = []
     api = {"get-node": "describe", "poll-node": "poll", "create-node": "create",
            "delete-node": "delete", "get-qr": "qr-describe", "create-qr": "qr-create",
-           "delete-qr": "qr-delete", "denied": "denied"}  # fmt: skip
+           "delete-qr": "qr-delete", "denied": "denied", "read-beats": "beat",
+           "read-logs": "kept-logs"}  # fmt: skip
     for c in calls:
         cmd = c[c.index("--command") + 1] if "--command" in c else ""
         if c[0] == "api":
             verb = api[c[1]]
-            if polls or verb != "poll":
+            if polls or verb not in ("poll", "beat", "kept-logs"):
                 out.append(verb)
             continue
         if c[1] == "storage":
-            verb = {"ls": "staged?", "cp": "upload", "cat": "beat"}[c[2]]
+            verb = {"ls": "staged?", "cp": "upload"}[c[2]]
         elif "ssh" in c:
             verb = (
                 "setup"
@@ -861,8 +869,9 @@ def test_a_vm_that_stops_answering_is_lost_within_a_minute_at_any_host_count(stu
 
 
 def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tmp_path):
-    """The bucket's heartbeats unreadable (a role lost on it): the silent workers are
-    asked, answer, and the line says why their heartbeats are not seen, with the fix."""
+    """The bucket's heartbeats unreadable (a role lost on it, the storage client's 403):
+    the silent workers are asked, answer, and the line says why their heartbeats are not
+    seen, with the fix, once."""
     env, state, script = stub
     env = dict(env, STUB_HOLD="4", STUB_BEATS_DENIED="1", LAUNCH_LOST_S="0.05")
     out = _launch(script, env, "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS)
@@ -874,12 +883,79 @@ def test_heartbeats_that_cannot_be_read_are_said_so_and_the_run_goes_on(stub, tm
     said = [x for x in out.stderr.splitlines() if "cannot be read" in x]
     assert len(said) == 1, said  # once, not at every question
     assert said[0].endswith(
-        "cannot be read: ERROR: (gcloud.storage.cat) HTTPError 403: run@p.iam.gserviceaccount"
+        "cannot be read: 403 run@p.iam.gserviceaccount"
         ".com does not have storage.objects.list access to the Google Cloud Storage bucket."
         " Permission 'storage.objects.list' denied on resource (or it may not exist). (the"
         " permission storage.objects.list is missing: grant the caller roles/storage.objectUser)"
     )
     assert _verbs(_calls(state)).count("create") == 1
+
+
+def _lease_of(state, host, pid, age_s):
+    """The stage's lease of magic-jax as a supervisor on ``host`` wrote it ``age_s`` ago."""
+    path = state / "gcs/b/magic-jax-launch/supervisors/us-east5-a/magic-jax"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    d = {"host": host, "pid": pid, "renewed": time.time() - age_s, "stale_s": 60}
+    path.write_text(json.dumps(d) + "\n")
+    return path
+
+
+def test_a_supervisor_on_another_machine_keeps_the_slice_until_its_lease_is_stale(stub, tmp_path):
+    """A lease renewed 5 s ago by a supervisor on another machine: the launch stops
+    before anything, in one line naming it. Unrenewed for an hour (its machine down): the
+    launch takes it over, runs, and drops it at its end."""
+    env, state, script = stub
+    lease = _lease_of(state, "other-machine", 4242, age_s=5)
+    args = ["--delete-on-exit", "--logs", str(tmp_path / "l"), "--", "magic-jax", "train", *GS]
+    out = _launch(script, env, *args)
+    assert out.returncode == 1, out.stderr
+    (line,) = _launch_lines(out.stderr)
+    # (5 s, and the launch's own start)
+    said = (r"launch\.sh: a supervisor of magic-jax runs on other-machine pid 4242 \(its lease"
+            r" gs://b/magic-jax-launch/supervisors/us-east5-a/magic-jax renewed ([5-9]|1[0-9])s"
+            r" ago\)")  # fmt: skip
+    assert re.match(said, line), line
+    assert "--attach magic-jax takes the run over" in line
+    assert _verbs(_calls(state)) == []  # nothing asked of Cloud TPU, nothing deleted
+    _lease_of(state, "other-machine", 4242, age_s=3600)
+    out = _launch(script, env, *args)
+    assert out.returncode == 0, out.stderr
+    assert _verbs(_calls(state))[:2] == ["describe", "create"] and not lease.exists()
+
+
+def test_a_supervisor_whose_lease_was_taken_over_stops_and_leaves_the_slice(stub, tmp_path):
+    """Mid-run the lease names another machine's supervisor (this one's went stale and
+    was taken over): this supervisor stops, saying who took over, and even with
+    --delete-on-exit leaves the command and the slice to it."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000", LAUNCH_POLL_S="0.5")
+    lease = state / "gcs/b/magic-jax-launch/supervisors/us-east5-a/magic-jax"
+    proc = subprocess.Popen(["bash", str(script), "--delete-on-exit", "--logs",
+                             str(tmp_path / "l"), "--", "magic-jax", "train", *GS],
+                            env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for _ in range(300):
+            if lease.exists() and json.loads(lease.read_text())["pid"] == proc.pid:
+                break
+            time.sleep(0.1)
+        renewed = json.loads(lease.read_text())["renewed"]
+        for _ in range(50):  # renewed by the API's process, every second
+            if json.loads(lease.read_text())["renewed"] > renewed:
+                break
+            time.sleep(0.1)
+        assert json.loads(lease.read_text())["renewed"] > renewed
+        _lease_of(state, "other-machine", 4343, age_s=0)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert _launch_lines(err)[-1] == (
+        "launch.sh: the supervision of magic-jax was taken over by other-machine pid 4343 (this"
+        " one's lease went stale): this supervisor stops, leaving the run and the slice to it"
+    )
+    verbs = _verbs(_calls(state))
+    assert "delete" not in verbs and "stop" not in verbs and verbs.count("create") == 1
+    assert json.loads(lease.read_text())["pid"] == 4343  # not dropped: not its own
 
 
 def test_a_worker_whose_command_ended_early_is_not_taken_for_a_lost_one(stub, tmp_path):
@@ -1320,6 +1396,31 @@ def test_every_workers_log_is_collected_at_a_preemption_and_at_the_end(faithful,
         assert "preempted: stopping with 143" in first.read_text()
         assert "finished" in next(kept.glob(f"magic-jax-run-*-2/worker-{w}.log")).read_text()
     assert not (state / "created").exists()
+    assert not _leftovers(tmp_path)
+
+
+def test_a_preempted_slices_every_log_comes_from_the_stage(faithful, tmp_path):
+    """Every worker's command stops with 143 (a preemption notice), then the slice is
+    preempted: no worker answers ssh any more. Each worker kept its log in the stage at
+    its command's end, so every log of the lost slice is under --logs, read from the
+    stage; the command resumes on a new slice, finishes, and its logs come by ssh."""
+    env, state, script = faithful
+    env = dict(env, STUB_WORKERS="3", STUB_LOST_AT_EXIT="1")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    logs = tmp_path / "logs"
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
+                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (state / "lost-at-exit").exists()
+    assert "[launch] logs of 3 of 3 worker(s) in " in out.stderr, out.stderr
+    assert "magic-jax is PREEMPTED" in out.stderr
+    for w in range(3):
+        first = (logs / f"worker-{w}.log").read_text()
+        assert f"worker-{w} preempted: stopping with 143" in first and "finished" not in first
+        assert f"worker-{w} finished" in (logs / f"worker-{w}.attempt-2.log").read_text()
+    verbs = _verbs(_calls(state), polls=True)
+    assert verbs.count("kept-logs") == 1 and verbs.count("create") == 2  # (run 2's came by ssh)
     assert not _leftovers(tmp_path)
 
 

@@ -50,7 +50,9 @@
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
 #                       supervisor killed, its machine down) to its end, with that launch's
 #                       --retry unless given; the same command as that launch's attaches
-#                       too (otherwise: the TPU is in use)
+#                       too (otherwise: the TPU is in use); not while its supervisor lives,
+#                       here or on another machine (its lease in the stage, stale 60 s
+#                       after its last renewal)
 #   --stage URL         where the archive (once per commit) and the workers' heartbeats
 #                       go [gs://BUCKET/magic-jax-launch, BUCKET the output_dir's]
 #   --timeout S         seconds to wait for the slice to be ready [3600; no limit for
@@ -79,7 +81,8 @@
 # standard library only; $LAUNCH_HOST_PYTHON).
 # While it runs, a status cycle every $LAUNCH_POLL_S [10] s makes two calls at any
 # host count: the node's state and health (the API), and every worker's heartbeat
-# (gcloud storage; without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
+# (one listing of the stage through the storage client, served by the API's process;
+# without a stage: one ssh to all workers). Health is part of the state: a READY node whose health
 # is UNHEALTHY_* or TIMEOUT is waited for (maintenance: hours, on every host), never
 # probed or deleted, with no time limit unless --timeout. On a READY, healthy node a
 # worker silent for $LAUNCH_LOST_S [20] s is asked once, with $LAUNCH_PROBE_S [15] s to
@@ -105,7 +108,9 @@
 # 42, 127-255; 143 as above). A command gone from a host that did not restart (killed)
 # ends the launch with 1.
 # Every worker's log is collected into --logs when the command ends and at each
-# preemption (from the workers that still answer), worker-N.log, worker-N.attempt-K.log.
+# preemption, worker-N.log, worker-N.attempt-K.log: from the workers that still answer,
+# else (with a stage) the copy each worker keeps in STAGE/logs/RUN/ every 60 heartbeats
+# and at its command's end, so a preempted slice's logs survive it.
 # An ssh failure never ends a run: while the slice is not lost, launch.sh reconnects to
 # worker 0 after $LAUNCH_SSH_BACKOFF_S [30] s, twice as long each time up to
 # $LAUNCH_SSH_BACKOFF_MAX_S [300] s, for as long as it takes.
@@ -457,6 +462,9 @@ on_exit() {
   [ -z "$UP_PID" ] || kill -KILL "$UP_PID" 2>/dev/null || true  # (deaf to TERM)
   [ -z "${STREAM_PID:-}" ] || kill_tree "$STREAM_PID"  # no ssh left behind
   if [ "$DELETE_ON_EXIT" = 1 ] && [ "$HAVE_SLICE" = 1 ]; then say "deleting $NAME"; teardown || true; fi
+  # the lease, through the API's process only (gone: it names a dead pid of this host,
+  # which a launch here takes over at once, and elsewhere after LEASE_S)
+  [ -z "${LEASE:-}" ] || [ -z "$API_PID" ] || api lease-drop "$LEASE" $$ > /dev/null || true
   api_stop
   rm -f "$ASKED" "$ASK_ERR"
   # (this supervisor's entry, not one a later launch wrote after a kill -9 of this one)
@@ -700,10 +708,8 @@ cycle() {
   [ "$state" = READY ] && [ "${health:-HEALTHY}" = HEALTHY ] || quiet=0
   t=$(ms)
   if [ -z "$BEATS" ]; then out=$(probe)
-  elif ! out=$(gcloud storage cat "$BEATS/worker-*" 2>"$ASKED"); then
-    out=""  # none written yet, or unreadable: BEATS_WHY says why, for the line below
-    grep -q "matched no objects" "$ASKED" || BEATS_WHY=$(error_line "$ASKED")
-  fi
+  elif out=$(api beats "$BEATS"); then out=${out//$'\t'/$'\n'}  # (one a field)
+  else out="" BEATS_WHY=$(asked_why); fi  # unreadable: BEATS_WHY says why, for the line below
   while read -r w seq st boot; do
     [[ ${w:-} =~ ^[0-9]+$ ]] && [ "$w" -lt "$WORKERS" ] || continue
     # a heartbeat is "N SEQ STATUS BOOT"; an answer "N STATUS BOOT", itself a sign of life
@@ -874,9 +880,12 @@ exit_of() {
 log_suffix() { [ "$attempt" = 1 ] || echo ".attempt-$attempt"; }
 # Copies every worker's log here (worker-N.log, worker-N.attempt-K.log on a retry), FANOUT
 # at a time, each within ASK_S; a host known gone (GONE_HOSTS) is not asked, nor is any
-# when worker 0 does not answer (a slice gone answers no ssh). Sets FETCHED: how many came.
+# when worker 0 does not answer (a slice gone answers no ssh). A log that did not come so
+# is the copy its worker kept in the stage (STAGE/logs/RUN/worker-N.log, written with its
+# heartbeat and at its command's end: a preempted slice's too), read through the API's
+# process. Sets FETCHED: how many came.
 fetch_logs() {
-  local w f suffix pids=()
+  local w f suffix pids=() missing=()
   suffix=$(log_suffix) FETCHED=0
   mkdir -p "$LOGS"
   for ((w = 0; w < WORKERS; w++)); do
@@ -893,8 +902,13 @@ fetch_logs() {
   for ((w = 0; w < WORKERS; w++)); do
     f=$LOGS/worker-$w$suffix.log
     if [ -s "$f.part" ]; then mv "$f.part" "$f"; else rm -f "$f.part"; fi
-    [ ! -s "$f" ] || FETCHED=$((FETCHED + 1))
+    [ -s "$f" ] || missing+=("$w")
   done
+  if [ -n "$BEATS" ] && [ "${#missing[@]}" -gt 0 ] &&
+     ! api logs "${BEATS%/beats/*}/logs/${BEATS##*/}" "$LOGS" "$suffix" "${missing[@]}" > /dev/null; then
+    say "the logs kept in the stage cannot be read: $(asked_why)"
+  fi
+  for ((w = 0; w < WORKERS; w++)); do [ ! -s "$LOGS/worker-$w$suffix.log" ] || FETCHED=$((FETCHED + 1)); done
 }
 # Collects every worker's exit status, then every log. Sets STATUS to worker 0's; 1 when
 # the slice is lost (LOST says why).
@@ -958,8 +972,43 @@ alone() {
       "this again to take it over"
   fi
 }
+# One supervisor per slice across machines too (with a stage): a lease object,
+# STAGE/supervisors/ZONE/NAME (jobs/pod_lease.py: the owner's host and pid), taken here
+# and renewed by the API's process every status cycle (at least 1 s) whatever this
+# supervisor does, dropped at its end. Held by a live supervisor elsewhere, it stops this
+# launch naming it; unrenewed for LEASE_S (LAUNCH_LEASE_CYCLES [6] cycles, at least
+# 60 s: its supervisor killed, its machine down) or its owner a process of this machine
+# that is gone, it is taken over (the same command, or --attach, then attaches). Taken
+# over by another meanwhile (SIGUSR1 from the API's process), this one stops and leaves
+# the run and the slice to it. A stage that cannot be written is said once; no lease.
+LEASE="" LEASE_EVERY=$(awk -v s="$POLL_S" 'BEGIN { printf "%d", s < 1 ? 1 : s }')
+LEASE_S=$((LEASE_EVERY * ${LAUNCH_LEASE_CYCLES:-6})); [ "$LEASE_S" -ge 60 ] || LEASE_S=60
+lease_take() {
+  local a held owner age stale uri
+  [ "$DRY" = 0 ] && [ -n "$STAGE" ] || return 0
+  uri="$STAGE/supervisors/$ZONE/$NAME"
+  if ! a=$(api lease-take "$uri" $$ "$LEASE_S" "$LEASE_EVERY" "$API_DIR/lease-lost"); then
+    say "no supervisor lease in $uri ($(asked_why)): a launch on another machine is not kept out"
+    return 0
+  fi
+  IFS=$'\t' read -r held owner age stale <<< "$a"
+  if [ "$held" = held ]; then
+    DELETE_ON_EXIT=0  # (the slice is the other supervisor's)
+    quit 1 "a supervisor of $NAME runs on $owner (its lease $uri renewed ${age}s ago): let it" \
+      "be, or stop it there; once its lease is stale (${stale}s unrenewed) this command or" \
+      "--attach $NAME takes the run over"
+  fi
+  LEASE=$uri
+}
+lease_lost() {
+  LEASE="" DELETE_ON_EXIT=0
+  quit 1 "the supervision of $NAME was taken over by $(cat "$API_DIR/lease-lost" 2>/dev/null ||
+    echo another supervisor) (this one's lease went stale): this supervisor stops, leaving" \
+    "the run and the slice to it"
+}
 trap 'on_signal 130' INT  # also when gcloud catches the Ctrl-C itself
 trap 'on_signal 143' TERM
+trap lease_lost USR1
 alone
 relay_terminal
 if [ "$DRY" = 0 ]; then
@@ -967,6 +1016,7 @@ if [ "$DRY" = 0 ]; then
   mkdir -p "${SUPERVISOR%/*}"; printf '%s\t%s\n' $$ "$SAID_TO" > "$SUPERVISOR"
 fi
 api_start
+lease_take
 ATTEMPTS=$((RETRY + 1))
 while :; do
   bring_up
@@ -974,6 +1024,7 @@ while :; do
   LOST="" STATUS=0 FAILED="" FAILED_STATUS="" STOPPED="" RESTARTED="" KIND=preempted GONE_HOSTS=""
   ATTACHED=0
   if [ "$attempt" = 1 ] && running_job "$@"; then ATTACHED=1 RUNNING=1
+    [ -n "$LEASE" ] || lease_take  # (the stage it names: --attach alone knows none before)
   elif [ "$SETUP" = 1 ] || [ "$attempt" -gt 1 ]; then
     setup || slice_lost || quit 1 "$SETUP_ERR"
   fi
