@@ -1368,17 +1368,24 @@ def test_set_up_failing_on_one_worker_is_one_line_and_starts_nothing(faithful, t
     assert not _leftovers(tmp_path)
 
 
+def _launch_preempted(script, env, tmp_path):
+    """A launch with one retry and --delete-on-exit of the probe command whose workers are
+    preempted; returns its process and the --logs directory."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    logs = tmp_path / "logs"
+    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
+                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    return out, logs
+
+
 def test_every_workers_log_is_collected_at_a_preemption_and_at_the_end(faithful, tmp_path):
     """(v) the command stops with 143 on every worker (a preemption notice): every log is
     collected, the slice is deleted and created again (new disks: set up again), the
     command resumes and finishes, and every log is collected again."""
     env, state, script = faithful
     env = dict(env, STUB_WORKERS="3")
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    logs = tmp_path / "logs"
-    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
-                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    out, logs = _launch_preempted(script, env, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "preempted (worker 0 stopped with 143; attempt 1 of 2)" in out.stderr
     assert _launch_lines(out.stderr)[-1] == "launch.sh: resumed run finished"
@@ -1406,11 +1413,7 @@ def test_a_preempted_slices_every_log_comes_from_the_stage(faithful, tmp_path):
     stage; the command resumes on a new slice, finishes, and its logs come by ssh."""
     env, state, script = faithful
     env = dict(env, STUB_WORKERS="3", STUB_LOST_AT_EXIT="1")
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    logs = tmp_path / "logs"
-    out = _launch(script, env, "--retry", "1", "--delete-on-exit", "--env", f"BUCKET={bucket}",
-                  "--logs", str(logs), "--", "python", "-c", PROBE, *GS)  # fmt: skip
+    out, logs = _launch_preempted(script, env, tmp_path)
     assert out.returncode == 0, out.stderr
     assert (state / "lost-at-exit").exists()
     assert "[launch] logs of 3 of 3 worker(s) in " in out.stderr, out.stderr
