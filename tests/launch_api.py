@@ -3,10 +3,11 @@ REST fake with its state in the stub's files ($STUB_DIR: ``created``, ``qr``, ``
 ...), which the stub `gcloud`'s ssh and storage read and write too, and its knobs the
 stub's ($STUB_*, in this process's environment).
 
-launch.sh runs it as its API Python (LAUNCH_API_PYTHON): ``python launch_api.py -m
-magic_jax.jobs.pod_api ARGS`` starts the fake in this process, points
-MAGIC_JAX_TPU_API_ENDPOINT at it and runs jobs/pod_api.py, which talks to it through the
-real client over HTTP. Every call is recorded in $STUB_DIR/calls as ``api VERB NAME``.
+launch.sh runs it as its Python (LAUNCH_API_PYTHON): ``python launch_api.py -m
+magic_jax.jobs.launch ARGS`` starts the fake in this process, points
+MAGIC_JAX_TPU_API_ENDPOINT at it and runs the supervisor (jobs/launch.py), which talks to
+it through the real client over HTTP. Every call is recorded in $STUB_DIR/calls as
+``api VERB NAME``.
 """
 
 from __future__ import annotations

@@ -281,13 +281,16 @@ exit 0
 """
 
 
-# launch.sh's decisions: the Python it runs from its checkout (the standard library only)
+# launch.sh's supervisor: the Python it runs from its checkout
 POD_MODULES = [
     "magic_jax/__init__.py",
     "magic_jax/extras.py",
     "magic_jax/jobs/__init__.py",
-    *(f"magic_jax/jobs/{m}.py" for m in ("pod", "pod_decide", "pod_errors", "restarts")),
-    *(f"magic_jax/jobs/{m}.py" for m in ("pod_api", "pod_up", "tpu_api")),  # the API's requests
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod_decide", "pod_errors", "restarts")),
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod_up", "tpu_api")),  # the API's requests
+    # ... and the supervisor itself
+    *(f"magic_jax/jobs/{m}.py" for m in ("launch", "pod_state", "pod_workers", "pod_watch")),
+    *(f"magic_jax/jobs/{m}.py" for m in ("pod_collect", "pod_setup", "pod_run")),
     "magic_jax/jobs/pod_stage.py",  # ... and the stage's heartbeats and logs
     "magic_jax/jobs/pod_lease.py",  # ... and the supervisor's lease
     "magic_jax/storage.py",
@@ -328,7 +331,6 @@ def stub(tmp_path, repo):
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", STUB_DIR=str(state))
     # waits between retries advance a clock in a file instead of sleeping
     env.update(LAUNCH_POLL_S="0", TMPDIR=str(tmp_path), LAUNCH_CLOCK=str(state / "clock"))
-    env.update(LAUNCH_HOST_PYTHON=sys.executable)
     # Cloud TPU's API: the fake of tests/launch_api.py, in the process of launch.sh's
     # requests (its state in STUB_DIR); a stuck delete's operation waited for 0.5 s
     api = bin_dir / "api-python"

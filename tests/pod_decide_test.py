@@ -1,7 +1,7 @@
 """The pod supervisor's decisions (``jobs/pod_decide.py``) as a function of the node's
 state and health, its queued resource's state and the workers' heartbeats and answers;
 the one restart list GKE and ``launch.sh`` share (``jobs/restarts.py``); and
-``jobs/pod.py``, the lines ``launch.sh`` reads."""
+that the supervisor imports no JAX."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from magic_jax.jobs import gke, pod, restarts
+from magic_jax.jobs import gke, restarts
 from magic_jax.jobs.pod_decide import (
     Action,
     Outcome,
@@ -144,23 +144,9 @@ def test_gke_and_launch_restart_on_the_same_exit_codes():
     assert {69, 86, 124, 137, 143} <= rerun and not {0, 1, 2, 3, 74, 75} & rerun
 
 
-def test_the_lines_launch_sh_reads():
-    lines = ["node READY UNHEALTHY_MAINTENANCE -", "worker 0 running 7200 0"]
-    assert pod.answer(["decide", "20"], lines).split("\t")[0] == "wait"
-    lines = ["node READY HEALTHY -", "worker 0 running 30 0", "worker 1 running 1 0"]
-    assert pod.answer(["decide", "20"], lines).split("\t")[:2] == ["probe", "0"]
-    lines += ["asked", "answer 0 gone 1"]
-    assert pod.answer(["decide", "20"], lines).split("\t")[:2] == ["rerun", "0"]
-    assert pod.answer(["node", "READY", "UNHEALTHY_MAINTENANCE"]).startswith("wait\t")
-    assert pod.answer(["node", "READY", "HEALTHY", "SUSPENDED"]).startswith("lost\t")
-    lines = ["status 86", "budget 1 2", "name t", "logs /l", "grace 120"]
-    assert pod.answer(["attempt"], lines).split("\t")[:2] == ["rerun", "0"]
-    lines = ["status 0", "stopped 1 3", "name t", "logs /l", "grace 120"]
-    assert pod.answer(["attempt"], lines) == (
-        "stop\t1\tworker(s) 1 3 still ran 120s after worker 0 ended; stopped (logs: /l)"
-    )
-    # as launch.sh runs it: the standard library only, no JAX
-    code = "import sys, magic_jax.jobs.pod; print('jax' in sys.modules)"
+def test_the_supervisor_imports_no_jax():
+    """launch.sh's supervisor runs on the launching machine: no JAX import."""
+    code = "import sys, magic_jax.jobs.launch; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -1,22 +1,18 @@
 """jobs/pod_lease.py, the one supervisor of a slice across machines: a lease held by a
 live supervisor elsewhere is refused, one unrenewed for its time (or whose owner is a
 process of this host that is gone) is taken over, a renewal finds a takeover, and only
-its owner drops it; the serving jobs/pod_api.py renews it and tells its supervisor of a
-takeover. Against a local file standing for the stage's object."""
+its owner drops it; the supervisor's keeper renews it from a thread and tells the
+supervisor of a takeover. Against a local file standing for the stage's object."""
 
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-from fake_tpu_api import FakeTpuApi
-
-from magic_jax.jobs import pod_api, pod_lease
+from magic_jax.jobs import pod_lease, pod_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,17 +28,15 @@ def test_a_live_supervisor_elsewhere_keeps_it_a_stale_one_loses_it(tmp_path):
     _held(Path(uri), "other-machine", 4242, age_s=10)
     held = pod_lease.take(uri, os.getpid(), 60)
     assert held is not None and held.owner() == "other-machine pid 4242"
-    words = ["lease-take", uri, str(os.getpid()), "60"]
-    kind, owner, age, stale = pod_api.answer(None, words).split("\t")[1:]
-    assert (kind, owner, stale) == ("held", "other-machine pid 4242", "60") and 9 <= int(age) <= 11
+    assert held.stale_s == 60 and 9 <= time.time() - held.renewed <= 11
     _held(Path(uri), "other-machine", 4242, age_s=61)  # unrenewed for longer than its 60 s
-    assert pod_api.answer(None, words) == "ok\ttaken"
+    assert pod_lease.take(uri, os.getpid(), 60) is None  # taken
     mine = json.loads(Path(uri).read_text())
     assert (mine["host"], mine["pid"]) == (socket.gethostname(), os.getpid())
     assert pod_lease.renew(uri, os.getpid(), 60) is None  # ours: renewed
     _held(Path(uri), "other-machine", 4343, age_s=0)  # taken over meanwhile
     assert pod_lease.renew(uri, os.getpid(), 60).owner() == "other-machine pid 4343"
-    assert pod_api.answer(None, ["lease-drop", uri, str(os.getpid())]) == "ok\t0"  # not ours
+    assert not pod_lease.drop(uri, os.getpid())  # not ours
     assert Path(uri).exists()
 
 
@@ -55,42 +49,33 @@ def test_a_gone_process_of_this_host_holds_nothing(tmp_path):
     assert pod_lease.drop(uri, os.getpid()) and not Path(uri).exists()
 
 
-def test_the_serving_process_renews_it_and_tells_of_a_takeover(tmp_path):
-    """The serving process renews the lease every second; when another host took it over,
-    it writes the owner to the LOST file and sends SIGUSR1 to the supervisor."""
-    pytest.importorskip("google.cloud.tpu_v2")
-    uri, lost = tmp_path / "lease", tmp_path / "lost"
+def test_the_supervisors_keeper_renews_it_and_tells_of_a_takeover(tmp_path):
+    """The supervisor's keeper renews the lease every second from its own thread; when
+    another host took it over, it names the owner and sends SIGUSR1 to the supervisor."""
+    uri = str(tmp_path / "lease")
     told = []
     signal.signal(signal.SIGUSR1, lambda *_: told.append(1))
-    fake = FakeTpuApi()
-    fake.start()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MAGIC_JAX_TPU_API_ENDPOINT=fake.url)
-    args = [sys.executable, "-m", "magic_jax.jobs.pod_api", "p", "z", "--serve", str(os.getpid())]
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
+    keeper = pod_run.Keeper()
     try:
-        assert proc.stdout.readline() == "ready\n"
-        proc.stdin.write(f"lease-take\t{uri}\t{os.getpid()}\t60\t1\t{lost}\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline() == "ok\ttaken\n"
-        first = json.loads(uri.read_text())["renewed"]
+        assert pod_lease.take(uri, os.getpid(), 60) is None
+        keeper.keep(uri, os.getpid(), 60, 1)
+        keeper.start()
+        first = json.loads(Path(uri).read_text())["renewed"]
         for _ in range(50):
-            if json.loads(uri.read_text())["renewed"] > first:
+            if json.loads(Path(uri).read_text())["renewed"] > first:
                 break
             time.sleep(0.1)
-        assert json.loads(uri.read_text())["renewed"] > first  # renewed, unasked
-        _held(uri, "other-machine", 4242, age_s=0)
+        assert json.loads(Path(uri).read_text())["renewed"] > first  # renewed, unasked
+        _held(Path(uri), "other-machine", 4242, age_s=0)
         for _ in range(50):
             if told:
                 break
             time.sleep(0.1)
-        assert told and lost.read_text() == "other-machine pid 4242\n"
+        assert told and keeper.lost == "other-machine pid 4242"
     finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        fake.stop()
-    assert json.loads(uri.read_text())["host"] == "other-machine"  # not dropped: not ours
+    keeper.drop()
+    assert json.loads(Path(uri).read_text())["host"] == "other-machine"  # not dropped: not ours
 
 
 class FakeBucket:

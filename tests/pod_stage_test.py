@@ -1,7 +1,7 @@
 """jobs/pod_stage.py, what launch.sh reads back from its stage: the workers' heartbeats in
 one listing, the logs they kept, a local directory standing for the bucket, a
 ``gs://`` stage through the storage client (a fake of it here), and a bucket that
-refuses told apart with its fix, as jobs/pod_api.py answers it."""
+refuses told apart with its fix, the line the supervisor says."""
 
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ import pytest
 from google.api_core import exceptions
 
 from magic_jax import storage
-from magic_jax.jobs import pod, pod_api, pod_stage
+from magic_jax.jobs import pod_stage
 
 DENIED = (
     "GET https://storage.googleapis.com/storage/v1/b/b/o?prefix=s/beats/r-1/: "
@@ -47,8 +47,6 @@ def test_the_heartbeats_of_a_local_stage_one_line_a_worker(tmp_path):
     (beats / "worker-1").write_text("1 end exit-0 boot-b\n")
     (beats / "worker-x.part").write_text("garbage\n")  # not a heartbeat
     assert pod_stage.beats(str(beats)) == ["0 7 running boot-a", "1 end exit-0 boot-b"]
-    out = pod_api.answer(None, ["beats", str(beats)])  # (no Cloud TPU call)
-    assert out == "ok\t0 7 running boot-a\t1 end exit-0 boot-b"
 
 
 def test_a_gcs_stage_is_one_listing_then_its_heartbeats(monkeypatch):
@@ -65,7 +63,7 @@ def test_a_gcs_stage_is_one_listing_then_its_heartbeats(monkeypatch):
     assert client.listings == [("b", "s/beats/r-1/")] and client.reads == 2
 
 
-def test_a_bucket_that_refuses_is_one_line_with_the_role_to_grant(monkeypatch, tmp_path):
+def test_a_bucket_that_refuses_is_one_line_with_the_role_to_grant(monkeypatch):
     client = FakeClient({}, exceptions.Forbidden(DENIED))
     monkeypatch.setattr(storage, "client", lambda: client)
     with pytest.raises(pod_stage.StageError) as e:
@@ -75,10 +73,7 @@ def test_a_bucket_that_refuses_is_one_line_with_the_role_to_grant(monkeypatch, t
     assert e.value.error.fix == (
         "the permission storage.objects.list is missing: grant the caller roles/storage.objectUser"
     )
-    told = pod_api.answer(None, ["beats", "gs://b/s/beats/r-1"])
-    (tmp_path / "err").write_text(told + "\n")  # as launch.sh reads it back
-    kind, line = pod.answer(["error", str(tmp_path / "err")]).split("\t")
-    assert kind == "permission" and line.endswith("grant the caller roles/storage.objectUser)")
+    assert e.value.error.say().endswith("grant the caller roles/storage.objectUser)")
 
 
 def test_no_client_library_names_the_extra():
@@ -94,8 +89,8 @@ def test_kept_logs_fill_in_only_the_workers_whose_log_did_not_come(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "worker-0.attempt-2.log").write_text("fetched by ssh\n")
-    words = ["logs", str(kept), str(logs), ".attempt-2", "0", "1", "2", "3"]
-    assert pod_api.answer(None, words) == "ok\t2"  # 0 came by ssh, 3 kept nothing
+    # 0 came by ssh, 3 kept nothing
+    assert pod_stage.keep_logs(str(kept), logs, ".attempt-2", [0, 1, 2, 3]) == 2
     assert (logs / "worker-0.attempt-2.log").read_text() == "fetched by ssh\n"
     for w in (1, 2):
         assert (logs / f"worker-{w}.attempt-2.log").read_text() == f"kept log of worker {w}\n"

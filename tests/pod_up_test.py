@@ -152,18 +152,6 @@ def test_credentials_that_lapse_in_a_wait_end_it_in_one_line(fake):
     assert "gcloud auth application-default login" in stop.value.line
 
 
-def test_the_command_line_says_its_state_last(fake, monkeypatch, capsys):
-    monkeypatch.setenv("MAGIC_JAX_TPU_API_ENDPOINT", fake.url)
-    monkeypatch.setenv("LAUNCH_API_POLL_S", "0.01")
-    fake.scale = 1000.0  # (the command waits in real time: the fake's runs faster)
-    fake.add_node("n").body["runtimeVersion"] = "v2"
-    words = ["name=n", "poll=0.01", "accelerator=v5p-16", "runtime-version=v2"]
-    assert pod_up.main(["p", "us-east5-a", "up", *words]) == 0
-    out, err = capsys.readouterr()
-    assert out == "1\t0\t0\t10.0.0.1;10.0.0.2;10.0.0.3;10.0.0.4\tv2\n"
-    assert err == "[launch] reusing n (READY)\n"
-
-
 def test_launch_clock_a_file_each_wait_advances(tmp_path):
     clock = pod_up.Clock(str(tmp_path / "clock"))
     assert clock.now() == 0  # (no file yet)

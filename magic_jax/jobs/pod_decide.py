@@ -1,8 +1,8 @@
 """What a pod run's supervisor does next, from what Cloud TPU says of the slice (the
 node's state and health, its queued resource's state) and what the workers say (their
 heartbeats, and their answers when asked): carry on, wait, ask the silent workers,
-rerun on the same slice, recreate it, or stop the job. Pure: ``tpu_scripts/launch.sh``
-feeds it through ``jobs/pod.py``.
+rerun on the same slice, recreate it, or stop the job. Pure: ``tpu_scripts/launch.sh``'s
+supervisor (``jobs/pod_watch.py``, ``jobs/pod_run.py``) feeds it.
 
 Health is part of the state: a READY node whose health is UNHEALTHY_* (maintenance,
 the in-guest stack) or TIMEOUT is not ready. Maintenance covers every VM of a slice and

@@ -1,8 +1,8 @@
 """The one supervisor of a slice across machines: a lease object in the stage
 (``STAGE/supervisors/ZONE/NAME``, one JSON line: the owner's host and pid, when it was
 last renewed, and after how long without renewal it is stale), which
-``tpu_scripts/launch.sh`` takes before it supervises, renews at each status cycle and
-drops at its end, through ``jobs/pod_api.py``'s process.
+``tpu_scripts/launch.sh``'s supervisor takes before it supervises, renews at each status
+cycle (from a thread of its own, ``jobs/pod_run.py``) and drops at its end.
 
 A lease held by another live supervisor is refused: the launch says who holds it. One
 is stale once it went unrenewed for its ``stale_s`` (its owner killed, its machine
@@ -179,8 +179,8 @@ def drop(uri: str, pid: int) -> bool:
 
 
 class Keeper:
-    """Renews the lease a serving ``jobs/pod_api.py`` process took, every ``every_s``,
-    whatever its supervisor is doing (a wait for a slice of hours included)."""
+    """Renews the lease a supervisor took, every ``every_s``, whatever its supervisor is
+    doing (a wait for a slice of hours included)."""
 
     def __init__(self) -> None:
         self.uri, self.pid, self.stale_s, self.every_s, self.due = "", 0, 0.0, 0.0, 0.0

@@ -1,5 +1,5 @@
 """What ``tpu_scripts/launch.sh`` reads back from its stage through the storage layer
-(``magic_jax/storage.py``'s client), served by ``jobs/pod_api.py``'s long-lived process:
+(``magic_jax/storage.py``'s client), in its supervisor's process:
 the workers' heartbeats (``STAGE/beats/RUN/worker-N``, one line ``N SEQ STATUS BOOT``) and
 their logs (``STAGE/logs/RUN/worker-N.log``), which each worker writes with ``gcloud
 storage cp`` (``tpu_scripts/worker_run.sh``). Each read is one listing of the prefix,

@@ -1,4 +1,4 @@
-"""A slice brought up for ``tpu_scripts/launch.sh``, through Cloud TPU's API
+"""A slice brought up for ``tpu_scripts/launch.sh``'s supervisor, through Cloud TPU's API
 (``jobs/tpu_api.py``): reused, attached to (its queued resource), or created, then waited
 for until READY and healthy. A create that fails is followed as ``jobs/pod_errors.py``'s
 ``after_create`` says (no capacity and rate limits tried again with backoff, a delete
@@ -7,27 +7,18 @@ takes (or ``timeout``), one that ends FAILED (its failedData said), SUSPENDED or
 requested again, never past its ``--valid-until-duration``; a node under maintenance
 (READY with UNHEALTHY_* health) is waited for, never deleted.
 
-  python -m magic_jax.jobs.pod_up PROJECT ZONE up|wait-ready KEY=VALUE...
-
-The keys: ``name``, ``queued`` (1), ``tries``, ``wait`` and ``max`` (a failed create's
-first and longest wait, s), ``timeout`` (s; empty: none given), ``poll`` (s), ``valid``
-(``--valid-until-duration`` as given) with ``valid-s``, ``delete-wait`` (s), ``bounded``
-(1: ``wait-ready`` has ``timeout``, else 3600 s), and a create's (``jobs/pod_api.py``).
-Progress goes to stderr as launch.sh's ``[launch]`` lines; an end as ``launch.sh: LINE``
-with its exit status (1, or 2 for a wait past its time). Last, on stdout, one line:
-``HAVE_SLICE CREATED REQUESTED_AT IPS RUNTIME`` (tab-separated; ``-`` for none).
-LAUNCH_CLOCK=FILE (tests) makes waits advance a clock kept in FILE instead, as launch.sh's.
+Progress is said as launch.sh's ``[launch]`` lines; an end is ``Stop``, its exit status
+and last line (2 for a wait past its time). LAUNCH_CLOCK=FILE (tests) makes waits advance
+a clock kept in FILE instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import time
 from collections.abc import Callable
 
-from magic_jax.jobs import pod_api, pod_decide, pod_errors, tpu_api
+from magic_jax.jobs import pod_decide, pod_errors, tpu_api
 from magic_jax.jobs.pod_errors import Kind, Then, span
 
 
@@ -65,7 +56,7 @@ class Clock:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """launch.sh's options for bringing a slice up (the module's docstring)."""
+    """launch.sh's options for bringing a slice up."""
 
     name: str
     zone: str
@@ -312,60 +303,3 @@ class Up:
                 self.create()
         self.wait_ready(bounded=o.timeout_s is not None or self.created)
         return self.node()
-
-
-def options(zone: str, words: list[str]) -> tuple[Options, bool]:
-    """The command line's ``KEY=VALUE`` words as options, and ``bounded``."""
-    given = dict(w.partition("=")[::2] for w in words)
-    own = {"name", "queued", "tries", "wait", "max", "timeout", "poll", "valid", "valid-s"}
-    own |= {"delete-wait", "bounded"}
-    spec, _ = pod_api.spec(w for w in words if w.partition("=")[0] not in own)
-    timeout = given.get("timeout", "")
-    o = Options(
-        name=given["name"],
-        zone=zone,
-        spec=spec,
-        queued=given.get("queued") == "1",
-        tries=int(given.get("tries") or 12),
-        wait_s=int(given.get("wait") or 60),
-        max_wait_s=int(given.get("max") or 1800),
-        timeout_s=int(timeout) if timeout else None,
-        poll_s=float(given.get("poll") or 10),
-        valid=given.get("valid", ""),
-        valid_s=int(given.get("valid-s") or 0),
-        delete_wait_s=float(given.get("delete-wait") or 1800),
-    )
-    return o, given.get("bounded") == "1"
-
-
-def main(argv: list[str]) -> int:
-    """Runs the command line (the module's docstring); its exit status."""
-    project, zone, verb, *words = argv
-    o, bounded = options(zone, words)
-    tpu = tpu_api.Tpu(project, zone, poll_s=float(os.environ.get("LAUNCH_API_POLL_S", 5)))
-    up = Up(
-        tpu,
-        o,
-        Clock(os.environ.get("LAUNCH_CLOCK", "")),
-        lambda x: print(f"[launch] {x}", file=sys.stderr, flush=True),
-    )
-    code, node = 0, None
-    try:
-        if verb == "wait-ready":
-            up.wait_ready(bounded)
-            node = up.node()
-        else:
-            node = up.bring_up()
-    except Stop as e:
-        code = e.code
-        if e.line:
-            print(f"launch.sh: {e.line}", file=sys.stderr, flush=True)
-    ips = ";".join(node.endpoints) if node else ""
-    runtime = node.runtime_version if node else ""
-    fields = (int(up.have_slice), int(up.created), up.requested_at, ips or "-", runtime or "-")
-    print("\t".join(map(str, fields)), flush=True)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,5 @@
 """Which exit statuses of a run restart it: one list for GKE (``jobs/gke.py``) and for a
-pod run under ``tpu_scripts/launch.sh`` (``jobs/pod.py``).
+pod run under ``tpu_scripts/launch.sh`` (``jobs/pod_decide.py``).
 
 A restart resumes the run from its ``output_dir``. The list is xpk's own (42 and
 127-255: 143 is a stop on SIGTERM at a checkpoint, as on a preemption or maintenance;
@@ -8,7 +8,8 @@ retries; 86, a device or runtime fault (``magic_jax.jobs.cli``: a ``JaxRuntimeEr
 other than out-of-memory or a bad argument); 124, a step that hung
 (``magic_jax.watchdog``), often a flaky host. Any other status (a bad config, a Python
 error, out of memory, a run that lost its lock) ends the run: a restart would fail the
-same way. No JAX import here: ``launch.sh`` asks this module on the machine it runs on.
+same way. No JAX import here: ``launch.sh``'s supervisor asks this module on the
+machine it runs on.
 """
 
 from __future__ import annotations
