@@ -309,7 +309,10 @@ def on_disk(uri: str) -> str:
 
 def main() -> None:
     """``launch_api.py -m MODULE ARGS``: the fake up, the stage on disk, then MODULE run as
-    ``__main__``."""
+    ``__main__``; ``-c CODE`` (launch.sh's check of the Python's version) runs CODE."""
+    if sys.argv[1] == "-c":
+        exec(sys.argv[2], {"__name__": "__main__"})
+        return
     assert sys.argv[1] == "-m", sys.argv
     module, args = sys.argv[2], sys.argv[3:]
     fake = StubApi(Path(os.environ["STUB_DIR"]), dict(os.environ))

@@ -418,3 +418,23 @@ def test_a_python_without_the_cloud_tpu_client_stops_naming_the_extra(stub, tmp_
     (line,) = _launch_lines(out.stderr)
     assert line.startswith("launch.sh: Cloud TPU's API (") and "did not start" in line
     assert "pip install 'magic-jax[launch]'" in line and not _calls(state)
+
+
+def test_a_python_older_than_the_package_needs_stops_in_one_line(stub, tmp_path):
+    """LAUNCH_API_PYTHON too old for magic-jax: one line naming its version, exit 2, no
+    traceback and nothing asked of Cloud TPU."""
+    env, state, script = stub
+    old = tmp_path / "old-python"
+    old.write_text(
+        "#!/bin/sh\n"
+        'case "$2" in *version_info*) exit 1 ;; *platform*) echo 3.9.18; exit 0 ;; esac\n'
+        "exit 1\n"
+    )
+    old.chmod(0o755)
+    out = _launch(script, dict(env, LAUNCH_API_PYTHON=str(old)), "--", "true")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"launch.sh: {old} is Python 3.9.18; the supervisor needs 3.11 or newer, as magic-jax "
+        "does (set LAUNCH_API_PYTHON to one, with pip install 'magic-jax[launch]')"
+    ]
+    assert not _calls(state)

@@ -71,7 +71,7 @@
 # signals it, the host's boot id, and with a stage a heartbeat every
 # $LAUNCH_HEARTBEAT_S [10] s); magic_jax starts jax.distributed itself on a multi-host
 # slice. The supervisor is Python's (magic_jax/jobs/launch.py, run by this script with
-# $LAUNCH_API_PYTHON [python3]: pip install 'magic-jax[launch]'). It asks Cloud TPU
+# $LAUNCH_API_PYTHON [python3], 3.11 or newer: pip install 'magic-jax[launch]'). It asks Cloud TPU
 # (nodes, queued resources, their operations, state, health and errors) through its
 # API's client, google-cloud-tpu, in its own process (Application Default Credentials:
 # gcloud auth application-default login); the decisions below are
@@ -144,6 +144,12 @@ if ! command -v "$PY" > /dev/null; then
   fi
   echo "launch.sh: $PY not found on PATH: the supervisor is Python's (set LAUNCH_API_PYTHON;" \
     "pip install 'magic-jax[launch]')" >&2
+  exit 2
+fi
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2> /dev/null; then
+  v=$("$PY" -c 'import platform; print(platform.python_version())' 2> /dev/null) || v="?"
+  echo "launch.sh: $PY is Python $v; the supervisor needs 3.11 or newer, as magic-jax does" \
+    "(set LAUNCH_API_PYTHON to one, with pip install 'magic-jax[launch]')" >&2
   exit 2
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"

@@ -170,8 +170,10 @@ def _told_apart() -> Iterator[None]:
     except TpuApiError:
         raise
     except ImportError as exc:
-        hint = extras.message("google.cloud.tpu_v2", __name__)  # (whatever part is missing)
-        raise SystemExit(f"tpu_api.py: Cloud TPU's client is missing ({exc}). {hint}") from exc
+        # whatever part is missing (google itself, or only google.cloud.tpu_v2), the extra
+        # that brings it is [launch]
+        hint = extras.message("google.cloud.tpu_v2", __name__)
+        raise SystemExit(f"tpu_api.py: Cloud TPU's client is missing: {hint}") from exc
     except Exception as exc:  # every error of a call reaches the caller told apart
         raise TpuApiError(api_error(exc)) from exc
 
