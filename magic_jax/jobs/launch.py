@@ -99,21 +99,23 @@ def take(a: pod_state.Args, opt: str, value: str) -> None:
         a.timeout = value
 
 
+# the options without a value that set a field: option -> (field, value)
+SWITCHES = {
+    "--internal-ip": ("internal_ip", True),
+    "--queued": ("queued", True),
+    "--no-setup": ("setup", False),
+    "--delete-on-exit": ("delete_on_exit", True),
+    "--delete": ("delete_only", True),
+    "--dry-run": ("dry", True),
+}
+
+
 def flag(a: pod_state.Args, opt: str) -> None:
+    """An option without a value: a capacity kind, or a switch."""
     if opt in ("--spot", "--reserved", "--best-effort"):
         a.capacity.append(opt)
-    elif opt == "--internal-ip":
-        a.internal_ip = True
-    elif opt == "--queued":
-        a.queued = True
-    elif opt == "--no-setup":
-        a.setup = False
-    elif opt == "--delete-on-exit":
-        a.delete_on_exit = True
-    elif opt == "--delete":
-        a.delete_only = True
-    elif opt == "--dry-run":
-        a.dry = True
+    elif opt in SWITCHES:
+        setattr(a, *SWITCHES[opt])
 
 
 def parse(argv: list[str]) -> pod_state.Args:

@@ -102,6 +102,13 @@ def setup(r: pod_state.Run) -> bool:
     if r.a.dry:
         r.ssh.on("all", command)
         return True
+    out, status = on_all_teed(r, command)
+    return said_ready(r, out, status)
+
+
+def on_all_teed(r: pod_state.Run, command: str) -> tuple[str, int]:
+    """Runs ``command`` on every worker in one ssh, its lines passed through to stderr:
+    what they said, and gcloud's exit status."""
     proc = r.ssh.spawn(
         r.ssh.ssh("all", command),
         stdout=subprocess.PIPE,
@@ -110,7 +117,7 @@ def setup(r: pod_state.Run) -> bool:
         text=True,
     )
     out = pod_workers.tee(proc, sys.stderr)
-    return said_ready(r, out, pod_workers.status(proc))
+    return out, pod_workers.status(proc)
 
 
 def said_ready(r: pod_state.Run, out: str, rc: int) -> bool:
@@ -193,15 +200,8 @@ def start(r: pod_state.Run) -> bool:
     if r.a.dry:
         r.ssh.on("all", command)
         return True
-    proc = r.ssh.spawn(
-        r.ssh.ssh("all", command),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    out = pod_workers.tee(proc, sys.stderr)
-    if pod_workers.status(proc) == 0 or r.slice_lost():
+    out, status = on_all_teed(r, command)
+    if status == 0 or r.slice_lost():
         return True
     r.running = False
     if "the TPU is in use" in out:
