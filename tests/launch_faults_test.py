@@ -7,7 +7,9 @@ of 10 s is 5 ms, 2 h is 3.6 s) or simulated (LAUNCH_CLOCK)."""
 import fcntl
 import os
 import pty
+import re
 import signal
+import socket
 import subprocess
 import sys
 import termios
@@ -333,6 +335,37 @@ def test_delete_stops_the_slices_supervisor_first_which_recreates_nothing(stub, 
     assert f"stopping the supervisor of magic-jax on this machine (pid {first.pid})" in out.stderr
     assert first.wait(timeout=30) == 143, err.read_text()
     assert _verbs(_calls(state)).count("create") == 1 and not (state / "created").exists()
+    assert "recreating" not in err.read_text()
+
+
+def test_delete_from_another_machine_stops_the_supervisor_there_through_its_lease(stub, tmp_path):
+    """--delete --stage from another machine (another checkout, another host name) while
+    the slice's supervisor (--retry 1) runs here: a stop request in its lease, which it
+    acknowledges once it stopped (its lease deleted); then the slice is deleted, once,
+    and nothing recreates it."""
+    env, state, script = stub
+    env = dict(env, STUB_HOLD="100000")
+    lease = state / "gcs/b/magic-jax-launch/supervisors/us-east5-a/magic-jax"
+    first, err = _supervise(script, env, tmp_path, "first", "--retry", "1", "--logs",
+                            str(tmp_path / "l"), "--", "magic-jax", "train", *GS)  # fmt: skip
+    _wait_for(lambda: (state / "streams").exists() and lease.exists(), first, deadline=30)
+    other = tmp_path / "other-machine"
+    subprocess.run(["git", "clone", "-q", str(script.parents[1]), str(other)], check=True)
+    out = _launch(other / "tpu_scripts" / "launch.sh", dict(env, MAGIC_JAX_LAUNCH_HOST="elsewhere"),
+                  "--delete", "--stage", "gs://b/magic-jax-launch")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (
+        f"[launch] asking the supervisor of magic-jax on {socket.gethostname()} pid {first.pid}"
+        " to stop first (its lease in gs://b/magic-jax-launch/supervisors/us-east5-a/magic-jax)"
+    ) in out.stderr
+    assert "on this machine" not in out.stderr and "did not stop" not in out.stderr
+    assert first.wait(timeout=30) == 1, err.read_text()
+    said = _launch_lines(err.read_text())[-1]
+    assert re.fullmatch(r"launch\.sh: magic-jax is being deleted by elsewhere pid [0-9]+ "
+                        r"\(launch\.sh --delete\): this supervisor stops", said), said  # fmt: skip
+    verbs = _verbs(_calls(state))
+    assert verbs.count("create") == 1 and verbs.count("delete") == 1 and verbs[-1] == "delete"
+    assert not (state / "created").exists() and not lease.exists()
     assert "recreating" not in err.read_text()
 
 

@@ -1,8 +1,9 @@
 """jobs/pod_lease.py, the one supervisor of a slice across machines: a lease held by a
 live supervisor elsewhere is refused, one unrenewed for its time (or whose owner is a
 process of this host that is gone) is taken over, a renewal finds a takeover, and only
-its owner drops it; the supervisor's keeper renews it from a thread and tells the
-supervisor of a takeover. Against a local file standing for the stage's object."""
+its owner drops it; a stop request (--delete) is left by renewals and acknowledged by
+its owner; the supervisor's keeper renews it from a thread and tells the supervisor of
+a takeover. Against a local file standing for the stage's object."""
 
 import json
 import os
@@ -76,6 +77,34 @@ def test_the_supervisors_keeper_renews_it_and_tells_of_a_takeover(tmp_path):
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     keeper.drop()
     assert json.loads(Path(uri).read_text())["host"] == "other-machine"  # not dropped: not ours
+
+
+def test_a_stop_request_is_written_seen_by_the_renewal_and_acknowledged(tmp_path, monkeypatch):
+    """launch.sh --delete on another machine writes a stop request into a live lease; the
+    owner's renewal finds it (and leaves it), its keeper reports it once, and its end
+    acknowledges it by deleting the lease. A stale lease, or none, is asked nothing."""
+    uri = str(tmp_path / "lease")
+    assert pod_lease.take(uri, os.getpid(), 60) is None
+    monkeypatch.setenv("MAGIC_JAX_LAUNCH_HOST", "deleting-machine")  # (the test hook)
+    asked, me = pod_lease.ask_stop(uri, 777), os.getpid()
+    assert asked is not None and asked.owner() == f"{socket.gethostname()} pid {me}"
+    d = json.loads(Path(uri).read_text())
+    assert d["stop"] and (d["stop_host"], d["stop_pid"], d["pid"]) == ("deleting-machine", 777, me)
+    monkeypatch.delenv("MAGIC_JAX_LAUNCH_HOST")
+    held = pod_lease.renew(uri, os.getpid(), 60)
+    assert held is not None and held.stop_by == "deleting-machine pid 777"
+    assert json.loads(Path(uri).read_text())["stop"]  # not overwritten by the renewal
+    assert not pod_lease.acknowledge(uri, 4242)  # not its own
+    keeper = pod_lease.Keeper()
+    keeper.keep(uri, os.getpid(), 60, 0)
+    assert keeper.tick().stop_by == "deleting-machine pid 777" and keeper.asked == uri
+    assert keeper.tick() is None and Path(uri).exists()  # reported once; kept until the end
+    keeper.acknowledge()
+    assert not Path(uri).exists() and not keeper.asked
+    assert pod_lease.ask_stop(uri, 777) is None  # none
+    _held(Path(uri), "other-machine", 4242, age_s=61)
+    assert pod_lease.ask_stop(uri, 777) is None  # stale: its owner asked nothing
+    assert "stop" not in json.loads(Path(uri).read_text())
 
 
 class FakeBucket:

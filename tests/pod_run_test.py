@@ -1,13 +1,17 @@
 """jobs/pod_run.py and jobs/launch.py without a slice: Ctrl-C and SIGTERM (the first
-says what becomes of the command, a second exits at once), a lease taken over, SIGHUP
-ignored by every gcloud call, a line to a terminal gone that raises nothing, this
-machine's supervisor entry, and the option checks' one-line refusals."""
+says what becomes of the command, a second exits at once), a lease taken over or asked
+to stop by --delete, SIGHUP ignored by every gcloud call, a line to a terminal gone that
+raises nothing, this machine's supervisor entry, and the option checks' one-line
+refusals."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,6 +72,44 @@ def test_a_lease_taken_over_stops_the_supervisor_leaving_the_slice(tmp_path, cap
     assert capfd.readouterr().err == (
         "launch.sh: the supervision of n was taken over by other-machine pid 7 (this one's lease"
         " went stale): this supervisor stops, leaving the run and the slice to it\n"
+    )
+
+
+def test_a_stop_request_stops_the_supervisor_deleting_nothing(tmp_path, capfd, handlers):
+    r = _run(tmp_path, name="n", delete_on_exit=True)
+    s = pod_run.Supervisor(r)
+    s.traps()
+    r.lease, s.keeper.deleting = "gs://b/s/supervisors/z/n", "other-machine pid 7"
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert e.value.code == 1 and not r.a.delete_on_exit and not r.lease
+    assert capfd.readouterr().err == (
+        "launch.sh: n is being deleted by other-machine pid 7 (launch.sh --delete): this"
+        " supervisor stops\n"
+    )
+
+
+def test_delete_waits_for_an_unanswered_stop_request_then_deletes_anyway(
+    tmp_path, capfd, monkeypatch
+):
+    """A supervisor elsewhere whose lease is live but which never acknowledges (cut off):
+    --delete waits its lease's stale_s and 15 s, polling every second, then says so."""
+    r = _run(tmp_path, name="n", zone="z", stage=str(tmp_path / "stage"))
+    uri = pod_run.lease_uri(r)
+    Path(uri).parent.mkdir(parents=True)
+    d = {"host": "other-machine", "pid": 7, "renewed": time.time(), "stale_s": 5}
+    Path(uri).write_text(json.dumps(d) + "\n")
+    clock = [0.0]
+    fake = SimpleNamespace(
+        monotonic=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s)
+    )
+    monkeypatch.setattr(pod_run, "time", fake)
+    pod_run.stop_elsewhere(r)
+    assert clock[0] == 20 and json.loads(Path(uri).read_text())["stop_pid"] == os.getpid()
+    assert capfd.readouterr().err == (
+        f"[launch] asking the supervisor of n on other-machine pid 7 to stop first (its lease in "
+        f"{uri})\n[launch] the supervisor of n on other-machine pid 7 did not stop within 20s "
+        "(dead or cut off): deleting n anyway\n"
     )
 
 

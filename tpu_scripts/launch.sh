@@ -45,8 +45,10 @@
 #   --logs DIR          where every worker's log is collected [runs/launch/NAME-run-TIME]
 #   --delete-on-exit    delete the slice when the command ends (also on failure or Ctrl-C)
 #   --delete            delete the slice (and its queued resource) and exit; a supervisor
-#                       of it on this machine is stopped first (SIGTERM), so that it does
-#                       not take the deletion for a preemption
+#                       of it is stopped first, so that it does not take the deletion for
+#                       a preemption: on this machine by SIGTERM; on another, with --stage,
+#                       by a stop request in its lease, waited for until it acknowledges
+#                       (its lease's stale time and 15 s at most; then deleted anyway)
 #   --attach NAME       supervise the command an earlier launch left running on NAME (its
 #                       supervisor killed, its machine down) to its end, with that launch's
 #                       --retry unless given; the same command as that launch's attaches

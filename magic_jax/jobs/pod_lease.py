@@ -10,6 +10,14 @@ down), or at once when its owner is a process of this host that is gone; a stale
 is taken over. Writes are conditional (the object's generation on Cloud Storage), so of
 two machines taking it at once one wins and the other reads the winner. Staleness is
 told by the clocks of both machines: they must agree within ``stale_s``.
+
+``launch.sh --delete`` (with a stage) asks a live supervisor elsewhere to stop through
+its lease: a stop request written into it (``"stop": true`` with the deleting process's
+host and pid), which its renewal finds (it stops as if taken over); it acknowledges by
+deleting the object once it stopped acting, and then the slice is deleted.
+
+``$MAGIC_JAX_LAUNCH_HOST`` stands for the host name (a test hook: a launch as if on
+another machine).
 """
 
 from __future__ import annotations
@@ -38,21 +46,30 @@ class Lease:
       pid: the owner's process id (its ``launch.sh``).
       renewed: when it was last written, in seconds since the epoch (the owner's clock).
       stale_s: seconds without renewal after which another may take it.
+      stop_by: who asks its owner to stop (``HOST pid PID`` of a ``launch.sh --delete``),
+        else empty.
     """
 
     host: str
     pid: int
     renewed: float
     stale_s: float
+    stop_by: str = ""
 
     def owner(self) -> str:
         return f"{self.host} pid {self.pid}"
 
     def stale(self, now: float) -> bool:
         """Whether another supervisor may take it over at ``now``."""
-        if self.host == socket.gethostname() and not _alive(self.pid):
+        if self.host == host() and not _alive(self.pid):
             return True
         return now - self.renewed > self.stale_s
+
+
+def host() -> str:
+    """This machine's name in leases: the host name, or ``$MAGIC_JAX_LAUNCH_HOST`` (a test
+    hook standing for another machine)."""
+    return os.environ.get("MAGIC_JAX_LAUNCH_HOST") or socket.gethostname()
 
 
 def _alive(pid: int) -> bool:
@@ -126,13 +143,14 @@ def _parse(text: str | None) -> Lease | None:
         return None
     try:
         d = json.loads(text)
-        return Lease(str(d["host"]), int(d["pid"]), float(d["renewed"]), float(d["stale_s"]))
+        by = f"{d['stop_host']} pid {int(d['stop_pid'])}" if d.get("stop") else ""
+        return Lease(str(d["host"]), int(d["pid"]), float(d["renewed"]), float(d["stale_s"]), by)
     except (ValueError, KeyError, TypeError):
         return None  # (not a lease: taken over)
 
 
 def _text(pid: int, stale_s: float, now: float) -> str:
-    d = {"host": socket.gethostname(), "pid": pid, "renewed": now, "stale_s": stale_s}
+    d = {"host": host(), "pid": pid, "renewed": now, "stale_s": stale_s}
     return json.dumps(d) + "\n"
 
 
@@ -146,7 +164,7 @@ def take(uri: str, pid: int, stale_s: float, now: float | None = None) -> Lease 
         t = time.time() if now is None else now
         text, generation = read_record(uri)
         held = _parse(text)
-        mine = held is not None and held.host == socket.gethostname() and held.pid == pid
+        mine = held is not None and (held.host, held.pid) == (host(), pid)
         if held is not None and not mine and not held.stale(t):
             return held
         if write_record(uri, _text(pid, stale_s, t), generation):
@@ -157,11 +175,12 @@ def take(uri: str, pid: int, stale_s: float, now: float | None = None) -> Lease 
 
 def renew(uri: str, pid: int, stale_s: float, now: float | None = None) -> Lease | None:
     """Renews ``pid``'s lease; None when done, else the lease of the supervisor that took
-    it over (this one then stops supervising)."""
+    it over, or ``pid``'s own with a stop request in it (either way this one then stops
+    supervising; a stop request is never overwritten)."""
     t = time.time() if now is None else now
     text, generation = read_record(uri)
     held = _parse(text)
-    if held is not None and (held.host, held.pid) != (socket.gethostname(), pid):
+    if held is not None and ((held.host, held.pid) != (host(), pid) or held.stop_by):
         return held
     if write_record(uri, _text(pid, stale_s, t), generation):
         return None
@@ -172,7 +191,38 @@ def drop(uri: str, pid: int) -> bool:
     """Deletes ``pid``'s lease (not another's); whether there was one of its own."""
     text, generation = read_record(uri)
     held = _parse(text)
-    if held is None or (held.host, held.pid) != (socket.gethostname(), pid):
+    if held is None or (held.host, held.pid) != (host(), pid):
+        return False
+    drop_record(uri, generation)
+    return True
+
+
+def ask_stop(uri: str, pid: int, now: float | None = None) -> Lease | None:
+    """Asks the live supervisor whose lease is at ``uri`` to stop (``launch.sh --delete``
+    as process ``pid`` of this host): a stop request written into its lease, on its
+    generation.
+
+    Returns:
+      The lease asked; None when no live supervisor holds it (none, a stale one, ``pid``).
+    """
+    for _ in range(5):  # (a write that lost to a renewal reads the renewed lease)
+        t = time.time() if now is None else now
+        text, generation = read_record(uri)
+        held = _parse(text)
+        if text is None or held is None or held.stale(t) or (held.host, held.pid) == (host(), pid):
+            return None
+        d = dict(json.loads(text), stop=True, stop_host=host(), stop_pid=pid)
+        if write_record(uri, json.dumps(d) + "\n", generation):
+            return held
+    raise LeaseError(f"{uri} changed at each of 5 writes of a stop request")
+
+
+def acknowledge(uri: str, pid: int) -> bool:
+    """Deletes ``pid``'s lease that holds a stop request, on that request's generation:
+    the stop acknowledged to ``launch.sh --delete``; whether there was one."""
+    text, generation = read_record(uri)
+    held = _parse(text)
+    if held is None or not held.stop_by or (held.host, held.pid) != (host(), pid):
         return False
     drop_record(uri, generation)
     return True
@@ -184,6 +234,7 @@ class Keeper:
 
     def __init__(self) -> None:
         self.uri, self.pid, self.stale_s, self.every_s, self.due = "", 0, 0.0, 0.0, 0.0
+        self.asked = ""  # the lease a stop request came in, until acknowledged
 
     def keep(self, uri: str, pid: int, stale_s: float, every_s: float) -> None:
         """From now on renews ``pid``'s lease at ``uri``."""
@@ -191,8 +242,9 @@ class Keeper:
         self.due = time.monotonic() + every_s
 
     def tick(self) -> Lease | None:
-        """Renews the lease when due; the lease of a supervisor that took it over, once
-        (then nothing is kept). A renewal that fails is tried at the next tick."""
+        """Renews the lease when due; the lease of a supervisor that took it over, or its
+        own with a stop request (its ``stop_by``), once (then nothing is kept). A renewal
+        that fails is tried at the next tick."""
         if not self.uri or time.monotonic() < self.due:
             return None
         self.due = time.monotonic() + self.every_s
@@ -201,8 +253,17 @@ class Keeper:
         except Exception:  # the bucket briefly away: the lease is not stale yet
             return None
         if other is not None:
+            if other.stop_by and (other.host, other.pid) == (host(), self.pid):
+                self.asked = self.uri
             self.uri = ""
         return other
+
+    def acknowledge(self) -> None:
+        """Acknowledges a stop request (its supervisor stopped acting): the lease deleted."""
+        if self.asked:
+            with contextlib.suppress(Exception):  # (the deleting launch waits, then deletes)
+                acknowledge(self.asked, self.pid)
+            self.asked = ""
 
     def release(self) -> None:
         """Drops the kept lease (its supervisor ended)."""

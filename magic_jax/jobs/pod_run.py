@@ -4,7 +4,9 @@ logs collected, then ``jobs/pod_decide.py``'s ``after_attempt``: rerun, recreate
 stop), its signals (Ctrl-C 130, SIGTERM 143, SIGHUP ignored), the relays of its output
 at a terminal (into ``LOGS/launch.log`` too, outliving the terminal), its entry on this
 machine (``runs/launch/.NAME.supervisor``) and its lease across machines
-(``jobs/pod_lease.py``, renewed from a thread whatever the supervisor does).
+(``jobs/pod_lease.py``, renewed from a thread whatever the supervisor does), and
+``--delete``, which stops the slice's supervisor first (here by SIGTERM, elsewhere through
+its lease).
 """
 
 from __future__ import annotations
@@ -107,12 +109,13 @@ def entry_of(r: pod_state.Run) -> Path:
 class Keeper(pod_lease.Keeper):
     """The lease, renewed from a thread of its own twice a second when due (a wait of
     hours for the slice, a delete waited for, does not hold it up); a takeover told to
-    the supervisor by SIGUSR1, the new owner in ``lost``."""
+    the supervisor by SIGUSR1, the new owner in ``lost``, or a stop request (``launch.sh
+    --delete``), who asks in ``deleting``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
-        self.lost = ""
+        self.lost = self.deleting = ""
 
     def start(self) -> None:
         threading.Thread(target=self.run, daemon=True).start()
@@ -122,13 +125,18 @@ class Keeper(pod_lease.Keeper):
             time.sleep(0.5)
             with self.lock:
                 other = self.tick()
+                asked = bool(self.asked)
             if other is not None:
-                self.lost = other.owner()
+                if asked:
+                    self.deleting = other.stop_by
+                else:
+                    self.lost = other.owner()
                 os.kill(os.getpid(), signal.SIGUSR1)
 
     def drop(self) -> None:
         with self.lock:
             self.release()
+            self.acknowledge()
 
 
 class Supervisor:
@@ -176,8 +184,16 @@ class Supervisor:
         raise SystemExit(code)
 
     def lease_lost(self) -> None:
+        """Taken over, or asked to stop by --delete (which deletes the slice once this
+        supervisor's end acknowledged): it stops, neither recreating nor deleting, exit 1."""
         r = self.r
         r.lease, r.a.delete_on_exit = "", False
+        if self.keeper.deleting:
+            r.note(
+                f"{r.a.name} is being deleted by {self.keeper.deleting} (launch.sh --delete): "
+                "this supervisor stops"
+            )
+            raise SystemExit(1)
         by = self.keeper.lost or "another supervisor"
         r.note(
             f"the supervision of {r.a.name} was taken over by {by} "
@@ -193,15 +209,15 @@ class Supervisor:
 
     def on_exit(self) -> None:
         """The end, however it came: no ssh left behind, the slice deleted with
-        --delete-on-exit, the lease dropped, this supervisor's entry removed."""
+        --delete-on-exit, the lease dropped (or a stop request in it acknowledged), this
+        supervisor's entry removed."""
         r = self.r
         end_stream(r)
         if r.a.delete_on_exit and r.have_slice:
             r.say(f"deleting {r.a.name}")
             with contextlib.suppress(Exception):
                 r.teardown()
-        if r.lease:
-            self.keeper.drop()
+        self.keeper.drop()  # (nothing when there is none)
         e = self.entry
         with contextlib.suppress(OSError):
             if e is not None and e.read_text().partition("\t")[0] == str(os.getpid()):
@@ -361,9 +377,43 @@ def start_client(r: pod_state.Run) -> None:
         raise Stop(1, f"Cloud TPU's API ({api}) did not start: {e.error.say()}") from e
 
 
+def lease_uri(r: pod_state.Run) -> str:
+    return f"{r.stage}/supervisors/{r.a.zone}/{r.a.name}"
+
+
+def stop_elsewhere(r: pod_state.Run) -> None:
+    """--delete with a stage: a live supervisor of the slice elsewhere (its lease) asked
+    to stop, and waited for until it acknowledged (its lease deleted) or had the time to
+    (its lease's stale_s and 15 s: dead or cut off)."""
+    uri = lease_uri(r)
+    try:
+        held = pod_lease.ask_stop(uri, os.getpid())
+    except Exception as e:  # every failure of the bucket is a line said
+        why = pod_stage.unreadable(e, uri).say()
+        r.say(f"no supervisor lease in {uri} ({why}): a supervisor elsewhere is not stopped")
+        return
+    if held is None:
+        return
+    r.say(
+        f"asking the supervisor of {r.a.name} on {held.owner()} to stop first (its lease in {uri})"
+    )
+    wait_s = int(held.stale_s) + 15
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        time.sleep(1)
+        with contextlib.suppress(Exception):  # (the bucket briefly away: read again)
+            if pod_lease.read_record(uri)[0] is None:
+                return
+    r.say(
+        f"the supervisor of {r.a.name} on {held.owner()} did not stop within {wait_s}s "
+        f"(dead or cut off): deleting {r.a.name} anyway"
+    )
+
+
 def delete(r: pod_state.Run) -> int:
-    """--delete: this machine's supervisor of the slice stopped first (SIGTERM), so that it
-    does not take the deletion for a preemption; then the slice deleted."""
+    """--delete: the slice's supervisor stopped first (on this machine by SIGTERM,
+    elsewhere through its lease in the stage), so that it does not take the deletion for
+    a preemption; then the slice deleted."""
     stopped = False
     if not r.a.dry:
         found = supervisor(entry_of(r))
@@ -377,6 +427,8 @@ def delete(r: pod_state.Run) -> int:
                     break
                 time.sleep(0.2)
             stopped = True
+        if r.stage:
+            stop_elsewhere(r)
         start_client(r)
     # (one with --delete-on-exit deleted the slice itself)
     return 0 if r.teardown() or stopped else 1
